@@ -1,0 +1,55 @@
+"""One exception hierarchy for flipsync. Every message says what went wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class FlipsyncError(Exception):
+    """Base class of every error flipsync raises on purpose."""
+
+
+class ConfigError(FlipsyncError):
+    """A setting, argument or file path the user gave cannot be used."""
+
+
+class FormatError(FlipsyncError):
+    """A served-view recipe cannot be applied to this tensor (bad shape, dtype, non-finite values, ...)."""
+
+
+class NonFiniteError(FormatError):
+    """A master tensor holds NaN or inf; served views of non-finite masters are undefined."""
+
+
+class PatchError(FlipsyncError):
+    """A patch cannot be built, decoded or applied."""
+
+
+class CorruptPatchError(PatchError):
+    """A patch file is truncated, corrupted or crafted: it fails to parse or its contents are inconsistent."""
+
+
+class BaseMismatchError(PatchError):
+    """The tensors a patch is applied to are not the patch's base; nothing was changed."""
+
+
+class VerificationError(PatchError):
+    """After applying, the result does not match the target digest; the apply was rolled back."""
+
+
+class BoardError(FlipsyncError):
+    """The bulletin board (object store) cannot be read or written as asked."""
+
+
+class StoreError(BoardError):
+    """The object store failed (unreachable, timed out, refused)."""
+
+
+class NotFoundError(BoardError):
+    """An object, version or run does not exist on the board."""
+
+
+class ConflictError(BoardError):
+    """Another writer got there first (a manifest for this version already exists)."""
+
+
+class IntegrityError(BoardError):
+    """A part, manifest or keyframe does not match its recorded hash or signature."""
