@@ -1,0 +1,314 @@
+"""The ``flipsync`` command line."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from flipsync.checkpoint import Checkpoint, save_checkpoint
+from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.formats import FORMAT_NAMES, served_view
+
+log = logging.getLogger("flipsync")
+app = typer.Typer(
+    name="flipsync",
+    help="Ship small lossless patches of an RL policy's served weights instead of checkpoints.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: every comparison runs side by side in one process.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+class InputKind(StrEnum):
+    auto = "auto"
+    master = "master"
+    served = "served"
+
+
+class PatchMode(StrEnum):
+    step = "step"
+    overwrite = "overwrite"
+
+
+class VerifyMode(StrEnum):
+    fingerprint = "fingerprint"
+    digest = "digest"
+
+
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}")]
+InputOpt = Annotated[
+    InputKind,
+    typer.Option(
+        help="are the checkpoints master weights (quantized first) or served views? auto: masters "
+        "if any tensor named *weight is float32/float64"
+    ),
+]
+
+
+@app.callback()
+def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log progress details")] = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
+    )
+
+
+def _console() -> Console:
+    return Console()
+
+
+def _is_master(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return any(n.endswith("weight") and tensors[n].dtype in (torch.float32, torch.float64) for n in tensors)
+
+
+def _served(path: Path, fmt: str | None, kind: InputKind, *, from_fp32: bool = False) -> dict[str, torch.Tensor]:
+    """Load a checkpoint and return its served view (quantizing masters by ``fmt``)."""
+    ckpt = Checkpoint(path)
+    tensors = {name: ckpt[name] for name in ckpt}
+    master = _is_master(tensors) if kind is InputKind.auto else kind is InputKind.master
+    if not master:
+        return tensors
+    if fmt is None:
+        raise ConfigError(f"{path} holds master weights: say which served format to quantize them to (--format)")
+    log.info("quantizing %s to %s", path, fmt)
+    return served_view(tensors, fmt, from_fp32=from_fp32)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def _view_bytes(view: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in view.values())
+
+
+def _run(fn: Callable[[], None]) -> None:
+    """Turn flipsync errors into one red line and exit code 1."""
+    try:
+        fn()
+    except FlipsyncError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {e}")
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def view(
+    master: Annotated[Path, typer.Argument(help="master checkpoint: a .safetensors file or an HF directory")],
+    fmt: FormatOpt,
+    out: Annotated[Path, typer.Option("--output", "-o", help="a .safetensors file or a directory (sharded)")],
+    from_fp32: Annotated[bool, typer.Option(help="quantize fp32 masters directly, not bf16(master)")] = False,
+) -> None:
+    """Write the served view of a master checkpoint in checkpoint format (payloads and scales)."""
+
+    def go() -> None:
+        served = _served(master, fmt, InputKind.master, from_fp32=from_fp32)
+        save_checkpoint(served, out, metadata={"flipsync_format": fmt})
+        _console().print(f"wrote the {fmt} served view of {master} to {out} ({_size(_view_bytes(served))})")
+
+    _run(go)
+
+
+@app.command()
+def diff(
+    old: Annotated[Path, typer.Argument(help="old checkpoint (masters or served view)")],
+    new: Annotated[Path, typer.Argument(help="new checkpoint (masters or served view)")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="patch file to write")],
+    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format of master inputs")] = None,
+    input_kind: InputOpt = InputKind.auto,
+    mode: Annotated[
+        PatchMode, typer.Option(help="step: smallest; overwrite: raw new values, idempotent")
+    ] = PatchMode.step,
+    base_version: Annotated[int | None, typer.Option(help="version number of OLD")] = None,
+    target_version: Annotated[int | None, typer.Option(help="version number of NEW")] = None,
+) -> None:
+    """Write the lossless patch that turns OLD's served view into NEW's, bit for bit."""
+
+    def go() -> None:
+        a, b = _served(old, fmt, input_kind), _served(new, fmt, input_kind)
+        with Progress(
+            TextColumn("diff"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+            transient=True,
+        ) as progress:
+            task = progress.add_task("diff", total=len(a))
+            patch, _ = diff_views(
+                a,
+                b,
+                mode="raw" if mode is PatchMode.overwrite else "step",
+                base_version=base_version,
+                target_version=target_version,
+                served_format=fmt,
+                progress=lambda _n, _b: progress.advance(task),
+            )
+        data = patch.to_bytes()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(out)
+        n = patch.header.n_changed
+        total = sum(t.numel() for t in b.values())
+        full = _view_bytes(b)
+        _console().print(
+            f"{out}: {n:,} of {total:,} values changed ({100 * n / max(1, total):.3f}%), "
+            f"{_size(len(data))} vs {_size(full)} served ({full / max(1, len(data)):.0f}x smaller), "
+            f"{len(data) / max(1, n):.3f} bytes per changed value"
+        )
+
+    _run(go)
+
+
+@app.command()
+def apply(
+    base: Annotated[Path, typer.Argument(help="the patch's base: its served view, or masters (quantized first)")],
+    patch_path: Annotated[Path, typer.Argument(metavar="PATCH", help="patch file")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="where to write the patched served view")],
+    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format (default: the patch's)")] = None,
+    input_kind: InputOpt = InputKind.auto,
+    verify: Annotated[
+        VerifyMode, typer.Option(help="check fingerprints only, or also content digests")
+    ] = VerifyMode.digest,
+) -> None:
+    """Apply PATCH to BASE and write the result; refuses a wrong base, verifies the target."""
+
+    def go() -> None:
+        patch = Patch.load(patch_path)
+        tensors = _served(base, fmt or patch.header.served_format, input_kind)
+        tensors = {k: v.clone() for k, v in tensors.items()}
+        table = FingerprintTable.of(tensors)
+        result = apply_patch(tensors, patch, table, verify=verify.value)  # type: ignore[arg-type]
+        save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
+        _console().print(
+            f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "
+            f"(verified by {verify.value})"
+        )
+
+    _run(go)
+
+
+@app.command("squash")
+def squash_cmd(
+    patches: Annotated[list[Path], typer.Argument(help="patches v->v+1, ..., v+k-1->v+k, in order")],
+    out: Annotated[Path, typer.Option("--output", "-o", help="patch file to write")],
+) -> None:
+    """Merge a chain of patches into one patch from the first base to the last target."""
+
+    def go() -> None:
+        loaded = [Patch.load(p) for p in patches]
+        merged = squash(loaded)
+        data = merged.to_bytes()
+        out.write_bytes(data)
+        before = sum(len(p.to_bytes()) for p in loaded)
+        _console().print(f"{out}: {len(loaded)} patches, {_size(before)} -> {_size(len(data))}")
+
+    _run(go)
+
+
+@app.command()
+def inspect(
+    patch_path: Annotated[Path, typer.Argument(metavar="PATCH", help="patch file")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the header as JSON")] = False,
+) -> None:
+    """Summarise a patch: tensors, changed fraction, bytes per changed value, codecs."""
+
+    def go() -> None:
+        patch = Patch.load(patch_path)
+        h = patch.header
+        if as_json:
+            typer.echo(json.dumps(json.loads(h.to_json()), indent=2))
+            return
+        t = Table(title=f"{patch_path}: {h.base.version} -> {h.target.version} ({h.served_format or 'served view'})")
+        for col in (
+            "tensor",
+            "dtype",
+            "shape",
+            "changed",
+            "changed %",
+            "bytes",
+            "B/changed",
+            "positions",
+            "values",
+            "mode",
+        ):
+            t.add_column(col, justify="left" if col in ("tensor", "dtype", "positions", "values", "mode") else "right")
+        for s in h.sections:
+            nbytes = patch.section_bytes(s.name)
+            t.add_row(
+                s.name,
+                s.dtype,
+                "x".join(map(str, s.shape)),
+                f"{s.n:,}",
+                f"{100 * s.n / max(1, s.numel):.3f}",
+                f"{nbytes:,}",
+                f"{nbytes / s.n:.3f}",
+                str(s.pos.get("codec")),
+                str(s.val.get("codec")),
+                s.mode,
+            )
+        console = _console()
+        console.print(t)
+        size = patch_path.stat().st_size
+        console.print(
+            f"base view {h.base.view}, target view {h.target.view}; {len(h.sections)} tensors changed, "
+            f"{h.n_changed:,} values, {size:,} bytes ({size / max(1, h.n_changed):.3f} per changed value)"
+        )
+
+    _run(go)
+
+
+@bench_app.command("codec")
+def bench_codec(
+    quick: Annotated[bool, typer.Option(help="a small workload that runs in seconds")] = False,
+    markdown: Annotated[Path | None, typer.Option(help="also write the table as markdown here")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
+) -> None:
+    """Our codec beside XOR+zstd-1, int32+values and int64+values, on the same Adam steps."""
+    from flipsync.bench import codec
+
+    console = Console(width=max(200, Console().width))
+    rows = codec.run(console, quick=quick)
+    if markdown:
+        markdown.write_text(codec.markdown(rows))
+    if json_out:
+        json_out.write_text(json.dumps(codec.rows_as_dicts(rows), indent=2))
+
+
+def _mount_optional() -> None:
+    """Sub-commands of subsystems that may not be installed in a partial checkout."""
+    try:
+        from flipsync.board.cli import board_app, keygen
+    except ImportError:  # pragma: no cover - the board ships with flipsync
+        return
+    app.add_typer(board_app, name="board")
+    app.command("keygen")(keygen)
+
+
+_mount_optional()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Integer views of tensors and the order-preserving key of a bit pattern.
+
+The codec never looks at floating-point values: every tensor is read through an integer view of the same
+width, so +0/-0, NaN payloads and subnormals are all just distinct bit patterns. A changed value is stored
+as the difference of *order keys* (new minus old), which is +/-1 for a value that moved by one ulp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flipsync.errors import PatchError
+
+
+@dataclass(frozen=True)
+class DType:
+    """How the codec sees one element type: its name in safetensors terms, width and key rule."""
+
+    name: str  # safetensors dtype string, also used in patch headers
+    torch_dtype: torch.dtype
+    bits: int  # element width
+    kind: str  # "float" (sign-magnitude), "int" (two's complement) or "uint"
+
+    @property
+    def int_torch(self) -> torch.dtype:
+        """The signed integer torch dtype of the same width (torch has few unsigned ops)."""
+        return {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[self.bits]
+
+    @property
+    def uint_numpy(self) -> np.dtype:
+        return np.dtype(f"<u{self.bits // 8}")
+
+
+_DTYPES = [
+    DType("F64", torch.float64, 64, "float"),
+    DType("F32", torch.float32, 32, "float"),
+    DType("F16", torch.float16, 16, "float"),
+    DType("BF16", torch.bfloat16, 16, "float"),
+    DType("F8_E4M3", torch.float8_e4m3fn, 8, "float"),
+    DType("F8_E5M2", torch.float8_e5m2, 8, "float"),
+    DType("F8_E8M0", torch.float8_e8m0fnu, 8, "uint"),  # unsigned exponent byte: order is the byte value
+    DType("I64", torch.int64, 64, "int"),
+    DType("I32", torch.int32, 32, "int"),
+    DType("I16", torch.int16, 16, "int"),
+    DType("I8", torch.int8, 8, "int"),
+    DType("U8", torch.uint8, 8, "uint"),
+    DType("BOOL", torch.bool, 8, "uint"),
+]
+_BY_NAME = {d.name: d for d in _DTYPES}
+_BY_TORCH = {d.torch_dtype: d for d in _DTYPES}
+
+
+def dtype_of(t: torch.Tensor) -> DType:
+    try:
+        return _BY_TORCH[t.dtype]
+    except KeyError:
+        raise PatchError(f"tensors of dtype {t.dtype} are not supported by the codec") from None
+
+
+def dtype_named(name: str) -> DType:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise PatchError(f"unknown element dtype {name!r}; expected one of {sorted(_BY_NAME)}") from None
+
+
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of the tensor's bytes (zero-copy; the tensor must be contiguous)."""
+    if not t.is_contiguous():
+        raise PatchError("the codec needs contiguous tensors; call .contiguous() first")
+    d = dtype_of(t)
+    flat = t.reshape(-1)
+    if d.torch_dtype is torch.bool:
+        return flat.view(torch.uint8)
+    return flat.view(d.int_torch)
+
+
+def bits_numpy(t: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as unsigned integers of the same width, as a numpy array (CPU tensors: zero-copy)."""
+    d = dtype_of(t)
+    return int_view(t).cpu().numpy().view(d.uint_numpy)
+
+
+def to_key(bits: np.ndarray, d: DType) -> np.ndarray:
+    """Map bit patterns (unsigned, width d.bits) to int64 keys whose order is the numeric order.
+
+    Sign-magnitude floats: negative patterns reverse, so -0 and +0 are neighbours and one ulp is one step.
+    For 64-bit elements the key is kept modulo 2**64 (steps still add and subtract exactly).
+    """
+    u = bits.astype(np.uint64)
+    half = np.uint64(1) << np.uint64(d.bits - 1)
+    if d.kind == "float":
+        top = np.uint64((1 << d.bits) - 1) if d.bits < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+        key = np.where(u & half, top - u, u + half)
+    elif d.kind == "int":
+        key = u ^ half
+    else:
+        key = u
+    return key.view(np.int64)
+
+
+def from_key(key: np.ndarray, d: DType) -> np.ndarray:
+    """Inverse of :func:`to_key`; returns unsigned bit patterns of width d.bits."""
+    k = key.view(np.uint64) if key.dtype == np.int64 else key.astype(np.uint64)
+    half = np.uint64(1) << np.uint64(d.bits - 1)
+    if d.kind == "float":
+        top = np.uint64((1 << d.bits) - 1) if d.bits < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+        u = np.where(k & half, k - half, top - k)
+    elif d.kind == "int":
+        u = k ^ half
+    else:
+        u = k
+    return u.astype(d.uint_numpy)
+
+
+def zigzag(v: np.ndarray) -> np.ndarray:
+    """Signed int64 -> unsigned: 0, -1, 1, -2, ... -> 0, 1, 2, 3, ..."""
+    v = v.astype(np.int64, copy=False)
+    return ((v << np.int64(1)) ^ (v >> np.int64(63))).view(np.uint64)
+
+
+def unzigzag(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.uint64, copy=False)
+    return ((z >> np.uint64(1)).view(np.int64)) ^ (-(z & np.uint64(1)).view(np.int64))

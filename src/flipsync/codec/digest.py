@@ -1,0 +1,137 @@
+"""Proof that a replica holds exactly the target bytes.
+
+Two digests per tensor:
+- the *content digest*: xxh3-128 of the tensor's bytes, hashed in fixed 64 MiB chunks on all cores and
+  combined (a chunk tree), so it runs near memory speed; O(size).
+- the *fingerprint*: the sum mod 2**64 of a 64-bit hash of (position, bit pattern) over all elements.
+  Changing element i from a to b changes it by h(i, b) - h(i, a), so a replica updates it in O(changed)
+  while applying a patch and can prove it holds the target without rehashing the model.
+
+A *view fingerprint* names a whole served view: a hash of every tensor's name, dtype, shape and fingerprint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+import xxhash
+
+from flipsync.codec.bits import bits_numpy, dtype_of
+
+DIGEST_CHUNK = 64 << 20
+_FP_CHUNK = 1 << 24  # elements per fingerprint task
+
+
+@numba.njit(inline="always")
+def _fmix64(x: np.uint64) -> np.uint64:
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xFF51AFD7ED558CCD)
+    x ^= x >> np.uint64(33)
+    x *= np.uint64(0xC4CEB9FE1A85EC53)
+    x ^= x >> np.uint64(33)
+    return x
+
+
+@numba.njit(nogil=True, cache=True)
+def _fingerprint_dense(bits: np.ndarray, start: int) -> np.uint64:
+    acc = np.uint64(0)
+    for j in range(bits.shape[0]):
+        acc += _fmix64(_fmix64(np.uint64(start + j) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(bits[j]))
+    return acc
+
+
+@numba.njit(nogil=True, cache=True)
+def _fingerprint_sparse(positions: np.ndarray, bits: np.ndarray) -> np.uint64:
+    acc = np.uint64(0)
+    for j in range(positions.shape[0]):
+        acc += _fmix64(_fmix64(np.uint64(positions[j]) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(bits[j]))
+    return acc
+
+
+def fingerprint_of(positions: np.ndarray, bits: np.ndarray) -> int:
+    """The fingerprint contribution of the given elements (positions int64, bits unsigned)."""
+    return int(_fingerprint_sparse(positions.astype(np.int64, copy=False), bits.astype(np.uint64)))
+
+
+def fp_hex(fp: int) -> str:
+    return f"{fp & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _chunks(n: int, step: int) -> Iterator[tuple[int, int]]:
+    for s in range(0, n, step):
+        yield s, min(n, s + step)
+
+
+class Hasher:
+    """Computes fingerprints and content digests of tensors on a shared thread pool."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._pool = ThreadPoolExecutor(max(1, threads or os.cpu_count() or 1), thread_name_prefix="flipsync-hash")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fingerprint(self, t: torch.Tensor) -> int:
+        bits = bits_numpy(t.detach().contiguous())
+        parts = self._pool.map(
+            lambda se: int(_fingerprint_dense(bits[se[0] : se[1]], se[0])), _chunks(bits.size, _FP_CHUNK)
+        )
+        return sum(parts) & 0xFFFFFFFFFFFFFFFF
+
+    def digest(self, t: torch.Tensor) -> str:
+        """xxh3-128 of the bytes; tensors over one chunk hash the concatenated chunk digests."""
+        raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
+        if raw.size <= DIGEST_CHUNK:
+            return xxhash.xxh3_128_hexdigest(raw)
+        parts = self._pool.map(lambda se: xxhash.xxh3_128_digest(raw[se[0] : se[1]]), _chunks(raw.size, DIGEST_CHUNK))
+        return xxhash.xxh3_128_hexdigest(b"".join(parts))
+
+
+@dataclass(frozen=True)
+class TensorId:
+    """What a replica needs to know of one tensor to check a patch's base: layout and fingerprint."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    fp: int
+
+    def line(self, name: str) -> str:
+        return f"{name}\t{self.dtype}\t{','.join(map(str, self.shape))}\t{fp_hex(self.fp)}\n"
+
+
+class FingerprintTable(dict[str, TensorId]):
+    """Fingerprints of every tensor of a view; updated in O(changed) as patches are applied."""
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor], hasher: Hasher | None = None) -> FingerprintTable:
+        own = hasher is None
+        h = hasher or Hasher()
+        try:
+            return cls(
+                {name: TensorId(dtype_of(t).name, tuple(t.shape), h.fingerprint(t)) for name, t in tensors.items()}
+            )
+        finally:
+            if own:
+                h.close()
+
+    def view_fp(self) -> str:
+        """The view fingerprint: xxh3-128 over the sorted (name, dtype, shape, fingerprint) lines."""
+        h = xxhash.xxh3_128()
+        for name in sorted(self):
+            h.update(self[name].line(name).encode())
+        return h.hexdigest()
+
+    def copy(self) -> FingerprintTable:
+        return FingerprintTable(self)

@@ -1,0 +1,296 @@
+"""Patch files: decoded tensor changes and their safetensors container.
+
+A patch file is a plain safetensors file. Its ``__metadata__["flipsync"]`` holds the JSON
+:class:`~flipsync.domain.patch.PatchHeader`; each changed tensor is one uint8 tensor of the same name
+holding its coded streams back to back (positions, values, and kind flags in mixed mode; their lengths are
+in the header). Any safetensors reader lists a patch's changed tensors, and a store can range-read one
+section without the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+
+from flipsync.codec import streams
+from flipsync.codec.bits import DType, dtype_named, from_key, to_key, unzigzag, zigzag
+from flipsync.codec.digest import fp_hex
+from flipsync.domain.patch import PatchHeader, SectionHeader, ViewRef
+from flipsync.errors import CorruptPatchError, PatchError
+
+MAX_HEADER_BYTES = 64 << 20
+
+
+@dataclass
+class TensorChange:
+    """The changed elements of one tensor, decoded.
+
+    ``values`` are int64 order keys: a step (new key minus old key) where ``raw`` is False, the new key
+    where ``raw`` is True. ``raw`` is None when no value is raw.
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    positions: np.ndarray
+    values: np.ndarray
+    raw: np.ndarray | None
+    base_fp: int
+    target_fp: int
+    target_digest: str | None = None
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.size)
+
+    @property
+    def mode(self) -> str:
+        if self.raw is None or not self.raw.any():
+            return "step"
+        return "raw" if self.raw.all() else "mixed"
+
+    def new_keys(self, old_keys: np.ndarray) -> np.ndarray:
+        if self.raw is None:
+            return old_keys + self.values
+        return np.where(self.raw, self.values, old_keys + self.values)
+
+
+def _symbols(change: TensorChange) -> np.ndarray:
+    """Steps zigzag to small unsigned numbers; raw values are stored as their bit patterns."""
+    if change.raw is None:
+        return zigzag(change.values)
+    raw_bits = from_key(change.values, change.dtype).astype(np.uint64)
+    return np.where(change.raw, raw_bits, zigzag(change.values))
+
+
+STREAMS = ("pos", "val", "tag")
+
+
+def encode_change(change: TensorChange) -> tuple[SectionHeader, bytes]:
+    """One section header and its streams, concatenated; each stream's params record its length."""
+    pos_params, pos_blob = streams.encode_positions(change.positions)
+    val_params, val_blob = streams.encode_symbols(_symbols(change))
+    pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
+    blob = pos_blob + val_blob
+    mode = change.mode
+    tag_params = None
+    if mode == "mixed":
+        assert change.raw is not None
+        tag_params, tag_blob = streams.encode_symbols(change.raw.astype(np.uint64))
+        tag_params["bytes"] = len(tag_blob)
+        blob += tag_blob
+    header = SectionHeader(
+        name=change.name,
+        dtype=change.dtype.name,
+        shape=change.shape,
+        n=change.n,
+        mode=mode,  # type: ignore[arg-type]
+        pos=pos_params,
+        val=val_params,
+        base_fp=fp_hex(change.base_fp),
+        target_fp=fp_hex(change.target_fp),
+        target_digest=change.target_digest,
+        tag=tag_params,
+    )
+    return header, blob
+
+
+def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str, bytes]:
+    """Cut a section's blob into its streams, checking the lengths the header gives."""
+    params = {"pos": section.pos, "val": section.val, "tag": section.tag}
+    out, offset = {}, 0
+    for key in STREAMS:
+        if params[key] is None:
+            continue
+        size = params[key].get("bytes")  # type: ignore[union-attr]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(blob):
+            raise CorruptPatchError(f"section {section.name!r}: stream {key} runs past the section's bytes")
+        out[key] = bytes(blob[offset : offset + size])
+        offset += size
+    if offset != len(blob):
+        raise CorruptPatchError(f"section {section.name!r} holds {len(blob) - offset} unexplained bytes")
+    return out
+
+
+def decode_change(section: SectionHeader, blob: bytes | memoryview) -> TensorChange:
+    """Decode one section; every failure is a :class:`CorruptPatchError`."""
+    try:
+        d = dtype_named(section.dtype)
+    except PatchError as e:
+        raise CorruptPatchError(str(e)) from None
+    blobs = split_streams(section, blob)
+    n, numel = section.n, section.numel
+    positions = streams.decode_positions(section.pos, bytes(blobs["pos"]), n, numel)
+    symbols = streams.decode_symbols(section.val, bytes(blobs["val"]), n)
+    raw: np.ndarray | None = None
+    if section.mode == "raw":
+        raw = np.ones(n, dtype=bool)
+    elif section.mode == "mixed":
+        if section.tag is None:
+            raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
+        tags = streams.decode_symbols(section.tag, bytes(blobs["tag"]), n)
+        if tags.size and int(tags.max()) > 1:
+            raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
+        raw = tags.astype(bool)
+    values = unzigzag(symbols)
+    if raw is not None:
+        if d.bits < 64 and raw.any() and int(symbols[raw].max()) >> d.bits:
+            raise CorruptPatchError(f"section {section.name!r} has raw values wider than {d.name}")
+        values = np.where(raw, to_key(symbols.astype(d.uint_numpy), d), values)
+    return TensorChange(
+        name=section.name,
+        dtype=d,
+        shape=section.shape,
+        positions=positions,
+        values=values,
+        raw=raw,
+        base_fp=int(section.base_fp, 16),
+        target_fp=int(section.target_fp, 16),
+        target_digest=section.target_digest,
+    )
+
+
+class PatchBuilder:
+    """Encodes changes as they come, so only the coded bytes are kept, never every decoded change."""
+
+    def __init__(self) -> None:
+        self._sections: list[SectionHeader] = []
+        self._blobs: dict[str, bytes] = {}
+
+    def add(self, change: TensorChange) -> None:
+        if not change.n:
+            return
+        if change.name in self._blobs or change.name == "__metadata__":
+            raise PatchError(f"tensor name {change.name!r} is used twice or reserved")
+        section, self._blobs[change.name] = encode_change(change)
+        self._sections.append(section)
+
+    def build(
+        self,
+        *,
+        base: ViewRef,
+        target: ViewRef,
+        served_format: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> Patch:
+        header = PatchHeader(base, target, tuple(self._sections), served_format, dict(meta or {}))
+        return Patch(header, self._blobs)
+
+
+class Patch:
+    """A patch: its header plus the coded section streams, decoded on demand."""
+
+    def __init__(self, header: PatchHeader, blobs: Mapping[str, bytes | memoryview]) -> None:
+        self.header = header
+        self._blobs = blobs
+        self._sections = {s.name: s for s in header.sections}
+
+    # -------------------------------------------------------------------------------- construction
+    @classmethod
+    def from_changes(
+        cls,
+        changes: Iterable[TensorChange],
+        *,
+        base: ViewRef,
+        target: ViewRef,
+        served_format: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> Patch:
+        builder = PatchBuilder()
+        for change in changes:
+            builder.add(change)
+        return builder.build(base=base, target=target, served_format=served_format, meta=meta)
+
+    # ------------------------------------------------------------------------------------- access
+    @property
+    def sections(self) -> tuple[SectionHeader, ...]:
+        return self.header.sections
+
+    def __len__(self) -> int:
+        return len(self.header.sections)
+
+    def section_bytes(self, name: str) -> int:
+        return len(self._blobs.get(name, b""))
+
+    def change(self, name: str) -> TensorChange:
+        section = self._sections[name]
+        if name not in self._blobs:
+            raise CorruptPatchError(f"patch lacks the coded streams of tensor {name!r}")
+        return decode_change(section, self._blobs[name])
+
+    def changes(self) -> Iterator[TensorChange]:
+        for section in self.header.sections:
+            yield self.change(section.name)
+
+    def with_refs(self, *, base: ViewRef | None = None, target: ViewRef | None = None) -> Patch:
+        """The same patch with its ends renamed (e.g. stamped with board version numbers)."""
+        header = replace(self.header, base=base or self.header.base, target=target or self.header.target)
+        return Patch(header, self._blobs)
+
+    # ---------------------------------------------------------------------------------- container
+    def to_bytes(self) -> bytes:
+        arrays = {k: np.frombuffer(bytes(v), dtype=np.uint8) for k, v in self._blobs.items()}
+        return safetensors.numpy.save(arrays, metadata={"flipsync": self.header.to_json()})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_bytes(self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, data: bytes | memoryview) -> Patch:
+        meta, blobs = _parse_safetensors(memoryview(data), require_meta="flipsync")
+        header = PatchHeader.from_json(meta["flipsync"])
+        return cls(header, blobs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Patch:
+        try:
+            data = Path(path).read_bytes()
+        except OSError as e:
+            raise PatchError(f"cannot read patch {path}: {e.strerror}") from None
+        return cls.from_bytes(data)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(v) for v in self._blobs.values())
+
+
+def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, str], dict[str, memoryview]]:
+    """Read a safetensors container of uint8 tensors, checking every length and offset."""
+    if len(buf) < 8:
+        raise CorruptPatchError("patch is truncated: shorter than a safetensors header")
+    (hlen,) = struct.unpack_from("<Q", buf)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(buf):
+        raise CorruptPatchError(f"patch is truncated or corrupt: header length {hlen} exceeds the file")
+    try:
+        doc = json.loads(bytes(buf[8 : 8 + hlen]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptPatchError(f"patch container header is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise CorruptPatchError("patch container header is not a JSON object")
+    meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptPatchError("patch container metadata must map names to strings")
+    if require_meta not in meta:
+        raise CorruptPatchError(f"this safetensors file is not a flipsync patch (no {require_meta!r} metadata)")
+    data = buf[8 + hlen :]
+    blobs: dict[str, memoryview] = {}
+    for name, entry in doc.items():
+        if not isinstance(entry, dict) or entry.get("dtype") != "U8":
+            raise CorruptPatchError(f"patch stream {name!r} is not a uint8 tensor")
+        offsets, shape = entry.get("data_offsets"), entry.get("shape")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= len(data)
+            or shape != [offsets[1] - offsets[0]]
+        ):
+            raise CorruptPatchError(f"patch stream {name!r} has offsets outside the file (truncated?)")
+        blobs[name] = data[offsets[0] : offsets[1]]
+    return meta, blobs

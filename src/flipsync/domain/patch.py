@@ -1,0 +1,195 @@
+"""The vocabulary of a patch: what a patch says about itself, independent of how its bytes are stored.
+
+A patch moves a *served view* (a named set of tensors) from a base to a target. Both ends are named by a
+version number (when the patch came from a board) and by a view fingerprint that any holder of the tensors
+can compute. Each changed tensor is one section: which elements changed and by how much.
+
+Pure: no I/O, no torch. ``from_json`` validates every field, since patch headers arrive over the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from flipsync.errors import CorruptPatchError
+
+PATCH_FORMAT = 1
+MAX_SECTIONS = 1 << 20
+MAX_DIMS = 8
+MAX_NAME = 1024
+ValueMode = Literal["step", "raw", "mixed"]
+VALUE_MODES: tuple[str, ...] = ("step", "raw", "mixed")
+DTYPE_NAMES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "F8_E8M0", "I64", "I32", "I16", "I8", "U8", "BOOL")
+
+
+@dataclass(frozen=True)
+class ViewRef:
+    """One end of a patch: the board version (if any) and the view fingerprint (hex)."""
+
+    view: str
+    version: int | None = None
+
+
+@dataclass(frozen=True)
+class SectionHeader:
+    """One changed tensor.
+
+    ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
+    new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
+    ``base_fp``/``target_fp`` are the additive fingerprints before and after; ``target_digest`` the content
+    digest of the whole tensor after the patch.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    n: int
+    mode: ValueMode
+    pos: dict[str, Any]
+    val: dict[str, Any]
+    base_fp: str
+    target_fp: str
+    target_digest: str | None = None
+    tag: dict[str, Any] | None = None  # mixed mode: codec of the per-value kind flags (0 step, 1 raw)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class PatchHeader:
+    base: ViewRef
+    target: ViewRef
+    sections: tuple[SectionHeader, ...]
+    served_format: str | None = None
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_changed(self) -> int:
+        return sum(s.n for s in self.sections)
+
+    @property
+    def idempotent(self) -> bool:
+        """True when every value is a raw overwrite, so applying twice is harmless."""
+        return all(s.mode == "raw" for s in self.sections)
+
+    def to_json(self) -> str:
+        doc = {"flipsync_patch": PATCH_FORMAT, **asdict(self)}
+        doc["sections"] = [{k: v for k, v in s.items() if v is not None} for s in doc["sections"]]
+        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> PatchHeader:
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+            raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
+        return _parse_header(doc)
+
+
+# ----------------------------------------------------------------------------------------- validation
+def _fail(what: str) -> CorruptPatchError:
+    return CorruptPatchError(f"patch header: {what}")
+
+
+def _obj(v: Any, what: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _fail(f"{what} must be an object")
+    return v
+
+
+def _str(v: Any, what: str, *, optional: bool = False, limit: int = MAX_NAME) -> Any:
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or len(v) > limit:
+        raise _fail(f"{what} must be a string of at most {limit} characters")
+    return v
+
+
+def _int(v: Any, what: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool = False) -> Any:
+    if v is None and optional:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise _fail(f"{what} must be an integer in [{lo}, {hi}]")
+    return v
+
+
+def _hex(v: Any, what: str, *, optional: bool = False) -> Any:
+    s = _str(v, what, optional=optional, limit=128)
+    if s is not None and (not s or any(c not in "0123456789abcdef" for c in s)):
+        raise _fail(f"{what} must be lowercase hex")
+    return s
+
+
+def _codec_params(v: Any, what: str) -> dict[str, Any]:
+    d = _obj(v, what)
+    if len(d) > 16 or not all(isinstance(k, str) and isinstance(x, str | int) for k, x in d.items()):
+        raise _fail(f"{what} must map names to strings or integers")
+    return d
+
+
+def _view(v: Any, what: str) -> ViewRef:
+    d = _obj(v, what)
+    return ViewRef(
+        view=_hex(d.get("view"), f"{what}.view"), version=_int(d.get("version"), f"{what}.version", optional=True)
+    )
+
+
+def _section(v: Any, i: int) -> SectionHeader:
+    d = _obj(v, f"section {i}")
+    what = f"section {i}"
+    shape_v = d.get("shape")
+    if not isinstance(shape_v, list) or len(shape_v) > MAX_DIMS:
+        raise _fail(f"{what}.shape must be a list of at most {MAX_DIMS} sizes")
+    shape = tuple(_int(x, f"{what}.shape") for x in shape_v)
+    numel = math.prod(shape)
+    if numel > 1 << 48:
+        raise _fail(f"{what} declares {numel} elements, more than any tensor flipsync handles")
+    dtype = d.get("dtype")
+    if dtype not in DTYPE_NAMES:
+        raise _fail(f"{what}.dtype {dtype!r} is not one of {DTYPE_NAMES}")
+    mode = d.get("mode")
+    if mode not in VALUE_MODES:
+        raise _fail(f"{what}.mode {mode!r} is not one of {VALUE_MODES}")
+    if (mode == "mixed") != (d.get("tag") is not None):
+        raise _fail(f"{what} must carry kind flags (tag) exactly when its mode is mixed")
+    return SectionHeader(
+        name=_str(d.get("name"), f"{what}.name"),
+        dtype=dtype,
+        shape=shape,
+        n=_int(d.get("n"), f"{what}.n", lo=1, hi=max(1, numel)),
+        mode=mode,
+        pos=_codec_params(d.get("pos"), f"{what}.pos"),
+        val=_codec_params(d.get("val"), f"{what}.val"),
+        base_fp=_hex(d.get("base_fp"), f"{what}.base_fp"),
+        target_fp=_hex(d.get("target_fp"), f"{what}.target_fp"),
+        target_digest=_hex(d.get("target_digest"), f"{what}.target_digest", optional=True),
+        tag=_codec_params(d["tag"], f"{what}.tag") if d.get("tag") is not None else None,
+    )
+
+
+def _parse_header(doc: Any) -> PatchHeader:
+    d = _obj(doc, "the header")
+    if d.get("flipsync_patch") != PATCH_FORMAT:
+        raise _fail(f"unsupported patch format {d.get('flipsync_patch')!r} (this flipsync reads {PATCH_FORMAT})")
+    sections_v = d.get("sections")
+    if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
+        raise _fail("sections must be a list")
+    sections = tuple(_section(s, i) for i, s in enumerate(sections_v))
+    names = [s.name for s in sections]
+    if len(set(names)) != len(names):
+        raise _fail("a tensor appears in more than one section")
+    meta = _obj(d.get("meta", {}), "meta")
+    if not all(isinstance(k, str) and isinstance(x, str) for k, x in meta.items()):
+        raise _fail("meta must map strings to strings")
+    return PatchHeader(
+        base=_view(d.get("base"), "base"),
+        target=_view(d.get("target"), "target"),
+        sections=sections,
+        served_format=_str(d.get("served_format"), "served_format", optional=True),
+        meta=meta,
+    )

@@ -1,0 +1,120 @@
+"""Position and value coders: exact round trips, near-entropy sizes, and clean errors on bad bytes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flipsync.codec import streams
+from flipsync.errors import CorruptPatchError
+
+
+@st.composite
+def position_sets(draw: st.DrawFn) -> tuple[np.ndarray, int]:
+    numel = draw(st.integers(1, 1 << 40))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    n = draw(st.integers(0, min(numel, 3000)))
+    kind = draw(st.sampled_from(["uniform", "runs", "edges"]))
+    if kind == "uniform":
+        pos = np.unique(rng.integers(0, numel, size=n))
+    elif kind == "runs":
+        start = int(rng.integers(0, numel))
+        pos = np.arange(start, min(numel, start + n))
+    else:
+        pos = np.unique(np.array([0, numel - 1, numel // 2][: max(1, n % 4)], dtype=np.int64))
+    return pos.astype(np.int64), numel
+
+
+@given(position_sets())
+def test_positions_round_trip(case: tuple[np.ndarray, int]) -> None:
+    pos, numel = case
+    params, blob = streams.encode_positions(pos)
+    out = streams.decode_positions(params, blob, pos.size, numel)
+    assert out.dtype == np.int64 and np.array_equal(out, pos)
+
+
+@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=500), st.sampled_from(["zstd", "rans", "bits", "best"]))
+def test_symbols_round_trip(values: list[int], coder: str) -> None:
+    sym = np.array(values, dtype=np.uint64)
+    if coder == "best":
+        params, blob = streams.encode_symbols(sym)
+    elif coder == "rans":
+        if not sym.size:
+            return
+        params, blob = streams.rans_encode(sym)
+        params["codec"] = "rans"
+    elif coder == "bits":
+        params, blob = streams.fixed_encode(sym)
+        params["codec"] = "bits"
+    else:
+        params, blob = streams._shuffled_zstd(sym)
+        params["codec"] = "zstd"
+    assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)
+
+
+def _log2_binom(u: int, n: int) -> float:
+    return (math.lgamma(u + 1) - math.lgamma(n + 1) - math.lgamma(u - n + 1)) / math.log(2)
+
+
+@pytest.mark.parametrize("density", [0.0005, 0.003, 0.01, 0.05, 0.13])
+def test_scattered_positions_cost_within_2_percent_of_entropy(density: float) -> None:
+    rng = np.random.default_rng(1)
+    numel = 4_000_000
+    pos = np.flatnonzero(rng.random(numel) < density)
+    _, blob = streams.encode_positions(pos)
+    assert len(blob) * 8 <= 1.02 * _log2_binom(numel, pos.size)
+
+
+def test_clustered_positions_are_cheap() -> None:
+    pos = np.arange(1000, 101_000, dtype=np.int64)  # one run of 100k changes
+    _, blob = streams.encode_positions(pos)
+    assert len(blob) < pos.size / 8 + 64  # about one bit per position or less
+
+
+def test_value_steps_reach_empirical_entropy() -> None:
+    rng = np.random.default_rng(2)
+    steps = rng.choice([1, 2, 3, 4, 5, 6, 40_000], size=200_000, p=[0.45, 0.45, 0.04, 0.03, 0.015, 0.0149, 0.0001])
+    params, blob = streams.encode_symbols(steps.astype(np.uint64))
+    _, counts = np.unique(steps, return_counts=True)
+    p = counts / counts.sum()
+    entropy_bytes = float(-(counts * np.log2(p)).sum()) / 8
+    assert params["codec"] == "rans"
+    assert len(blob) <= 1.01 * entropy_bytes + 64
+
+
+@pytest.mark.parametrize("cut", [0, 1, 5, -1])
+def test_truncated_streams_raise(cut: int) -> None:
+    rng = np.random.default_rng(3)
+    pos = np.unique(rng.integers(0, 1 << 20, size=5000))
+    params, blob = streams.encode_positions(pos)
+    bad = blob[:cut]
+    with pytest.raises(CorruptPatchError):
+        streams.decode_positions(params, bad, pos.size, 1 << 20)
+    sym = rng.integers(0, 9, size=5000).astype(np.uint64)
+    vparams, vblob = streams.encode_symbols(sym)
+    with pytest.raises(CorruptPatchError):
+        streams.decode_symbols(vparams, vblob[: max(0, cut if cut >= 0 else len(vblob) - 9)], sym.size)
+
+
+@given(st.binary(max_size=300), st.integers(0, 5000), st.sampled_from(["rice", "zstd"]), st.integers(0, 70))
+def test_garbage_positions_never_crash(blob: bytes, n: int, codec: str, k: int) -> None:
+    params = {"codec": codec, "k": k, "width": [1, 2, 4, 8][k % 4]}
+    try:
+        out = streams.decode_positions(params, blob, n, 1 << 20)
+    except CorruptPatchError:
+        return
+    assert out.size == n and (n == 0 or (out[-1] < 1 << 20 and np.all(np.diff(out) > 0)))
+
+
+@given(st.binary(max_size=300), st.integers(0, 3000), st.sampled_from(["rans", "zstd", "bits"]), st.integers(0, 300))
+def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) -> None:
+    params = {"codec": codec, "alphabet": a, "escapes": a % 7, "esc_width": 1, "bits": a % 70, "width": 2}
+    try:
+        out = streams.decode_symbols(params, blob, n)
+    except CorruptPatchError:
+        return
+    assert out.size == n
