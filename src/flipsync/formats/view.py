@@ -1,0 +1,177 @@
+"""`served_view`: a whole state dict of masters -> the checkpoint-format tensors an engine holds."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from flipsync.errors import ConfigError, FormatError
+from flipsync.formats.base import ServedFormat, cast_checked, check_master, tensor_amax
+from flipsync.formats.registry import get_format
+
+KeepFn = Callable[[str, torch.Tensor], bool]
+FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
+
+# Fused shards an engine loads into one parameter (qkv_proj, gate_up_proj / w13), in engine order.
+_FUSED_PATTERNS: tuple[tuple[str, re.Pattern[str], tuple[str, ...]], ...] = (
+    (
+        "qkv",
+        re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>q_proj|k_proj|v_proj)\.weight$"),
+        ("q_proj", "k_proj", "v_proj"),
+    ),
+    (
+        "gate_up",
+        re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>gate_proj|up_proj)\.weight$"),
+        ("gate_proj", "up_proj"),
+    ),
+    ("w13", re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>w1|w3)\.weight$"), ("w1", "w3")),
+)
+_ROLES = {kind: roles for kind, _pattern, roles in _FUSED_PATTERNS}
+
+
+def fused_groups_auto(names: Iterable[str]) -> list[list[str]]:
+    """Fused groups found from Hugging Face parameter names.
+
+    ``<p>.q_proj.weight``/``<p>.k_proj.weight``/``<p>.v_proj.weight`` of one prefix form a group, as
+    do ``<p>.gate_proj.weight``/``<p>.up_proj.weight`` and ``<p>.w1.weight``/``<p>.w3.weight`` (this
+    covers MoE experts, ``...experts.<i>.gate_proj``). Groups keep engine order (q, k, v; gate, up),
+    appear in order of their first member, and have at least two members.
+    """
+    found: dict[tuple[str, str], dict[str, str]] = {}
+    for name in names:
+        for kind, pattern, _roles in _FUSED_PATTERNS:
+            match = pattern.match(name)
+            if match:
+                found.setdefault((kind, match["prefix"]), {})[match["role"]] = name
+                break
+    return [
+        [members[role] for role in _ROLES[kind] if role in members]
+        for (kind, _prefix), members in found.items()
+        if len(members) >= 2
+    ]
+
+
+def _resolve_groups(
+    fused_groups: FusedGroups, masters: Mapping[str, torch.Tensor], selected: set[str]
+) -> list[list[str]]:
+    """Validate `fused_groups` and return the groups restricted to the tensors being quantized."""
+    if fused_groups is None:
+        return []
+    if isinstance(fused_groups, str):
+        if fused_groups != "auto":
+            raise ConfigError(
+                f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}"
+            )
+        groups = fused_groups_auto(masters)
+    else:
+        groups = []
+        seen: set[str] = set()
+        for group in fused_groups:
+            if isinstance(group, str):
+                raise ConfigError(
+                    f"fused_groups must be a list of name lists, but got the bare name {group!r}; "
+                    "wrap each group in a list"
+                )
+            for member in group:
+                if member not in masters:
+                    raise ConfigError(f"fused group member {member!r} is not a master tensor name")
+                if member in seen:
+                    raise ConfigError(f"tensor {member!r} appears in more than one fused group")
+                seen.add(member)
+            groups.append(list(group))
+    return [kept for group in groups if len(kept := [m for m in group if m in selected]) >= 2]
+
+
+def served_view(
+    masters: Mapping[str, torch.Tensor],
+    fmt: str | ServedFormat,
+    *,
+    from_fp32: bool = False,
+    fused_groups: FusedGroups = "auto",
+    keep: KeepFn | None = None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint-format tensors an engine holds for `masters` under format `fmt`.
+
+    Quantized formats quantize floating non-empty 2-D tensors named ``*weight`` without ``embed``,
+    ``lm_head`` or ``norm`` in the name, unless ``keep(name, tensor)`` returns True; their input is
+    ``bf16(master)`` (or the fp32 master with ``from_fp32=True``). Other floating tensors are served
+    as bf16 (fp16 under the fp16 format); non-floating tensors are returned as they are (not copied).
+    Members of a fused group (``"auto"``: `fused_groups_auto`; or explicit lists of names) share one
+    per-tensor fp8 scale / nvfp4 global scale; other formats ignore groups. Members the format does
+    not quantize are left out of their group.
+
+    Output keys: the master's name for the payload plus the format's scale names (e.g.
+    ``X.weight_scale``), in master order. Each output lives on its master's device.
+    """
+    f = get_format(fmt)
+    selected = {
+        name
+        for name, tensor in masters.items()
+        if tensor.is_floating_point()
+        and f.selects(name, tensor)
+        and not (keep is not None and keep(name, tensor))
+    }
+    groups = _resolve_groups(fused_groups, masters, selected)
+    group_of = {member: i for i, group in enumerate(groups) for member in group} if f.uses_group_amax else {}
+    group_amax: dict[int, torch.Tensor] = {}
+    prepared: dict[str, torch.Tensor] = {}
+
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in masters.items():
+        if tensor.is_complex():
+            raise FormatError(
+                f"tensor {name!r} is complex ({tensor.dtype}); served views hold real tensors only"
+            )
+        if not tensor.is_floating_point():
+            parts = {name: tensor}
+        elif name in selected:
+            amax = None
+            if name in group_of:
+                gid = group_of[name]
+                if gid not in group_amax:
+                    for member in groups[gid]:
+                        prepared[member] = f.prepare(member, masters[member], from_fp32=from_fp32)
+                    amaxes = [tensor_amax(prepared[member]).cpu() for member in groups[gid]]
+                    group_amax[gid] = torch.stack(amaxes).amax()
+                amax = group_amax[gid].to(tensor.device)
+            x = prepared.pop(name) if name in prepared else f.prepare(name, tensor, from_fp32=from_fp32)
+            parts = f.encode(name, x, amax)
+        else:
+            parts = {name: cast_checked(name, check_master(name, tensor), f.unquantized_dtype)}
+        for key, value in parts.items():
+            if key in out:
+                raise ConfigError(
+                    f"served name {key!r} (from master {name!r}) collides with another served tensor; "
+                    "rename the master tensors"
+                )
+            out[key] = value
+    return out
+
+
+def dequantize_view(served: Mapping[str, torch.Tensor], fmt: str | ServedFormat) -> dict[str, torch.Tensor]:
+    """Float32 values an engine computes from `served` (the output of `served_view`), by master name.
+
+    For analysis tools and tests. Non-floating tensors are returned as they are.
+    """
+    f = get_format(fmt)
+    payloads: set[str] = set()
+    consumed: set[str] = set()
+    if f.quantized:
+        for key, tensor in served.items():
+            if tensor.dtype == f.payload_dtype and all(key + s in served for s in f.scale_suffixes):
+                payloads.add(key)
+                consumed.update(key + s for s in f.scale_suffixes)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in served.items():
+        if key in consumed and key not in payloads:
+            continue
+        if key in payloads:
+            out[key] = f.dequantize(key, {c: served[c] for c in f.component_names(key)})
+        elif tensor.is_floating_point():
+            out[key] = tensor.float()
+        else:
+            out[key] = tensor
+    return out
