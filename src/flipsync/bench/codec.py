@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flipsync.bench.workload import FULL, QUICK, AdamSteps, llm_like_masters, real_masters
-from flipsync.codec import FingerprintTable, Hasher, Patch, apply_patch, diff_views
+from flipsync.codec import FingerprintTable, Hasher, Patch, commit, diff_views, stage
 from flipsync.codec.bits import bits_numpy, dtype_of, to_key, zigzag
 from flipsync.codec.diff import DiffEngine, changed_positions_reference
 from flipsync.formats import served_view
@@ -48,7 +48,7 @@ class CodecRow:
     encode_mb_s: float  # served-view MB/s through diff_views
     decode_mpos_s: float
     diff_speedup: float  # flatnonzero(a != b) time / our diff time
-    apply_vs_copy: float  # apply time / full copy time
+    apply_vs_copy: float  # commit (in-place scatter) time / full copy time
 
     @property
     def changed_pct(self) -> float:
@@ -117,9 +117,7 @@ def measure_pair(
         ref_s, _ = _best_of(lambda: [changed_positions_reference(old[k], new[k]) for k in old], repeat)
 
         work = {k: v.clone() for k, v in old.items()}
-        work_table = table.copy()
-        apply_s, _ = _best_of(lambda: _apply_and_undo(work, patch, work_table), repeat)
-        copy_s, _ = _best_of(lambda: [w.copy_(new[k]) for k, w in work.items()], repeat)
+        apply_s, copy_s = _commit_vs_copy(work, patch, table, old, new, repeat)
     elements = sum(t.numel() for t in new.values())
     return CodecRow(
         workload=workload,
@@ -139,9 +137,63 @@ def measure_pair(
     )
 
 
-def _apply_and_undo(work: dict[str, torch.Tensor], patch: Patch, table: FingerprintTable) -> None:
-    result = apply_patch(work, patch, table)
-    result.undo.rollback(work, table)
+def _commit_vs_copy(
+    work: dict[str, torch.Tensor],
+    patch: Patch,
+    table: FingerprintTable,
+    old: Mapping[str, torch.Tensor],
+    new: Mapping[str, torch.Tensor],
+    repeat: int,
+) -> tuple[float, float]:
+    """Best commit time (the in-place scatter a serving engine pauses for; staging happens before)
+    and best time to copy the whole new view into the same tensors."""
+    commit_s = copy_s = math.inf
+    for _ in range(repeat):
+        work_table = table.copy()
+        staged = stage(work, patch, work_table)
+        t = time.perf_counter()
+        undo = commit(work, staged, work_table)
+        commit_s = min(commit_s, time.perf_counter() - t)
+        undo.rollback(work, work_table)
+        t = time.perf_counter()
+        for k, w in work.items():
+            w.copy_(new[k])
+        copy_s = min(copy_s, time.perf_counter() - t)
+        for k, w in work.items():  # back to the base for the next round
+            w.copy_(old[k])
+    return commit_s, copy_s
+
+
+@dataclass
+class ApplyRow:
+    elements: int
+    changed_pct: float
+    stage_ms: float
+    commit_ms: float
+    copy_ms: float
+
+    @property
+    def commit_vs_copy(self) -> float:
+        return self.commit_ms / self.copy_ms
+
+
+def apply_cost(numel: int = 1 << 26, fractions: tuple[float, ...] = (0.003, 0.01), repeat: int = 3) -> list[ApplyRow]:
+    """Stage and commit a patch of one-ulp changes into one large bf16 tensor, against copying it whole."""
+    rng = np.random.default_rng(0)
+    base = torch.randn(numel).to(torch.bfloat16)
+    rows = []
+    for frac in fractions:
+        target = base.clone()
+        idx = torch.from_numpy(np.sort(rng.choice(numel, int(numel * frac), replace=False)))
+        target.view(torch.int16)[idx] += 1
+        patch, _ = diff_views({"w": base}, {"w": target}, digests=False)
+        table = FingerprintTable.of({"w": base})
+        work = {"w": base.clone()}
+        stage_s, staged = _best_of(lambda: stage(work, patch, table.copy()), repeat)
+        commit_s, copy_s = _commit_vs_copy(work, patch, table, {"w": base}, {"w": target}, repeat)
+        del staged
+        rows.append(ApplyRow(numel, 100 * frac, stage_s * 1e3, commit_s * 1e3, copy_s * 1e3))
+    return rows
 
 
 def run(
@@ -174,6 +226,18 @@ def run(
                     rows.append(measure_pair(wname, fmt, lr, old, new, repeat))
     console.print(table(rows))
     return rows
+
+
+def apply_table(rows: list[ApplyRow]) -> Table:
+    t = Table(title="Apply into one bf16 tensor: stage (decode, off the pause) and commit (in-place scatter)")
+    for col in ("elements", "changed %", "stage ms", "commit ms", "full copy ms", "commit / copy"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        t.add_row(
+            f"{r.elements:,}", f"{r.changed_pct:.2f}", f"{r.stage_ms:.1f}", f"{r.commit_ms:.2f}", f"{r.copy_ms:.1f}",
+            f"{r.commit_vs_copy:.3f}",
+        )
+    return t
 
 
 def table(rows: list[CodecRow]) -> Table:

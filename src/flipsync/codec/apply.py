@@ -18,6 +18,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numba
 import numpy as np
 import torch
 
@@ -51,7 +52,7 @@ class UndoRecord:
 
     def rollback(self, tensors: MutableMapping[str, torch.Tensor], table: FingerprintTable) -> None:
         for w in reversed(self.writes):
-            int_view(tensors[w.name]).index_copy_(0, w.positions, w.old_bits)
+            scatter(tensors[w.name], w.positions, w.old_bits)
         table.update(self.table_before)
         self.writes.clear()
 
@@ -62,6 +63,24 @@ class ApplyResult:
     n_changed: int
     stage_s: float
     commit_s: float
+
+
+@numba.njit(nogil=True, cache=True)
+def _scatter_cpu(flat: np.ndarray, positions: np.ndarray, bits: np.ndarray) -> None:
+    for i in range(positions.shape[0]):
+        flat[positions[i]] = bits[i]
+
+
+def scatter(t: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
+    """Write ``bits`` at flat ``positions`` of ``t`` in place, O(len(positions)).
+
+    On the CPU a compiled loop is several times faster than ``index_copy_`` for 8/16-bit elements.
+    """
+    flat = int_view(t)
+    if flat.device.type == "cpu":
+        _scatter_cpu(flat.numpy(), positions.numpy(), bits.numpy())
+    else:
+        flat.index_copy_(0, positions, bits)
 
 
 def _torch_bits(bits: np.ndarray, d: DType, device: torch.device) -> torch.Tensor:
@@ -151,7 +170,7 @@ def commit(
     try:
         for w in staged:
             undo.writes.append(w)
-            int_view(tensors[w.name]).index_copy_(0, w.positions, w.new_bits)
+            scatter(tensors[w.name], w.positions, w.new_bits)
             table[w.name] = w.target
         if full_fingerprint and h is not None:
             for w in staged:
