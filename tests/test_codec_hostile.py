@@ -3,6 +3,7 @@ a hang or an unbounded allocation."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import struct
@@ -10,6 +11,7 @@ import struct
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 from tests.strategies import edit, same_bits
@@ -76,9 +78,11 @@ def _with_header(mutate: object) -> bytes:
     """Re-serialise the valid patch with its flipsync header JSON changed by ``mutate(doc)``."""
     hlen = struct.unpack_from("<Q", VALID)[0]
     outer = json.loads(VALID[8 : 8 + hlen])
-    doc = json.loads(outer["__metadata__"]["flipsync"])
+    packed = base64.b64decode(outer["__metadata__"]["flipsync_header"])
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
     mutate(doc)  # type: ignore[operator]
-    outer["__metadata__"]["flipsync"] = json.dumps(doc)
+    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    outer["__metadata__"]["flipsync_header"] = base64.b64encode(packed).decode()
     head = json.dumps(outer).encode()
     return struct.pack("<Q", len(head)) + head + VALID[8 + hlen :]
 
@@ -98,6 +102,7 @@ CRAFTED = {
     "deep nesting": lambda d: d.update(meta={"a": [[[[[[]]]]]]}),
     "duplicate section": lambda d: d["sections"].append(d["sections"][0]),
     "zstd bomb width": lambda d: d["sections"][0]["pos"].update(codec="zstd", width=8),
+    "lengths disagree": lambda d: d["sections"][-1]["pos"].update(bytes=d["sections"][-1]["pos"]["bytes"] + 3),
 }
 
 
@@ -115,4 +120,8 @@ def test_not_a_patch() -> None:
     with pytest.raises(CorruptPatchError, match="not a flipsync patch"):
         Patch.from_bytes(save({"x": torch.zeros(3)}))
     with pytest.raises(CorruptPatchError, match="uint8"):
-        Patch.from_bytes(save({"x": torch.zeros(3)}, metadata={"flipsync": "{}"}))
+        Patch.from_bytes(save({"x": torch.zeros(3)}, metadata={"flipsync_header": "{}"}))
+    with pytest.raises(CorruptPatchError, match="cannot be decoded"):
+        Patch.from_bytes(
+            save({"x": torch.zeros(3, dtype=torch.uint8)}, metadata={"flipsync_patch": "1", "flipsync_header": "!!"})
+        )

@@ -1,14 +1,21 @@
 """Patch files: decoded tensor changes and their safetensors container.
 
-A patch file is a plain safetensors file. Its ``__metadata__["flipsync"]`` holds the JSON
-:class:`~flipsync.domain.patch.PatchHeader`; each changed tensor is one uint8 tensor of the same name
-holding its coded streams back to back (positions, values, and kind flags in mixed mode; their lengths are
-in the header). Any safetensors reader lists a patch's changed tensors, and a store can range-read one
-section without the rest.
+A patch file is a plain safetensors file:
+
+- ``__metadata__["flipsync_patch"]`` is the container version and ``__metadata__["flipsync_header"]`` the
+  JSON :class:`~flipsync.domain.patch.PatchHeader` (per-tensor codec parameters, fingerprints and
+  digests), zstd-compressed and base64-encoded: uncompressed it would cost more than the coded changes of
+  a small tensor (``flipsync inspect --json`` prints it).
+- A changed tensor whose coded streams reach ``OWN_TENSOR_BYTES`` is a uint8 tensor of the same name holding
+  its streams back to back (positions, values, kind flags; lengths in the header), so any safetensors reader
+  lists the large changes and a store can range-read one. Smaller sections are concatenated, in header order,
+  into the one tensor ``SMALL_SECTIONS``: a table entry per tiny tensor would outweigh its changes.
+
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import struct
 from collections.abc import Iterable, Iterator, Mapping
@@ -17,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import safetensors.numpy
+import zstandard
 
 from flipsync.codec import streams
 from flipsync.codec.bits import DType, dtype_named, from_key, to_key, unzigzag, zigzag
@@ -25,6 +33,9 @@ from flipsync.domain.patch import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 MAX_HEADER_BYTES = 64 << 20
+CONTAINER_VERSION = "1"
+OWN_TENSOR_BYTES = 4096
+SMALL_SECTIONS = "flipsync.small_sections"
 
 
 @dataclass
@@ -166,7 +177,7 @@ class PatchBuilder:
     def add(self, change: TensorChange) -> None:
         if not change.n:
             return
-        if change.name in self._blobs or change.name == "__metadata__":
+        if change.name in self._blobs or change.name in ("__metadata__", SMALL_SECTIONS):
             raise PatchError(f"tensor name {change.name!r} is used twice or reserved")
         section, self._blobs[change.name] = encode_change(change)
         self._sections.append(section)
@@ -235,17 +246,30 @@ class Patch:
 
     # ---------------------------------------------------------------------------------- container
     def to_bytes(self) -> bytes:
-        arrays = {k: np.frombuffer(bytes(v), dtype=np.uint8) for k, v in self._blobs.items()}
-        return safetensors.numpy.save(arrays, metadata={"flipsync": self.header.to_json()})
+        arrays: dict[str, np.ndarray] = {}
+        small = []
+        for s in self.header.sections:
+            blob = bytes(self._blobs[s.name])
+            if len(blob) >= OWN_TENSOR_BYTES:
+                arrays[s.name] = np.frombuffer(blob, dtype=np.uint8)
+            else:
+                small.append(blob)
+        if small:
+            arrays[SMALL_SECTIONS] = np.frombuffer(b"".join(small), dtype=np.uint8)
+        header = zstandard.ZstdCompressor(level=19).compress(self.header.to_json().encode())
+        meta = {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(header).decode()}
+        return safetensors.numpy.save(arrays, metadata=meta)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_bytes(self.to_bytes())
 
     @classmethod
     def from_bytes(cls, data: bytes | memoryview) -> Patch:
-        meta, blobs = _parse_safetensors(memoryview(data), require_meta="flipsync")
-        header = PatchHeader.from_json(meta["flipsync"])
-        return cls(header, blobs)
+        meta, tensors = _parse_safetensors(memoryview(data), require_meta="flipsync_header")
+        if meta.get("flipsync_patch") != CONTAINER_VERSION:
+            raise CorruptPatchError(f"unsupported patch container {meta.get('flipsync_patch')!r}")
+        header = PatchHeader.from_json(_inflate_header(meta["flipsync_header"]))
+        return cls(header, _locate_sections(header, tensors))
 
     @classmethod
     def load(cls, path: str | Path) -> Patch:
@@ -258,6 +282,43 @@ class Patch:
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self._blobs.values())
+
+
+def _inflate_header(text: str) -> str:
+    try:
+        packed = base64.b64decode(text, validate=True)
+        size = zstandard.frame_content_size(packed)
+        if not 0 <= size <= MAX_HEADER_BYTES:
+            raise CorruptPatchError(f"patch header declares {size} bytes (at most {MAX_HEADER_BYTES})")
+        return zstandard.ZstdDecompressor().decompress(packed, max_output_size=MAX_HEADER_BYTES).decode()
+    except (ValueError, zstandard.ZstdError, UnicodeDecodeError) as e:
+        raise CorruptPatchError(f"patch header cannot be decoded: {e}") from None
+
+
+def _section_size(section: SectionHeader) -> int:
+    sizes = [p.get("bytes") for p in (section.pos, section.val, section.tag) if p is not None]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes):
+        raise CorruptPatchError(f"section {section.name!r} has invalid stream lengths")
+    return sum(sizes)  # type: ignore[arg-type]
+
+
+def _locate_sections(header: PatchHeader, tensors: Mapping[str, memoryview]) -> dict[str, memoryview]:
+    """Each section's bytes: its own tensor, or the next slice of the shared small-sections tensor."""
+    small = tensors.get(SMALL_SECTIONS, memoryview(b""))
+    cursor = 0
+    blobs = {}
+    for s in header.sections:
+        if s.name in tensors:
+            blobs[s.name] = tensors[s.name]
+            continue
+        size = _section_size(s)
+        if cursor + size > len(small):
+            raise CorruptPatchError(f"patch is missing the coded streams of tensor {s.name!r}")
+        blobs[s.name] = small[cursor : cursor + size]
+        cursor += size
+    if cursor != len(small):
+        raise CorruptPatchError("the small-sections tensor holds bytes no section claims")
+    return blobs
 
 
 def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, str], dict[str, memoryview]]:
