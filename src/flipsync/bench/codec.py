@@ -11,6 +11,7 @@ value steps. Throughput ratios compare methods timed back to back in one process
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -177,6 +178,10 @@ class ApplyRow:
         return self.commit_ms / self.copy_ms
 
 
+def _stage_fresh(work: dict[str, torch.Tensor], patch: Patch, table: FingerprintTable) -> None:
+    stage(work, patch, table.copy())
+
+
 def apply_cost(numel: int = 1 << 26, fractions: tuple[float, ...] = (0.003, 0.01), repeat: int = 3) -> list[ApplyRow]:
     """Stage and commit a patch of one-ulp changes into one large bf16 tensor, against copying it whole."""
     rng = np.random.default_rng(0)
@@ -189,9 +194,8 @@ def apply_cost(numel: int = 1 << 26, fractions: tuple[float, ...] = (0.003, 0.01
         patch, _ = diff_views({"w": base}, {"w": target}, digests=False)
         table = FingerprintTable.of({"w": base})
         work = {"w": base.clone()}
-        stage_s, staged = _best_of(lambda: stage(work, patch, table.copy()), repeat)
+        stage_s, _ = _best_of(functools.partial(_stage_fresh, work, patch, table), repeat)
         commit_s, copy_s = _commit_vs_copy(work, patch, table, {"w": base}, {"w": target}, repeat)
-        del staged
         rows.append(ApplyRow(numel, 100 * frac, stage_s * 1e3, commit_s * 1e3, copy_s * 1e3))
     return rows
 

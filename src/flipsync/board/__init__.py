@@ -1,0 +1,48 @@
+"""The bulletin board: versions, keyframes and spans of a run on an object store, published create-only.
+
+Publisher side: ``Publisher`` (publish_snapshot / publish_patch / publish_keyframe / publish_span, with the
+keyframe and span cadence). Reader side: ``BoardReader`` (HEAD, catch-up plans, verified downloads) and
+``Follower`` (one replica's last good version). Stores: ``open_store(url)``.
+"""
+
+from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish
+from flipsync.board.catalog import Catalog, content_hash
+from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files, tensors_from_files
+from flipsync.board.layout import RunLayout
+from flipsync.board.publish import Publisher
+from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep, Step, load_keyframe
+from flipsync.board.retention import GcReport, RetentionPolicy, collect_garbage
+from flipsync.board.signing import Signer, Verifier, generate_keypair, write_keypair
+from flipsync.board.store import ObjectInfo, ObstoreStore, Store, StoreOptions, open_store
+
+__all__ = [
+    "INDEX_NAME",
+    "BoardReader",
+    "Catalog",
+    "Follower",
+    "GcReport",
+    "KeyframePolicy",
+    "KeyframeStep",
+    "ObjectInfo",
+    "ObstoreStore",
+    "PatchStep",
+    "Publisher",
+    "RetentionPolicy",
+    "RunLayout",
+    "Signer",
+    "SpanPolicy",
+    "Step",
+    "Store",
+    "StoreOptions",
+    "Verifier",
+    "collect_garbage",
+    "content_hash",
+    "generate_keypair",
+    "iter_keyframe_files",
+    "load_keyframe",
+    "open_store",
+    "should_write_keyframe",
+    "spans_to_publish",
+    "tensors_from_files",
+    "write_keypair",
+]

@@ -1,0 +1,229 @@
+"""Reading a run's board: manifests (validated, signature-checked, cached), listings, HEAD discovery and
+verified part downloads. The publisher, the reader, retention and the CLI all read through a Catalog.
+
+Readers trust only immutable manifests: the ``latest.json`` hint is a starting point for HEAD discovery and
+nothing more. Manifests are cached by path, since they never change once written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import blake3
+
+from flipsync.board.layout import RunLayout, parse_span_name, parse_version_name
+from flipsync.board.signing import Verifier
+from flipsync.board.store import Store
+from flipsync.domain.manifest import Kind, Manifest, Part
+from flipsync.errors import IntegrityError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+_PARALLEL_HASH_BYTES = 8 << 20  # above this, let BLAKE3 use every core
+_CHECK_SIZE_FIRST_BYTES = 64 << 20
+
+
+def content_hash(data: bytes | bytearray | memoryview) -> str:
+    """BLAKE3-256 hex of a part's bytes."""
+    threads = blake3.blake3.AUTO if len(data) >= _PARALLEL_HASH_BYTES else 1
+    return blake3.blake3(data, max_threads=threads).hexdigest()
+
+
+class Catalog:
+    """Read access to one run on a board."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        *,
+        verifier: Verifier | None = None,
+        max_parallel: int = 8,
+    ) -> None:
+        self.store = store
+        self.layout = RunLayout(run)
+        self.run = run
+        self.verifier = verifier
+        self.max_parallel = max_parallel
+        self._cache: dict[str, Manifest] = {}
+        self._lock = threading.Lock()
+
+    # -- manifests ------------------------------------------------------------------------------------
+
+    def _read_manifest(self, path: str, expect: Callable[[Manifest], tuple[str, int | None, int]]) -> Manifest:
+        """Read, parse, validate against its location, verify the signature; cache once all passed."""
+        with self._lock:
+            cached = self._cache.get(path)
+        if cached is not None:
+            return cached
+        raw = self.store.get(path)
+        where = f"{self.store.url}/{path}"
+        try:
+            m = Manifest.from_json(raw)
+        except IntegrityError as e:
+            raise IntegrityError(f"{where}: {e}") from None
+        kind, base, target = expect(m)
+        if m.run != self.run:
+            raise IntegrityError(f"{where} belongs to run {m.run!r}, not {self.run!r}")
+        if m.kind.value != kind or m.base_version != base or m.target_version != target:
+            raise IntegrityError(
+                f"{where} describes {m.kind.value} {m.base_version}->{m.target_version}, "
+                f"but its location says {kind} {base}->{target}"
+            )
+        if self.verifier is not None:
+            self.verifier.verify(m, where)
+        with self._lock:
+            self._cache[path] = m
+        return m
+
+    def version(self, v: int) -> Manifest:
+        """The manifest of published version ``v`` (a patch from v-1, or a snapshot keyframe)."""
+
+        def expect(m: Manifest) -> tuple[str, int | None, int]:
+            return (Kind.KEYFRAME.value, None, v) if m.kind is Kind.KEYFRAME else (Kind.PATCH.value, v - 1, v)
+
+        return self._read_manifest(self.layout.version_manifest(v), expect)
+
+    def keyframe(self, v: int) -> Manifest:
+        return self._read_manifest(self.layout.keyframe_manifest(v), lambda _m: (Kind.KEYFRAME.value, None, v))
+
+    def span(self, base: int, target: int) -> Manifest:
+        return self._read_manifest(
+            self.layout.span_manifest(base, target), lambda _m: (Kind.SPAN.value, base, target)
+        )
+
+    def read_versions(self, versions: Iterable[int], problems: list[str] | None = None) -> dict[int, Manifest]:
+        """Read many version manifests in parallel; missing ones (retention) are skipped, unusable ones
+        skipped and noted in ``problems``."""
+        todo = list(versions)
+        if not todo:
+            return {}
+
+        def one(v: int) -> Manifest | None:
+            try:
+                return self.version(v)
+            except NotFoundError:
+                return None
+            except IntegrityError as e:
+                log.warning("skipping an unusable manifest: %s", e)
+                if problems is not None:
+                    problems.append(str(e))
+                return None
+
+        workers = min(self.max_parallel, len(todo))
+        with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-m") as pool:
+            return {v: m for v, m in zip(todo, pool.map(one, todo), strict=True) if m is not None}
+
+    def artifact_dir(self, m: Manifest) -> str:
+        """The folder of a manifest read through this catalog (a keyframe may be a version's snapshot)."""
+        if m.kind is Kind.KEYFRAME:
+            with self._lock:
+                snapshot = self._cache.get(self.layout.version_manifest(m.version))
+            return self.layout.artifact_dir(m, in_versions=snapshot == m)
+        return self.layout.artifact_dir(m, in_versions=m.kind is Kind.PATCH)
+
+    def forget(self, m: Manifest) -> None:
+        """Drop a manifest from the cache (after it was found broken or deleted)."""
+        with self._lock:
+            for k in [k for k, v in self._cache.items() if v is m]:
+                del self._cache[k]
+
+    # -- listings -------------------------------------------------------------------------------------
+
+    def list_versions(self) -> list[int]:
+        """Version folders present (a folder may lack a manifest: a publish in progress, or crashed)."""
+        names = self.store.list_dirs(self.layout.versions_dir)
+        return sorted(v for n in names if (v := parse_version_name(n)) is not None)
+
+    def list_keyframes(self) -> list[int]:
+        names = self.store.list_dirs(self.layout.keyframes_dir)
+        return sorted(v for n in names if (v := parse_version_name(n)) is not None)
+
+    def list_spans(self) -> list[tuple[int, int]]:
+        names = self.store.list_dirs(self.layout.spans_dir)
+        return sorted(s for n in names if (s := parse_span_name(n)) is not None)
+
+    def has_version(self, v: int) -> bool:
+        return self.store.exists(self.layout.version_manifest(v))
+
+    def read_hint(self) -> int | None:
+        """The ``latest.json`` hint, or None when it is missing or unreadable (it is only a hint)."""
+        try:
+            d = json.loads(self.store.get(self.layout.latest))
+            v = d["version"]
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+        except NotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable HEAD hint %s/%s: %s", self.store.url, self.layout.latest, e)
+            return None
+
+    def discover_head(self, known: int | None = None) -> int | None:
+        """The newest version whose manifest exists (None: nothing published yet).
+
+        Starts from the larger of ``known`` and the hint, when that manifest exists, otherwise from a
+        listing; then finds the first missing version after it by galloping and bisection. Versions are
+        contiguous because each is created only on top of the one before.
+        """
+        start = known
+        hint = self.read_hint()
+        if hint is not None and (start is None or hint > start) and self.has_version(hint):
+            start = hint
+        if start is not None and not self.has_version(start):
+            start = None  # gone (retention or a rolled-back board): fall back to a listing
+        if start is None:
+            for v in reversed(self.list_versions()):
+                if self.has_version(v):
+                    start = v
+                    break
+            if start is None:
+                return None
+        # Gallop: find a step that is missing, then bisect between the last present and it.
+        lo, step = start, 1
+        while self.has_version(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step  # missing
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.has_version(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    # -- parts ----------------------------------------------------------------------------------------
+
+    def fetch_part(self, artifact_dir: str, part: Part) -> bytes:
+        """Download one part and check its size and hash."""
+        path = self.layout.part_path(artifact_dir, part.path)
+        where = f"{self.store.url}/{path}"
+        try:
+            if part.size > _CHECK_SIZE_FIRST_BYTES:
+                # Large reads allocate the whole part up front: confirm the size before trusting it.
+                actual_size = self.store.head(path).size
+                if actual_size != part.size:
+                    raise IntegrityError(f"part {where} has {actual_size} bytes, its manifest says {part.size}")
+            data = self.store.get(path, size=part.size)
+        except NotFoundError:
+            raise IntegrityError(f"part {where} is missing, though its manifest lists it") from None
+        if len(data) != part.size:
+            raise IntegrityError(f"part {where} has {len(data)} bytes, its manifest says {part.size}")
+        actual = content_hash(data)
+        if actual != part.hash:
+            raise IntegrityError(
+                f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {part.hash[:16]}..."
+            )
+        return data
+
+    def fetch_parts(self, m: Manifest, artifact_dir: str, parts: Sequence[Part] | None = None) -> list[bytes]:
+        """Download and verify parts (all of the manifest's by default) in parallel, in order."""
+        todo = list(m.parts if parts is None else parts)
+        if len(todo) == 1:
+            return [self.fetch_part(artifact_dir, todo[0])]
+        workers = min(self.max_parallel, len(todo))
+        with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-part") as pool:
+            return list(pool.map(lambda p: self.fetch_part(artifact_dir, p), todo))

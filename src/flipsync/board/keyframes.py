@@ -1,0 +1,110 @@
+"""Keyframes: a full served view written as a plain, engine-loadable safetensors checkpoint.
+
+A keyframe folder holds ``model-00001-of-0000N.safetensors`` shards (each at most ``max_shard_bytes`` of
+tensor data, except a single larger tensor which gets a shard of its own) and an HF-style
+``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: shard}}``), so
+an engine can load the folder as a checkpoint. The board records every file as a part of the keyframe's
+manifest, with its hash, like any other artifact.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from flipsync.errors import ConfigError, IntegrityError
+
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 << 30
+
+
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names into shards in mapping order, filling each up to ``max_shard_bytes``."""
+    if max_shard_bytes <= 0:
+        raise ConfigError("max_shard_bytes must be positive")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if current and size + n > max_shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += n
+    if current:
+        shards.append(current)
+    return shards
+
+
+def iter_keyframe_files(
+    tensors: Mapping[str, torch.Tensor], max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> Iterator[tuple[str, bytes]]:
+    """Yield (file name, bytes) for every shard, then the index; one shard in memory at a time."""
+    if not tensors:
+        raise ConfigError("a keyframe needs at least one tensor")
+    groups = plan_shards(tensors, max_shard_bytes)
+    n = len(groups)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, names in enumerate(groups, start=1):
+        name = shard_name(i, n)
+        shard: dict[str, torch.Tensor] = {}
+        storages: set[int] = set()
+        for key in names:
+            t = tensors[key].detach().to("cpu").contiguous()
+            # safetensors refuses tensors that share storage; give aliases their own copy.
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in storages and t.numel() > 0:
+                t = t.clone()
+            storages.add(ptr)
+            shard[key] = t
+            weight_map[key] = name
+            total += t.numel() * t.element_size()
+        yield name, st_save(shard, metadata={"format": "pt"})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    yield INDEX_NAME, json.dumps(index, indent=2).encode("utf-8")
+
+
+def parse_index(data: bytes) -> dict[str, str]:
+    """The weight map of an index file, validated."""
+    try:
+        index = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise IntegrityError(f"keyframe index is not valid JSON ({e})") from None
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
+        raise IntegrityError("keyframe index has no valid weight_map {tensor name: shard file}")
+    return wm
+
+
+def tensors_from_files(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
+    """Rebuild the view from a keyframe's files (already hash-verified), in index order."""
+    if INDEX_NAME not in files:
+        raise IntegrityError(f"keyframe has no {INDEX_NAME}")
+    weight_map = parse_index(files[INDEX_NAME])
+    loaded: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if shard not in files:
+            raise IntegrityError(f"keyframe index names shard {shard!r}, which is not among its parts")
+        try:
+            part = st_load(files[shard])
+        except (SafetensorError, ValueError, RuntimeError) as e:
+            raise IntegrityError(f"keyframe shard {shard!r} is not a valid safetensors file: {e}") from None
+        for name, t in part.items():
+            if weight_map.get(name) != shard:
+                raise IntegrityError(f"tensor {name!r} in {shard!r} is not listed there by the index")
+            loaded[name] = t
+    missing = [n for n in weight_map if n not in loaded]
+    if missing:
+        raise IntegrityError(f"keyframe index lists tensors missing from the shards: {missing[:5]}")
+    return {n: loaded[n] for n in weight_map}

@@ -1,0 +1,515 @@
+"""The publish protocol: parts first, then a create-only manifest; HEAD only moves forward.
+
+Every artifact (a version, an extra keyframe, a squashed span) is published the same way:
+
+1. its parts go to a folder unique to this attempt, and are made durable;
+2. its manifest is created with ``If-None-Match: *`` (obstore ``mode="create"``): the store decides,
+   atomically, which of several racing publishers created version n+1; the losers get ConflictError and
+   delete their parts (nobody references them);
+3. the ``latest.json`` hint is overwritten (best effort; readers never trust it alone).
+
+A crash at any step leaves a usable board: before step 2 the parts are unreferenced (retention removes them
+later), after it the version exists. A publisher whose write timed out checks whether its own manifest
+landed before it reports a failure. A restarted publisher resumes from the newest manifest. A trainer whose
+base is not the board's HEAD (a second trainer, or one restarted from an older checkpoint) is fenced off with
+ConflictError; it may take over explicitly by publishing a snapshot on top of HEAD.
+
+A Publisher is meant to be used from one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish
+from flipsync.board.catalog import Catalog, content_hash
+from flipsync.board.keyframes import DEFAULT_MAX_SHARD_BYTES, iter_keyframe_files
+from flipsync.board.layout import MANIFEST, new_attempt_id
+from flipsync.board.signing import Signer
+from flipsync.board.store import Store
+from flipsync.domain.manifest import Kind, Manifest, Part, check_name, utc_now_iso
+from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+Meta = Mapping[str, str | int | float | bool]
+
+
+def default_publisher_id() -> str:
+    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:80] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class CadenceState:
+    """What the keyframe policy looks at, as the publisher last saw the board."""
+
+    keyframe_version: int | None
+    keyframe_bytes: int | None
+    chain_bytes: int
+    versions_since: int
+
+
+class Publisher:
+    """Publishes one run's versions, keyframes and spans to a board."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        *,
+        publisher_id: str | None = None,
+        signer: Signer | None = None,
+        keyframe_policy: KeyframePolicy | None = None,
+        span_policy: SpanPolicy | None = None,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        manifest_retry_s: float = 30.0,
+        clock: Callable[[], str] = utc_now_iso,
+    ) -> None:
+        self.store = store
+        self.catalog = Catalog(store, run)
+        self.layout = self.catalog.layout
+        self.run = run
+        self.publisher_id = check_name(publisher_id or default_publisher_id(), "publisher id")
+        self.signer = signer
+        self.keyframe_policy = keyframe_policy or KeyframePolicy()
+        self.span_policy = span_policy or SpanPolicy()
+        self.max_shard_bytes = max_shard_bytes
+        self.manifest_retry_s = manifest_retry_s
+        self._clock = clock
+        self._head: Manifest | None = None
+        self._resumed = False
+        self._origin: int | None = None
+        self._cadence = CadenceState(None, None, 0, 0)
+
+    # -- state ----------------------------------------------------------------------------------------
+
+    @property
+    def head(self) -> Manifest | None:
+        """The newest version this publisher knows of (after resume() or its own last publish)."""
+        return self._head
+
+    @property
+    def cadence(self) -> CadenceState:
+        return self._cadence
+
+    def resume(self) -> Manifest | None:
+        """Read the board's HEAD and the keyframe cadence state; return the HEAD manifest (None: empty run).
+
+        A restarted trainer calls this, compares ``head.target_view_fp`` with its own view and either
+        continues with patches on top of it or publishes a snapshot.
+        """
+        known = self._head.version if self._head is not None else None
+        v = self.catalog.discover_head(known)
+        self._resumed = True
+        if v is None:
+            self._head, self._origin = None, None
+            self._cadence = CadenceState(None, None, 0, 0)
+            return None
+        head = self.catalog.version(v)
+        self._head = head
+        self._origin = _origin_of(head)
+        self._cadence = self._scan_cadence(head)
+        log.info("publisher %s resumed run %s at v%d", self.publisher_id, self.run, v)
+        return head
+
+    def _ensure_resumed(self) -> None:
+        if not self._resumed:
+            self.resume()
+
+    def _scan_cadence(self, head: Manifest) -> CadenceState:
+        """Walk back from HEAD to the newest keyframe, summing the chain's bytes (bounded, batched reads)."""
+        keyframes = set(self.catalog.list_keyframes())
+        chain = 0
+        since = 0
+        limit = self.keyframe_policy.max_interval
+        hi = head.version
+        while since <= limit and hi >= 0:
+            lo = max(0, hi - 31)
+            batch = self.catalog.read_versions(range(lo, hi + 1))
+            for v in range(hi, lo - 1, -1):
+                if v in keyframes:
+                    try:
+                        kf = self.catalog.keyframe(v)
+                        return CadenceState(v, kf.total_size, chain, since)
+                    except (NotFoundError, IntegrityError) as e:
+                        log.warning("ignoring unreadable keyframe v%d: %s", v, e)
+                m = batch.get(v)
+                if m is None:
+                    # Retention removed it, or it is damaged: no keyframe in reach.
+                    return CadenceState(None, None, chain, since)
+                if m.kind is Kind.KEYFRAME:
+                    return CadenceState(v, m.total_size, chain, since)
+                chain += m.total_size
+                since += 1
+            hi = lo - 1
+        return CadenceState(None, None, chain, since)
+
+    def keyframe_due(self) -> bool:
+        """Whether the policy asks for a keyframe of the current HEAD now."""
+        c = self._cadence
+        return should_write_keyframe(
+            chain_bytes=c.chain_bytes,
+            keyframe_bytes=c.keyframe_bytes,
+            versions_since=c.versions_since,
+            policy=self.keyframe_policy,
+        )
+
+    def spans_due(self, version: int | None = None) -> list[tuple[int, int]]:
+        """The (base, target) spans the policy asks to squash after ``version`` (default: HEAD)."""
+        if version is None:
+            if self._head is None:
+                return []
+            version = self._head.version
+        origin = self._origin if self._origin is not None else 0
+        return spans_to_publish(version, origin=origin, policy=self.span_policy)
+
+    # -- publishing ------------------------------------------------------------------------------------
+
+    def publish_patch(
+        self,
+        parts: Sequence[bytes],
+        *,
+        base_version: int,
+        target_version: int,
+        base_view_fp: str,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta | None = None,
+    ) -> Manifest:
+        """Publish version ``target_version`` as a patch on top of HEAD; return its manifest.
+
+        Raises ConflictError if this publisher is fenced off: its base is not the board's HEAD (another
+        trainer published first, or this one restarted from an older state).
+        """
+        self._ensure_resumed()
+        if target_version != base_version + 1:
+            raise BoardError(
+                f"a version's patch goes from v{base_version} to v{base_version + 1}, not v{target_version}; "
+                "publish multi-version patches with publish_span"
+            )
+        head = self._head
+        if head is None:
+            raise ConflictError(
+                f"run {self.run!r} has no version yet, so there is no v{base_version} to patch: "
+                "publish a snapshot first"
+            )
+        if base_version != head.version or base_view_fp != head.target_view_fp:
+            raise ConflictError(
+                f"publisher {self.publisher_id} is fenced off: its base is v{base_version} "
+                f"(view {base_view_fp[:16]}), but the board's HEAD is v{head.version} "
+                f"(view {head.target_view_fp[:16]}, published by {head.publisher} at {head.created}). "
+                "Another trainer is publishing, or this one restarted from an older state: "
+                "resume from HEAD's view, or take over with publish_snapshot"
+            )
+        if served_format != head.served_format:
+            raise BoardError(
+                f"served format {served_format!r} differs from HEAD's {head.served_format!r}; "
+                "changing the format needs a snapshot"
+            )
+        if self.catalog.has_version(target_version):
+            # Cheap early fence: do not upload parts for a version that already exists.
+            other = _describe(self._read_existing(self.layout.version_manifest(target_version)))
+            raise ConflictError(
+                f"publisher {self.publisher_id} is fenced off: v{target_version} of run {self.run!r} was "
+                f"already published{other}. This publisher's view is stale: resume() from the board's "
+                "HEAD, or take over with publish_snapshot on top of it"
+            )
+        files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
+        m = self._publish(
+            self.layout.version_dir(target_version),
+            files,
+            kind=Kind.PATCH,
+            version=target_version,
+            base=(base_version, base_view_fp),
+            target_view_fp=target_view_fp,
+            served_format=served_format,
+            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
+            fence=True,
+        )
+        self._advance(m)
+        c = self._cadence
+        self._cadence = CadenceState(
+            c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
+        )
+        return m
+
+    def publish_snapshot(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        view_fp: str,
+        served_format: str,
+        meta: Meta | None = None,
+    ) -> Manifest:
+        """Publish version ``version`` as a full view (the first version of a run, or a takeover/rebase).
+
+        ``version`` must be HEAD + 1 (0 on an empty run). Patches after it build on this view.
+        """
+        self._ensure_resumed()
+        head = self._head
+        expected = 0 if head is None else head.version + 1
+        if version != expected:
+            # Fixing the number makes the create-only manifest a fence for the first version too.
+            where = "the run is empty" if head is None else f"the board's HEAD is v{head.version}"
+            raise ConflictError(
+                f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), "
+                f"not v{version}"
+            )
+        files = iter_keyframe_files(tensors, self.max_shard_bytes)
+        m = self._publish(
+            self.layout.version_dir(version),
+            files,
+            kind=Kind.KEYFRAME,
+            version=version,
+            base=None,
+            target_view_fp=view_fp,
+            served_format=served_format,
+            meta={**(meta or {}), "origin": version, "tensors": len(tensors)},
+            fence=True,
+        )
+        self._advance(m)
+        self._origin = version
+        self._cadence = CadenceState(version, m.total_size, 0, 0)
+        return m
+
+    def publish_keyframe(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        version: int,
+        view_fp: str,
+        served_format: str,
+    ) -> Manifest:
+        """Publish an extra keyframe of an already published version (the cadence asks for one).
+
+        Idempotent: if a keyframe of this version with the same view exists, it is returned.
+        """
+        self._ensure_resumed()
+        vm = self.catalog.version(version)
+        if vm.target_view_fp != view_fp or vm.served_format != served_format:
+            raise IntegrityError(
+                f"the keyframe's view {view_fp[:16]} ({served_format}) is not v{version}'s view "
+                f"{vm.target_view_fp[:16]} ({vm.served_format}); refusing to publish it"
+            )
+        if vm.kind is Kind.KEYFRAME:
+            return vm  # the version is a snapshot: it is its own keyframe
+        try:
+            m = self._publish(
+                self.layout.keyframe_dir(version),
+                iter_keyframe_files(tensors, self.max_shard_bytes),
+                kind=Kind.KEYFRAME,
+                version=version,
+                base=None,
+                target_view_fp=view_fp,
+                served_format=served_format,
+                meta={"tensors": len(tensors)},
+                fence=False,
+            )
+        except ConflictError:
+            existing = self.catalog.keyframe(version)
+            if existing.target_view_fp != view_fp:
+                raise
+            m = existing
+        self._note_keyframe(m)
+        return m
+
+    def publish_span(
+        self,
+        parts: Sequence[bytes],
+        *,
+        base_version: int,
+        target_version: int,
+        base_view_fp: str,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta | None = None,
+    ) -> Manifest:
+        """Publish a squashed patch from ``base_version`` to ``target_version`` (both already published).
+
+        Idempotent: if the span exists with the same end views, it is returned.
+        """
+        for v, fp, end in ((base_version, base_view_fp, "base"), (target_version, target_view_fp, "target")):
+            vm = self.catalog.version(v)
+            if vm.target_view_fp != fp:
+                raise IntegrityError(
+                    f"the span's {end} view {fp[:16]} is not v{v}'s view {vm.target_view_fp[:16]}; "
+                    "refusing to publish it"
+                )
+        files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
+        try:
+            return self._publish(
+                self.layout.span_dir(base_version, target_version),
+                files,
+                kind=Kind.SPAN,
+                version=target_version,
+                base=(base_version, base_view_fp),
+                target_view_fp=target_view_fp,
+                served_format=served_format,
+                meta=dict(meta or {}),
+                fence=False,
+            )
+        except ConflictError:
+            existing = self.catalog.span(base_version, target_version)
+            if (existing.base_view_fp, existing.target_view_fp) != (base_view_fp, target_view_fp):
+                raise
+            return existing
+
+    # -- internals ------------------------------------------------------------------------------------
+
+    def _advance(self, m: Manifest) -> None:
+        self._head = m
+        hint = json.dumps({"version": m.version, "publisher": m.publisher, "created": m.created})
+        try:
+            self.store.put(self.layout.latest, hint.encode())
+        except StoreError as e:  # only a hint: readers find HEAD without it
+            log.warning("could not update the HEAD hint to v%d: %s", m.version, e)
+
+    def _note_keyframe(self, m: Manifest) -> None:
+        c = self._cadence
+        if c.keyframe_version is not None and m.version < c.keyframe_version:
+            return
+        head_v = self._head.version if self._head is not None else m.version
+        chain, since = 0, 0
+        for v in range(m.version + 1, head_v + 1):
+            chain += self.catalog.version(v).total_size
+            since += 1
+        self._cadence = CadenceState(m.version, m.total_size, chain, since)
+
+    def _publish(
+        self,
+        folder: str,
+        files: Iterable[tuple[str, bytes]],
+        *,
+        kind: Kind,
+        version: int,
+        base: tuple[int, str] | None,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta,
+        fence: bool,
+    ) -> Manifest:
+        attempt = new_attempt_id()
+        written: list[str] = []
+        parts: list[Part] = []
+        for name, data in files:
+            rel = f"{attempt}/{name}"
+            path = f"{folder}/{rel}"
+            self.store.put(path, data)
+            written.append(path)
+            parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
+        if not parts:
+            raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
+        self.store.make_durable(written)
+        m = Manifest(
+            run=self.run,
+            version=version,
+            kind=kind,
+            base_version=base[0] if base else None,
+            target_version=version,
+            base_view_fp=base[1] if base else None,
+            target_view_fp=target_view_fp,
+            served_format=served_format,
+            parts=tuple(parts),
+            created=self._clock(),
+            publisher=self.publisher_id,
+            meta=dict(meta),
+        )
+        if self.signer is not None:
+            m = self.signer.sign(m)
+        payload = m.to_json().encode("ascii")
+        manifest_path = f"{folder}/{MANIFEST}"
+        self._create_manifest(manifest_path, payload, written, version=version, fence=fence)
+        log.info(
+            "published %s v%d (%d parts, %d bytes) to %s/%s",
+            kind.value,
+            version,
+            len(parts),
+            m.total_size,
+            self.store.url,
+            folder,
+        )
+        return m
+
+    def _create_manifest(
+        self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool
+    ) -> None:
+        deadline = time.monotonic() + self.manifest_retry_s
+        delay = 0.1
+        while True:
+            try:
+                self.store.put(path, payload, create_only=True)
+                return
+            except ConflictError:
+                existing = self._read_existing(path)
+                if existing == payload:
+                    return  # an earlier try of ours landed after all
+                # Someone else's manifest: our parts are unreferenced, so removing them is safe.
+                self._cleanup(written)
+                if not fence:
+                    raise ConflictError(f"{self.store.url}/{path} already exists") from None
+                other = _describe(existing)
+                raise ConflictError(
+                    f"publisher {self.publisher_id} is fenced off: v{version} of run {self.run!r} was "
+                    f"already published{other}. This publisher's view is stale: resume() from the board's "
+                    "HEAD, or take over with publish_snapshot on top of it"
+                ) from None
+            except StoreError as e:
+                # The create may or may not have landed. Never delete parts here: a late-landing manifest
+                # would then point at nothing. Check, and retry within the bound.
+                existing = self._read_existing(path)
+                if existing == payload:
+                    return
+                if existing is not None:
+                    continue  # someone else's: handled as a conflict on the next try
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(
+                        f"could not create {self.store.url}/{path} within {self.manifest_retry_s:g} s: {e}. "
+                        "The version is not published; its parts stay until retention removes them"
+                    ) from e
+                log.warning("creating %s failed, retrying in %.1f s: %s", path, delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def _read_existing(self, path: str) -> bytes | None:
+        try:
+            return self.store.get(path)
+        except NotFoundError:
+            return None
+        except StoreError as e:
+            log.warning("cannot read back %s: %s", path, e)
+            return None
+
+    def _cleanup(self, written: list[str]) -> None:
+        try:
+            self.store.delete(written)
+        except StoreError as e:  # retention removes unreferenced parts later
+            log.warning("could not remove %d unreferenced parts: %s", len(written), e)
+
+
+def _origin_of(m: Manifest) -> int:
+    if m.kind is Kind.KEYFRAME:
+        return m.version
+    origin = m.meta.get("origin")
+    return origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
+
+
+def _describe(raw: bytes | None) -> str:
+    if raw is None:
+        return ""
+    try:
+        m = Manifest.from_json(raw)
+    except IntegrityError:
+        return " (its manifest is unreadable)"
+    return f" by {m.publisher} at {m.created} (view {m.target_view_fp[:16]})"

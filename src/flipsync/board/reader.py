@@ -1,0 +1,385 @@
+"""Reading side: discover HEAD, plan the cheapest catch-up, fetch and verify, hand over verified steps.
+
+``BoardReader`` plans and fetches; ``Follower`` keeps one replica's last good version and drives a catch-up:
+for each verified step it calls the sidecar's ``apply`` and advances only once that returned. If an
+artifact turns out missing or corrupt, it is excluded and the rest of the way is planned again (a damaged
+span falls back to the patch chain, a damaged chain to a keyframe). Any other failure (a store that times
+out, a HEAD that moved backwards, a board nobody can verify) raises a clear error and leaves the replica on
+its last good version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from flipsync.board.catalog import Catalog
+from flipsync.board.keyframes import INDEX_NAME, tensors_from_files
+from flipsync.board.signing import Verifier
+from flipsync.board.store import Store
+from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
+from flipsync.domain.manifest import Kind, Manifest
+from flipsync.errors import BoardError, IntegrityError, NotFoundError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PatchStep:
+    """A verified patch (or squashed span): its parts, in manifest order, every hash checked."""
+
+    manifest: Manifest
+    parts: list[bytes]
+
+    @property
+    def base_version(self) -> int:
+        assert self.manifest.base_version is not None
+        return self.manifest.base_version
+
+    @property
+    def target_version(self) -> int:
+        return self.manifest.target_version
+
+    @property
+    def base_view_fp(self) -> str:
+        assert self.manifest.base_view_fp is not None
+        return self.manifest.base_view_fp
+
+    @property
+    def target_view_fp(self) -> str:
+        return self.manifest.target_view_fp
+
+
+@dataclass(frozen=True)
+class KeyframeStep:
+    """A verified keyframe: the full served view at ``target_version``."""
+
+    manifest: Manifest
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def target_version(self) -> int:
+        return self.manifest.target_version
+
+    @property
+    def target_view_fp(self) -> str:
+        return self.manifest.target_view_fp
+
+
+Step = PatchStep | KeyframeStep
+
+
+class BoardReader:
+    """Read one run of a board: HEAD, catch-up plans, verified downloads."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        *,
+        verifier: Verifier | None = None,
+        prefetch: int = 2,
+        max_parallel: int = 8,
+    ) -> None:
+        self.store = store
+        self.catalog = Catalog(store, run, verifier=verifier, max_parallel=max_parallel)
+        self.run = run
+        self.prefetch_depth = max(1, prefetch)
+        self.max_parallel = max_parallel
+        self._max_head: int | None = None
+
+    # -- HEAD -----------------------------------------------------------------------------------------
+
+    def head(self) -> int | None:
+        """The board's newest version. Raises BoardError if it is older than one seen before."""
+        v = self.catalog.discover_head(self._max_head)
+        if self._max_head is not None and (v is None or v < self._max_head):
+            raise BoardError(
+                f"HEAD of run {self.run!r} on {self.store.url} moved backwards from v{self._max_head} to "
+                f"{'nothing' if v is None else f'v{v}'}: the board was rolled back or replaced. "
+                "Refusing to follow it; staying on the last good version"
+            )
+        self._max_head = v
+        return v
+
+    # -- planning -------------------------------------------------------------------------------------
+
+    def _read_many(
+        self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None
+    ) -> list[Manifest]:
+        """Read manifests in parallel, skipping missing (retention) and broken ones (logged, noted)."""
+        if not reads:
+            return []
+
+        def one(read: Callable[[], Manifest]) -> Manifest | None:
+            try:
+                return read()
+            except NotFoundError:
+                return None
+            except IntegrityError as e:
+                log.warning("skipping an unusable manifest: %s", e)
+                if problems is not None:
+                    problems.append(str(e))
+                return None
+
+        with ThreadPoolExecutor(min(self.max_parallel, len(reads)), thread_name_prefix="flipsync-m") as pool:
+            return [m for m in pool.map(one, reads) if m is not None]
+
+    def _versions_back_to_keyframe(self, head: int, floor: int, problems: list[str]) -> list[Manifest]:
+        """Version manifests from ``head`` down to the newest snapshot (or ``floor``), in parallel batches."""
+        out: list[Manifest] = []
+        hi = head
+        batch = 4 * self.max_parallel
+        while hi >= floor:
+            lo = max(floor, hi - batch + 1)
+            ms = list(self.catalog.read_versions(range(lo, hi + 1), problems).values())
+            out.extend(ms)
+            if any(m.kind is Kind.KEYFRAME for m in ms):
+                break
+            hi = lo - 1
+        return out
+
+    def artifacts(
+        self, local_version: int | None, head: int, problems: list[str] | None = None
+    ) -> list[Manifest]:
+        """The manifests a plan from ``local_version`` to ``head`` may use (unusable ones noted)."""
+        problems = [] if problems is None else problems
+        keyframes = [k for k in self.catalog.list_keyframes() if k <= head]
+        newest_kf = max(keyframes, default=None)
+        lowest = min(self.catalog.list_versions(), default=head)
+        if local_version is not None:
+            lower = local_version
+            # Versions below the oldest retained one are gone: do not ask for each of them.
+            ms = list(self.catalog.read_versions(range(max(local_version + 1, lowest), head + 1), problems).values())
+            if newest_kf is None and not any(m.kind is Kind.KEYFRAME for m in ms):
+                # No keyframe in reach yet: find the newest snapshot too, as a fallback.
+                older = self._versions_back_to_keyframe(min(local_version, head), lowest, problems)
+                ms += [m for m in older if m.kind is Kind.KEYFRAME]
+        else:
+            floor = newest_kf if newest_kf is not None else lowest
+            ms = self._versions_back_to_keyframe(head, floor, problems)
+            snapshots = [m.version for m in ms if m.kind is Kind.KEYFRAME]
+            lower = max([*snapshots, *([newest_kf] if newest_kf is not None else []), lowest])
+        wanted_kf = [k for k in keyframes if k >= lower or k == newest_kf]
+        ms += self._read_many([lambda k=k: self.catalog.keyframe(k) for k in wanted_kf], problems)
+        spans = [(a, b) for a, b in self.catalog.list_spans() if a >= lower and b <= head]
+        ms += self._read_many([lambda a=a, b=b: self.catalog.span(a, b) for a, b in spans], problems)
+        return ms
+
+    def plan(
+        self, local_version: int | None, goal: int | None = None, *, exclude: Collection[Edge] = ()
+    ) -> CatchupPlan:
+        """The cheapest way (in bytes) from ``local_version`` (None: a new replica) to ``goal`` (HEAD)."""
+        if goal is None:
+            goal = self.head()
+            if goal is None:
+                raise NotFoundError(f"run {self.run!r} on {self.store.url} has no published version yet")
+        if local_version is not None and local_version > goal:
+            return plan_catchup(local_version, goal, [])  # raises: the board moved backwards
+        if local_version == goal:
+            return CatchupPlan(goal, goal, ())
+        self.catalog.version(goal)  # a HEAD manifest that fails to parse or verify is an error of its own
+        problems: list[str] = []
+        artifacts = self.artifacts(local_version, goal, problems)
+        try:
+            plan = plan_catchup(local_version, goal, artifacts, exclude=exclude)
+        except NotFoundError as e:
+            if not problems:
+                raise
+            raise NotFoundError(f"{e}; unusable artifacts: {'; '.join(problems[:5])}") from None
+        log.info("catch-up plan: %s (%d bytes)", plan.describe(), plan.total_bytes)
+        return plan
+
+    # -- fetching -------------------------------------------------------------------------------------
+
+    def fetch(self, m: Manifest) -> Step:
+        """Download and verify one artifact."""
+        folder = self.catalog.artifact_dir(m)
+        parts = self.catalog.fetch_parts(m, folder)
+        if m.kind is not Kind.KEYFRAME:
+            return PatchStep(m, parts)
+        files = {p.path.rsplit("/", 1)[-1]: data for p, data in zip(m.parts, parts, strict=True)}
+        if INDEX_NAME not in files:
+            raise IntegrityError(f"keyframe v{m.version} in {self.store.url}/{folder} has no {INDEX_NAME}")
+        try:
+            tensors = tensors_from_files(files)
+        except IntegrityError as e:
+            raise IntegrityError(f"keyframe v{m.version} in {self.store.url}/{folder}: {e}") from None
+        return KeyframeStep(m, tensors)
+
+    def prefetch(self, plan: CatchupPlan) -> Iterator[tuple[Manifest, Future[Step]]]:
+        """Yield (manifest, future) in plan order, keeping up to ``prefetch`` downloads ahead."""
+        if not plan.steps:
+            return
+        pool = ThreadPoolExecutor(self.prefetch_depth, thread_name_prefix="flipsync-fetch")
+        pending: deque[tuple[Manifest, Future[Step]]] = deque()
+        todo = iter(plan.steps)
+        try:
+            for m in todo:
+                pending.append((m, pool.submit(self.fetch, m)))
+                if len(pending) >= self.prefetch_depth:
+                    break
+            while pending:
+                m, fut = pending.popleft()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append((nxt, pool.submit(self.fetch, nxt)))
+                yield m, fut
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def steps(self, plan: CatchupPlan, *, local_view_fp: str | None = None) -> Iterator[Step]:
+        """Verified steps of a plan, in order; each patch's base view is checked against the previous."""
+        current = local_view_fp
+        for m, fut in self.prefetch(plan):
+            step = fut.result()
+            check_continuity(m, current)
+            current = m.target_view_fp
+            yield step
+
+    # -- keyframes ------------------------------------------------------------------------------------
+
+    def newest_keyframe(self, at_or_below: int | None = None) -> Manifest:
+        """The newest keyframe (extra keyframe or snapshot version) at or below a version (default HEAD)."""
+        head = self.head() if at_or_below is None else at_or_below
+        if head is None:
+            raise NotFoundError(f"run {self.run!r} on {self.store.url} has no published version yet")
+        candidates = [m for m in self.artifacts(None, head) if m.kind is Kind.KEYFRAME]
+        if not candidates:
+            raise NotFoundError(f"run {self.run!r} on {self.store.url} has no keyframe at or below v{head}")
+        return max(candidates, key=lambda m: (m.version, m.total_size * -1))
+
+    def load_keyframe(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        """The full view of a keyframe (the newest one by default, else the keyframe of ``version``)."""
+        if version is None:
+            m = self.newest_keyframe()
+        else:
+            try:
+                m = self.catalog.keyframe(version)
+            except NotFoundError:
+                m = self.catalog.version(version)
+                if m.kind is not Kind.KEYFRAME:
+                    raise NotFoundError(f"v{version} of run {self.run!r} has no keyframe") from None
+        step = self.fetch(m)
+        assert isinstance(step, KeyframeStep)
+        return step.tensors
+
+    def checkpoint_location(self, m: Manifest) -> str:
+        """Where a keyframe's shards and index sit, as a URL an engine can load as a checkpoint folder."""
+        if m.kind is not Kind.KEYFRAME:
+            raise BoardError(f"{m.kind.value} v{m.version} is not a keyframe")
+        folder = self.catalog.artifact_dir(m)
+        attempt = m.parts[0].path.rsplit("/", 1)[0] if "/" in m.parts[0].path else ""
+        return f"{self.store.url}/{folder}/{attempt}".rstrip("/")
+
+
+def check_continuity(m: Manifest, current_fp: str | None) -> None:
+    """A patch applies only to its base view; refuse a chain whose views do not line up."""
+    if m.kind is Kind.KEYFRAME or current_fp is None:
+        return
+    if m.base_view_fp != current_fp:
+        raise IntegrityError(
+            f"{m.kind.value} v{m.base_version}->v{m.target_version} "
+            f"starts from view {str(m.base_view_fp)[:16]}, "
+            f"but the replica holds view {current_fp[:16]}: the board's chain does not line up"
+        )
+
+
+class Follower:
+    """One replica's position on the board; advances only over verified, applied steps."""
+
+    def __init__(
+        self,
+        reader: BoardReader,
+        *,
+        version: int | None = None,
+        view_fp: str | None = None,
+        max_replans: int = 3,
+    ) -> None:
+        self.reader = reader
+        self.version = version
+        self.view_fp = view_fp
+        self.max_replans = max_replans
+        self.bytes_downloaded = 0
+
+    def sync(self, apply: Callable[[Step], None], *, goal: int | None = None) -> int | None:
+        """Catch up to ``goal`` (default HEAD): call ``apply`` on each verified step, in order.
+
+        Returns the version now held. On error the replica stays on the last version whose ``apply``
+        returned (``self.version``), and the error is raised.
+        """
+        target = goal if goal is not None else self.reader.head()
+        if target is None:
+            return self.version
+        if self.version is not None and self.version > target:
+            raise BoardError(
+                f"the replica is at v{self.version} but the board's HEAD is v{target}: HEAD moved backwards; "
+                "staying on the last good version"
+            )
+        self._check_local_view()
+        bad: set[Edge] = set()
+        last: IntegrityError | None = None
+        for attempt in range(self.max_replans + 1):
+            try:
+                plan = self.reader.plan(self.version, target, exclude=bad)
+            except NotFoundError as e:
+                if last is None:
+                    raise
+                # Routing around a damaged artifact left no way: report the damage itself.
+                raise IntegrityError(f"{last}; and no other way to v{target}: {e}") from e
+            failure: tuple[Manifest, IntegrityError] | None = None
+            for m, fut in self.reader.prefetch(plan):
+                try:
+                    step = fut.result()
+                    check_continuity(m, self.view_fp)
+                except IntegrityError as e:
+                    failure = (m, e)
+                    break
+                apply(step)  # the sidecar's errors propagate as they are; we stay where we were
+                self.version, self.view_fp = m.target_version, m.target_view_fp
+                self.bytes_downloaded += m.total_size
+            if failure is None:
+                return self.version
+            m, err = failure
+            last = err
+            if attempt == self.max_replans:
+                raise err
+            log.warning(
+                "excluding %s v%s->v%d and planning again: %s", m.kind.value, m.base_version, m.version, err
+            )
+            bad.add(m.edge)
+            self.reader.catalog.forget(m)
+        return self.version
+
+    def _check_local_view(self) -> None:
+        """If the board's record of our version disagrees with our view, start over from a keyframe."""
+        if self.version is None or self.view_fp is None:
+            return
+        try:
+            m = self.reader.catalog.version(self.version)
+        except (NotFoundError, IntegrityError):
+            return  # retention removed it, or it is damaged: the first step's base check still applies
+        if m.target_view_fp != self.view_fp:
+            log.warning(
+                "the board says v%d is view %s, the replica holds %s: booting from a keyframe",
+                self.version,
+                m.target_view_fp[:16],
+                self.view_fp[:16],
+            )
+            self.version, self.view_fp = None, None
+
+
+def load_keyframe(
+    store: Store, run: str, version: int | None = None, *, verifier: Verifier | None = None
+) -> dict[str, torch.Tensor]:
+    """Read a keyframe back as tensors (the newest one by default); parts are fetched in parallel."""
+    return BoardReader(store, run, verifier=verifier).load_keyframe(version)

@@ -1,0 +1,218 @@
+"""Retention: delete old versions without breaking any reader inside the retention window.
+
+The window is the newest ``keep_versions`` versions, widened to every version created within
+``keep_seconds``. Everything a reader in the window or a brand-new replica needs stays: the cutoff is the
+older of the window's start and the newest keyframe, so the chain from that keyframe (and from any version
+in the window) to HEAD stays complete. Below the cutoff, versions, keyframes and spans starting there go,
+each manifest before its parts (a half-finished deletion leaves only unreferenced parts, never a manifest
+pointing at nothing). Unreferenced parts (publish attempts that lost a race or crashed) go once they are
+older than a grace period, so a publish in progress is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from flipsync.board.catalog import Catalog
+from flipsync.board.layout import MANIFEST, parse_span_name, parse_version_name
+from flipsync.board.store import ObjectInfo, Store
+from flipsync.domain.manifest import Kind, Manifest
+from flipsync.errors import ConfigError, IntegrityError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_versions: int = 100  # the newest versions a lagging replica can still catch up from by patches
+    keep_seconds: float | None = None  # also keep every version created within this time
+    orphan_grace_s: float = 3600.0  # unreferenced parts younger than this may belong to a publish in flight
+
+    def __post_init__(self) -> None:
+        if self.keep_versions < 1:
+            raise ConfigError("keep_versions must be at least 1 (HEAD always stays)")
+        if self.keep_seconds is not None and self.keep_seconds < 0:
+            raise ConfigError("keep_seconds must be >= 0")
+        if self.orphan_grace_s < 0:
+            raise ConfigError("orphan_grace_s must be >= 0")
+
+
+@dataclass
+class GcReport:
+    run: str
+    head: int | None
+    cutoff: int | None  # the oldest version kept (None: nothing to keep or decide)
+    newest_keyframe: int | None
+    dry_run: bool
+    deleted_versions: list[int] = field(default_factory=list)
+    deleted_keyframes: list[int] = field(default_factory=list)
+    deleted_spans: list[tuple[int, int]] = field(default_factory=list)
+    deleted_orphans: int = 0  # objects
+    deleted_bytes: int = 0
+    kept_unreadable: list[str] = field(default_factory=list)  # folders whose manifest could not be read
+
+
+def _newest_keyframe(cat: Catalog, head: int) -> int | None:
+    listed = [k for k in cat.list_keyframes() if k <= head]
+    best: int | None = None
+    for k in reversed(listed):
+        try:
+            cat.keyframe(k)
+            best = k
+            break
+        except (NotFoundError, IntegrityError):
+            continue
+    versions = [v for v in cat.list_versions() if v <= head]
+    for v in reversed(versions):
+        if best is not None and v <= best:
+            break
+        try:
+            if cat.version(v).kind is Kind.KEYFRAME:
+                return v
+        except (NotFoundError, IntegrityError):
+            continue
+    return best
+
+
+def _window_start(cat: Catalog, head: int, policy: RetentionPolicy, now: datetime) -> int:
+    start = max(0, head - policy.keep_versions + 1)
+    if policy.keep_seconds is None:
+        return start
+    oldest = now - timedelta(seconds=policy.keep_seconds)
+    v = start - 1
+    while v >= 0:
+        try:
+            m = cat.version(v)
+        except NotFoundError:
+            break
+        except IntegrityError:
+            v -= 1  # unreadable: keep it and look further down
+            continue
+        if m.created_at < oldest:
+            break
+        start = v
+        v -= 1
+    return start
+
+
+def collect_garbage(
+    store: Store,
+    run: str,
+    policy: RetentionPolicy | None = None,
+    *,
+    dry_run: bool = False,
+    now: datetime | None = None,
+) -> GcReport:
+    """Apply the retention policy to one run; return what was (or, with ``dry_run``, would be) deleted."""
+    policy = policy or RetentionPolicy()
+    now = now or datetime.now(UTC)
+    cat = Catalog(store, run)
+    head = cat.discover_head()
+    if head is None:
+        return GcReport(run, None, None, None, dry_run)
+    kf = _newest_keyframe(cat, head)
+    window = _window_start(cat, head, policy, now)
+    versions = cat.list_versions()
+    # Without any keyframe a new replica cannot boot anyway; keep every version rather than guess.
+    cutoff = min(window, kf) if kf is not None else min(versions, default=head)
+    report = GcReport(run, head, cutoff, kf, dry_run)
+
+    grace = now - timedelta(seconds=policy.orphan_grace_s)
+    groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    root = cat.layout.root + "/"
+    for obj in store.list(cat.layout.root):
+        rel = obj.path[len(root) :] if obj.path.startswith(root) else obj.path
+        bits = rel.split("/")
+        if len(bits) >= 3 and bits[0] in ("versions", "keyframes", "spans"):
+            groups[f"{bits[0]}/{bits[1]}"].append(obj)
+
+    doomed: list[tuple[tuple[int, int], str, list[ObjectInfo]]] = []
+    for key, objs in groups.items():
+        area, name = key.split("/", 1)
+        folder = f"{cat.layout.root}/{key}"
+        if area == "spans":
+            span = parse_span_name(name)
+            if span is None:
+                continue
+            below, order = span[0] < cutoff, span
+        else:
+            v = parse_version_name(name)
+            if v is None:
+                continue
+            below, order = v < cutoff, (v, v)
+        if below:
+            doomed.append((order, key, objs))
+            continue
+        report.deleted_orphans += _orphans(cat, store, folder, area, name, objs, grace, report)
+
+    # Oldest first, each manifest before its parts.
+    for _, key, objs in sorted(doomed):
+        area, name = key.split("/", 1)
+        objs = sorted(objs, key=lambda o: not o.path.endswith("/" + MANIFEST))
+        if not dry_run:
+            store.delete([o.path for o in objs])
+        report.deleted_bytes += sum(o.size for o in objs)
+        if area == "versions":
+            report.deleted_versions.append(int(name))
+        elif area == "keyframes":
+            report.deleted_keyframes.append(int(name))
+        else:
+            span = parse_span_name(name)
+            assert span is not None
+            report.deleted_spans.append(span)
+    log.info(
+        "gc %s: HEAD v%d, cutoff v%d, deleted %d versions, %d keyframes, %d spans, %d orphans (%d bytes)%s",
+        run,
+        head,
+        cutoff,
+        len(report.deleted_versions),
+        len(report.deleted_keyframes),
+        len(report.deleted_spans),
+        report.deleted_orphans,
+        report.deleted_bytes,
+        " [dry run]" if dry_run else "",
+    )
+    return report
+
+
+def _orphans(
+    cat: Catalog,
+    store: Store,
+    folder: str,
+    area: str,
+    name: str,
+    objs: list[ObjectInfo],
+    grace: datetime,
+    report: GcReport,
+) -> int:
+    """Delete the objects of a kept folder that no manifest references and that are past the grace period."""
+    manifest_path = f"{folder}/{MANIFEST}"
+    referenced: set[str] = set()
+    if any(o.path == manifest_path for o in objs):
+        try:
+            m = _read(cat, area, name)
+        except (IntegrityError, NotFoundError) as e:
+            # Never delete what an unreadable manifest might reference.
+            log.warning("gc keeps %s untouched: %s", folder, e)
+            report.kept_unreadable.append(folder)
+            return 0
+        referenced = {f"{folder}/{p.path}" for p in m.parts} | {manifest_path}
+    stale = [o for o in objs if o.path not in referenced and o.modified < grace]
+    if stale:
+        if not report.dry_run:
+            store.delete([o.path for o in stale])
+        report.deleted_bytes += sum(o.size for o in stale)
+    return len(stale)
+
+
+def _read(cat: Catalog, area: str, name: str) -> Manifest:
+    if area == "versions":
+        return cat.version(int(name))
+    if area == "keyframes":
+        return cat.keyframe(int(name))
+    span = parse_span_name(name)
+    assert span is not None
+    return cat.span(*span)

@@ -1,0 +1,143 @@
+"""Ed25519 signatures on manifests.
+
+A publisher signs the canonical JSON of a manifest (everything but the signature field). Since the manifest
+carries the BLAKE3 hash of every part, the signature covers the parts too. A reader configured with one or
+more public keys refuses unsigned manifests, manifests signed by an unknown key and tampered ones.
+Keys are PEM files: PKCS#8 for the private key (mode 0600), SubjectPublicKeyInfo for the public one.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import blake3
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from flipsync.domain.manifest import Manifest, Signature
+from flipsync.errors import ConfigError, IntegrityError
+
+ALG = "ed25519"
+
+
+def key_id(public_key: Ed25519PublicKey) -> str:
+    """A short, stable name for a public key: the first 16 hex digits of BLAKE3 of its raw bytes."""
+    raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return blake3.blake3(raw).hexdigest()[:16]
+
+
+class Signer:
+    """Signs manifests with one private key."""
+
+    def __init__(self, private_key: Ed25519PrivateKey) -> None:
+        self._key = private_key
+        self.key_id = key_id(private_key.public_key())
+
+    @classmethod
+    def from_pem(cls, pem: bytes | str | Path) -> Signer:
+        data = _read(pem, "private key")
+        try:
+            key = serialization.load_pem_private_key(data, password=None)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"cannot load the Ed25519 private key: {e}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ConfigError(f"the private key is {type(key).__name__}, not Ed25519")
+        return cls(key)
+
+    def public_key(self) -> Ed25519PublicKey:
+        return self._key.public_key()
+
+    def sign(self, manifest: Manifest) -> Manifest:
+        sig = self._key.sign(manifest.signing_payload())
+        return manifest.with_signature(
+            Signature(alg=ALG, key_id=self.key_id, value=base64.b64encode(sig).decode("ascii"))
+        )
+
+
+class Verifier:
+    """Checks manifest signatures against a set of trusted public keys (several allow key rotation)."""
+
+    def __init__(self, public_keys: Iterable[Ed25519PublicKey]) -> None:
+        self._keys = {key_id(k): k for k in public_keys}
+        if not self._keys:
+            raise ConfigError("a Verifier needs at least one public key")
+
+    @classmethod
+    def from_pem(cls, *pems: bytes | str | Path) -> Verifier:
+        keys = []
+        for pem in pems:
+            data = _read(pem, "public key")
+            try:
+                key = serialization.load_pem_public_key(data)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"cannot load the Ed25519 public key: {e}") from None
+            if not isinstance(key, Ed25519PublicKey):
+                raise ConfigError(f"the public key is {type(key).__name__}, not Ed25519")
+            keys.append(key)
+        return cls(keys)
+
+    @property
+    def key_ids(self) -> list[str]:
+        return sorted(self._keys)
+
+    def verify(self, manifest: Manifest, where: str = "manifest") -> None:
+        sig = manifest.signature
+        if sig is None:
+            raise IntegrityError(f"{where} is not signed, and this reader only accepts signed manifests")
+        key = self._keys.get(sig.key_id)
+        if key is None:
+            raise IntegrityError(
+                f"{where} is signed by key {sig.key_id}, which is not trusted here (trusted: {self.key_ids})"
+            )
+        try:
+            key.verify(base64.b64decode(sig.value, validate=True), manifest.signing_payload())
+        except (InvalidSignature, ValueError):
+            raise IntegrityError(f"{where} has a bad signature: it was modified after signing") from None
+
+
+def generate_keypair() -> tuple[bytes, bytes]:
+    """A new Ed25519 key pair as (private PEM, public PEM)."""
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return private, public
+
+
+def public_key_path(private_path: Path) -> Path:
+    return private_path.with_name(private_path.name + ".pub")
+
+
+def write_keypair(out: Path, *, force: bool = False) -> tuple[Path, Path, str]:
+    """Write a new key pair to ``out`` (private, mode 0600) and ``out.pub``; return the paths and key id."""
+    pub_path = public_key_path(out)
+    if not force and (out.exists() or pub_path.exists()):
+        raise ConfigError(f"{out} or {pub_path} already exists; pass force to replace it")
+    private, public = generate_keypair()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Create the private key file with restrictive permissions from the start.
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(private)
+    os.chmod(out, 0o600)
+    pub_path.write_bytes(public)
+    return out, pub_path, Signer.from_pem(private).key_id
+
+
+def _read(source: bytes | str | Path, what: str) -> bytes:
+    if isinstance(source, bytes):
+        return source
+    if isinstance(source, str) and source.lstrip().startswith("-----BEGIN"):
+        return source.encode("ascii")
+    path = Path(source)
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"cannot read the {what} file {path}: {e.strerror}") from None

@@ -1,0 +1,476 @@
+"""The Store port: the few object-store operations the board needs, and its obstore implementation.
+
+One client (obstore, the Rust ``object_store``) serves every backend: ``file://`` (the default, plain paths
+too), ``memory://``, ``s3://`` (AWS, and S3-compatible endpoints such as R2 or MinIO), ``gs://`` and
+``az://``. Large objects go up as multipart uploads and come down as parallel range reads; transient errors
+are retried with exponential backoff inside a bounded total time; every failure surfaces as a
+``flipsync.errors`` exception that names the object and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from urllib.parse import unquote, urlparse
+
+import obstore
+import obstore.exceptions as obx
+from obstore.store import LocalStore, MemoryStore
+
+from flipsync.errors import ConfigError, ConflictError, NotFoundError, StoreError
+
+if TYPE_CHECKING:
+    from obstore.store import ClientConfig, ObjectStore, RetryConfig
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+# Configuration keys (or environment variables) that give a backend explicit credentials; without any of
+# them obstore would ask a cloud metadata service, which StoreOptions can forbid.
+_EXPLICIT_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (
+        (
+            "access_key_id",
+            "aws_access_key_id",
+            "skip_signature",
+            "aws_skip_signature",
+            "web_identity_token_file",
+        ),
+        ("AWS_ACCESS_KEY_ID", "AWS_SKIP_SIGNATURE", "AWS_WEB_IDENTITY_TOKEN_FILE"),
+    ),
+    "gs": (
+        (
+            "service_account",
+            "service_account_key",
+            "application_credentials",
+            "bearer_token",
+            "skip_signature",
+        ),
+        (
+            "GOOGLE_SERVICE_ACCOUNT",
+            "GOOGLE_SERVICE_ACCOUNT_PATH",
+            "GOOGLE_SERVICE_ACCOUNT_KEY",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ),
+    ),
+    "az": (
+        (
+            "account_key",
+            "access_key",
+            "sas_key",
+            "sas_token",
+            "token",
+            "bearer_token",
+            "client_secret",
+            "federated_token_file",
+            "use_emulator",
+            "skip_signature",
+            "use_azure_cli",
+        ),
+        (
+            "AZURE_STORAGE_ACCOUNT_KEY",
+            "AZURE_STORAGE_ACCESS_KEY",
+            "AZURE_STORAGE_SAS_KEY",
+            "AZURE_STORAGE_TOKEN",
+            "AZURE_CLIENT_SECRET",
+            "AZURE_FEDERATED_TOKEN_FILE",
+            "AZURE_STORAGE_USE_EMULATOR",
+        ),
+    ),
+}
+_SCHEMES = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gs",
+    "az": "az",
+    "azure": "az",
+    "abfs": "az",
+    "abfss": "az",
+    "adl": "az",
+}
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How to reach a store and how hard to try.
+
+    ``config`` is passed to the backend (``endpoint``, ``region``, ``access_key_id``, ...; obstore also reads
+    the usual environment variables such as ``AWS_ENDPOINT_URL`` or ``AZURE_STORAGE_ACCOUNT_NAME``).
+    Retries apply to 5xx, dropped connections and read timeouts, and stop after ``retry_timeout_s``.
+    Every request is at most one multipart chunk or one range, so ``request_timeout_s`` bounds each.
+    """
+
+    config: Mapping[str, str] = field(default_factory=dict)
+    allow_http: bool | None = None  # None: allow when the endpoint is http://
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 60.0
+    max_retries: int = 5
+    retry_timeout_s: float = 60.0
+    init_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    multipart_chunk_bytes: int = 16 * MiB
+    multipart_concurrency: int = 8
+    range_chunk_bytes: int = 16 * MiB
+    max_parallel_reads: int = 8
+    # Cloud VMs usually get credentials from the instance metadata service; tests and air-gapped hosts
+    # set this False so a missing credential is an error instead of a request to a link-local address.
+    allow_metadata_credentials: bool = True
+
+    def __post_init__(self) -> None:
+        if self.multipart_chunk_bytes < 5 * MiB:
+            raise ConfigError("multipart_chunk_bytes must be at least 5 MiB (the S3 minimum part size)")
+        if self.range_chunk_bytes <= 0:
+            raise ConfigError("range_chunk_bytes must be positive")
+        if self.max_parallel_reads < 1 or self.multipart_concurrency < 1:
+            raise ConfigError("max_parallel_reads and multipart_concurrency must be at least 1")
+        if self.max_retries < 0 or self.retry_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("max_retries must be >= 0 and the timeouts positive")
+
+    def client_options(self, endpoint: str | None) -> ClientConfig:
+        allow_http = self.allow_http
+        if allow_http is None:
+            allow_http = bool(endpoint and endpoint.startswith("http://"))
+        opts: dict[str, Any] = {
+            "connect_timeout": timedelta(seconds=self.connect_timeout_s),
+            "timeout": timedelta(seconds=self.request_timeout_s),
+        }
+        if allow_http:
+            opts["allow_http"] = True
+        return opts  # type: ignore[return-value]
+
+    def retry_config(self) -> RetryConfig:
+        return {
+            "max_retries": self.max_retries,
+            "retry_timeout": timedelta(seconds=self.retry_timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=self.init_backoff_s),
+                "max_backoff": timedelta(seconds=self.max_backoff_s),
+                "base": 2,
+            },
+        }
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    path: str
+    size: int
+    modified: datetime
+    etag: str | None = None
+
+
+@runtime_checkable
+class Store(Protocol):
+    """What the board needs from an object store. Paths are relative, '/'-separated."""
+
+    url: str
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        """Write an object atomically. ``create_only`` fails with ConflictError if it exists."""
+        ...
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        """Read a whole object (in parallel ranges when ``size`` is known and large)."""
+        ...
+
+    def get_range(self, path: str, start: int, end: int) -> bytes: ...
+
+    def head(self, path: str) -> ObjectInfo:
+        """Metadata of one object; NotFoundError if it does not exist."""
+        ...
+
+    def exists(self, path: str) -> bool: ...
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (a folder), recursively."""
+        ...
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        """The names of the immediate sub-folders of ``prefix``."""
+        ...
+
+    def delete(self, paths: Sequence[str]) -> None:
+        """Delete objects; missing ones are ignored."""
+        ...
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        """Make written objects survive a crash of this host (a no-op where puts are already durable)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:400] if text else type(e).__name__
+
+
+class ObstoreStore:
+    """The Store port over an obstore ``ObjectStore``."""
+
+    def __init__(self, inner: ObjectStore, url: str, options: StoreOptions | None = None) -> None:
+        self._inner = inner
+        self.url = url.rstrip("/") or url
+        self.options = options or StoreOptions()
+        self._pool: ThreadPoolExecutor | None = None
+        self._local_root: Path | None = Path(inner.prefix) if isinstance(inner, LocalStore) else None
+
+    def __repr__(self) -> str:
+        return f"ObstoreStore({self.url!r})"
+
+    @property
+    def inner(self) -> ObjectStore:
+        return self._inner
+
+    def _where(self, path: str) -> str:
+        return f"{self.url}/{path}"
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        """Run one obstore call and translate its failure into a flipsync error that names the object."""
+        try:
+            return fn()
+        except (obx.NotFoundError, FileNotFoundError):
+            raise NotFoundError(f"{self._where(path)} does not exist") from None
+        except (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError):
+            raise ConflictError(f"{self._where(path)} already exists; it was not overwritten") from None
+        except (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError) as e:
+            raise StoreError(
+                f"{op} {self._where(path)} was refused ({_first_line(e)}); check the store credentials"
+            ) from e
+        except obx.UnknownConfigurationKeyError as e:
+            raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
+        except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
+            raise StoreError(
+                f"{op} {self._where(path)} failed: {_first_line(e)} "
+                f"(retried up to {self.options.max_retries} times within {self.options.retry_timeout_s:g} s; "
+                "check that the store is reachable)"
+            ) from e
+
+    # -- writes ---------------------------------------------------------------------------------------
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        o = self.options
+        if create_only:
+            # Conditional puts are single requests (If-None-Match: *); the store decides atomically.
+            self._call("create", path, lambda: obstore.put(self._inner, path, data, mode="create"))
+            return
+        # obstore does not retry a timed-out PUT; an overwrite of a not-yet-published path is idempotent,
+        # so retry it here within the same bounded total time.
+        deadline = time.monotonic() + o.retry_timeout_s
+        delay = o.init_backoff_s
+        while True:
+            try:
+                self._call(
+                    "put",
+                    path,
+                    lambda: obstore.put(
+                        self._inner,
+                        path,
+                        data,
+                        mode="overwrite",
+                        chunk_size=o.multipart_chunk_bytes,
+                        max_concurrency=o.multipart_concurrency,
+                    ),
+                )
+                return
+            except StoreError as e:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("put %s failed, retrying in %.2f s: %s", self._where(path), delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, o.max_backoff_s)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(NotFoundError):
+                self._call("delete", path, lambda p=path: obstore.delete(self._inner, p))  # type: ignore[misc]
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        if self._local_root is None:
+            return  # remote stores acknowledge a PUT only once it is durable
+        dirs: set[Path] = set()
+        for path in paths:
+            full = self._local_root / path
+            try:
+                fd = os.open(full, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise StoreError(f"cannot fsync {full}: {e}") from e
+            dirs.add(full.parent)
+        for d in dirs:
+            try:
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:  # some filesystems cannot fsync a directory; the file itself is durable
+                pass
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        chunk = self.options.range_chunk_bytes
+        if size is None or size <= chunk or self.options.max_parallel_reads == 1:
+            return bytes(self._call("get", path, lambda: obstore.get(self._inner, path).bytes()))
+        return self._get_parallel(path, size)
+
+    def _get_parallel(self, path: str, size: int) -> bytes:
+        chunk = self.options.range_chunk_bytes
+        out = bytearray(size)
+        view = memoryview(out)
+        ranges = [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
+
+        def fetch(r: tuple[int, int]) -> None:
+            data = self.get_range(path, r[0], r[1])
+            if len(data) != r[1] - r[0]:
+                raise StoreError(
+                    f"{self._where(path)} is shorter than expected: "
+                    f"range {r[0]}-{r[1]} returned {len(data)} bytes"
+                )
+            view[r[0] : r[1]] = data
+
+        for _ in self._executor().map(fetch, ranges):
+            pass
+        return bytes(out)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return bytes(
+            self._call("get_range", path, lambda: obstore.get_range(self._inner, path, start=start, end=end))
+        )
+
+    def head(self, path: str) -> ObjectInfo:
+        meta = self._call("head", path, lambda: obstore.head(self._inner, path))
+        return ObjectInfo(meta["path"], meta["size"], meta["last_modified"], meta.get("e_tag"))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.head(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        prefix = prefix.rstrip("/")
+
+        def run() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            for batch in obstore.list(self._inner, prefix + "/" if prefix else None, chunk_size=1000):
+                out.extend(
+                    ObjectInfo(m["path"], m["size"], m["last_modified"], m.get("e_tag")) for m in batch
+                )
+            return out
+
+        return self._call("list", prefix, run)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        prefix = prefix.rstrip("/")
+        res = self._call("list", prefix, lambda: obstore.list_with_delimiter(self._inner, prefix or None))
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self.options.max_parallel_reads, thread_name_prefix="flipsync-get"
+            )
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> ObstoreStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- URL parsing -------------------------------------------------------------------------------------------
+
+
+def _has_explicit_credentials(kind: str, config: Mapping[str, str]) -> bool:
+    keys, env = _EXPLICIT_CREDENTIALS[kind]
+    lowered = {k.lower() for k in config}
+    return any(k in lowered for k in keys) or any(os.environ.get(v) for v in env)
+
+
+def _endpoint(kind: str, config: Mapping[str, str]) -> str | None:
+    for key in ("endpoint", "aws_endpoint", "aws_endpoint_url", "base_url", "azure_storage_endpoint"):
+        if config.get(key):
+            return config[key]
+    if kind == "s3":
+        return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    if kind == "az":
+        return os.environ.get("AZURE_STORAGE_ENDPOINT")
+    return None
+
+
+def open_store(url: str | Path, options: StoreOptions | None = None) -> ObstoreStore:
+    """Open a board store from a URL or a local path.
+
+    ``file:///abs/dir`` or a plain path: the local filesystem (created if missing). ``memory://``: a fresh
+    in-memory store (useful in tests and demos only; nothing is shared between calls). ``s3://bucket/prefix``,
+    ``gs://bucket/prefix``, ``az://container/prefix`` (and the https forms obstore recognises, such as R2's
+    ``https://ACCOUNT.r2.cloudflarestorage.com/bucket``): cloud stores configured from ``options.config`` and
+    the usual environment variables.
+    """
+    opts = options or StoreOptions()
+    text = str(url)
+    parsed = urlparse(text)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = Path(unquote(parsed.path) if scheme == "file" else text).expanduser().resolve()
+        if scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"file URLs name a local path (file:///abs/dir), got {text!r}")
+        try:
+            # automatic_cleanup removes folders emptied by retention, so listings stay short.
+            inner: ObjectStore = LocalStore(prefix=path, mkdir=True, automatic_cleanup=True)
+        except Exception as e:
+            raise ConfigError(f"cannot use {path} as a board directory: {_first_line(e)}") from e
+        return ObstoreStore(inner, path.as_uri(), opts)
+    if scheme == "memory":
+        return ObstoreStore(MemoryStore(), "memory://", opts)
+    kind = _SCHEMES.get(scheme)
+    if kind is None and scheme in ("http", "https"):
+        host = parsed.netloc.lower()
+        if "r2.cloudflarestorage.com" in host or "amazonaws.com" in host:
+            kind = "s3"
+        elif host.endswith((".blob.core.windows.net", ".dfs.core.windows.net")):
+            kind = "az"
+    if kind is None:
+        raise ConfigError(
+            f"unsupported board URL {text!r}: use a path, file://, memory://, s3://, gs:// or az:// "
+            "(or an R2 / S3 / Azure https URL)"
+        )
+    config = dict(opts.config)
+    if not opts.allow_metadata_credentials and not _has_explicit_credentials(kind, config):
+        raise ConfigError(
+            f"no explicit credentials for {text!r} and metadata-service credentials are disabled: "
+            "set them in the store options or the environment "
+            "(AWS_ACCESS_KEY_ID, GOOGLE_SERVICE_ACCOUNT_KEY, AZURE_STORAGE_ACCOUNT_KEY, ...)"
+        )
+    try:
+        inner = obstore.store.from_url(
+            text,
+            config=config or None,  # type: ignore[arg-type]
+            client_options=opts.client_options(_endpoint(kind, config)),
+            retry_config=opts.retry_config(),
+        )
+    except (obx.BaseError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot open {text!r}: {_first_line(e)}") from e
+    return ObstoreStore(inner, text, opts)
+

@@ -1,0 +1,385 @@
+"""The manifest: what one artifact on the board (a version, a keyframe, a squashed span) says about itself.
+
+A manifest names the transition it carries (``base_version`` -> ``target_version``, with the served-view
+fingerprints at both ends), the served format, and every part file with its size and BLAKE3 hash. Manifests
+are immutable once written; readers trust nothing else on the board.
+
+Pure: no I/O, no torch. ``from_json`` validates every field strictly, because manifests arrive over the
+network from a store that may be corrupted or tampered with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from flipsync.errors import IntegrityError
+
+MANIFEST_SCHEMA = 1
+MAX_PARTS = 100_000
+MAX_PATH = 512
+MAX_META_KEYS = 256
+SIGNATURE_ALGORITHMS = ("ed25519",)
+
+_HEX = re.compile(r"[0-9a-f]+")
+_HASH = re.compile(r"[0-9a-f]{64}")  # BLAKE3-256, lowercase hex
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_PATH_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_B64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
+_FIELDS = frozenset(
+    {
+        "schema",
+        "run",
+        "version",
+        "kind",
+        "base_version",
+        "target_version",
+        "base_view_fp",
+        "target_view_fp",
+        "served_format",
+        "parts",
+        "created",
+        "publisher",
+        "meta",
+        "signature",
+    }
+)
+
+
+class Kind(StrEnum):
+    """What an artifact holds: a full served view, or a patch between two versions."""
+
+    KEYFRAME = "keyframe"  # the full served view at target_version (no base)
+    PATCH = "patch"  # one published version: base_version -> target_version
+    SPAN = "span"  # a squashed patch spanning several versions, published after the fact
+
+
+def _fail(msg: str) -> IntegrityError:
+    return IntegrityError(f"invalid manifest: {msg}")
+
+
+def check_name(value: object, what: str) -> str:
+    """Validate a run or publisher name: short, ASCII, safe as one path segment."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise _fail(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting alphanumeric, got {value!r}")
+    return value
+
+
+def check_part_path(value: object) -> str:
+    """A part path is relative to the manifest's folder and may not leave it."""
+    if not isinstance(value, str) or not value or len(value) > MAX_PATH:
+        raise _fail(f"part path must be a non-empty string of at most {MAX_PATH} characters, got {value!r}")
+    segments = value.split("/")
+    for seg in segments:
+        if seg in ("", ".", "..") or not _PATH_SEGMENT.fullmatch(seg):
+            raise _fail(
+                f"part path {value!r} escapes its version folder or has an unsafe segment {seg!r} "
+                "(allowed: relative paths of [A-Za-z0-9._-] segments, no '.', '..' or empty segments)"
+            )
+    if value == "manifest.json":
+        raise _fail("a part may not be named manifest.json")
+    return value
+
+
+def _int(value: object, what: str, *, minimum: int = 0) -> int:
+    # bool is an int subclass in Python; a JSON true is never a valid count or version.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(f"{what} must be an integer, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise _fail(f"{what} must be >= {minimum}, got {value}")
+    return value
+
+
+def _str(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _fp(value: object, what: str) -> str:
+    s = _str(value, what)
+    if not (1 <= len(s) <= 128) or not _HEX.fullmatch(s):
+        raise _fail(f"{what} must be 1-128 lowercase hex characters, got {s!r}")
+    return s
+
+
+def _created(value: object) -> str:
+    s = _str(value, "created")
+    try:
+        ts = datetime.fromisoformat(s.replace("Z", "+00:00"))
+    except ValueError:
+        raise _fail(f"created must be an ISO 8601 time, got {s!r}") from None
+    if ts.tzinfo is None:
+        raise _fail(f"created must carry a time zone (UTC), got {s!r}")
+    return s
+
+
+def utc_now_iso() -> str:
+    """The current time as the manifests write it: ISO 8601, UTC, microseconds, trailing Z."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_time(created: str) -> datetime:
+    """Parse a manifest's ``created`` field (already validated) into an aware datetime."""
+    return datetime.fromisoformat(created.replace("Z", "+00:00"))
+
+
+@dataclass(frozen=True)
+class Part:
+    """One file of an artifact, relative to the artifact's folder."""
+
+    path: str
+    size: int
+    hash: str  # BLAKE3-256 of the file's bytes, lowercase hex
+
+    def __post_init__(self) -> None:
+        check_part_path(self.path)
+        _int(self.size, f"size of part {self.path!r}")
+        h = _str(self.hash, f"hash of part {self.path!r}")
+        if not _HASH.fullmatch(h):
+            raise _fail(f"hash of part {self.path!r} must be 64 lowercase hex characters (BLAKE3), got {h!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size, "hash": self.hash}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Part:
+        if not isinstance(d, dict):
+            raise _fail(f"each part must be an object, got {type(d).__name__}")
+        if set(d) != {"path", "size", "hash"}:
+            raise _fail(f"a part has exactly the keys path, size, hash; got {sorted(d)}")
+        return cls(path=d["path"], size=d["size"], hash=d["hash"])
+
+
+@dataclass(frozen=True)
+class Signature:
+    """A detached signature over the manifest's canonical JSON without its ``signature`` field."""
+
+    alg: str
+    key_id: str
+    value: str  # base64
+
+    def __post_init__(self) -> None:
+        if self.alg not in SIGNATURE_ALGORITHMS:
+            raise _fail(f"signature algorithm must be one of {SIGNATURE_ALGORITHMS}, got {self.alg!r}")
+        _fp(self.key_id, "signature key_id")
+        v = _str(self.value, "signature value")
+        if not v or len(v) > 1024 or not _B64.fullmatch(v):
+            raise _fail("signature value must be base64")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"alg": self.alg, "key_id": self.key_id, "value": self.value}
+
+    @classmethod
+    def from_dict(cls, d: object) -> Signature:
+        if not isinstance(d, dict) or set(d) != {"alg", "key_id", "value"}:
+            raise _fail("signature must be an object with exactly the keys alg, key_id, value")
+        return cls(alg=_str(d["alg"], "signature alg"), key_id=d["key_id"], value=d["value"])
+
+
+def _meta(value: object) -> dict[str, str | int | float | bool]:
+    if not isinstance(value, dict):
+        raise _fail(f"meta must be an object, got {type(value).__name__}")
+    if len(value) > MAX_META_KEYS:
+        raise _fail(f"meta has {len(value)} keys, at most {MAX_META_KEYS} allowed")
+    for k, v in value.items():
+        if not isinstance(k, str) or not k or len(k) > 128:
+            raise _fail(f"meta keys must be non-empty strings of at most 128 characters, got {k!r}")
+        if not isinstance(v, str | int | float | bool) or (isinstance(v, str) and len(v) > 4096):
+            raise _fail(f"meta[{k!r}] must be a string (<= 4096 chars), number or boolean, got {v!r}")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise _fail(f"meta[{k!r}] must be finite, got {v!r}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What one artifact on the board holds.
+
+    ``version`` is the folder the manifest lives in and always equals ``target_version``. Keyframes have no
+    base; patches and spans go from ``base_version`` to ``target_version`` (base < target).
+    """
+
+    run: str
+    version: int
+    kind: Kind
+    base_version: int | None
+    target_version: int
+    base_view_fp: str | None
+    target_view_fp: str
+    served_format: str
+    parts: tuple[Part, ...]
+    created: str
+    publisher: str
+    meta: Mapping[str, str | int | float | bool] = field(default_factory=dict)
+    signature: Signature | None = None
+    schema: int = MANIFEST_SCHEMA
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kind, str) and not isinstance(self.kind, Kind):
+            object.__setattr__(self, "kind", _kind(self.kind))
+        if not isinstance(self.kind, Kind):
+            raise _fail(f"kind must be one of {[k.value for k in Kind]}, got {self.kind!r}")
+        if not isinstance(self.parts, tuple):
+            object.__setattr__(self, "parts", tuple(self.parts))
+        object.__setattr__(self, "meta", _meta(dict(self.meta)) if isinstance(self.meta, Mapping) else None)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.schema != MANIFEST_SCHEMA or isinstance(self.schema, bool):
+            raise _fail(
+                f"schema {self.schema!r} is not supported (this flipsync reads schema {MANIFEST_SCHEMA}); "
+                "upgrade flipsync"
+            )
+        if self.meta is None:
+            raise _fail("meta must be an object")
+        check_name(self.run, "run")
+        check_name(self.publisher, "publisher")
+        _int(self.version, "version")
+        _int(self.target_version, "target_version")
+        if self.version != self.target_version:
+            raise _fail(f"version {self.version} must equal target_version {self.target_version}")
+        _fp(self.target_view_fp, "target_view_fp")
+        fmt = _str(self.served_format, "served_format")
+        if not _FORMAT.fullmatch(fmt):
+            raise _fail(f"served_format must be 1-64 characters of [A-Za-z0-9._+-], got {fmt!r}")
+        _created(self.created)
+        if self.kind is Kind.KEYFRAME:
+            if self.base_version is not None or self.base_view_fp is not None:
+                raise _fail("a keyframe has no base: base_version and base_view_fp must be null")
+        else:
+            base = _int(self.base_version, "base_version")
+            if base >= self.target_version:
+                raise _fail(f"base_version {base} must be below target_version {self.target_version}")
+            _fp(self.base_view_fp, "base_view_fp")
+        if not self.parts:
+            raise _fail("an artifact has at least one part")
+        if len(self.parts) > MAX_PARTS:
+            raise _fail(f"{len(self.parts)} parts, at most {MAX_PARTS} allowed")
+        seen: set[str] = set()
+        for p in self.parts:
+            if not isinstance(p, Part):
+                raise _fail(f"parts must be Part objects, got {type(p).__name__}")
+            if p.path in seen:
+                raise _fail(f"part path {p.path!r} appears twice")
+            seen.add(p.path)
+        if self.signature is not None and not isinstance(self.signature, Signature):
+            raise _fail("signature must be a Signature or null")
+
+    # -- derived ------------------------------------------------------------------------------------
+
+    @property
+    def total_size(self) -> int:
+        """Bytes a reader downloads to fetch every part."""
+        return sum(p.size for p in self.parts)
+
+    @property
+    def created_at(self) -> datetime:
+        return parse_time(self.created)
+
+    @property
+    def edge(self) -> tuple[str, int | None, int]:
+        """(kind, base, target): the identity of the transition, used by the catch-up planner."""
+        return (self.kind.value, self.base_version, self.target_version)
+
+    # -- JSON -----------------------------------------------------------------------------------------
+
+    def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": self.schema,
+            "run": self.run,
+            "version": self.version,
+            "kind": self.kind.value,
+            "base_version": self.base_version,
+            "target_version": self.target_version,
+            "base_view_fp": self.base_view_fp,
+            "target_view_fp": self.target_view_fp,
+            "served_format": self.served_format,
+            "parts": [p.to_dict() for p in self.parts],
+            "created": self.created,
+            "publisher": self.publisher,
+            "meta": dict(self.meta),
+        }
+        if with_signature:
+            d["signature"] = self.signature.to_dict() if self.signature is not None else None
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no insignificant whitespace, ASCII only."""
+        return canonical_json(self.to_dict())
+
+    def signing_payload(self) -> bytes:
+        """The bytes a signature covers: the canonical JSON of everything but the signature."""
+        return canonical_json(self.to_dict(with_signature=False)).encode("ascii")
+
+    def with_signature(self, signature: Signature | None) -> Manifest:
+        return replace(self, signature=signature)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse and validate; every problem raises IntegrityError naming the field."""
+        try:
+            d = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _fail(f"not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: object) -> Manifest:
+        if not isinstance(d, dict):
+            raise _fail(f"top level must be an object, got {type(d).__name__}")
+        unknown = set(d) - _FIELDS
+        if unknown:
+            raise _fail(f"unknown fields {sorted(unknown)}")
+        missing = _FIELDS - {"signature", "meta"} - set(d)
+        if missing:
+            raise _fail(f"missing fields {sorted(missing)}")
+        parts = d["parts"]
+        if not isinstance(parts, list):
+            raise _fail(f"parts must be a list, got {type(parts).__name__}")
+        if len(parts) > MAX_PARTS:
+            raise _fail(f"{len(parts)} parts, at most {MAX_PARTS} allowed")
+        sig = d.get("signature")
+        return cls(
+            schema=_int(d["schema"], "schema"),
+            run=_str(d["run"], "run"),
+            version=_int(d["version"], "version"),
+            kind=_kind(d["kind"]),
+            base_version=None if d["base_version"] is None else _int(d["base_version"], "base_version"),
+            target_version=_int(d["target_version"], "target_version"),
+            base_view_fp=None if d["base_view_fp"] is None else _fp(d["base_view_fp"], "base_view_fp"),
+            target_view_fp=_fp(d["target_view_fp"], "target_view_fp"),
+            served_format=_str(d["served_format"], "served_format"),
+            parts=tuple(Part.from_dict(p) for p in parts),
+            created=_str(d["created"], "created"),
+            publisher=_str(d["publisher"], "publisher"),
+            meta=_meta(d.get("meta", {})),
+            signature=None if sig is None else Signature.from_dict(sig),
+        )
+
+
+def _kind(value: object) -> Kind:
+    try:
+        return Kind(value)
+    except ValueError:
+        raise _fail(f"unknown kind {value!r} (expected one of {[k.value for k in Kind]})") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def parts_from(entries: Sequence[tuple[str, int, str]]) -> tuple[Part, ...]:
+    """Build parts from (path, size, hash) triples."""
+    return tuple(Part(path=p, size=s, hash=h) for p, s, h in entries)

@@ -1,0 +1,113 @@
+"""Fixtures for the board tests: real stores on loopback only.
+
+- ``file``: obstore LocalStore in a temporary directory;
+- ``memory``: obstore MemoryStore;
+- ``s3``: moto's ThreadedMotoServer on 127.0.0.1 (a real S3 API server, honours If-None-Match);
+- ``azure``: Azurite (npm ``azurite``) on 127.0.0.1, skipped when ``azurite-blob`` is not installed.
+
+Every client gets explicit fake credentials and a 127.0.0.1 endpoint, and metadata-service credentials are
+disabled, so nothing ever leaves the machine. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+
+import pytest
+from board_helpers import (
+    AZURITE_ACCOUNT,
+    fast_options,
+    free_port,
+    make_azure_store,
+    make_s3_store,
+    wait_for_port,
+)
+
+from flipsync.board.store import ObstoreStore, open_store
+
+StoreFactory = Callable[[], ObstoreStore]
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        wait_for_port(port, 15.0)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def azurite_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    exe = shutil.which("azurite-blob")
+    if exe is None:
+        pytest.skip("Azurite is not installed (npm install -g azurite@3 provides azurite-blob)")
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("azurite")
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--location",
+            str(workdir),
+            "--loose",
+            "--skipApiVersionCheck",
+            "--silent",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 30.0, proc)
+        yield f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture
+def store_factory(request: pytest.FixtureRequest, tmp_path: object) -> Iterator[StoreFactory]:
+    """A factory of fresh, empty stores of the backend named by the test's ``backend`` parameter."""
+    backend = request.param if hasattr(request, "param") else "file"
+    made: list[ObstoreStore] = []
+    counter = iter(range(1_000_000))
+
+    def make() -> ObstoreStore:
+        if backend == "file":
+            s = open_store(os.path.join(str(tmp_path), f"board{next(counter)}"), fast_options())
+        elif backend == "memory":
+            s = open_store("memory://", fast_options())
+        elif backend == "s3":
+            s = make_s3_store(request.getfixturevalue("moto_endpoint"))
+        elif backend == "azure":
+            s = make_azure_store(request.getfixturevalue("azurite_endpoint"))
+        else:
+            raise ValueError(backend)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+@pytest.fixture
+def store(store_factory: StoreFactory) -> ObstoreStore:
+    return store_factory()

@@ -1,0 +1,308 @@
+"""The publish protocol against real stores: create-only manifests, racing and stale publishers, restarts,
+crashes at every step, and catch-up over chains, spans and keyframes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import pytest
+import torch
+from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, small_view, span_bytes
+
+from flipsync.board.layout import RunLayout
+from flipsync.board.publish import Publisher
+from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep
+from flipsync.board.store import ObjectInfo, ObstoreStore
+from flipsync.domain.manifest import Kind
+from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+
+ALL = backend_params()
+
+
+def patch(pub: Publisher, v: int, lineage: str = "a", size: int = 2000) -> None:
+    pub.publish_patch(
+        [patch_bytes(v, size)],
+        base_version=v - 1,
+        target_version=v,
+        base_view_fp=fp(v - 1, lineage),
+        target_view_fp=fp(v, lineage),
+        served_format="bf16",
+    )
+
+
+@pytest.mark.parametrize("store_factory", ALL, indirect=True)
+def test_publish_then_catch_up_from_anywhere(store: ObstoreStore) -> None:
+    build_run(store, 6, keyframes=(4,), spans=True)
+    reader = BoardReader(store, "run")
+    assert reader.head() == 6
+
+    # A new replica boots from the newest keyframe, then patches.
+    rec = Recorder()
+    f = Follower(reader)
+    assert f.sync(rec) == 6
+    first = rec.steps[0]
+    assert isinstance(first, KeyframeStep) and first.target_version == 4
+    assert all(torch.equal(first.tensors[k], small_view(4)[k]) for k in small_view(4))
+    assert rec.edges[1:] == [("span", 4, 6)]  # 2250 bytes, the two patches 5000
+    assert f.version == 6 and f.view_fp == fp(6)
+
+    # A lagging replica takes the chain or a squashed span, whichever is fewer bytes.
+    rec = Recorder()
+    f = Follower(reader, version=0, view_fp=fp(0))
+    assert f.sync(rec) == 6
+    assert rec.edges == [("span", 0, 4), ("span", 4, 6)]
+    assert f.bytes_downloaded == sum(s.manifest.total_size for s in rec.steps)
+    rec = Recorder()
+    assert Follower(reader, version=5, view_fp=fp(5)).sync(rec) == 6
+    step = rec.steps[0]
+    assert isinstance(step, PatchStep) and step.base_version == 5
+    assert step.parts == [patch_bytes(6), patch_bytes(-6, 500)]
+
+    # Already current: nothing to do.
+    rec = Recorder()
+    assert Follower(reader, version=6, view_fp=fp(6)).sync(rec) == 6 and rec.steps == []
+
+
+@pytest.mark.parametrize("store_factory", ALL, indirect=True)
+def test_racing_publishers_exactly_one_creates_the_version(store: ObstoreStore) -> None:
+    build_run(store, 1)
+    pubs = [Publisher(store, "run", publisher_id=f"trainer-{i}") for i in range(6)]
+    for p in pubs:
+        p.resume()
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(len(pubs))
+
+    def go(i: int) -> None:
+        barrier.wait(timeout=10)
+        try:
+            results[i] = pubs[i].publish_patch(
+                [patch_bytes(100 + i)],
+                base_version=1,
+                target_version=2,
+                base_view_fp=fp(1),
+                target_view_fp=fp(2, lineage=f"trainer{i}"),
+                served_format="bf16",
+            )
+        except ConflictError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(pubs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    winners = [i for i, r in results.items() if not isinstance(r, Exception)]
+    assert len(results) == len(pubs) and len(winners) == 1
+    for i, r in results.items():
+        if i != winners[0]:
+            assert isinstance(r, ConflictError) and "fenced off" in str(r)
+    # The board holds the winner's version, and only the winner's parts (losers clean up after themselves).
+    reader = BoardReader(store, "run")
+    m = reader.catalog.version(2)
+    assert m.publisher == f"trainer-{winners[0]}" and m.target_view_fp == fp(2, f"trainer{winners[0]}")
+    folder = RunLayout("run").version_dir(2)
+    attempts = {o.path[len(folder) + 1 :].split("/")[0] for o in store.list(folder)} - {"manifest.json"}
+    assert attempts == {m.parts[0].path.split("/")[0]}
+    rec = Recorder()
+    assert Follower(reader, version=1, view_fp=fp(1)).sync(rec) == 2
+    assert rec.steps[0].parts == [patch_bytes(100 + winners[0])]  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "s3"), indirect=True)
+def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
+    a = build_run(store, 2, publisher_id="trainer-a")
+    b = Publisher(store, "run", publisher_id="trainer-b")
+    assert b.resume() is not None and b.head is not None and b.head.version == 2
+    patch(a, 3)  # a moves on; b still believes HEAD is v2
+    with pytest.raises(ConflictError, match=r"v3 of run 'run' was already published by trainer-a"):
+        b.publish_patch(
+            [b"b's patch"], base_version=2, target_version=3, base_view_fp=fp(2), target_view_fp=fp(3, "b"),
+            served_format="bf16",
+        )
+    # A trainer restarted from an older checkpoint (its base is v1) is fenced with a clear message.
+    c = Publisher(store, "run", publisher_id="trainer-c")
+    with pytest.raises(ConflictError, match=r"its base is v1 .* board's HEAD is v3"):
+        patch(c, 2)
+    # Same version number but a different view (a second trainer in lock step) is fenced too.
+    with pytest.raises(ConflictError, match="fenced off"):
+        c.publish_patch(
+            [b"x"],
+            base_version=3,
+            target_version=4,
+            base_view_fp=fp(3, "other"),
+            target_view_fp=fp(4, "other"),
+            served_format="bf16",
+        )
+    # Taking over explicitly: a snapshot on top of HEAD; patches then continue from it.
+    c.publish_snapshot(small_view(9), version=4, view_fp=fp(4, "c"), served_format="bf16")
+    patch(c, 5, lineage="c")
+    with pytest.raises(ConflictError):
+        patch(a, 4)
+    assert a.resume() is not None and a.head is not None and a.head.publisher == "trainer-c"
+    # Replicas follow the takeover: the snapshot is a keyframe.
+    rec = Recorder()
+    f = Follower(BoardReader(store, "run"), version=3, view_fp=fp(3))
+    assert f.sync(rec) == 5
+    assert rec.edges == [("keyframe", None, 4), ("patch", 4, 5)]
+
+
+def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
+    pub = Publisher(store, "run", publisher_id="t")
+    with pytest.raises(ConflictError, match="no version yet"):
+        patch(pub, 1)
+    with pytest.raises(ConflictError, match="must be v0"):
+        pub.publish_snapshot(small_view(), version=3, view_fp=fp(3), served_format="bf16")
+    pub.publish_snapshot(small_view(), version=0, view_fp=fp(0), served_format="bf16")
+    with pytest.raises(BoardError, match="publish_span"):
+        pub.publish_patch(
+            [b"x"], base_version=0, target_version=2, base_view_fp=fp(0), target_view_fp=fp(2),
+            served_format="bf16",
+        )
+    with pytest.raises(BoardError, match="served format"):
+        pub.publish_patch(
+            [b"x"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+            served_format="fp8",
+        )
+    patch(pub, 1)
+    with pytest.raises(IntegrityError, match="not v1's view"):
+        pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1, "zz"), served_format="bf16")
+    with pytest.raises(IntegrityError, match="span's target view"):
+        pub.publish_span(
+            [b"x"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(7),
+            served_format="bf16",
+        )
+    with pytest.raises(NotFoundError):
+        pub.publish_keyframe(small_view(1), version=5, view_fp=fp(5), served_format="bf16")
+    # Keyframes and spans are idempotent: a second publisher doing the same work gets the same answer.
+    k1 = pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16")
+    other = Publisher(store, "run", publisher_id="t2")
+    assert other.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16") == k1
+    s1 = pub.publish_span(
+        [span_bytes(0, 1)], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+        served_format="bf16",
+    )
+    s2 = other.publish_span(
+        [b"different bytes"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+        served_format="bf16",
+    )
+    assert s1 == s2
+    # A snapshot version is its own keyframe.
+    assert pub.publish_keyframe(small_view(), version=0, view_fp=fp(0), served_format="bf16").version == 0
+
+
+class CrashingStore:
+    """A real store with a fault injected at one step of the protocol (the process 'dies' there)."""
+
+    def __init__(self, inner: ObstoreStore, *, crash_on: str, land_first: bool = False) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.crash_on = crash_on  # "manifest", "hint" or "part"
+        self.land_first = land_first  # perform the write, then fail (an ambiguous timeout)
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        hit = (
+            (self.crash_on == "manifest" and create_only)
+            or (self.crash_on == "hint" and path.endswith("latest.json"))
+            or (self.crash_on == "part" and path.endswith("patch-00001.safetensors"))
+        )
+        if hit:
+            if self.land_first:
+                self.inner.put(path, data, create_only=create_only)
+                raise StoreError(f"timed out writing {path} (but it landed)")
+            raise KeyboardInterrupt(f"simulated crash before {path}")
+        self.inner.put(path, data, create_only=create_only)
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        return self.inner.get(path, size=size)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(path, start, end)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        self.inner.delete(paths)
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        self.inner.make_durable(paths)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
+@pytest.mark.parametrize("crash_on", ["part", "manifest", "hint"])
+def test_crash_at_any_step_leaves_a_usable_board(store: ObstoreStore, crash_on: str) -> None:
+    build_run(store, 3)
+    crashing = Publisher(CrashingStore(store, crash_on=crash_on), "run", publisher_id="trainer-0")
+    crashing.resume()
+    with pytest.raises(KeyboardInterrupt):
+        crashing.publish_patch(
+            [patch_bytes(4), patch_bytes(-4)],
+            base_version=3,
+            target_version=4,
+            base_view_fp=fp(3),
+            target_view_fp=fp(4),
+            served_format="bf16",
+        )
+    published = crash_on == "hint"  # the manifest was written before the crash
+    reader = BoardReader(store, "run")
+    assert reader.head() == (4 if published else 3)
+    rec = Recorder()
+    assert Follower(reader, version=1, view_fp=fp(1)).sync(rec) == (4 if published else 3)
+    # The restarted publisher resumes from the newest manifest and carries on.
+    restarted = Publisher(store, "run", publisher_id="trainer-0")
+    head = restarted.resume()
+    assert head is not None and head.version == (4 if published else 3)
+    for v in range(head.version + 1, 6):
+        patch(restarted, v)
+    assert BoardReader(store, "run").head() == 5
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "s3"), indirect=True)
+def test_ambiguous_manifest_write_is_resolved_by_reading_back(store: ObstoreStore) -> None:
+    build_run(store, 1)
+    crashing = CrashingStore(store, crash_on="manifest", land_first=True)
+    pub = Publisher(crashing, "run", publisher_id="trainer-0")
+    m = pub.publish_patch(
+        [patch_bytes(2)], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2),
+        served_format="bf16",
+    )
+    assert BoardReader(store, "run").catalog.version(2) == m
+
+
+def test_restarted_publisher_restores_cadence(store: ObstoreStore) -> None:
+    build_run(store, 5, keyframes=(2,), patch_size=1000)
+    pub = Publisher(store, "run", publisher_id="trainer-0")
+    pub.resume()
+    c = pub.cadence
+    assert c.keyframe_version == 2 and c.versions_since == 3
+    assert c.chain_bytes == 3 * (1000 + 250)
+    assert c.keyframe_bytes == BoardReader(store, "run").catalog.keyframe(2).total_size
+    assert pub.spans_due(8) == [(6, 8), (4, 8), (0, 8)]
+    pub.publish_keyframe(small_view(5), version=5, view_fp=fp(5), served_format="bf16")
+    assert pub.cadence.versions_since == 0 and pub.cadence.chain_bytes == 0
+    assert not pub.keyframe_due()
+
+
+def test_hint_is_only_a_hint(store: ObstoreStore) -> None:
+    build_run(store, 4)
+    layout = RunLayout("run")
+    reader = BoardReader(store, "run")
+    for hint in (b'{"version": 999}', b'{"version": 1}', b"garbage", b'{"version": -3}'):
+        store.put(layout.latest, hint)
+        assert BoardReader(store, "run").head() == 4
+    store.delete([layout.latest])
+    assert reader.head() == 4
+    assert reader.catalog.version(4).kind is Kind.PATCH

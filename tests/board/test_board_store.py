@@ -1,0 +1,234 @@
+"""The Store port over obstore, against real backends on loopback: local files, memory, moto S3, Azurite.
+
+GCS has no emulator that works with obstore, so gs:// is covered by configuration tests only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+from board_helpers import S3_CREDS, backend_params, fast_options, free_port
+from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
+
+from flipsync.board.store import ObstoreStore, StoreOptions, open_store
+from flipsync.errors import ConfigError, ConflictError, NotFoundError, StoreError
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("store_factory", backend_params(), indirect=True)
+def test_basic_operations(store: ObstoreStore) -> None:
+    store.put("runs/r/versions/000000000001/manifest.json", b"{}", create_only=True)
+    store.put("runs/r/versions/000000000001/abc/part-0", b"0123456789")
+    store.put("runs/r/versions/000000000002/abc/part-0", b"x")
+    with pytest.raises(ConflictError, match="already exists"):
+        store.put("runs/r/versions/000000000001/manifest.json", b"{other}", create_only=True)
+    assert store.get("runs/r/versions/000000000001/manifest.json") == b"{}"  # not overwritten
+    assert store.get_range("runs/r/versions/000000000001/abc/part-0", 2, 5) == b"234"
+    info = store.head("runs/r/versions/000000000001/abc/part-0")
+    assert info.size == 10 and info.modified.tzinfo is not None
+    assert store.exists("runs/r/versions/000000000002/abc/part-0")
+    assert not store.exists("runs/r/versions/000000000003/manifest.json")
+    assert store.list_dirs("runs/r/versions") == ["000000000001", "000000000002"]
+    assert store.list_dirs("runs/r/nothing") == []
+    paths = sorted(o.path for o in store.list("runs/r/versions"))
+    assert paths == [
+        "runs/r/versions/000000000001/abc/part-0",
+        "runs/r/versions/000000000001/manifest.json",
+        "runs/r/versions/000000000002/abc/part-0",
+    ]
+    with pytest.raises(NotFoundError, match="does not exist"):
+        store.get("runs/r/nope")
+    with pytest.raises(NotFoundError):
+        store.head("runs/r/nope")
+    store.delete(["runs/r/versions/000000000002/abc/part-0", "runs/r/never-existed"])
+    assert not store.exists("runs/r/versions/000000000002/abc/part-0")
+    store.make_durable(["runs/r/versions/000000000001/abc/part-0"])
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "s3", "azure"), indirect=True)
+def test_large_objects_multipart_up_parallel_ranges_down(store: ObstoreStore) -> None:
+    data = os.urandom(12 * MiB + 12345)
+    store.put("big/object", data)  # 5 MiB multipart chunks -> 3 parts
+    info = store.head("big/object")
+    assert info.size == len(data)
+    if isinstance(store.inner, S3Store):
+        # An S3 multipart upload's ETag is "<md5 of part md5s>-<number of parts>".
+        assert info.etag is not None and info.etag.strip('"').endswith("-3")
+    assert store.get("big/object", size=len(data)) == data  # 4 MiB ranges, fetched in parallel
+    assert store.get("big/object") == data
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3", "azure"), indirect=True)
+def test_create_only_race_has_exactly_one_winner(store: ObstoreStore) -> None:
+    winners: list[int] = []
+    losers: list[int] = []
+    barrier = threading.Barrier(8)
+
+    def race(i: int) -> None:
+        barrier.wait(timeout=10)
+        try:
+            store.put("race/manifest.json", f"writer {i}".encode(), create_only=True)
+            winners.append(i)
+        except ConflictError:
+            losers.append(i)
+
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(winners) == 1 and len(losers) == 7
+    assert store.get("race/manifest.json") == f"writer {winners[0]}".encode()
+
+
+# -- URL parsing and configuration ---------------------------------------------------------------------------
+
+
+def test_local_urls(tmp_path: os.PathLike[str]) -> None:
+    a = open_store(tmp_path)
+    b = open_store(f"file://{tmp_path}/sub")
+    assert isinstance(a.inner, LocalStore) and isinstance(b.inner, LocalStore)
+    assert b.url.startswith("file://") and os.path.isdir(f"{tmp_path}/sub")
+    b.put("x", b"1")
+    assert a.get("sub/x") == b"1"
+    assert isinstance(open_store("memory://").inner, MemoryStore)
+    with pytest.raises(ConfigError, match="file URLs name a local path"):
+        open_store("file://somehost/dir")
+    with pytest.raises(ConfigError, match="unsupported board URL"):
+        open_store("ftp://host/board")
+
+
+@pytest.fixture
+def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for key in list(os.environ):
+        if key.startswith(("AWS_", "GOOGLE_", "AZURE_")):
+            monkeypatch.delenv(key)
+    yield
+
+
+def test_s3_and_r2_configuration(no_cloud_env: None) -> None:
+    opts = fast_options(**S3_CREDS, endpoint="http://127.0.0.1:9")
+    s = open_store("s3://bucket/some/prefix", opts)
+    assert isinstance(s.inner, S3Store)
+    assert s.inner.prefix == "some/prefix"
+    assert s.inner.config["bucket"] == "bucket"
+    assert s.inner.client_options is not None and s.inner.client_options.get("allow_http") in (True, "true")
+    r2 = open_store("https://acct.r2.cloudflarestorage.com/bucket/pfx", fast_options(**S3_CREDS))
+    assert isinstance(r2.inner, S3Store) and r2.inner.prefix == "pfx"
+    with pytest.raises(ConfigError, match="no explicit credentials"):
+        open_store("s3://bucket/x", fast_options(endpoint="http://127.0.0.1:9"))
+    with pytest.raises(ConfigError, match=r"bad store configuration|cannot open"):
+        open_store("s3://bucket/x", fast_options(**S3_CREDS, not_a_real_key="1"))
+
+
+def test_s3_endpoint_from_environment(no_cloud_env: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    s = open_store("s3://bucket/p", fast_options())
+    assert isinstance(s.inner, S3Store)
+    assert s.inner.client_options is not None and s.inner.client_options.get("allow_http") in (True, "true")
+
+
+def test_azure_configuration(no_cloud_env: None) -> None:
+    s = open_store(
+        "az://container/pre/fix",
+        fast_options(account_name="acct", account_key="a2V5", endpoint="http://127.0.0.1:9/acct"),
+    )
+    assert isinstance(s.inner, AzureStore)
+    assert s.inner.config["container_name"] == "container" and s.inner.prefix == "pre/fix"
+    with pytest.raises(ConfigError, match="no explicit credentials"):
+        open_store("az://container/x", fast_options(account_name="acct"))
+
+
+def test_gcs_configuration_without_emulator(no_cloud_env: None) -> None:
+    """No GCS emulator works with obstore: check the configuration, and that a request goes only to the
+    configured loopback endpoint (nothing listens there) and fails fast and clearly."""
+    port = free_port()
+    key = json.dumps(
+        {
+            "gcs_base_url": f"http://127.0.0.1:{port}",
+            "disable_oauth": True,
+            "client_email": "",
+            "private_key": "",
+            "private_key_id": "",
+        }
+    )
+    opts = replace(fast_options(service_account_key=key), allow_http=True, max_retries=1, retry_timeout_s=2)
+    s = open_store("gs://bucket/board/pfx", opts)
+    assert isinstance(s.inner, GCSStore)
+    assert s.inner.config["bucket"] == "bucket" and s.inner.prefix == "board/pfx"
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="failed"):
+        s.get("runs/r/latest.json")
+    assert time.monotonic() - t0 < 10
+    # Without credentials a GCS client would ask the metadata server; that is refused up front.
+    with pytest.raises(ConfigError, match="no explicit credentials"):
+        open_store("gs://bucket/x", fast_options())
+
+
+def test_options_are_validated() -> None:
+    with pytest.raises(ConfigError, match="5 MiB"):
+        StoreOptions(multipart_chunk_bytes=1 << 20)
+    with pytest.raises(ConfigError):
+        StoreOptions(max_parallel_reads=0)
+
+
+# -- faults ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def black_hole() -> Iterator[int]:
+    """A loopback server that accepts connections and never answers."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+                conns.append(c)
+            except OSError:
+                continue
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join(timeout=2)
+    for c in conns:
+        c.close()
+    srv.close()
+
+
+def test_store_that_times_out_gives_a_clear_bounded_error(black_hole: int) -> None:
+    opts = replace(
+        fast_options(**S3_CREDS, endpoint=f"http://127.0.0.1:{black_hole}"),
+        request_timeout_s=0.3,
+        max_retries=2,
+        retry_timeout_s=1.0,
+    )
+    s = open_store("s3://bucket/board", opts)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="failed") as err:
+        s.get("runs/r/latest.json")
+    assert time.monotonic() - t0 < 8
+    assert "check that the store is reachable" in str(err.value)
+    t0 = time.monotonic()
+    with pytest.raises(StoreError):
+        s.put("runs/r/versions/000000000001/manifest.json", b"{}", create_only=True)
+    with pytest.raises(StoreError):
+        s.put("runs/r/versions/000000000001/x/part", b"data")  # retried, within the bound
+    assert time.monotonic() - t0 < 15
