@@ -16,6 +16,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from flipsync.board.cli import board_app, keygen
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.errors import ConfigError, FlipsyncError
@@ -293,17 +294,8 @@ def bench_codec(
         json_out.write_text(json.dumps(codec.rows_as_dicts(rows), indent=2))
 
 
-def _mount_optional() -> None:
-    """Sub-commands of subsystems that may not be installed in a partial checkout."""
-    try:
-        from flipsync.board.cli import board_app, keygen
-    except ImportError:  # pragma: no cover - the board ships with flipsync
-        return
-    app.add_typer(board_app, name="board")
-    app.command("keygen")(keygen)
-
-
-_mount_optional()
+app.add_typer(board_app, name="board")
+app.command("keygen")(keygen)
 
 
 def main() -> None:
