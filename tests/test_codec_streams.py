@@ -118,3 +118,11 @@ def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) ->
     except CorruptPatchError:
         return
     assert out.size == n
+
+
+@pytest.mark.parametrize("values", [[0], [0, 0, 0], [5], [7] * 100, [1, 0]])
+def test_one_symbol_alphabets(values: list[int]) -> None:
+    sym = np.array(values, dtype=np.uint64)
+    params, blob = streams.rans_encode(sym)
+    params["codec"] = "rans"
+    assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)

@@ -188,7 +188,7 @@ def rans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     coded = np.where(escaped, alphabet, symbols).astype(np.int32)
     counts = np.bincount(coded, minlength=alphabet + 1).astype(np.uint64)
     if not escaped.any():
-        counts = counts[:alphabet]
+        counts = counts[: max(alphabet, 2)]  # constriction needs at least two symbols
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(coded, _rans_model(counts))
     words = coder.get_compressed().astype("<u4").tobytes()
