@@ -19,6 +19,7 @@ from rich.table import Table
 from flipsync.board.cli import board_app, keygen
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.domain.patch import ViewRef
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import FORMAT_NAMES, served_view
 
@@ -106,7 +107,7 @@ def _run(fn: Callable[[], None]) -> None:
     try:
         fn()
     except FlipsyncError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}")
+        Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {e}")
         raise typer.Exit(1) from None
 
 
@@ -238,20 +239,14 @@ def inspect(
         if as_json:
             typer.echo(json.dumps(json.loads(h.to_json()), indent=2))
             return
-        t = Table(title=f"{patch_path}: {h.base.version} -> {h.target.version} ({h.served_format or 'served view'})")
-        for col in (
-            "tensor",
-            "dtype",
-            "shape",
-            "changed",
-            "changed %",
-            "bytes",
-            "B/changed",
-            "positions",
-            "values",
-            "mode",
-        ):
-            t.add_column(col, justify="left" if col in ("tensor", "dtype", "positions", "values", "mode") else "right")
+
+        def end(ref: ViewRef) -> str:
+            return f"v{ref.version}" if ref.version is not None else ref.view[:12]
+
+        t = Table(title=f"{patch_path}: {end(h.base)} -> {end(h.target)} ({h.served_format or 'served view'})")
+        t.add_column("tensor", overflow="fold", min_width=24)
+        for col in ("dtype", "shape", "changed", "%", "bytes", "B/chg", "codecs", "mode"):
+            t.add_column(col, no_wrap=True, justify="left" if col in ("dtype", "codecs", "mode") else "right")
         for s in h.sections:
             nbytes = patch.section_bytes(s.name)
             t.add_row(
@@ -287,11 +282,11 @@ def bench_codec(
     from flipsync.bench import codec
 
     console = Console(width=max(200, Console().width))
-    rows = codec.run(console, quick=quick)
+    report = codec.run(console, quick=quick)
     if markdown:
-        markdown.write_text(codec.markdown(rows))
+        markdown.write_text(codec.markdown(report))
     if json_out:
-        json_out.write_text(json.dumps(codec.rows_as_dicts(rows), indent=2))
+        json_out.write_text(json.dumps(codec.as_dict(report), indent=2))
 
 
 app.add_typer(board_app, name="board")

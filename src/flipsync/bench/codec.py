@@ -200,6 +200,12 @@ def apply_cost(numel: int = 1 << 26, fractions: tuple[float, ...] = (0.003, 0.01
     return rows
 
 
+@dataclass
+class CodecReport:
+    rows: list[CodecRow]
+    apply: list[ApplyRow]
+
+
 def run(
     console: Console,
     *,
@@ -208,8 +214,8 @@ def run(
     lrs: tuple[float, ...] = LRS,
     warmup_steps: int = 2,
     real: bool = True,
-) -> list[CodecRow]:
-    """Measure every (workload, format, lr); prints a table and returns the rows."""
+) -> CodecReport:
+    """Measure every (workload, format, lr) and the apply cost; prints the tables and returns them."""
     workloads: list[tuple[str, dict[str, torch.Tensor]]] = [
         ("llm-like" + (" (quick)" if quick else ""), llm_like_masters(QUICK if quick else FULL))
     ]
@@ -228,8 +234,11 @@ def run(
                     status.update(f"codec bench: {wname}, {fmt}, lr={lr:g}")
                     old, new = served_view(before, fmt), served_view(after, fmt)
                     rows.append(measure_pair(wname, fmt, lr, old, new, repeat))
+        status.update("codec bench: apply cost")
+        applied = apply_cost(numel=1 << (22 if quick else 26), repeat=repeat)
     console.print(table(rows))
-    return rows
+    console.print(apply_table(applied))
+    return CodecReport(rows, applied)
 
 
 def apply_table(rows: list[ApplyRow]) -> Table:
@@ -287,7 +296,8 @@ def table(rows: list[CodecRow]) -> Table:
     return t
 
 
-def markdown(rows: list[CodecRow]) -> str:
+def markdown(report: CodecReport) -> str:
+    rows = report.rows
     head = (
         "| workload | format | lr | changed % | bound B/chg | flipsync B/chg | XOR+zstd-1 B/chg | int32+val B/chg "
         "| int64+val B/chg | flipsync / bound | XOR+zstd / flipsync | int32 / flipsync | encode MB/s "
@@ -300,8 +310,20 @@ def markdown(rows: list[CodecRow]) -> str:
         f"| {r.decode_mpos_s:.1f} | {r.diff_speedup:.2f}x | {r.apply_vs_copy:.3f} |"
         for r in rows
     ]
-    return head + "\n".join(lines) + "\n"
+    apply_head = (
+        "\n| elements | changed % | stage ms (decode, off the pause) | commit ms (in-place scatter) "
+        "| full copy ms | commit / copy |\n|---|---|---|---|---|---|\n"
+    )
+    apply_lines = [
+        f"| {r.elements:,} | {r.changed_pct:.2f} | {r.stage_ms:.1f} | {r.commit_ms:.2f} | {r.copy_ms:.1f} "
+        f"| {r.commit_vs_copy:.3f} |"
+        for r in report.apply
+    ]
+    return head + "\n".join(lines) + "\n" + apply_head + "\n".join(apply_lines) + "\n"
 
 
-def rows_as_dicts(rows: list[CodecRow]) -> list[dict[str, Any]]:
-    return [asdict(r) | {"changed_pct": r.changed_pct} for r in rows]
+def as_dict(report: CodecReport) -> dict[str, Any]:
+    return {
+        "rows": [asdict(r) | {"changed_pct": r.changed_pct} for r in report.rows],
+        "apply": [asdict(r) | {"commit_vs_copy": r.commit_vs_copy} for r in report.apply],
+    }
