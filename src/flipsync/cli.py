@@ -272,6 +272,76 @@ def inspect(
     _run(go)
 
 
+@app.command()
+def analyze(
+    checkpoint: Annotated[Path, typer.Argument(help="master checkpoint (a .safetensors file or an HF directory)")],
+    other: Annotated[Path | None, typer.Argument(help="a second checkpoint: measure the change between them")] = None,
+    formats: Annotated[str, typer.Option(help="comma-separated served formats")] = ",".join(FORMAT_NAMES),
+    lr: Annotated[float, typer.Option(help="with one checkpoint: Adam learning rate of the simulated step")] = 1e-6,
+    out: Annotated[Path, typer.Option("--output", "-o", help="folder for the JSON report and PNG plots")] = Path(
+        "flipsync-analysis"
+    ),
+    top: Annotated[int, typer.Option(help="tensors shown in the per-tensor table (largest first)")] = 20,
+) -> None:
+    """How many served values change, per tensor and format, and where (by |w|).
+
+    With two checkpoints: measured. With one: a simulated Adam step, predicted by the absorption rule
+    (a step changes a served value with probability min(1, |step| / grid spacing)) next to the measurement.
+    """
+    from flipsync import analyze as an
+
+    def go() -> None:
+        fmts = [f.strip() for f in formats.split(",") if f.strip()]
+        a = {k: v.float() for k, v in Checkpoint(checkpoint).items() if v.is_floating_point()}
+        console = _console()
+        with console.status("analysing"):
+            if other is None:
+                result = an.simulate(a, fmts, lr=lr)
+            else:
+                b = {k: v.float() for k, v in Checkpoint(other).items() if v.is_floating_point()}
+                check_same_names(a, b)
+                result = an.compare(a, b, fmts)
+        summary = Table(title="Served values changed, by format")
+        for col in ("format", "changed %", "predicted %", "patch", "served", "ratio", "B/changed"):
+            summary.add_column(col, justify="left" if col == "format" else "right")
+        for s in result.formats:
+            predicted = f"{100 * s.predicted_fraction:.3f}" if s.predicted_fraction is not None else "-"
+            summary.add_row(
+                s.format,
+                f"{100 * s.changed_fraction:.3f}",
+                predicted,
+                _size(s.patch_bytes),
+                _size(s.served_bytes),
+                f"{s.served_bytes / max(1, s.patch_bytes):.0f}x",
+                f"{s.bytes_per_changed:.3f}",
+            )
+        console.print(summary)
+        per_tensor = Table(title=f"Per tensor, % changed (the {top} largest tensors)")
+        per_tensor.add_column("tensor", overflow="fold", min_width=24)
+        for f in fmts:
+            per_tensor.add_column(f, justify="right")
+        for r in sorted(result.tensors, key=lambda r: -r.numel)[:top]:
+            cells = [
+                f"{100 * r.changed[f]:.3f}" + (f" ({100 * r.predicted[f]:.3f})" if f in r.predicted else "")
+                for f in fmts
+            ]
+            per_tensor.add_row(r.name, *cells)
+        console.print(per_tensor)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "analysis.json").write_text(json.dumps(result.to_json(), indent=2))
+        plots = an.plot(result, out)
+        console.print(f"wrote {out / 'analysis.json'} and {', '.join(str(p) for p in plots)}")
+
+    _run(go)
+
+
+def check_same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    if set(a) != set(b) or any(a[k].shape != b[k].shape for k in a):
+        raise ConfigError(
+            "the two checkpoints hold different tensors or shapes; analyze compares versions of one model"
+        )
+
+
 @bench_app.command("codec")
 def bench_codec(
     quick: Annotated[bool, typer.Option(help="a small workload that runs in seconds")] = False,
