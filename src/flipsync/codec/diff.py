@@ -9,8 +9,8 @@ CUDA: the same answer from torch ops on the device, chunked to bound the tempora
 
 from __future__ import annotations
 
-import itertools
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numba
@@ -107,36 +107,58 @@ class DiffEngine:
 
     def changed_positions(self, old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
         """Sorted int64 flat indices where the bit patterns of ``old`` and ``new`` differ."""
-        if old.shape != new.shape or old.dtype != new.dtype:
-            raise PatchError(
-                f"cannot diff tensors of different layouts: {tuple(old.shape)} {old.dtype} "
-                f"vs {tuple(new.shape)} {new.dtype}"
-            )
-        if old.device != new.device:
-            raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
-        if old.device.type != "cpu":
-            return _changed_positions_torch(old, new)
-        esize = dtype_of(old).bits // 8
-        a8 = int_view(old).numpy().view(np.uint8)
-        b8 = int_view(new).numpy().view(np.uint8)
-        nbytes = a8.shape[0]
-        body = nbytes - nbytes % 8
-        # At least one chunk per thread for tensors over 1 MiB, so small tensors use both cores too.
-        chunk = max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, -(-body // self.threads)))
+        return self.changed_positions_many([(old, new)])[0]
+
+    def changed_positions_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
+        """``changed_positions`` of several pairs at once: small tensors share the pool instead of each
+        running alone, so a view of many small tensors still uses every core."""
+        for old, new in pairs:
+            _check_pair(old, new)
+        cpu = [(i, a, b) for i, (a, b) in enumerate(pairs) if a.device.type == "cpu"]
+        total = sum(a.numel() * a.element_size() for _, a, _ in cpu)
+        chunk = max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, -(-total // self.threads)))
         chunk += -chunk % 64
-        bounds = [*range(0, body, chunk), body]
-        spans = list(itertools.pairwise(bounds))
-        if len(spans) <= 1:
-            parts = [_chunk_positions(a8, b8, s, e, esize) for s, e in spans]
-        else:
-            parts = list(self._pool.map(lambda se: _chunk_positions(a8, b8, se[0], se[1], esize), spans))
-        if body < nbytes:  # a tail shorter than one word
-            ta = a8[body:].view(_uint_np(esize))
-            tb = b8[body:].view(_uint_np(esize))
-            parts.append(np.flatnonzero(ta != tb).astype(np.int64) + body // esize)
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate(parts)
+        tasks: list[tuple[int, np.ndarray, np.ndarray, int, int, int]] = []
+        for i, a, b in cpu:
+            esize = dtype_of(a).bits // 8
+            a8, b8 = int_view(a).numpy().view(np.uint8), int_view(b).numpy().view(np.uint8)
+            tasks += [(i, a8, b8, s, min(s + chunk, a8.shape[0]), esize) for s in range(0, a8.shape[0], chunk)]
+        done = (
+            self._pool.map(lambda t: _span_positions(*t[1:]), tasks)
+            if len(tasks) > 1
+            else map(lambda t: _span_positions(*t[1:]), tasks)
+        )
+        parts: list[list[np.ndarray]] = [[] for _ in pairs]
+        for task, positions in zip(tasks, done, strict=True):
+            parts[task[0]].append(positions)
+        out = []
+        for i, (a, b) in enumerate(pairs):
+            if a.device.type != "cpu":
+                out.append(_changed_positions_torch(a, b))
+            else:
+                out.append(np.concatenate(parts[i]) if parts[i] else np.empty(0, dtype=np.int64))
+        return out
+
+
+def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
+    if old.shape != new.shape or old.dtype != new.dtype:
+        raise PatchError(
+            f"cannot diff tensors of different layouts: {tuple(old.shape)} {old.dtype} "
+            f"vs {tuple(new.shape)} {new.dtype}"
+        )
+    if old.device != new.device:
+        raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
+
+
+def _span_positions(a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int) -> np.ndarray:
+    """Changed element indices in bytes [start, stop): whole words by the kernel, a short tail by numpy."""
+    body = stop - (stop - start) % 8
+    head = _chunk_positions(a8, b8, start, body, esize) if body > start else np.empty(0, dtype=np.int64)
+    if body == stop:
+        return head
+    dt = _uint_np(esize)
+    tail = np.flatnonzero(a8[body:stop].view(dt) != b8[body:stop].view(dt)).astype(np.int64) + body // esize
+    return np.concatenate([head, tail])
 
 
 def _uint_np(esize: int) -> np.dtype:
