@@ -1,0 +1,88 @@
+"""Group-relative policy gradient (GRPO-style) on rollouts generated elsewhere, plus a short SFT warm start.
+
+The trainer recomputes the log-probabilities of each completion under its own FP32 masters; a rollout's
+advantage is its reward minus the mean reward of its group (same prompt), divided by the group's std.
+Rollouts come from islands a few versions behind (bounded staleness); for a demo-sized policy step the
+plain on-policy estimator is used without importance weights, as many async RL stacks do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flipsync.demo.task import Problem, ReverseDigits
+from flipsync.sidecar.tokenizer import ByteTokenizer
+
+
+@dataclass(frozen=True)
+class Rollout:
+    problem: Problem
+    group: int
+    completion: str
+    tokens: tuple[int, ...]  # completion token ids as generated (without the stop token)
+    reward: float
+    version_start: int
+    version_end: int
+    island: str
+
+
+def advantages(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    groups = torch.tensor([r.group for r in rollouts])
+    adv = torch.zeros_like(rewards)
+    for g in groups.unique():
+        members = groups == g
+        r = rewards[members]
+        std = r.std(unbiased=False)
+        adv[members] = (r - r.mean()) / (std + 1e-4) if std > 0 else 0.0
+    return adv
+
+
+def _batch(tok: ByteTokenizer, pairs: Sequence[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids of prompt+completion, and a mask of the completion positions to score."""
+    length = max(len(p) + len(c) for p, c in pairs)
+    ids = torch.full((len(pairs), length), tok.eos_id, dtype=torch.long)
+    mask = torch.zeros((len(pairs), length), dtype=torch.bool)
+    for i, (p, c) in enumerate(pairs):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, len(p) : len(p) + len(c)] = True
+    return ids, mask
+
+
+def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def policy_loss(model: torch.nn.Module, tok: ByteTokenizer, rollouts: Sequence[Rollout]) -> torch.Tensor:
+    adv = advantages(rollouts)
+    pairs = [(tok.encode(r.problem.prompt), [*r.tokens, tok.eos_id]) for r in rollouts]
+    ids, mask = _batch(tok, pairs)
+    logp = _token_logprobs(model, ids)
+    scored = mask[:, 1:]
+    per_token = -(adv[:, None] * logp) * scored
+    return per_token.sum() / scored.sum().clamp_min(1)
+
+
+def warm_start(
+    model: torch.nn.Module, tok: ByteTokenizer, task: ReverseDigits, *, steps: int, lr: float = 3e-3, batch: int = 32
+) -> float:
+    """Supervised steps on right answers so the RL run starts from a policy with some skill; returns the
+    last loss. Uses its own optimizer: the RL optimizer's state starts fresh afterwards."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    loss = torch.tensor(0.0)
+    model.train()
+    for _ in range(steps):
+        problems = [task.sample() for _ in range(batch)]
+        ids, mask = _batch(
+            tok, [(tok.encode(p.prompt), [*tok.encode(p.answer, bos=False), tok.eos_id]) for p in problems]
+        )
+        logp = _token_logprobs(model, ids)
+        loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
