@@ -1,0 +1,103 @@
+"""A store wrapper that limits read bandwidth, so a loopback board behaves like a WAN link.
+
+Token bucket: every byte read costs a token; tokens refill at ``bytes_per_s``, with a burst of at most
+``burst_s`` seconds of traffic. Callers sleep until their bytes are covered, so concurrent readers share
+the link as they would share a real one. Writes are not limited (the trainer's side of the link is its
+own datacenter). Used by ``flipsync demo --bandwidth`` and the cross-region benchmark.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Sequence
+
+from flipsync.board.store import ObjectInfo, Store
+from flipsync.errors import ConfigError
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_bandwidth(text: str) -> float:
+    """``"100mbit"``, ``"1gbit"``, ``"10Gbps"``, ``"50MB/s"`` or a number of bytes per second -> bytes/s."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b/s|b|byte|bytes|/s)?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"cannot read bandwidth {text!r}; write e.g. 100mbit, 1gbit or 50MB/s")
+    value, unit, kind = float(m[1]), m[2], m[3] or ""
+    bits = kind in ("bit", "bps") or (kind == "b" and "B" not in text.split(m[1])[-1])
+    rate = value * _UNITS[unit] / (8 if bits else 1)
+    if rate <= 0:
+        raise ConfigError(f"bandwidth must be positive, got {text!r}")
+    return rate
+
+
+class TokenBucket:
+    def __init__(self, bytes_per_s: float, burst_s: float = 0.05) -> None:
+        self.rate = bytes_per_s
+        self.capacity = max(1.0, bytes_per_s * burst_s)
+        self._tokens = self.capacity
+        self._last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> None:
+        """Block until ``n`` bytes may pass (large reads go through in pieces as tokens refill)."""
+        while n > 0:
+            with self._lock:
+                now = time.monotonic()
+                self._tokens = min(self.capacity, self._tokens + (now - self._last) * self.rate)
+                self._last = now
+                grant = min(n, self._tokens) if self._tokens >= 1 else 0
+                self._tokens -= grant
+                wait = 0.0 if grant else (1 - self._tokens) / self.rate
+            n -= int(grant)
+            if wait:
+                time.sleep(min(wait, 0.1))
+
+
+class ThrottledStore:
+    """Wraps a Store; reads pay the bucket. Metadata calls (head, list) pass through unlimited."""
+
+    def __init__(self, inner: Store, bytes_per_s: float, *, bucket: TokenBucket | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.bucket = bucket or TokenBucket(bytes_per_s)
+        self.bytes_read = 0
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        self.inner.put(path, data, create_only=create_only)
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        data = self.inner.get(path, size=size)
+        self._pay(len(data))
+        return data
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        data = self.inner.get_range(path, start, end)
+        self._pay(len(data))
+        return data
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        self.inner.delete(paths)
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        self.inner.make_durable(paths)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _pay(self, n: int) -> None:
+        self.bucket.take(n)
+        self.bytes_read += n
