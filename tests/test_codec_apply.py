@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tests.strategies import edit, same_bits
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
+from tests.strategies import edit, same_bits
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import torch
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.strategies import edit, same_bits
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.errors import CorruptPatchError, FlipsyncError
+from tests.strategies import edit, same_bits
 
 
 def _valid_patch() -> tuple[dict, dict, bytes]:

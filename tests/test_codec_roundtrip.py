@@ -9,10 +9,10 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from tests.strategies import edit, same_bits, view_pairs
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.errors import PatchError
+from tests.strategies import edit, same_bits, view_pairs
 
 
 def clone(view: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
