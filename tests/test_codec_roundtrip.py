@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.domain.patch import ViewRef
 from flipsync.errors import PatchError
 from tests.strategies import edit, same_bits, view_pairs
 
@@ -117,3 +118,25 @@ def test_layout_changes_are_refused() -> None:
         diff_views({"w": torch.zeros(4)}, {"v": torch.zeros(4)})
     with pytest.raises(PatchError, match="keyframe"):
         diff_views({"w": torch.zeros(4)}, {"w": torch.zeros(4, dtype=torch.bfloat16)})
+
+
+def test_disjoint_shards_merge_into_one_patch() -> None:
+    """One patch per trainer rank, each over its own tensors, applied as one version of the whole view."""
+    rng = np.random.default_rng(3)
+    old = {f"w{i}": torch.randn(500).to(torch.bfloat16) for i in range(4)}
+    new = {k: edit(rng, v, 0.05, style="ulp") for k, v in old.items()}
+    shards = [{k: old[k] for k in ("w0", "w1")}, {k: old[k] for k in ("w2", "w3")}]
+    parts = [diff_views(s, {k: new[k] for k in s})[0] for s in shards]
+    full_old, full_new = FingerprintTable.of(old), FingerprintTable.of(new)
+    merged = Patch.merge_disjoint(
+        [Patch.from_bytes(p.to_bytes()) for p in parts],
+        base=ViewRef(full_old.view_fp(), 0),
+        target=ViewRef(full_new.view_fp(), 1),
+    )
+    work = clone(old)
+    table = FingerprintTable.of(work)
+    apply_patch(work, Patch.from_bytes(merged.to_bytes()), table, verify="digest")
+    assert all(same_bits(work[k], new[k]) for k in new)
+    assert table.view_fp() == full_new.view_fp()
+    with pytest.raises(PatchError, match="more than one shard"):
+        Patch.merge_disjoint([parts[0], parts[0]], base=ViewRef(full_old.view_fp()), target=ViewRef(full_new.view_fp()))

@@ -53,3 +53,22 @@ class ConflictError(BoardError):
 
 class IntegrityError(BoardError):
     """A part, manifest or keyframe does not match its recorded hash or signature."""
+
+
+class UnusableArtifactError(IntegrityError):
+    """A board artifact passed its hash checks but cannot be used: its patch is corrupt, does not match its
+    manifest, or a keyframe does not hold the view its manifest names. A reader routes around it (a span,
+    a keyframe) or waits for the publisher to publish a way past it."""
+
+    def __init__(self, message: str, *, edge: tuple[str, int | None, int], kind: str) -> None:
+        super().__init__(message)
+        self.edge = edge
+        self.kind = kind
+
+
+class EngineError(FlipsyncError):
+    """The inference engine refused or failed an operation on its weights (load, stage, commit, rollback)."""
+
+
+class EngineUnavailableError(EngineError):
+    """The inference engine is down or unreachable; the sidecar waits for it and re-audits its weights."""

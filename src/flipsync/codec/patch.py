@@ -218,6 +218,22 @@ class Patch:
             builder.add(change)
         return builder.build(base=base, target=target, served_format=served_format, meta=meta)
 
+    @classmethod
+    def merge_disjoint(
+        cls, patches: Iterable[Patch], *, base: ViewRef, target: ViewRef, served_format: str | None = None
+    ) -> Patch:
+        """Shards of one version (e.g. one per trainer rank) side by side: their sections are moved, not
+        decoded. Every tensor may appear in one shard only; the caller names the ends of the whole."""
+        sections: list[SectionHeader] = []
+        blobs: dict[str, bytes | memoryview] = {}
+        for p in patches:
+            for s in p.sections:
+                if s.name in blobs:
+                    raise PatchError(f"tensor {s.name!r} appears in more than one shard")
+                sections.append(s)
+                blobs[s.name] = p._blobs[s.name]
+        return cls(PatchHeader(base, target, tuple(sections), served_format), blobs)
+
     # ------------------------------------------------------------------------------------- access
     @property
     def sections(self) -> tuple[SectionHeader, ...]:

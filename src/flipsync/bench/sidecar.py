@@ -1,0 +1,207 @@
+"""``flipsync bench sidecar``: what an update costs a serving torch engine, against the size of the patch.
+
+A replica (the real reconcile loop and request gate, a torch engine, a local-directory board) follows a
+chain of versions whose patches change a growing fraction of the served values, from one in a million to
+a few percent. For every update it records:
+
+- **stage**: decoding the patch into ready-to-scatter buffers, while the engine keeps serving;
+- **engine write**: the time decode steps are held off (the scatter into the served tensors, and for
+  quantized formats the scatter of the parameter elements that staging found changed);
+- **pause**: the time new requests wait at the gate (drain + write + fingerprint check + publish).
+
+The first version is a keyframe (a full load, O(model)); the table compares every patch against it.
+For bf16 the parameters are the served tensors. For a quantized format, staging dequantizes the touched
+tensors while serving (O(touched tensors)) and the commit writes only the parameter elements that change;
+a changed scale moves its whole block, so the pause grows a little faster than the changed count.
+
+Changes are +-1 steps of the served bit patterns at random positions, the typical change under Adam at RL
+learning rates. Timings are medians over repeats; the machine's other load shows up as noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from flipsync.board.publish import Publisher
+from flipsync.board.reader import BoardReader
+from flipsync.board.store import open_store
+from flipsync.codec import FingerprintTable, apply_patch, diff_views
+from flipsync.codec.bits import int_view
+from flipsync.formats import served_view
+from flipsync.sidecar.gate import CommitMode
+from flipsync.sidecar.metrics import SidecarMetrics
+from flipsync.sidecar.models import build_model, preset_config
+from flipsync.sidecar.replica import Replica, ReplicaConfig
+from flipsync.sidecar.torch_engine import TorchEngine
+
+RUN = "bench"
+
+
+@dataclass(frozen=True)
+class Setup:
+    model: str
+    fractions: tuple[float, ...]
+    repeat: int
+    formats: tuple[str, ...]
+
+
+QUICK = Setup("small", (1e-5, 1e-4, 1e-3, 1e-2), repeat=3, formats=("bf16", "fp8-block"))
+FULL = Setup("base", (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2), repeat=5, formats=("bf16", "fp8-block"))
+
+
+def _bump(view: dict[str, torch.Tensor], fraction: float, rng: np.random.Generator) -> None:
+    """Move ``fraction`` of every tensor's elements by one step of their bit pattern, in place."""
+    for t in view.values():
+        flat = int_view(t)
+        n = flat.numel()
+        k = round(fraction * n)
+        if k == 0 and rng.random() < fraction * n:
+            k = 1  # keep the expected count right for tiny fractions
+        if k == 0:
+            continue
+        pos = torch.from_numpy(rng.choice(n, size=k, replace=False).astype(np.int64))
+        step = torch.from_numpy(rng.integers(0, 2, size=k).astype(np.int64) * 2 - 1).to(flat.dtype)
+        flat[pos] = flat[pos] + step
+
+
+def _measure(setup: Setup, fmt: str, console: Console) -> dict[str, Any]:
+    config = preset_config(setup.model)
+    model = build_model(config, seed=0, dtype=torch.float32)
+    masters = {k: v.detach() for k, v in model.state_dict().items()}
+    base = served_view(masters, fmt)
+    del model, masters
+    params = sum(t.numel() for t in base.values())
+    view_bytes = sum(t.numel() * t.element_size() for t in base.values())
+    prev = {k: v.clone() for k, v in base.items()}
+    table = FingerprintTable.of(prev)
+    rng = np.random.default_rng(0)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="flipsync-bench-sidecar-") as tmp:
+        store = open_store(tmp)
+        pub = Publisher(store, RUN, publisher_id="bench")
+        pub.publish_snapshot(prev, version=0, view_fp=table.view_fp(), served_format=fmt)
+        engine = TorchEngine(build_model(config, seed=1), served_format=fmt)
+        replica = Replica(
+            BoardReader(open_store(tmp), RUN),
+            engine,
+            config=ReplicaConfig(commit_mode=CommitMode.IN_PLACE, poll_interval_s=0.05),
+            metrics=SidecarMetrics(),
+        )
+        if not replica.sync_once():
+            raise RuntimeError(f"the bench replica failed to boot: {replica.status()['error']}")
+        boot = replica.status()["last_update"]
+        keyframe = {"pause_s": boot["pause_s"], "engine_write_s": engine.last_write.write_s, "bytes": boot["bytes"]}
+        version = 0
+        cur = {k: v.clone() for k, v in prev.items()}  # the trainer's next view; prev follows it by patches
+        for r in range(setup.repeat):
+            for f in setup.fractions:
+                console.log(f"sidecar bench: {fmt}, changed fraction {f:g}, repeat {r + 1}/{setup.repeat}")
+                _bump(cur, f, rng)
+                patch, new_table = diff_views(
+                    prev, cur, old_table=table, base_version=version, target_version=version + 1, served_format=fmt
+                )
+                data = patch.to_bytes()
+                pub.publish_patch(
+                    [data],
+                    base_version=version,
+                    target_version=version + 1,
+                    base_view_fp=table.view_fp(),
+                    target_view_fp=new_table.view_fp(),
+                    served_format=fmt,
+                )
+                apply_patch(prev, patch, table)  # the trainer's copy moves on too (O(changed))
+                version += 1
+                if not replica.sync_once() or replica.version != version:
+                    raise RuntimeError(f"the bench replica failed at v{version}: {replica.status()['error']}")
+                u = replica.status()["last_update"]
+                rows.append(
+                    {
+                        "fraction": f,
+                        "changed": u["n_changed"],
+                        "patch_bytes": len(data),
+                        "stage_s": u["stage_s"],
+                        "engine_write_s": engine.last_write.write_s,
+                        "commit_s": u["commit_s"],
+                        "pause_s": u["pause_s"],
+                    }
+                )
+        store.close()
+        replica.reader.store.close()
+    by_fraction = []
+    for f in setup.fractions:
+        rs = [x for x in rows if x["fraction"] == f]
+        by_fraction.append(
+            {
+                "fraction": f,
+                "changed": int(statistics.median(x["changed"] for x in rs)),
+                "patch_bytes": int(statistics.median(x["patch_bytes"] for x in rs)),
+                **{
+                    k: statistics.median(x[k] for x in rs) for k in ("stage_s", "engine_write_s", "commit_s", "pause_s")
+                },
+            }
+        )
+    return {
+        "format": fmt,
+        "model": setup.model,
+        "params": params,
+        "view_bytes": view_bytes,
+        "keyframe": keyframe,
+        "rows": by_fraction,
+    }
+
+
+def _table(result: dict[str, Any]) -> Table:
+    kf = result["keyframe"]
+    t = Table(
+        title=f"torch engine, {result['model']} ({result['params'] / 1e6:.1f}M params, "
+        f"{result['view_bytes'] / 2**20:.0f} MiB served, {result['format']}): full keyframe load pause "
+        f"{kf['pause_s'] * 1e3:.1f} ms"
+    )
+    for col in ("changed", "of view", "patch", "stage ms", "engine write ms", "pause ms", "pause / keyframe"):
+        t.add_column(col, justify="right")
+    for row in result["rows"]:
+        t.add_row(
+            f"{row['changed']:,}",
+            f"{row['fraction']:.0e}",
+            f"{row['patch_bytes'] / 1024:,.1f} KiB",
+            f"{row['stage_s'] * 1e3:.2f}",
+            f"{row['engine_write_s'] * 1e3:.2f}",
+            f"{row['pause_s'] * 1e3:.2f}",
+            f"{row['pause_s'] / kf['pause_s']:.3f}" if kf["pause_s"] > 0 else "-",
+        )
+    return t
+
+
+def run(console: Console, quick: bool = False, *, setup: Setup | None = None) -> dict[str, Any]:
+    """Measure stage time and engine pause against patch size; print a table per format, return numbers."""
+    setup = setup or (QUICK if quick else FULL)
+    results: dict[str, Any] = {"quick": quick, "model": setup.model, "formats": {}}
+    t0 = time.perf_counter()
+    for fmt in setup.formats:
+        res = _measure(setup, fmt, console)
+        results["formats"][fmt] = res
+        console.print(_table(res))
+    bf16 = results["formats"].get("bf16")
+    if bf16 and len(bf16["rows"]) >= 2:
+        lo, hi = bf16["rows"][0], bf16["rows"][-1]
+        results["bf16_scaling"] = {
+            "changed_ratio": hi["changed"] / max(1, lo["changed"]),
+            "pause_ratio": hi["pause_s"] / lo["pause_s"] if lo["pause_s"] > 0 else None,
+            "largest_patch_pause_vs_keyframe": hi["pause_s"] / bf16["keyframe"]["pause_s"],
+        }
+        console.print(
+            f"bf16: {hi['changed'] / max(1, lo['changed']):,.0f}x more changed values cost "
+            f"{hi['pause_s'] / max(lo['pause_s'], 1e-9):,.1f}x the pause; the largest patch pauses "
+            f"{hi['pause_s'] * 1e3:.1f} ms against {bf16['keyframe']['pause_s'] * 1e3:.1f} ms for a full load"
+        )
+    results["seconds"] = time.perf_counter() - t0
+    return results

@@ -1,0 +1,230 @@
+"""``flipsync sidecar`` and ``flipsync relay``.
+
+``sidecar`` and ``relay`` are plain Typer command functions; ``flipsync.cli`` mounts them with
+``app.command("sidecar")(sidecar)`` and ``app.command("relay")(relay)``. ``sidecar_app`` holds both, so
+``python -m flipsync.sidecar.cli sidecar ...`` works on its own too.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.sidecar.gate import CommitMode
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+# Everything heavy (torch, transformers, uvicorn, the board) is imported inside the commands, so that
+# mounting them keeps ``flipsync --help`` and the other commands fast.
+
+log = logging.getLogger(__name__)
+
+sidecar_app = typer.Typer(
+    name="flipsync-sidecar",
+    help="Keep an inference engine bitwise at a board's HEAD, behind a version-aware proxy.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} {item!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _serve(app: FastAPI, host: str, port: int) -> None:
+    """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
+
+    uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
+    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0.
+    """
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    import uvicorn
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _fail(e: FlipsyncError) -> typer.Exit:
+    typer.echo(f"error: {e}", err=True)
+    return typer.Exit(2)
+
+
+BoardOpt = Annotated[
+    str, typer.Option("--board", "-b", help="Board URL or path (s3://..., ./board), or a relay http://HOST:PORT")
+]
+StoreOpt = Annotated[
+    list[str] | None, typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...)")
+]
+
+
+@sidecar_app.command("sidecar")
+def sidecar(
+    board: BoardOpt,
+    listen: Annotated[str, typer.Option(help="Where the proxy listens, HOST:PORT")] = "127.0.0.1:8100",
+    engine: Annotated[str, typer.Option(help="Inference engine: torch | vllm | sglang")] = "torch",
+    run: Annotated[str | None, typer.Option(help="Run name on the board (default: its only run)")] = None,
+    upstream: Annotated[
+        str | None, typer.Option(help="The engine's OpenAI-compatible URL (vllm, sglang; torch serves its own)")
+    ] = None,
+    commit_mode: Annotated[CommitMode, typer.Option(help="in_place: pause and continue; quiesce: drain first")] = (
+        CommitMode.IN_PLACE
+    ),
+    poll: Annotated[float, typer.Option(help="Seconds between board polls")] = 1.0,
+    max_backoff: Annotated[float, typer.Option(help="Longest wait between retries after failures (s)")] = 30.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Longest wait for in-flight requests before a commit (s)")
+    ] = 30.0,
+    public_key: Annotated[
+        list[Path] | None, typer.Option("--public-key", help="Accept only manifests signed by this key (repeatable)")
+    ] = None,
+    store_option: StoreOpt = None,
+    model: Annotated[str, typer.Option(help="torch: model preset (tiny, small, base) or a config.json")] = "tiny",
+    served_format: Annotated[
+        str | None, typer.Option("--format", help="torch: served format (default: the board's)")
+    ] = None,
+    device: Annotated[str, typer.Option(help="torch: cpu or cuda[:N]")] = "cpu",
+    engine_listen: Annotated[str, typer.Option(help="torch: where its OpenAI server listens")] = "127.0.0.1:0",
+    threads: Annotated[int | None, typer.Option(help="torch: CPU threads for the model")] = None,
+    max_concurrency: Annotated[int, typer.Option(help="torch: sequences generated at once")] = 8,
+    engine_option: Annotated[
+        list[str] | None, typer.Option("--engine-option", help="vllm/sglang: engine setting key=value")
+    ] = None,
+) -> None:
+    """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
+    from flipsync.board.reader import BoardReader
+    from flipsync.board.signing import Verifier
+    from flipsync.board.store import StoreOptions
+    from flipsync.sidecar.http_store import open_board
+    from flipsync.sidecar.proxy import ProxyConfig
+    from flipsync.sidecar.replica import ReplicaConfig
+    from flipsync.sidecar.server import parse_listen
+    from flipsync.sidecar.service import (
+        ENGINE_KINDS,
+        EngineOptions,
+        Sidecar,
+        TorchEngineHandle,
+        board_format,
+        find_run,
+        load_engine,
+        start_torch_engine,
+    )
+
+    torch_handle: TorchEngineHandle | None = None
+    service: Sidecar | None = None
+    store = None
+    try:
+        host, port = parse_listen(listen)
+        if engine not in ENGINE_KINDS:
+            raise ConfigError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_KINDS)}")
+        store = open_board(board, StoreOptions(config=_pairs(store_option, "store option")))
+        verifier = Verifier.from_pem(*public_key) if public_key else None
+        run_name = run or find_run(store)
+        replica_config = ReplicaConfig(
+            commit_mode=commit_mode, poll_interval_s=poll, max_backoff_s=max_backoff, drain_timeout_s=drain_timeout
+        )
+        if engine == "torch":
+            if threads:
+                import torch
+
+                torch.set_num_threads(threads)
+            fmt = served_format or board_format(BoardReader(store, run_name, verifier=verifier))
+            if fmt is None:
+                fmt = "bf16"
+                log.warning("the board has no version yet; assuming served format bf16 (set --format)")
+            ehost, eport = parse_listen(engine_listen)
+            torch_handle = start_torch_engine(
+                model, fmt, device=device, host=ehost, port=eport, max_concurrency=max_concurrency
+            )
+            the_engine = torch_handle.engine
+            upstream_url = torch_handle.url
+        else:
+            if not upstream:
+                raise ConfigError(f"--upstream URL is required for the {engine} engine (its OpenAI server)")
+            options = EngineOptions(upstream, served_format, device, _pairs(engine_option, "engine option"))
+            the_engine = load_engine(engine, options)
+            upstream_url = upstream
+        service = Sidecar(
+            store,
+            run_name,
+            the_engine,
+            upstream_url,
+            verifier=verifier,
+            replica_config=replica_config,
+            proxy_config=ProxyConfig(upstream_url, retry_after_s=max(1, round(poll))),
+        )
+        service.replica.start()
+        typer.echo(f"flipsync sidecar: run {run_name!r} on {store.url}, {engine} engine, proxy on {host}:{port}")
+        # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly.
+        _serve(service.app, host, port)
+    except FlipsyncError as e:
+        raise _fail(e) from None
+    finally:
+        if service is not None:
+            service.replica.stop()
+            service.replica.engine.close()
+        if torch_handle is not None:
+            torch_handle.stop()
+        if store is not None:
+            store.close()
+
+
+@sidecar_app.command("relay")
+def relay(
+    board: BoardOpt,
+    listen: Annotated[str, typer.Option(help="Where the relay listens, HOST:PORT")] = "127.0.0.1:8200",
+    cache_mib: Annotated[int, typer.Option(help="Memory for cached objects (MiB)")] = 4096,
+    max_object_mib: Annotated[int, typer.Option(help="Larger objects are relayed but not cached (MiB)")] = 1024,
+    hint_ttl: Annotated[float, typer.Option(help="Seconds the HEAD hint (latest.json) is cached")] = 0.5,
+    listing_ttl: Annotated[float, typer.Option(help="Seconds a listing is cached")] = 1.0,
+    negative_ttl: Annotated[float, typer.Option(help="Seconds a missing object is remembered")] = 0.25,
+    store_option: StoreOpt = None,
+) -> None:
+    """Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."""
+    from flipsync.board.store import StoreOptions
+    from flipsync.sidecar.http_store import open_board
+    from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
+    from flipsync.sidecar.server import parse_listen
+
+    store = None
+    try:
+        host, port = parse_listen(listen)
+        store = open_board(board, StoreOptions(config=_pairs(store_option, "store option")))
+        config = RelayConfig(
+            max_cache_bytes=cache_mib << 20,
+            max_object_bytes=max_object_mib << 20,
+            hint_ttl_s=hint_ttl,
+            listing_ttl_s=listing_ttl,
+            negative_ttl_s=negative_ttl,
+        )
+        app = create_relay_app(RelayCache(store, config))
+        typer.echo(f"flipsync relay: {store.url} on {host}:{port}")
+        _serve(app, host, port)
+    except FlipsyncError as e:
+        raise _fail(e) from None
+    finally:
+        if store is not None:
+            store.close()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sidecar_app()

@@ -1,0 +1,223 @@
+"""``HttpStore``: the board's Store port over a relay's HTTP API (read-only), and ``open_board``.
+
+A sidecar reads a board either directly (``open_store``: file://, s3://, gs://, az://, ...) or through an
+island relay (``flipsync relay``) at ``http://HOST:PORT``. The relay API:
+
+    GET  /board/o/<path>            the object's bytes (``Range: bytes=a-b`` answers 206)
+    HEAD /board/o/<path>            size (Content-Length), Last-Modified, ETag
+    GET  /board/list?prefix=<dir>   {"objects": [{"path", "size", "modified", "etag"}, ...]}
+    GET  /board/dirs?prefix=<dir>   {"dirs": [name, ...]}
+
+404 is NotFoundError; connection failures, timeouts and 5xx are retried with exponential backoff (bounded in
+count and time) and then raised as StoreError naming the object.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import logging
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from urllib.parse import quote, urlparse
+
+import httpx
+
+from flipsync.board.store import ObjectInfo, Store, StoreOptions, open_store
+from flipsync.errors import ConfigError, NotFoundError, StoreError
+
+log = logging.getLogger(__name__)
+
+OBJECT_PREFIX = "/board/o/"
+_RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
+# Cloud endpoints that open_store serves itself over https; any other http(s) URL is a relay.
+_CLOUD_HOSTS = ("amazonaws.com", "r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net")
+
+
+def _parse_time(text: str | None) -> datetime:
+    if text:
+        try:
+            return email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError):
+            pass
+        try:
+            return datetime.fromisoformat(text)
+        except ValueError:
+            pass
+    return datetime.fromtimestamp(0, UTC)
+
+
+class HttpStore:
+    """A read-only Store that reads a board through a ``flipsync relay``."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 60.0,
+        connect_timeout_s: float = 5.0,
+        max_retries: int = 4,
+        retry_timeout_s: float = 30.0,
+        init_backoff_s: float = 0.1,
+        max_backoff_s: float = 2.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ConfigError(f"a relay URL is http(s)://HOST:PORT, got {url!r}")
+        self.url = url.rstrip("/")
+        self.max_retries = max_retries
+        self.retry_timeout_s = retry_timeout_s
+        self.init_backoff_s = init_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._client = httpx.Client(
+            base_url=self.url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+        )
+
+    def __repr__(self) -> str:
+        return f"HttpStore({self.url!r})"
+
+    # -- transport ------------------------------------------------------------------------------------
+
+    def _request(
+        self,
+        method: str,
+        target: str,
+        what: str,
+        *,
+        params: dict[str, str] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """One request, retried on transient failures within ``max_retries`` and ``retry_timeout_s``."""
+        deadline = time.monotonic() + self.retry_timeout_s
+        delay = self.init_backoff_s
+        attempt = 0
+        while True:
+            problem: str
+            try:
+                r = self._client.request(method, target, params=params, headers=headers)
+            except httpx.HTTPError as e:
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 404:
+                    raise NotFoundError(f"{self.url}/{what} does not exist")
+                if r.status_code < 400:
+                    return r
+                problem = f"HTTP {r.status_code}: {_message(r)}"
+                if r.status_code not in _RETRY_STATUS:
+                    raise StoreError(f"{method} {self.url}/{what} was refused ({problem})")
+            attempt += 1
+            if attempt > self.max_retries or time.monotonic() + delay > deadline:
+                raise StoreError(
+                    f"{method} {self.url}/{what} failed: {problem} (tried {attempt} times; "
+                    "check that the relay is running and reachable)"
+                )
+            log.debug("%s %s failed (%s); retrying in %.2f s", method, what, problem, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, self.max_backoff_s)
+
+    @staticmethod
+    def _object(path: str) -> str:
+        if not path or path.startswith("/"):
+            raise StoreError(f"bad object path {path!r}")
+        return OBJECT_PREFIX + quote(path, safe="/")
+
+    # -- Store port -----------------------------------------------------------------------------------
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        return self._request("GET", self._object(path), path).content
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        r = self._request("GET", self._object(path), path, headers={"Range": f"bytes={start}-{end - 1}"})
+        data = r.content
+        if r.status_code == 200:  # a server that ignores ranges sends everything
+            data = data[start:end]
+        return data
+
+    def head(self, path: str) -> ObjectInfo:
+        r = self._request("HEAD", self._object(path), path)
+        size = r.headers.get("content-length")
+        if size is None or not size.isdigit():
+            raise StoreError(f"HEAD {self.url}/{path} gave no Content-Length")
+        return ObjectInfo(path, int(size), _parse_time(r.headers.get("last-modified")), r.headers.get("etag"))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.head(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        r = self._request("GET", "/board/list", f"{prefix} (list)", params={"prefix": prefix.rstrip("/")})
+        try:
+            return [
+                ObjectInfo(o["path"], int(o["size"]), _parse_time(o.get("modified")), o.get("etag"))
+                for o in r.json()["objects"]
+            ]
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}") from None
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        r = self._request("GET", "/board/dirs", f"{prefix} (dirs)", params={"prefix": prefix.rstrip("/")})
+        try:
+            dirs = r.json()["dirs"]
+            if not all(isinstance(d, str) for d in dirs):
+                raise TypeError("names must be strings")
+            return sorted(dirs)
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}") from None
+
+    def _read_only(self, op: str) -> StoreError:
+        return StoreError(f"{op} on {self.url}: a relay is read-only; publish to the board itself")
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        raise self._read_only(f"put {path}")
+
+    def delete(self, paths: Sequence[str]) -> None:
+        raise self._read_only("delete")
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        raise self._read_only("make_durable")
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> HttpStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _message(r: httpx.Response) -> str:
+    try:
+        doc = r.json()
+        if isinstance(doc, dict) and isinstance(doc.get("detail"), str):
+            return doc["detail"]
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+            return str(doc["error"].get("message", ""))
+    except ValueError:
+        pass
+    return r.text[:200]
+
+
+def is_relay_url(url: str) -> bool:
+    """True for an http(s) URL that is not one of the cloud endpoints ``open_store`` handles itself."""
+    parsed = urlparse(url)
+    host = parsed.netloc.lower()
+    return parsed.scheme in ("http", "https") and not any(h in host for h in _CLOUD_HOSTS)
+
+
+def open_board(
+    url: str, options: StoreOptions | None = None, *, http_factory: Callable[[str], HttpStore] = HttpStore
+) -> Store:
+    """A relay URL (``http://HOST:PORT``) as an HttpStore; anything else through ``open_store``."""
+    if is_relay_url(url):
+        return http_factory(url)
+    return open_store(url, options)

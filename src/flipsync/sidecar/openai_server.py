@@ -1,0 +1,386 @@
+"""The torch engine's OpenAI-compatible server: ``/v1/completions`` and ``/v1/chat/completions``.
+
+This is the *upstream* a sidecar's proxy forwards to when the engine is the in-process torch engine (vLLM
+and SGLang bring their own). Streaming and non-streaming, ``n`` choices, ``stop`` strings, ``seed``,
+``temperature``/``top_p``, ``logprobs`` (of the sampled tokens). Each choice also carries
+``token_versions``: the board version of the weights that produced each generated token (the engine knows
+it exactly, because its decode steps and weight writes exclude each other).
+
+Generation runs on a bounded thread pool; a streaming client that goes away stops its sequences.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from flipsync.errors import ConfigError, EngineUnavailableError
+from flipsync.sidecar.tokenizer import StreamDecoder
+from flipsync.sidecar.torch_engine import Generation, SamplingParams, TorchEngine
+
+log = logging.getLogger(__name__)
+
+MAX_N = 16
+MAX_PROMPTS = 64
+
+
+class BadRequest(Exception):
+    pass
+
+
+def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+@dataclass
+class ChoiceText:
+    """Incremental detokenisation of one choice, holding back text that may be the start of a stop string."""
+
+    stops: Sequence[str]
+    decoder: StreamDecoder = field(default_factory=StreamDecoder)
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = False
+
+    def push(self, token: int) -> str:
+        """Add a token; return the text that is now safe to emit (stop strings never leak)."""
+        self.text += self.decoder.push(token)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        self.text += self.decoder.flush()
+        return self._release(final=True)
+
+    def _release(self, *, final: bool) -> str:
+        if self.stopped:
+            return ""
+        cut = min((i for s in self.stops if (i := self.text.find(s, max(0, self.emitted - len(s)))) >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self.text = self.text[:cut]
+            end = cut
+        elif final:
+            end = len(self.text)
+        else:
+            hold = 0
+            for s in self.stops:
+                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        hold = max(hold, k)
+                        break
+            end = len(self.text) - hold
+        out = self.text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out
+
+
+@dataclass
+class Job:
+    """One choice to generate."""
+
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+
+
+def _int(body: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise BadRequest(f"{key} must be an integer in {lo}..{hi}")
+    return v
+
+
+def _float(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= float(v) <= hi:
+        raise BadRequest(f"{key} must be a number in {lo:g}..{hi:g}")
+    return float(v)
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > 8 or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest("stop must be a non-empty string or a list of at most 8 of them")
+    return stops
+
+
+def _sampling(body: dict[str, Any], engine: TorchEngine, max_tokens_limit: int) -> SamplingParams:
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest("seed must be an integer")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return SamplingParams(
+        max_tokens=_int({"max_tokens": limit}, "max_tokens", 16, 1, max_tokens_limit),
+        temperature=_float(body, "temperature", 1.0, 0.0, 10.0),
+        top_p=_float(body, "top_p", 1.0, 1e-6, 1.0),
+        seed=seed,
+        stop_token_ids=engine.tokenizer.stop_ids,
+    )
+
+
+def _prompts(body: dict[str, Any], engine: TorchEngine) -> list[list[int]]:
+    p = body.get("prompt")
+    tok = engine.tokenizer
+    if isinstance(p, str):
+        return [tok.encode(p)]
+    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [list(p)]
+    if isinstance(p, list) and 0 < len(p) <= MAX_PROMPTS:
+        out = []
+        for x in p:
+            if isinstance(x, str):
+                out.append(tok.encode(x))
+            elif isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x):
+                out.append(list(x))
+            else:
+                raise BadRequest("prompt must be a string, a list of strings, or token ids")
+        return out
+    raise BadRequest(f"prompt must be a non-empty string, token ids, or a list of at most {MAX_PROMPTS} of those")
+
+
+def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_tokens_limit: int = 4096) -> FastAPI:
+    """The OpenAI-compatible app of a torch engine (serve it with uvicorn on a loopback port)."""
+    pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="flipsync-gen")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="flipsync torch engine", lifespan=lifespan)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.health() else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": engine.model_name, "object": "model", "owned_by": "flipsync", "created": 0}],
+        }
+
+    async def _body(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise BadRequest("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _jobs(prompts: list[list[int]], params: SamplingParams, n: int) -> list[Job]:
+        jobs = []
+        for pi, prompt in enumerate(prompts):
+            for j in range(n):
+                # Distinct choices of one seeded request must differ, yet stay reproducible.
+                seed = None if params.seed is None else params.seed + pi * n + j
+                p = SamplingParams(params.max_tokens, params.temperature, params.top_p, seed, params.stop_token_ids)
+                jobs.append(Job(pi * n + j, prompt, p))
+        return jobs
+
+    async def handle(request: Request, chat: bool) -> Response:
+        try:
+            body = await _body(request)
+            n = _int(body, "n", 1, 1, MAX_N)
+            params = _sampling(body, engine, max_tokens_limit)
+            stops = _stops(body)
+            if chat:
+                messages = body.get("messages")
+                if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                    raise BadRequest("messages must be a non-empty list of {role, content} objects")
+                prompts = [engine.tokenizer.chat_prompt(messages)]
+            else:
+                prompts = _prompts(body, engine)
+            want_logprobs = bool(body.get("logprobs"))
+            stream = bool(body.get("stream", False))
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage", False))
+        except (BadRequest, ConfigError) as e:
+            return error_response(400, str(e))
+        if not engine.health():
+            return error_response(503, "the engine is down", "service_unavailable")
+        jobs = _jobs(prompts, params, n)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        prompt_tokens = sum(len(p) for p in prompts)
+        if stream:
+            return StreamingResponse(
+                _stream(jobs, stops, chat, rid, include_usage, want_logprobs, prompt_tokens),
+                media_type="text/event-stream",
+            )
+        return await _complete(jobs, stops, chat, rid, want_logprobs, prompt_tokens)
+
+    async def _complete(
+        jobs: list[Job], stops: list[str], chat: bool, rid: str, want_logprobs: bool, prompt_tokens: int
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+
+        def one(job: Job) -> tuple[Generation, ChoiceText]:
+            text = ChoiceText(stops)
+            gen = engine.generate(job.prompt, job.params, lambda tok, _v: (text.push(tok), not text.stopped)[1])
+            text.finish()
+            return gen, text
+
+        try:
+            results = await asyncio.gather(*(loop.run_in_executor(pool, one, j) for j in jobs))
+        except EngineUnavailableError as e:
+            return error_response(503, str(e), "service_unavailable")
+        except ConfigError as e:
+            return error_response(400, str(e))
+        choices = []
+        completion_tokens = 0
+        for job, (gen, text) in zip(jobs, results, strict=True):
+            completion_tokens += len(gen.tokens)
+            finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
+            choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
+            lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text.text}
+                choice["logprobs"] = lp if want_logprobs else None
+            else:
+                choice["text"] = text.text
+                choice["logprobs"] = lp if want_logprobs else None
+            choices.append(choice)
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()),
+                "model": engine.model_name,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }
+        )
+
+    async def _stream(
+        jobs: list[Job],
+        stops: list[str],
+        chat: bool,
+        rid: str,
+        include_usage: bool,
+        want_logprobs: bool,
+        prompt_tokens: int,
+    ) -> AsyncIterator[bytes]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+        cancelled = threading.Event()
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def put(item: tuple[int, str, Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def run(job: Job) -> None:
+            text = ChoiceText(stops)
+
+            def on_token(tok: int, version: int | None) -> bool:
+                piece = text.push(tok)
+                put((job.index, "token", (piece, version, engine.tokenizer.decode([tok]))))
+                return not text.stopped and not cancelled.is_set()
+
+            try:
+                gen = engine.generate(job.prompt, job.params, on_token)
+                tail = text.finish()
+                finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
+                put((job.index, "end", (tail, finish, gen)))
+            except Exception as e:  # reported in the stream: the status line has gone out already
+                put((job.index, "error", str(e)))
+
+        def chunk(
+            index: int,
+            text: str | None,
+            finish: str | None,
+            versions: list[int | None],
+            extra: Any = None,
+            first: bool = False,
+        ) -> bytes:
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_versions": versions}
+            if chat:
+                choice["delta"] = {} if text is None else {"content": text}
+                if first:
+                    choice["delta"]["role"] = "assistant"  # the first chunk of a chat choice names the role
+            else:
+                choice["text"] = text or ""
+            choice["logprobs"] = extra
+            doc = {"id": rid, "object": obj, "created": created, "model": engine.model_name, "choices": [choice]}
+            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+        futures = [loop.run_in_executor(pool, run, j) for j in jobs]
+        pending = len(jobs)
+        completion_tokens = 0
+        try:
+            if chat:
+                for j in jobs:
+                    yield chunk(j.index, "", None, [], first=True)
+            while pending:
+                index, kind, payload = await queue.get()
+                if kind == "token":
+                    piece, version, tok_text = payload
+                    completion_tokens += 1
+                    lp = {"tokens": [tok_text]} if want_logprobs else None
+                    yield chunk(index, piece, None, [version], lp)
+                elif kind == "end":
+                    tail, finish, _gen = payload
+                    pending -= 1
+                    yield chunk(index, tail or ("" if not chat else None), finish, [])
+                else:
+                    pending -= 1
+                    err = {"error": {"message": payload, "type": "engine_error", "code": 500}}
+                    yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            if include_usage:
+                usage = {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                }
+                doc = {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": engine.model_name,
+                    "choices": [],
+                    "usage": usage,
+                }
+                yield b"data: " + json.dumps(doc).encode() + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            cancelled.set()  # a client that went away stops its sequences at the next token
+            for f in futures:
+                f.cancel()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle(request, chat=True)
+
+    return app
+
+
+__all__ = ["ChoiceText", "create_engine_app"]

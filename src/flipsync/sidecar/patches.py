@@ -1,0 +1,60 @@
+"""From a verified board step to one codec ``Patch`` the engine can stage.
+
+A published version is a list of parts, each a codec patch file. One part is the common case. Several parts
+are accepted in two shapes: a chain (each part starts where the previous one ends: squashed into one patch,
+O(changed)), or disjoint shards that all start from the version's base view (e.g. one per trainer rank:
+their sections are merged). Either way the result must go from the manifest's base view to its target view,
+so a patch that disagrees with its (signed) manifest is refused before the engine sees it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from flipsync.codec import Patch, squash
+from flipsync.domain.manifest import Manifest
+from flipsync.domain.patch import ViewRef
+from flipsync.errors import CorruptPatchError, PatchError
+
+
+def patch_from_parts(parts: Sequence[bytes], manifest: Manifest) -> Patch:
+    """One patch from ``manifest.base_view_fp`` to ``manifest.target_view_fp``; CorruptPatchError otherwise."""
+    where = f"{manifest.kind.value} v{manifest.base_version}->v{manifest.target_version}"
+    if not parts:
+        raise CorruptPatchError(f"{where} has no parts")
+    patches = [Patch.from_bytes(p) for p in parts]
+    if len(patches) == 1:
+        patch = patches[0]
+    elif all(a.header.target.view == b.header.base.view for a, b in itertools.pairwise(patches)):
+        try:
+            patch = squash(patches)
+        except PatchError as e:
+            raise CorruptPatchError(f"{where}: its parts do not squash into one patch: {e}") from None
+    elif all(p.header.base.view == manifest.base_view_fp for p in patches):
+        patch = _merge_shards(patches, manifest, where)
+    else:
+        raise CorruptPatchError(f"{where}: its {len(patches)} parts neither form a chain nor share the base view")
+    if patch.header.base.view != manifest.base_view_fp or patch.header.target.view != manifest.target_view_fp:
+        raise CorruptPatchError(
+            f"{where}: the patch goes from view {patch.header.base.view[:16]} to {patch.header.target.view[:16]}, "
+            f"but its manifest says {str(manifest.base_view_fp)[:16]} to {manifest.target_view_fp[:16]}"
+        )
+    if patch.header.served_format is not None and patch.header.served_format != manifest.served_format:
+        raise CorruptPatchError(
+            f"{where}: the patch is {patch.header.served_format}, its manifest says {manifest.served_format}"
+        )
+    return patch
+
+
+def _merge_shards(patches: Sequence[Patch], manifest: Manifest, where: str) -> Patch:
+    """Disjoint shards of one version: their sections side by side, named by the manifest's ends."""
+    try:
+        return Patch.merge_disjoint(
+            patches,
+            base=ViewRef(str(manifest.base_view_fp), manifest.base_version),
+            target=ViewRef(manifest.target_view_fp, manifest.target_version),
+            served_format=patches[0].header.served_format,
+        )
+    except PatchError as e:
+        raise CorruptPatchError(f"{where}: {e}") from None

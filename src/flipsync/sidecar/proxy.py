@@ -1,0 +1,406 @@
+"""The version-aware, OpenAI-compatible proxy in front of one engine, and the sidecar's control API.
+
+Every ``POST`` (completions, chat completions, anything that runs the model) goes through the request gate:
+
+- the request may ask for a version: a ``weight_version`` body field ``{"min_version": N}`` or
+  ``{"exact_version": N}`` (removed before forwarding), or the ``X-Flipsync-Min-Version`` /
+  ``X-Flipsync-Exact-Version`` headers. A replica that does not satisfy it answers 409 with ``Retry-After``;
+  a replica with no verified version (booting, or resyncing after a fault) answers 503 with ``Retry-After``;
+- it is admitted only while no commit is under way, so it never starts on a half-applied version;
+- the response carries the version at generation start and end: headers
+  ``X-Flipsync-Weight-Version-Start`` / ``-End`` (streams: the start header, and the end in every event),
+  and a ``weight_version: {"start": S, "end": E}`` field in the JSON body or in every SSE event.
+  ``end`` is an upper bound: a commit under way when the response finished counts already.
+
+Other methods and paths (``GET /v1/models``, ...) pass through untouched. Streams (SSE) are relayed event by
+event. The upstream is any OpenAI-compatible server URL (the torch engine's own, vLLM, SGLang).
+
+Control: ``GET /flipsync/status``, ``GET /flipsync/wait?min_version=N&timeout_s=S`` (long poll),
+``GET /flipsync/health``, ``POST /flipsync/sync`` (poll the board now), ``GET /metrics`` (Prometheus).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import Receive, Scope, Send
+
+from flipsync.sidecar.replica import Replica
+
+log = logging.getLogger(__name__)
+
+H_MIN = "x-flipsync-min-version"
+H_EXACT = "x-flipsync-exact-version"
+H_VERSION = "X-Flipsync-Weight-Version"
+H_START = "X-Flipsync-Weight-Version-Start"
+H_END = "X-Flipsync-Weight-Version-End"
+BODY_FIELD = "weight_version"
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy recomputes.
+_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "content-encoding",
+        "accept-encoding",
+    }
+)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    upstream_url: str
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0  # one read of the upstream (a token gap), not the whole response
+    admit_timeout_s: float = 120.0  # how long a request waits at a closed gate (a keyframe reload)
+    max_wait_s: float = 300.0  # cap of /flipsync/wait
+    retry_after_s: int = 1
+    max_body_bytes: int = 64 << 20
+
+
+class BadRequest(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class VersionConstraint:
+    min_version: int | None = None
+    exact_version: int | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.exact_version is not None
+
+    def satisfied_by(self, version: int) -> bool:
+        if self.exact_version is not None and version != self.exact_version:
+            return False
+        return self.min_version is None or version >= self.min_version
+
+    def describe(self) -> str:
+        if self.exact_version is not None:
+            return f"exactly v{self.exact_version}"
+        return f"at least v{self.min_version}"
+
+
+def _version_value(v: Any, where: str) -> int:
+    if isinstance(v, str) and v.strip().isdigit():
+        v = int(v.strip())
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise BadRequest(f"{where} must be a non-negative integer version")
+    return v
+
+
+def parse_constraint(field: Any, headers: Any) -> VersionConstraint:
+    """The request's version constraint from the body field and/or the headers (the stricter wins)."""
+    mins: list[int] = []
+    exacts: list[int] = []
+    if field is not None:
+        if not isinstance(field, dict) or not set(field) <= {"min_version", "exact_version"}:
+            raise BadRequest(f'{BODY_FIELD} must be {{"min_version": N}} or {{"exact_version": N}}')
+        if field.get("min_version") is not None:
+            mins.append(_version_value(field["min_version"], f"{BODY_FIELD}.min_version"))
+        if field.get("exact_version") is not None:
+            exacts.append(_version_value(field["exact_version"], f"{BODY_FIELD}.exact_version"))
+    if headers.get(H_MIN) is not None:
+        mins.append(_version_value(headers[H_MIN], H_MIN))
+    if headers.get(H_EXACT) is not None:
+        exacts.append(_version_value(headers[H_EXACT], H_EXACT))
+    if len(set(exacts)) > 1:
+        raise BadRequest(f"conflicting exact versions {sorted(set(exacts))}")
+    return VersionConstraint(max(mins) if mins else None, exacts[0] if exacts else None)
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
+    )
+
+
+def _forward_headers(headers: Any) -> dict[str, str]:
+    out = {k: v for k, v in headers.items() if k.lower() not in _HOP and not k.lower().startswith("x-flipsync-")}
+    out["accept-encoding"] = "identity"  # relay bytes as they are; SSE is rewritten event by event
+    return out
+
+
+def _response_headers(headers: httpx.Headers) -> dict[str, str]:
+    # The proxy's own server sets date and server.
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP and k.lower() not in ("date", "server")}
+
+
+def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
+    """Add ``weight_version`` to one SSE ``data:`` line holding a JSON object; anything else as it is."""
+    if not line.startswith(b"data:"):
+        return line
+    payload = line[5:].strip()
+    if not payload.startswith(b"{"):
+        return line
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return line
+    if not isinstance(doc, dict):
+        return line
+    doc[BODY_FIELD] = stamp
+    ending = b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + ending
+
+
+class _ClosingStream(StreamingResponse):
+    """A streaming response that always runs ``on_close`` (also when the client left before the first byte,
+    when the body generator never starts), so a gate ticket or an upstream connection is never leaked."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def create_proxy_app(
+    replica: Replica, config: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None
+) -> FastAPI:
+    """The sidecar's HTTP face: version-aware proxy to ``config.upstream_url`` plus control and metrics."""
+    metrics = replica.metrics
+    gate = replica.gate
+    upstream = config.upstream_url.rstrip("/")
+    retry_after = str(max(1, config.retry_after_s, math.ceil(replica.config.poll_interval_s)))
+    clients: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        clients["upstream"] = httpx.AsyncClient(
+            transport=transport,
+            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+        )
+        try:
+            yield
+        finally:
+            await clients.pop("upstream").aclose()
+
+    app = FastAPI(title="flipsync sidecar", lifespan=lifespan)
+
+    # -- control ------------------------------------------------------------------------------------------
+
+    @app.get("/flipsync/status")
+    async def status() -> dict[str, Any]:
+        return {
+            **replica.status(),
+            "proxy": {"upstream": upstream, "in_flight": gate.in_flight, "gate_open": gate.is_open},
+        }
+
+    @app.get("/flipsync/health")
+    async def health() -> Response:
+        ok = replica.serving
+        return JSONResponse(
+            {"serving": ok, "version": replica.version, "state": replica.state.value},
+            status_code=200 if ok else 503,
+            headers=None if ok else {"Retry-After": retry_after},
+        )
+
+    @app.get("/flipsync/wait")
+    async def wait(min_version: int, timeout_s: float = 30.0) -> Response:
+        if min_version < 0 or not timeout_s >= 0:
+            return _error(400, "min_version must be >= 0 and timeout_s a non-negative number", "invalid_request_error")
+        ok = await replica.wait_version_async(min_version, min(timeout_s, config.max_wait_s))
+        body = {"satisfied": ok, "version": replica.version, "head": replica.head, "min_version": min_version}
+        return JSONResponse(body, status_code=200 if ok else 408, headers=None if ok else {"Retry-After": retry_after})
+
+    @app.post("/flipsync/sync", status_code=202)
+    async def sync_now() -> dict[str, Any]:
+        replica.wake()
+        return {"version": replica.version, "state": replica.state.value}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.in_flight.set(gate.in_flight)
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # -- the proxy ----------------------------------------------------------------------------------------
+
+    def _url(request: Request, path: str) -> str:
+        q = request.url.query
+        return f"{upstream}/{path}" + (f"?{q}" if q else "")
+
+    async def passthrough(request: Request, path: str) -> Response:
+        client = clients["upstream"]
+        req = client.build_request(
+            request.method, _url(request, path), headers=_forward_headers(request.headers), content=await request.body()
+        )
+        try:
+            resp = await client.send(req, stream=True)
+        except httpx.TimeoutException as e:
+            return _error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
+        except httpx.HTTPError as e:
+            return _error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
+        headers = _response_headers(resp.headers)
+        if replica.version is not None:
+            headers[H_VERSION] = str(replica.version)
+
+        return _ClosingStream(resp.aiter_raw(), resp.aclose, status_code=resp.status_code, headers=headers)
+
+    async def gated(request: Request, path: str) -> Response:
+        raw = await request.body()
+        if len(raw) > config.max_body_bytes:
+            metrics.requests.labels(outcome="bad_request").inc()
+            return _error(413, f"the body exceeds {config.max_body_bytes} bytes", "invalid_request_error")
+        try:
+            body: Any = None
+            if raw and "json" in request.headers.get("content-type", "application/json"):
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None  # not ours to judge: the upstream answers malformed bodies
+            field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
+            constraint = parse_constraint(field, request.headers)
+        except BadRequest as e:
+            metrics.requests.labels(outcome="bad_request").inc()
+            return _error(400, str(e), "invalid_request_error")
+        if field is not None:
+            raw = json.dumps(body).encode()
+
+        def refusal() -> Response | None:
+            current = replica.version
+            if current is None or not replica.serving:
+                metrics.requests.labels(outcome="unavailable").inc()
+                why = replica.status()["error"]
+                return _error(
+                    503,
+                    "this replica holds no verified version right now"
+                    + (f" ({why['kind']}: {why['message']})" if why else f" (state {replica.state.value})"),
+                    "service_unavailable",
+                    {"Retry-After": retry_after},
+                )
+            if not constraint.satisfied_by(current):
+                metrics.requests.labels(outcome="rejected_version").inc()
+                return _error(
+                    409,
+                    f"this replica serves v{current}; the request needs {constraint.describe()}",
+                    "weight_version_unavailable",
+                    {"Retry-After": retry_after, H_VERSION: str(current)},
+                    weight_version={
+                        "current": current,
+                        "head": replica.head,
+                        "min_version": constraint.min_version,
+                        "exact_version": constraint.exact_version,
+                    },
+                )
+            return None
+
+        if (early := refusal()) is not None:
+            return early
+        if not await gate.enter(pinned=constraint.pinned, timeout=config.admit_timeout_s):
+            metrics.requests.labels(outcome="unavailable").inc()
+            return _error(
+                503, "an update is taking longer than expected", "service_unavailable", {"Retry-After": retry_after}
+            )
+        left = False
+
+        def leave() -> None:
+            nonlocal left
+            if not left:
+                left = True
+                gate.leave(pinned=constraint.pinned)
+                metrics.in_flight.set(gate.in_flight)
+
+        try:
+            metrics.in_flight.set(gate.in_flight)
+            if (late := refusal()) is not None:  # a commit happened while it waited at the gate
+                leave()
+                return late
+            start = replica.version
+            client = clients["upstream"]
+            headers = _forward_headers(request.headers)
+            req = client.build_request(request.method, _url(request, path), headers=headers, content=raw)
+            try:
+                resp = await client.send(req, stream=True)
+            except httpx.TimeoutException as e:
+                metrics.requests.labels(outcome="upstream_error").inc()
+                leave()
+                return _error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
+            except httpx.HTTPError as e:
+                metrics.requests.labels(outcome="upstream_error").inc()
+                leave()
+                return _error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
+            out_headers = _response_headers(resp.headers)
+            out_headers[H_START] = str(start)
+            out_headers[H_VERSION] = str(start)
+            if resp.headers.get("content-type", "").startswith("text/event-stream"):
+                metrics.requests.labels(outcome="ok" if resp.status_code < 400 else "upstream_status").inc()
+
+                async def close() -> None:
+                    await resp.aclose()
+                    leave()
+
+                return _ClosingStream(
+                    _relay_stream(resp, start), close, status_code=resp.status_code, headers=out_headers
+                )
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as e:
+                metrics.requests.labels(outcome="upstream_error").inc()
+                return _error(502, f"the engine at {upstream} broke off its response: {e}", "upstream_unavailable")
+            finally:
+                await resp.aclose()
+                end = replica.version_upper_bound()
+                leave()
+            out_headers[H_END] = str(end)
+            if resp.status_code < 400 and "json" in resp.headers.get("content-type", ""):
+                try:
+                    doc = json.loads(data)
+                except ValueError:
+                    doc = None
+                if isinstance(doc, dict):
+                    doc[BODY_FIELD] = {"start": start, "end": end}
+                    data = json.dumps(doc).encode()
+            metrics.requests.labels(outcome="ok" if resp.status_code < 400 else "upstream_status").inc()
+            return Response(data, status_code=resp.status_code, headers=out_headers)
+        except BaseException:
+            leave()
+            raise
+
+    async def _relay_stream(resp: httpx.Response, start: int | None) -> AsyncIterator[bytes]:
+        buf = b""
+        try:
+            async for chunk in resp.aiter_bytes():
+                buf += chunk
+                cut = buf.rfind(b"\n") + 1
+                if not cut:
+                    continue
+                lines, buf = buf[:cut], buf[cut:]
+                stamp = {"start": start, "end": replica.version_upper_bound()}
+                yield b"".join(_stamp_event(line, stamp) for line in lines.splitlines(keepends=True))
+            if buf:
+                yield _stamp_event(buf, {"start": start, "end": replica.version_upper_bound()})
+        except httpx.HTTPError as e:  # the status line has gone out: report in the stream, as engines do
+            err = {"error": {"message": f"the engine broke off the stream: {e}", "type": "upstream_unavailable"}}
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
+    async def proxy(request: Request, path: str) -> Response:
+        if request.method == "POST":
+            return await gated(request, path)
+        return await passthrough(request, path)
+
+    return app

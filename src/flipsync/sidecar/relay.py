@@ -1,0 +1,337 @@
+"""``flipsync relay``: a read-through cache of a board for the sidecars of one rollout island.
+
+Every sidecar of an island reads the board through the relay (``HttpStore``), so the WAN carries each patch
+once per island however many replicas read it:
+
+- **coalesced fetches**: concurrent requests for one object wait for a single upstream fetch;
+- **immutable objects are cached** (LRU, bounded in bytes): a manifest is written create-only and parts sit
+  in per-attempt folders, so once an object exists its bytes never change;
+- **the HEAD hint** (``latest.json``) is cached for ``hint_ttl_s`` only, listings for ``listing_ttl_s``, and a
+  missing object for ``negative_ttl_s`` (so a newly published version shows up within that time);
+- objects over ``max_object_bytes`` are fetched (still coalesced) but not kept.
+
+The relay holds no credentials for anything but the board it reads, and it is read-only. It trusts nothing
+it serves: sidecars verify every part's BLAKE3 hash and, with a public key, every manifest's signature.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from email.utils import format_datetime
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+from flipsync.board.layout import LATEST
+from flipsync.board.store import ObjectInfo, Store
+from flipsync.errors import FlipsyncError, NotFoundError
+
+T = TypeVar("T")
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+
+
+@dataclass(frozen=True)
+class RelayConfig:
+    max_cache_bytes: int = 4 << 30
+    max_object_bytes: int = 1 << 30
+    hint_ttl_s: float = 0.5
+    listing_ttl_s: float = 1.0
+    negative_ttl_s: float = 0.25
+    upstream_concurrency: int = 16
+
+
+class RelayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("flipsync_relay_requests", "Requests from sidecars, by operation", ["op"], registry=r)
+        self.hits = Counter("flipsync_relay_cache_hits", "Requests answered from the cache", ["op"], registry=r)
+        self.coalesced = Counter(
+            "flipsync_relay_coalesced", "Requests that joined a fetch already under way", ["op"], registry=r
+        )
+        self.upstream = Counter("flipsync_relay_upstream_requests", "Fetches from the board", ["op"], registry=r)
+        self.upstream_bytes = Counter("flipsync_relay_upstream_bytes", "Bytes fetched from the board", registry=r)
+        self.upstream_errors = Counter(
+            "flipsync_relay_upstream_errors", "Failed fetches from the board (not 404)", registry=r
+        )
+        self.served_bytes = Counter("flipsync_relay_served_bytes", "Object bytes sent to sidecars", registry=r)
+        self.cache_bytes = Gauge("flipsync_relay_cache_bytes", "Bytes held in the cache", registry=r)
+
+
+@dataclass
+class _Entry:
+    value: Any
+    error: NotFoundError | None
+    size: int
+    expires: float
+
+
+class RelayCache:
+    """The cache and the coalescing of upstream fetches; lives on the relay's event loop (no locks)."""
+
+    def __init__(self, store: Store, config: RelayConfig | None = None, metrics: RelayMetrics | None = None) -> None:
+        self.store = store
+        self.config = config or RelayConfig()
+        self.metrics = metrics or RelayMetrics()
+        self._entries: OrderedDict[tuple[str, ...], _Entry] = OrderedDict()
+        self._inflight: dict[tuple[str, ...], asyncio.Task[Any]] = {}
+        self._bytes = 0
+        self._pool = ThreadPoolExecutor(self.config.upstream_concurrency, thread_name_prefix="flipsync-relay")
+        self.stats = {"upstream": 0, "hits": 0, "coalesced": 0, "requests": 0}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def ttl(self, path: str) -> float:
+        """How long an object may be served from the cache: the HEAD hint briefly, everything else forever."""
+        return self.config.hint_ttl_s if path.rsplit("/", 1)[-1] == LATEST else math.inf
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._bytes
+
+    async def _lookup(
+        self,
+        key: tuple[str, ...],
+        fetch: Callable[[], T],
+        *,
+        ttl: float,
+        size_of: Callable[[T], int],
+        keep: bool = True,
+    ) -> T:
+        op = key[0]
+        self.metrics.requests.labels(op=op).inc()
+        self.stats["requests"] += 1
+        e = self._entries.get(key)
+        if e is not None:
+            if e.expires > time.monotonic():
+                self._entries.move_to_end(key)
+                self.metrics.hits.labels(op=op).inc()
+                self.stats["hits"] += 1
+                if e.error is not None:
+                    raise NotFoundError(str(e.error))
+                return e.value  # type: ignore[no-any-return]
+            self._drop(key)
+        task = self._inflight.get(key)
+        if task is None:
+            task = asyncio.create_task(self._fill(key, fetch, ttl=ttl, size_of=size_of, keep=keep))
+            self._inflight[key] = task
+            task.add_done_callback(lambda t, k=key: self._done(k, t))  # type: ignore[misc]
+        else:
+            self.metrics.coalesced.labels(op=op).inc()
+            self.stats["coalesced"] += 1
+        # shield: a client that goes away does not cancel the fetch the others are waiting for.
+        return await asyncio.shield(task)  # type: ignore[no-any-return]
+
+    def _done(self, key: tuple[str, ...], task: asyncio.Task[Any]) -> None:
+        if self._inflight.get(key) is task:
+            del self._inflight[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: nobody may be left to await it
+
+    async def _fill(
+        self, key: tuple[str, ...], fetch: Callable[[], T], *, ttl: float, size_of: Callable[[T], int], keep: bool
+    ) -> T:
+        loop = asyncio.get_running_loop()
+        self.metrics.upstream.labels(op=key[0]).inc()
+        self.stats["upstream"] += 1
+        try:
+            value = await loop.run_in_executor(self._pool, fetch)
+        except NotFoundError as e:
+            if self.config.negative_ttl_s > 0:
+                self._put(key, _Entry(None, e, 0, time.monotonic() + self.config.negative_ttl_s))
+            raise
+        except FlipsyncError:
+            self.metrics.upstream_errors.inc()
+            raise
+        size = size_of(value)
+        if key[0] == "get":
+            self.metrics.upstream_bytes.inc(size)
+        if keep and ttl > 0 and size <= self.config.max_object_bytes:
+            self._put(key, _Entry(value, None, size, time.monotonic() + ttl))
+        return value
+
+    def _put(self, key: tuple[str, ...], entry: _Entry) -> None:
+        self._drop(key)
+        self._entries[key] = entry
+        self._bytes += entry.size
+        while self._bytes > self.config.max_cache_bytes and len(self._entries) > 1:
+            self._drop(next(iter(self._entries)))
+        self.metrics.cache_bytes.set(self._bytes)
+
+    def _drop(self, key: tuple[str, ...]) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old.size
+
+    # -- operations -----------------------------------------------------------------------------------
+
+    async def head(self, path: str) -> ObjectInfo:
+        return await self._lookup(
+            ("head", path), lambda: self.store.head(path), ttl=self.ttl(path), size_of=lambda _: 64
+        )
+
+    async def get(self, path: str) -> tuple[bytes, ObjectInfo]:
+        info = await self.head(path)
+        keep = info.size <= self.config.max_object_bytes
+        data = await self._lookup(
+            ("get", path), lambda: self.store.get(path, size=info.size), ttl=self.ttl(path), size_of=len, keep=keep
+        )
+        return data, info
+
+    async def get_range(self, path: str, start: int, end: int) -> bytes:
+        """Bytes ``start:end``: from the cached object, or (large objects) a coalesced range read."""
+        info = await self.head(path)
+        if info.size <= self.config.max_object_bytes:
+            data, _ = await self.get(path)
+            return data[start:end]
+        return await self._lookup(
+            ("range", path, str(start), str(end)),
+            lambda: self.store.get_range(path, start, end),
+            ttl=0,
+            size_of=len,
+            keep=False,
+        )
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        return await self._lookup(
+            ("list", prefix),
+            lambda: self.store.list(prefix),
+            ttl=self.config.listing_ttl_s,
+            size_of=lambda v: 64 * len(v),
+        )
+
+    async def list_dirs(self, prefix: str) -> list[str]:
+        return await self._lookup(
+            ("dirs", prefix),
+            lambda: self.store.list_dirs(prefix),
+            ttl=self.config.listing_ttl_s,
+            size_of=lambda v: 32 * len(v),
+        )
+
+
+def _check_path(path: str, *, allow_empty: bool = False) -> str | None:
+    """Why a requested path is refused (None: fine). Paths are relative, '/'-separated, no dot segments."""
+    if not path:
+        return None if allow_empty else "empty path"
+    if path.startswith("/") or "\\" in path or "\x00" in path:
+        return "paths are relative and '/'-separated"
+    if any(seg in ("", ".", "..") for seg in path.split("/")):
+        return "empty, '.' and '..' segments are not allowed"
+    return None
+
+
+def _info_headers(info: ObjectInfo, path: str, ttl: float) -> dict[str, str]:
+    h = {
+        "Last-Modified": format_datetime(info.modified, usegmt=True) if info.modified.tzinfo else "",
+        "Accept-Ranges": "bytes",
+        "Cache-Control": "public, max-age=31536000, immutable" if math.isinf(ttl) else "no-cache",
+    }
+    if info.etag:
+        h["ETag"] = info.etag if info.etag.startswith(('"', "W/")) else f'"{info.etag}"'
+    return {k: v for k, v in h.items() if v}
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """``bytes=a-b`` / ``a-`` / ``-n`` -> [start, end); None: not satisfiable."""
+    m = _RANGE.fullmatch(header.strip())
+    if m is None or (not m.group(1) and not m.group(2)):
+        return None
+    if not m.group(1):
+        n = int(m.group(2))
+        return (max(0, size - n), size) if n > 0 else None
+    start = int(m.group(1))
+    end = min(size, int(m.group(2)) + 1) if m.group(2) else size
+    return (start, end) if start < end else None
+
+
+def create_relay_app(cache: RelayCache) -> FastAPI:
+    """The relay's HTTP API (see ``flipsync.sidecar.http_store`` for the client side)."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        cache.close()
+
+    app = FastAPI(title="flipsync relay", lifespan=lifespan)
+
+    def failure(e: Exception) -> JSONResponse:
+        if isinstance(e, NotFoundError):
+            return JSONResponse({"detail": str(e)}, status_code=404)
+        return JSONResponse({"detail": str(e)}, status_code=502)
+
+    @app.api_route("/board/o/{path:path}", methods=["GET", "HEAD"])
+    async def obj(request: Request, path: str) -> Response:
+        if (why := _check_path(path)) is not None:
+            return JSONResponse({"detail": why}, status_code=400)
+        try:
+            if request.method == "HEAD":
+                info = await cache.head(path)
+                headers = _info_headers(info, path, cache.ttl(path))
+                headers["Content-Length"] = str(info.size)
+                return Response(status_code=200, headers=headers)
+            rng = request.headers.get("range")
+            info = await cache.head(path)
+            headers = _info_headers(info, path, cache.ttl(path))
+            if rng:
+                span = _parse_range(rng, info.size)
+                if span is None:
+                    return Response(status_code=416, headers={"Content-Range": f"bytes */{info.size}"})
+                data = await cache.get_range(path, *span)
+                headers["Content-Range"] = f"bytes {span[0]}-{span[0] + len(data) - 1}/{info.size}"
+                cache.metrics.served_bytes.inc(len(data))
+                return Response(data, status_code=206, headers=headers, media_type="application/octet-stream")
+            data, _ = await cache.get(path)
+            cache.metrics.served_bytes.inc(len(data))
+            return Response(data, status_code=200, headers=headers, media_type="application/octet-stream")
+        except FlipsyncError as e:
+            return failure(e)
+
+    @app.get("/board/list")
+    async def listing(prefix: str = "") -> Response:
+        if (why := _check_path(prefix, allow_empty=True)) is not None:
+            return JSONResponse({"detail": why}, status_code=400)
+        try:
+            objs = await cache.list(prefix)
+        except FlipsyncError as e:
+            return failure(e)
+        return JSONResponse(
+            {
+                "objects": [
+                    {"path": o.path, "size": o.size, "modified": o.modified.isoformat(), "etag": o.etag} for o in objs
+                ]
+            }
+        )
+
+    @app.get("/board/dirs")
+    async def dirs(prefix: str = "") -> Response:
+        if (why := _check_path(prefix, allow_empty=True)) is not None:
+            return JSONResponse({"detail": why}, status_code=400)
+        try:
+            return JSONResponse({"dirs": await cache.list_dirs(prefix)})
+        except FlipsyncError as e:
+            return failure(e)
+
+    @app.get("/relay/stats")
+    async def stats() -> dict[str, Any]:
+        return {"board": cache.store.url, **cache.stats, "cached_bytes": cache.cached_bytes}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(cache.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,187 @@
+"""Assembly of one sidecar: board reader, engine, reconcile loop, request gate, metrics and proxy.
+
+``Sidecar`` wires the pieces for any engine and upstream URL; ``start_torch_engine`` builds the in-process
+torch engine and serves its OpenAI-compatible API on a loopback port for the proxy to forward to.
+``load_engine`` builds the vLLM and SGLang engines (``flipsync.sidecar.vllm_engine`` / ``sglang_engine``)
+for the command line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from flipsync.board.reader import BoardReader
+from flipsync.board.signing import Verifier
+from flipsync.board.store import Store
+from flipsync.errors import ConfigError
+from flipsync.sidecar.engine import Engine
+from flipsync.sidecar.gate import RequestGate
+from flipsync.sidecar.metrics import SidecarMetrics
+from flipsync.sidecar.models import build_model, load_config
+from flipsync.sidecar.openai_server import create_engine_app
+from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
+from flipsync.sidecar.replica import Replica, ReplicaConfig
+from flipsync.sidecar.server import ServerThread
+from flipsync.sidecar.torch_engine import TorchEngine
+
+log = logging.getLogger(__name__)
+
+ENGINE_KINDS = ("torch", "vllm", "sglang")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What ``create_engine`` of an engine module gets from the command line."""
+
+    upstream_url: str | None = None
+    served_format: str | None = None
+    device: str = "cpu"
+    options: dict[str, str] = field(default_factory=dict)
+
+
+def load_engine(kind: str, options: EngineOptions) -> Engine:
+    """A vLLM or SGLang engine for the sidecar CLI.
+
+    A ``flipsync.sidecar.<kind>_engine`` module may provide ``create_engine(options)``; otherwise the engine is
+    built from its documented constructor and these ``--engine-option`` keys:
+
+    - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
+      (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``);
+    - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
+      ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
+    """
+    if kind not in ENGINE_KINDS or kind == "torch":
+        raise ConfigError(f"unknown engine {kind!r}; engines: {', '.join(ENGINE_KINDS)}")
+    try:
+        module = importlib.import_module(f"flipsync.sidecar.{kind}_engine")
+    except ImportError as e:
+        raise ConfigError(f"the {kind} engine is not available: {e}") from None
+    factory = getattr(module, "create_engine", None)
+    opts = options.options
+    url = opts.get("admin_url") or options.upstream_url
+    if not url:
+        raise ConfigError(f"the {kind} engine needs --upstream URL (or --engine-option admin_url=URL)")
+    if callable(factory):
+        engine = factory(options)
+    elif kind == "vllm":
+        if "model_dir" not in opts:
+            raise ConfigError("the vllm engine needs --engine-option model_dir=PATH (the checkpoint vLLM serves)")
+        engine = module.VllmEngine(
+            module.HttpTransport(url),
+            module.specs_from_checkpoint(opts["model_dir"]),
+            source=opts.get("source", opts["model_dir"]),
+        )
+    else:
+        if "mirror" not in opts:
+            raise ConfigError("the sglang engine needs --engine-option mirror=FILE (and model_dir=PATH to create it)")
+        mirror_path = Path(opts["mirror"])
+        if mirror_path.exists():
+            mirror = module.DiskMirror(mirror_path)
+        elif "model_dir" in opts:
+            from flipsync.checkpoint import Checkpoint
+
+            mirror = module.DiskMirror.create(mirror_path, Checkpoint(opts["model_dir"]))
+        else:
+            raise ConfigError(f"the mirror {mirror_path} does not exist: pass model_dir=PATH to create it")
+        engine = module.SglangEngine(url, mirror, staging_dir=opts.get("staging_dir"))
+    if not isinstance(engine, Engine):
+        raise ConfigError(f"the {kind} engine factory returned {type(engine).__name__}, not an Engine")
+    return engine
+
+
+def find_run(store: Store) -> str:
+    """The board's only run (a sidecar may leave ``--run`` out when there is just one)."""
+    runs = store.list_dirs("runs")
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise ConfigError(f"the board {store.url} has no run yet: pass --run NAME (the trainer's run name)")
+    raise ConfigError(f"the board {store.url} has several runs ({', '.join(runs[:10])}): pass --run NAME")
+
+
+def board_format(reader: BoardReader) -> str | None:
+    """The served format of the board's HEAD (None: nothing published yet)."""
+    head = reader.head()
+    return None if head is None else reader.catalog.version(head).served_format
+
+
+@dataclass
+class TorchEngineHandle:
+    engine: TorchEngine
+    server: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+
+def start_torch_engine(
+    model_spec: str,
+    served_format: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_concurrency: int = 8,
+    model_name: str = "flipsync-torch",
+) -> TorchEngineHandle:
+    """Build the torch engine (architecture from a preset or config.json; weights come from the board)."""
+    model = build_model(load_config(model_spec), seed=seed).to(device)
+    engine = TorchEngine(model, served_format=served_format, model_name=model_name)
+    server = ServerThread(create_engine_app(engine, max_concurrency=max_concurrency), host, port).start()
+    log.info("torch engine (%s, %s, %s) serves on %s", model_spec, served_format, device, server.url)
+    return TorchEngineHandle(engine, server)
+
+
+class Sidecar:
+    """One sidecar: keeps ``engine`` at the board's HEAD and serves the proxy in front of ``upstream_url``."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        engine: Engine,
+        upstream_url: str,
+        *,
+        verifier: Verifier | None = None,
+        replica_config: ReplicaConfig | None = None,
+        proxy_config: ProxyConfig | None = None,
+    ) -> None:
+        self.store = store
+        self.metrics = SidecarMetrics()
+        self.gate = RequestGate()
+        self.reader = BoardReader(store, run, verifier=verifier)
+        self.replica = Replica(self.reader, engine, config=replica_config, gate=self.gate, metrics=self.metrics)
+        self.proxy_config = proxy_config or ProxyConfig(upstream_url)
+        if self.proxy_config.upstream_url != upstream_url:
+            raise ConfigError("upstream_url and proxy_config.upstream_url differ")
+        self.app: FastAPI = create_proxy_app(self.replica, self.proxy_config)
+        self.server: ServerThread | None = None
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> Sidecar:
+        """Start the reconcile loop and the proxy on a thread (tests, embedding); see ``run`` for a CLI."""
+        self.replica.start()
+        self.server = ServerThread(self.app, host, port).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        if self.server is None:
+            raise ConfigError("the sidecar is not started")
+        return self.server.url
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        self.replica.stop()

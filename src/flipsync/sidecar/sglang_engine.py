@@ -1,0 +1,380 @@
+"""The ``sglang`` engine: keeps an SGLang server's weights at a board version through its HTTP API.
+
+SGLang takes new weights only through its documented update routes, each of which replaces *whole*
+tensors by running the model's ``load_weights`` (and ``process_weights_after_loading``):
+
+- ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "abort_all_requests", "weight_version",
+  "flush_cache"}``: loads every ``*.safetensors`` file of a local directory; a directory that holds only
+  some tensors updates only those.
+- ``POST /update_weights_from_tensor``: the same from torch tensors pickled with SGLang's
+  ``MultiprocessingSerializer`` (shared-memory handles, so only from a process of the same host and torch).
+- ``POST /update_weights_from_distributed``: an NCCL broadcast group with the trainer (GPU only).
+
+This engine uses the first. The sidecar keeps the served view it last pushed as a *mirror*: one safetensors
+file on local disk, memory-mapped writable (:class:`DiskMirror`), or any mapping of CPU tensors. A patch is
+staged against the mirror with the codec (decode, old bits, new bits, target fingerprints: O(changed)),
+the touched tensors are written with their new values into a small update checkpoint (and their old
+values into an undo checkpoint), and the commit asks SGLang to load that directory, stamping
+``weight_version`` with the board version. Only then does the mirror take the new bits (O(changed)).
+A rollback loads the undo checkpoint and restores the previous ``weight_version``.
+
+What this costs: the sidecar holds O(model) on local disk (page cache as the kernel sees fit) and O(touched
+tensors) in memory; SGLang reads O(touched tensors) from local disk and reprocesses its layers. A tensor is
+either touched or not, so a patch of a few elements of every tensor reloads the whole model.
+
+What is checked where: ``table`` and ``recompute_table`` describe the mirror, i.e. what was pushed and
+acknowledged. SGLang's memory is reachable only through ``/get_weights_by_name`` (a truncated, float-valued
+slice of one parameter); :meth:`SglangEngine.sample_check` compares such slices with the mirror for tensors
+SGLang keeps unfused (norms, embeddings, lm_head). Tested only against a fake server that implements this
+HTTP contract (``tests/engines/fake_sglang.py``); SGLang has no CPU build that runs here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import struct
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+import numpy as np
+import torch
+
+from flipsync.codec import FingerprintTable, Patch, UndoRecord
+from flipsync.codec import commit as codec_commit
+from flipsync.codec import stage as codec_stage
+from flipsync.codec.apply import StagedWrite, scatter
+from flipsync.codec.bits import DType, dtype_named, dtype_of
+from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
+from flipsync.sidecar.engine import Engine
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DiskMirror", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
+
+_ALIGN = 8
+
+
+# ------------------------------------------------------------------------------------------ the mirror
+def _np_view_dtype(d: DType) -> np.dtype:
+    return np.dtype(np.uint8) if d.bits == 8 else np.dtype(f"<i{d.bits // 8}")
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write a safetensors file one tensor at a time (memory O(largest tensor)); atomic via rename."""
+    path = Path(path)
+    meta = {}
+    for name, t in tensors.items():  # a lazy mapping reads each tensor here and once more below
+        meta[name] = (dtype_of(t), tuple(t.shape), t.numel())
+    names = sorted(meta, key=lambda n: (-meta[n][0].bits, n))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        d, shape, numel = meta[name]
+        nbytes = numel * d.bits // 8
+        header[name] = {"dtype": d.name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().contiguous().cpu()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class DiskMirror(MutableMapping[str, torch.Tensor]):
+    """Tensors of one safetensors file, memory-mapped writable: writes go to the file's pages in place."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                (hlen,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(hlen))
+        except (OSError, ValueError, struct.error) as e:
+            raise ConfigError(f"cannot open the mirror {self.path}: {e}") from None
+        header.pop("__metadata__", None)
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=8 + hlen)
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name, entry in header.items():
+            d = dtype_named(entry["dtype"])
+            start, end = entry["data_offsets"]
+            raw = self._mm[start:end].view(_np_view_dtype(d))
+            self._tensors[name] = torch.from_numpy(raw).view(d.torch_dtype).reshape(entry["shape"])
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> DiskMirror:
+        """Write ``view`` (e.g. a lazy ``Checkpoint``: one tensor in memory at a time) and map it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(view, path)
+        return cls(path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        t = self._tensors[name]
+        if value.shape != t.shape or value.dtype != t.dtype:
+            raise ConfigError(f"mirror tensor {name!r} is {tuple(t.shape)} {t.dtype}; cannot store {value.dtype}")
+        t.copy_(value)
+
+    def __delitem__(self, name: str) -> None:
+        raise ConfigError("the mirror's tensors are fixed by its file")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def flush(self) -> None:
+        self._mm.flush()
+
+
+# ------------------------------------------------------------------------------------------- engine
+@dataclass
+class SglangStaged:
+    writes: list[StagedWrite]
+    update_dir: Path
+    undo_dir: Path
+    target_view: str
+    weight_version: str
+    n_changed: int
+    stage_s: float = 0.0
+
+
+@dataclass
+class SglangUndo:
+    record: UndoRecord
+    undo_dir: Path
+    update_dir: Path
+    weight_version_before: str | None
+    commit_s: float = 0.0
+    done: bool = field(default=False)
+
+
+class SglangEngine(Engine):
+    """An SGLang server updated through ``/update_weights_from_disk`` from a mirror of the served view."""
+
+    name: ClassVar[str] = "sglang"
+
+    def __init__(
+        self,
+        base_url: str,
+        mirror: MutableMapping[str, torch.Tensor],
+        *,
+        table: FingerprintTable | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = 600.0,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        keep_updates: int = 2,
+        client: httpx.Client | None = None,
+    ) -> None:
+        """``mirror`` must hold exactly what the server serves now (e.g. the checkpoint it started from)."""
+        self.base_url = base_url.rstrip("/")
+        self._mirror = mirror
+        self._timeout = timeout_s
+        self._load_format = load_format
+        self._flush_cache = flush_cache
+        self._abort = abort_all_requests
+        self._keep = max(1, keep_updates)
+        self._own_client = client is None
+        self._client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
+        self._staging = Path(staging_dir or tempfile.mkdtemp(prefix="flipsync-sglang-"))
+        self._staging.mkdir(parents=True, exist_ok=True)
+        self._live_dirs: list[Path] = []  # update/undo dirs SGLang may still point at
+        self._table = table.copy() if table is not None else FingerprintTable.of(mirror)
+        if set(self._table) != set(mirror):
+            raise ConfigError("the fingerprint table does not describe the mirror's tensors")
+        self.weight_version = self._get_weight_version()
+
+    # ------------------------------------------------------------------------------------- HTTP
+    def _request(self, method: str, route: str, body: Mapping[str, Any] | None = None, timeout: float = 30.0) -> Any:
+        try:
+            resp = self._client.request(method, f"{self.base_url}{route}", json=body, timeout=timeout)
+        except httpx.TimeoutException:
+            raise EngineUnavailableError(
+                f"SGLang at {self.base_url} did not answer {route} within {timeout:.0f}s"
+            ) from None
+        except httpx.HTTPError as e:
+            raise EngineUnavailableError(f"SGLang at {self.base_url} is unreachable ({route}): {e}") from None
+        try:
+            data = resp.json()
+        except ValueError:
+            data = None
+        if resp.status_code == 404:
+            raise ConfigError(f"SGLang at {self.base_url} has no route {route}; this SGLang version is too old")
+        if resp.status_code != 200 or (isinstance(data, dict) and data.get("success") is False):
+            msg = data.get("message") if isinstance(data, dict) else resp.text[:300]
+            raise EngineError(f"SGLang refused {route} (HTTP {resp.status_code}): {msg}")
+        return data
+
+    def _get_weight_version(self) -> str | None:
+        data = self._request("GET", "/get_weight_version")
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise EngineError(f"SGLang answered /get_weight_version without a weight_version: {data!r}")
+        v = data["weight_version"]
+        return None if v is None else str(v)
+
+    def _update_from_disk(self, directory: Path, weight_version: str | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model_path": str(directory),
+            "load_format": self._load_format,
+            "abort_all_requests": self._abort,
+            "flush_cache": self._flush_cache,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._request("POST", "/update_weights_from_disk", body, timeout=self._timeout)
+
+    # ------------------------------------------------------------------------------------- port
+    @property
+    def table(self) -> FingerprintTable:
+        return self._table
+
+    def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
+        if set(view) != set(self._mirror):
+            raise ConfigError("the view does not have the tensors of the mirror")
+        directory = self._new_dir("full")
+        write_safetensors(view, directory / "model.safetensors")
+        version = self.weight_version
+        self._update_from_disk(directory, version)
+        for name, t in view.items():
+            self._mirror[name] = t.detach().to("cpu")
+        self._flush()
+        self._table = FingerprintTable.of(self._mirror)
+        self._retire(directory)
+
+    def stage(self, patch: Patch) -> SglangStaged:
+        t0 = time.perf_counter()
+        writes = codec_stage(self._mirror, patch, self._table)  # base check, decode, target fingerprints
+        token = secrets.token_hex(6)
+        update_dir = self._new_dir(f"update-{token}")
+        undo_dir = self._new_dir(f"undo-{token}")
+        try:
+            new: dict[str, torch.Tensor] = {}
+            old: dict[str, torch.Tensor] = {}
+            for w in writes:
+                cur = self._mirror[w.name]
+                old[w.name] = cur.detach().clone()
+                t = old[w.name].clone()
+                scatter(t, w.positions, w.new_bits)
+                new[w.name] = t
+            write_safetensors(new, update_dir / "model.safetensors")
+            write_safetensors(old, undo_dir / "model.safetensors")
+        except BaseException:
+            shutil.rmtree(update_dir, ignore_errors=True)
+            shutil.rmtree(undo_dir, ignore_errors=True)
+            raise
+        after = self._table.copy()
+        after.update({w.name: w.target for w in writes})
+        target = patch.header.target
+        version = str(target.version) if target.version is not None else target.view
+        return SglangStaged(
+            writes=writes,
+            update_dir=update_dir,
+            undo_dir=undo_dir,
+            target_view=after.view_fp(),
+            weight_version=version,
+            n_changed=sum(int(w.positions.numel()) for w in writes),
+            stage_s=time.perf_counter() - t0,
+        )
+
+    def commit(self, staged: SglangStaged) -> SglangUndo:
+        t0 = time.perf_counter()
+        before = self.weight_version
+        try:
+            self._update_from_disk(staged.update_dir, staged.weight_version)
+        except EngineUnavailableError:
+            self._recover(staged.undo_dir, before, "the update's outcome is unknown")
+            raise
+        except EngineError:
+            # SGLang reports a failed load after trying to restore; push the old values to be sure
+            self._recover(staged.undo_dir, before, "SGLang refused the update")
+            raise
+        record = codec_commit(self._mirror, staged.writes, self._table)
+        self._flush()
+        self.weight_version = staged.weight_version
+        self._retire(staged.update_dir, staged.undo_dir)
+        return SglangUndo(record, staged.undo_dir, staged.update_dir, before, time.perf_counter() - t0)
+
+    def rollback(self, undo: SglangUndo) -> None:
+        if undo.done:
+            return
+        if not (undo.undo_dir / "model.safetensors").exists():
+            raise EngineError(f"the undo checkpoint {undo.undo_dir} is gone (only the last {self._keep} are kept)")
+        self._update_from_disk(undo.undo_dir, undo.weight_version_before)
+        undo.record.rollback(self._mirror, self._table)
+        self._flush()
+        self.weight_version = undo.weight_version_before
+        undo.done = True
+
+    def recompute_table(self) -> FingerprintTable:
+        """Fingerprints of the mirror (what SGLang acknowledged); see :meth:`sample_check` for the server."""
+        return FingerprintTable.of(self._mirror)
+
+    def health(self) -> bool:
+        try:
+            return self._client.get(f"{self.base_url}/health", timeout=10.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        if self._own_client:
+            self._client.close()
+        if isinstance(self._mirror, DiskMirror):
+            self._mirror.flush()
+
+    # ------------------------------------------------------------------------------------ extras
+    def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
+        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the mirror, exactly."""
+        out: dict[str, bool] = {}
+        for name in names:
+            data = self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": rows})
+            want = self._mirror[name][:rows].to(torch.float32)
+            got = torch.tensor(data, dtype=torch.float32)
+            out[name] = got.shape == want.shape and bool(torch.equal(got, want))
+        return out
+
+    # -------------------------------------------------------------------------------- plumbing
+    def _new_dir(self, stem: str) -> Path:
+        d = self._staging / stem
+        d.mkdir(parents=True, exist_ok=False)
+        return d
+
+    def _retire(self, *dirs: Path) -> None:
+        """Keep the last few update/undo dirs (SGLang's model_path points at the newest); drop older ones."""
+        self._live_dirs.extend(dirs)
+        per_commit = max(1, len(dirs))
+        while len(self._live_dirs) > self._keep * per_commit:
+            shutil.rmtree(self._live_dirs.pop(0), ignore_errors=True)
+
+    def _recover(self, undo_dir: Path, version: str | None, why: str) -> None:
+        try:
+            self._update_from_disk(undo_dir, version)
+        except Exception as e:
+            raise EngineUnavailableError(
+                f"{why}, and reloading the previous values failed too ({e}); audit the server or resync it "
+                "from a keyframe"
+            ) from None
+
+    def _flush(self) -> None:
+        if isinstance(self._mirror, DiskMirror):
+            self._mirror.flush()

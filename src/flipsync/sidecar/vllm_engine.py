@@ -1,0 +1,542 @@
+"""The ``vllm`` engine: keeps a vLLM engine's weights at a board version from a sidecar.
+
+The sidecar side (this module) speaks checkpoint coordinates; the worker side
+(:mod:`flipsync.sidecar.vllm_worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
+parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of three transports:
+
+- :class:`LLMTransport`: an offline ``vllm.LLM`` in this process (``LLM(..., worker_extension_cls=EXTENSION_CLS)``).
+- :class:`HttpTransport`: ``vllm serve ... --worker-extension-cls flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension``
+  with ``VLLM_SERVER_DEV_MODE=1`` (which mounts ``POST /collective_rpc``), on the same host.
+- :class:`LocalTransport`: :class:`~flipsync.sidecar.vllm_worker.WorkerCore` objects in this process (tests).
+
+At start-up every worker learns where each checkpoint element lives among its parameters (probe tensors
+pushed through vLLM's own weight loaders, see :mod:`flipsync.sidecar.vllm_worker`) and sends its map here.
+Then, per patch:
+
+- ``stage`` (while serving): decode each section, look its changed positions up in the maps (per worker:
+  parameter, flat index), read the old bits from one worker that holds them (O(changed) over the RPC),
+  compute the new bits and check the target fingerprints. Nothing is written.
+- ``commit``: one ``collective_rpc``; each worker scatters its writes in place (or into its host copy and
+  reloads the touched layers, for parameters the kernel repacks) and keeps the old bits. If any worker
+  fails, every worker is told to undo.
+- ``rollback``: the workers scatter the old bits back.
+- ``recompute_table``: each worker fingerprints the elements it holds, block by block, in checkpoint
+  coordinates; fingerprints are additive, so the blocks sum to each checkpoint tensor's fingerprint.
+  Replicated blocks (tensor-parallel copies) must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import httpx
+import numpy as np
+import torch
+
+from flipsync.codec import FingerprintTable, Patch, TensorId
+from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
+from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
+from flipsync.sidecar.engine import Engine
+from flipsync.sidecar.vllm_worker import (
+    DEFAULT_MAX_UNDO,
+    EXTENSION_CLS,
+    PROTOCOL,
+    RPC_METHOD,
+    WorkerCore,
+    b64,
+    block_runs,
+    lookup_blocks,
+    uint_dtype,
+    unb64,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "EXTENSION_CLS",
+    "HttpTransport",
+    "LLMTransport",
+    "LocalTransport",
+    "RpcTransport",
+    "TensorSpec",
+    "VllmEngine",
+    "specs_from_checkpoint",
+    "specs_of",
+]
+
+
+# ------------------------------------------------------------------------------------------- transports
+class RpcTransport(Protocol):
+    """Sends one JSON request to every worker; answers in rank order."""
+
+    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]: ...
+
+    def health(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def _parse_answer(raw: Any) -> dict[str, Any]:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        answer = json.loads(raw)
+    except (TypeError, ValueError) as e:
+        raise EngineError(f"a vLLM worker answered something that is not JSON ({e}): {str(raw)[:200]!r}") from None
+    if not isinstance(answer, dict) or "ok" not in answer:
+        raise EngineError(f"a vLLM worker answered an unexpected object: {str(raw)[:200]!r}")
+    return answer
+
+
+class LLMTransport:
+    """An offline ``vllm.LLM`` in this process, built with ``worker_extension_cls=EXTENSION_CLS``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        try:
+            raw = self.llm.collective_rpc(RPC_METHOD, timeout=timeout_s, args=(json.dumps(request),))
+        except TimeoutError:
+            raise EngineUnavailableError(
+                f"vLLM workers did not answer {request.get('op')!r} in {timeout_s:.0f}s"
+            ) from None
+        except AttributeError as e:
+            raise ConfigError(
+                f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
+                f"worker_extension_cls={EXTENSION_CLS!r}"
+            ) from None
+        except Exception as e:
+            if RPC_METHOD in str(e):
+                raise ConfigError(
+                    f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
+                    f"worker_extension_cls={EXTENSION_CLS!r}"
+                ) from None
+            raise EngineUnavailableError(f"collective_rpc failed: {type(e).__name__}: {e}") from None
+        return [_parse_answer(r) for r in raw]
+
+    def health(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class HttpTransport:
+    """A ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1`` and the flipsync worker extension."""
+
+    def __init__(self, base_url: str, *, connect_timeout_s: float = 5.0, client: httpx.Client | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._own = client is None
+        self._client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=connect_timeout_s))
+
+    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        body = {"method": RPC_METHOD, "args": [json.dumps(request)], "timeout": timeout_s}
+        try:
+            resp = self._client.post(f"{self.base_url}/collective_rpc", json=body, timeout=timeout_s + 10.0)
+        except httpx.TimeoutException:
+            raise EngineUnavailableError(
+                f"vLLM at {self.base_url} did not answer {request.get('op')!r} within {timeout_s + 10:.0f}s"
+            ) from None
+        except httpx.HTTPError as e:
+            raise EngineUnavailableError(f"vLLM at {self.base_url} is unreachable: {e}") from None
+        if resp.status_code == 404:
+            raise ConfigError(
+                f"{self.base_url} has no /collective_rpc route; start vLLM with VLLM_SERVER_DEV_MODE=1 and "
+                f"--worker-extension-cls {EXTENSION_CLS}"
+            )
+        if resp.status_code != 200:
+            raise EngineError(f"vLLM /collective_rpc answered HTTP {resp.status_code}: {resp.text[:300]}")
+        try:
+            results = resp.json()["results"]
+        except (ValueError, KeyError, TypeError):
+            raise EngineError(f"vLLM /collective_rpc answered an unexpected body: {resp.text[:300]}") from None
+        if not isinstance(results, list):
+            raise EngineError("vLLM /collective_rpc answered no result list")
+        return [_parse_answer(r) for r in results]
+
+    def health(self) -> bool:
+        try:
+            return self._client.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def close(self) -> None:
+        if self._own:
+            self._client.close()
+
+
+class LocalTransport:
+    """Worker cores in this process; requests go through JSON exactly as they would over the wire."""
+
+    def __init__(self, cores: Sequence[WorkerCore]) -> None:
+        self.cores = list(cores)
+
+    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
+        wire = json.dumps(request)
+        return [_parse_answer(json.dumps(core.handle(json.loads(wire)))) for core in self.cores]
+
+    def health(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------ specs
+@dataclass(frozen=True)
+class TensorSpec:
+    """Layout of one checkpoint tensor of the served view."""
+
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype name, as in patch headers
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def specs_of(view: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
+    return {name: TensorSpec(tuple(t.shape), dtype_of(t).name) for name, t in view.items()}
+
+
+def specs_from_checkpoint(path: str | os.PathLike[str]) -> dict[str, TensorSpec]:
+    """Tensor layouts from safetensors headers only (no tensor is read)."""
+    from safetensors import safe_open
+
+    from flipsync.checkpoint import _safetensors_files
+
+    out: dict[str, TensorSpec] = {}
+    for file in _safetensors_files(Path(path)):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                sl = f.get_slice(name)
+                out[name] = TensorSpec(tuple(sl.get_shape()), sl.get_dtype())
+    return out
+
+
+# --------------------------------------------------------------------------------------------- engine
+Placement = tuple[str, np.ndarray]  # parameter name, blocks
+
+
+@dataclass
+class VllmStaged:
+    """Writes of one patch per worker rank, and the fingerprints the view will have after them."""
+
+    base_view: str
+    target_view: str
+    per_rank: dict[str, list[list[str]]]
+    targets: dict[str, TensorId]
+    n_changed: int
+    stage_s: float = 0.0
+
+
+@dataclass
+class VllmUndo:
+    token: str
+    table_before: dict[str, TensorId] = field(default_factory=dict)
+    commit_s: float = 0.0
+
+
+class VllmEngine(Engine):
+    """A vLLM engine whose served weights a sidecar keeps bitwise at a board version."""
+
+    name: ClassVar[str] = "vllm"
+
+    def __init__(
+        self,
+        transport: RpcTransport,
+        specs: Mapping[str, TensorSpec],
+        *,
+        table: FingerprintTable | None = None,
+        source: str | os.PathLike[str] | None = None,
+        rpc_timeout_s: float = 120.0,
+        attach_timeout_s: float = 900.0,
+        max_undo: int = DEFAULT_MAX_UNDO,
+        workdir: str | os.PathLike[str] | None = None,
+    ) -> None:
+        """Attach to the workers: they learn their maps (and capture host copies of repacked parameters from
+        ``source``, by default the checkpoint the engine was started from).
+
+        ``table`` is the fingerprint table of the view the engine holds; without it the table is recomputed
+        from the workers (O(size)).
+        """
+        if not specs:
+            raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
+        self._transport = transport
+        self._specs = dict(specs)
+        self._timeout = rpc_timeout_s
+        self._workdir = Path(workdir) if workdir is not None else None
+        t0 = time.perf_counter()
+        answers = self._call(
+            {
+                "op": "attach",
+                "specs": {n: [list(s.shape), s.dtype] for n, s in self._specs.items()},
+                "source": str(source) if source is not None else None,
+                "max_undo": max_undo,
+            },
+            attach_timeout_s,
+        )
+        self.attach_s = time.perf_counter() - t0
+        ranks = [str(a["rank"]) for a in answers]
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(
+                f"several vLLM workers answered as the same rank ({ranks}); data-parallel engines are not supported: "
+                "attach one VllmEngine per engine instance"
+            )
+        self._maps: dict[str, dict[str, list[Placement]]] = {}
+        self.params: dict[str, dict[str, dict[str, Any]]] = {}
+        unheld: dict[str, str] = {}
+        for a in answers:
+            res = a["result"]
+            rank = str(a["rank"])
+            self._maps[rank] = {
+                n: [(p, np.asarray(blocks, dtype=np.int64).reshape(-1, 6)) for p, blocks in places]
+                for n, places in res["maps"].items()
+            }
+            self.params[rank] = res["params"]
+            unheld.update(res.get("unheld", {}))
+        self.unheld = self._coverage(unheld)
+        self._table = table.copy() if table is not None else FingerprintTable()
+        if table is None:
+            self._table = self.recompute_table()
+        elif set(table) != set(self._specs):
+            raise ConfigError("the fingerprint table does not describe the same tensors as the specs")
+        log.info(
+            "vllm engine attached: %d workers, %d tensors (%d not held), in %.1fs",
+            len(self._maps),
+            len(self._specs),
+            len(self.unheld),
+            self.attach_s,
+        )
+
+    # ------------------------------------------------------------------------------------ plumbing
+    def _call(self, request: dict[str, Any], timeout_s: float | None = None) -> list[dict[str, Any]]:
+        request = {"protocol": PROTOCOL, **request}
+        answers = self._transport.call(request, timeout_s or self._timeout)
+        if not answers:
+            raise EngineUnavailableError("vLLM answered with no workers")
+        failed = [a for a in answers if not a.get("ok")]
+        if failed:
+            detail = "; ".join(f"rank {a.get('rank')}: {a.get('error')}" for a in failed)
+            raise EngineError(f"vLLM workers failed {request['op']!r}: {detail}")
+        return answers
+
+    def _coverage(self, unheld: dict[str, str]) -> dict[str, str]:
+        """Tensors the workers do not hold completely; checks that distinct held blocks never overlap."""
+        out = dict(unheld)
+        for name, spec in self._specs.items():
+            if name in out:
+                continue
+            regions: set[tuple[int, int, int, int]] = set()
+            for maps in self._maps.values():
+                for _p, blocks in maps.get(name, []):
+                    regions.update((int(b[0]), int(b[2]), int(b[3]), int(b[4])) for b in blocks)
+            if not regions:
+                out[name] = "no worker holds it"
+                continue
+            runs = block_runs(np.array([[c0, 0, ln, cnt, cs, 0] for c0, ln, cnt, cs in regions], dtype=np.int64))
+            runs = runs[np.argsort(runs[:, 0], kind="stable")]
+            ends = runs[:, 0] + runs[:, 1]
+            if runs.shape[0] > 1 and bool((runs[1:, 0] < ends[:-1]).any()):
+                raise EngineError(
+                    f"workers hold overlapping but different blocks of {name!r}; its fingerprint cannot be "
+                    "assembled (unsupported layout)"
+                )
+            held = int(runs[:, 1].sum())
+            if held != spec.numel:
+                out[name] = f"workers hold {held} of its {spec.numel} elements"
+        for name, why in out.items():
+            log.warning("vllm engine: tensor %r is not held by the engine (%s); patches to it are refused", name, why)
+        return out
+
+    # ------------------------------------------------------------------------------------- the port
+    @property
+    def table(self) -> FingerprintTable:
+        return self._table
+
+    def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
+        if specs_of(view) != self._specs:
+            raise ConfigError(
+                "the view does not have the tensors (names, shapes, dtypes) this engine was attached with"
+            )
+        from safetensors.torch import save_file
+
+        fd, path = tempfile.mkstemp(prefix="flipsync-view-", suffix=".safetensors", dir=self._workdir)
+        os.close(fd)
+        try:
+            save_file({n: t.detach().contiguous().cpu() for n, t in view.items()}, path)
+            self._call({"op": "load", "source": path}, max(self._timeout, 600.0))
+        finally:
+            Path(path).unlink(missing_ok=True)
+        self._table = FingerprintTable.of(view)
+        held = self.recompute_table()
+        if held.view_fp() != self._table.view_fp():
+            bad = sorted(n for n in held if held[n] != self._table[n])
+            raise VerificationError(f"after loading the view the engine holds other bytes in {bad[:5]}")
+
+    def stage(self, patch: Patch) -> VllmStaged:
+        t0 = time.perf_counter()
+        for s in patch.sections:
+            spec = self._specs.get(s.name)
+            if spec is None:
+                raise BaseMismatchError(f"the patch changes tensor {s.name!r}, which this engine does not serve")
+            if spec.shape != tuple(s.shape) or spec.dtype != s.dtype:
+                raise BaseMismatchError(
+                    f"tensor {s.name!r} is {spec.shape} {spec.dtype}, the patch expects {tuple(s.shape)} {s.dtype}"
+                )
+        held = self._table.view_fp()
+        if held != patch.header.base.view:
+            raise BaseMismatchError(
+                f"this patch applies to view {patch.header.base.view} (version {patch.header.base.version}), "
+                f"but the engine holds view {held}; fetch the patches in between or resync from a keyframe"
+            )
+        for s in patch.sections:
+            if fp_hex(self._table[s.name].fp) != s.base_fp:
+                raise BaseMismatchError(f"tensor {s.name!r} is not the patch's base (fingerprint differs)")
+            if s.name in self.unheld:
+                raise EngineError(
+                    f"the patch changes {s.name!r}, which the engine does not hold ({self.unheld[s.name]}); "
+                    "serve the model so that every served tensor is loaded (e.g. untied embeddings)"
+                )
+        changes = {s.name: patch.change(s.name) for s in patch.sections}
+        # where each changed element lives, and who reports its old bits
+        plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
+        reads: dict[str, list[list[str]]] = {}
+        read_slots: dict[str, list[tuple[str, np.ndarray]]] = {}
+        for name, ch in changes.items():
+            pos = ch.positions.astype(np.int64, copy=False)
+            covered = np.zeros(pos.size, dtype=bool)
+            plan = []
+            for rank in sorted(self._maps, key=int):
+                for pname, blocks in self._maps[rank].get(name, []):
+                    hit, ppos = lookup_blocks(blocks, pos)
+                    if hit.size == 0:
+                        continue
+                    plan.append((rank, pname, hit, ppos))
+                    first = ~covered[hit]
+                    if first.any():
+                        reads.setdefault(rank, []).append([pname, b64(ppos[first])])
+                        read_slots.setdefault(rank, []).append((name, hit[first]))
+                        covered[hit] = True
+            if not covered.all():
+                raise EngineError(
+                    f"{int((~covered).sum())} changed elements of {name!r} are held by no vLLM worker; "
+                    "re-attach the engine (its map is stale)"
+                )
+            plans[name] = plan
+        old: dict[str, np.ndarray] = {name: np.zeros(ch.n, dtype=ch.dtype.uint_numpy) for name, ch in changes.items()}
+        if reads:
+            answers = self._call({"op": "gather", "per_rank": reads})
+            for a in answers:
+                rank = str(a["rank"])
+                for (name, hit), bits in zip(read_slots.get(rank, []), a["result"], strict=True):
+                    old[name][hit] = unb64(bits, uint_dtype(changes[name].dtype.bits))
+        per_rank: dict[str, list[list[str]]] = {}
+        targets: dict[str, TensorId] = {}
+        n_changed = 0
+        for name, ch in changes.items():
+            new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
+            pos = ch.positions.astype(np.int64, copy=False)
+            fp = self._table[name].fp - fingerprint_of(pos, old[name]) + fingerprint_of(pos, new)
+            fp &= (1 << 64) - 1
+            if fp != ch.target_fp:
+                raise VerificationError(
+                    f"tensor {name!r} would not match the patch's target fingerprint; the patch is corrupt or was "
+                    "built from other tensors (nothing was changed)"
+                )
+            for rank, pname, hit, ppos in plans[name]:
+                per_rank.setdefault(rank, []).append([pname, b64(ppos), b64(new[hit])])
+            targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
+            n_changed += ch.n
+        after = self._table.copy()
+        after.update(targets)
+        return VllmStaged(
+            base_view=held,
+            target_view=after.view_fp(),
+            per_rank=per_rank,
+            targets=targets,
+            n_changed=n_changed,
+            stage_s=time.perf_counter() - t0,
+        )
+
+    def commit(self, staged: VllmStaged) -> VllmUndo:
+        if self._table.view_fp() != staged.base_view:
+            raise BaseMismatchError("the engine's view changed since this patch was staged; stage it again")
+        token = secrets.token_hex(8)
+        t0 = time.perf_counter()
+        try:
+            self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
+        except BaseException as e:
+            try:
+                self._call({"op": "undo", "token": token})
+            except Exception as undo_error:
+                raise EngineUnavailableError(
+                    f"commit failed ({e}) and the undo failed too ({undo_error}); the engine's weights are unknown: "
+                    "audit with recompute_table or resync from a keyframe"
+                ) from None
+            if isinstance(e, EngineError | KeyboardInterrupt):
+                raise
+            raise EngineError(f"commit failed and was undone: {e}") from None
+        undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0)
+        self._table.update(staged.targets)
+        return undo
+
+    def rollback(self, undo: VllmUndo) -> None:
+        answers = self._call({"op": "undo", "token": undo.token})
+        missing = [a["rank"] for a in answers if a["result"] is not True]
+        if missing:
+            raise EngineError(
+                f"workers {missing} no longer keep the undo record of this commit (they keep the last few); "
+                "resync from a keyframe"
+            )
+        self._table.update(undo.table_before)
+
+    def recompute_table(self) -> FingerprintTable:
+        answers = self._call({"op": "fingerprint", "names": None}, max(self._timeout, 600.0))
+        regions: dict[str, dict[tuple[int, int, int, int], tuple[str, str]]] = {}
+        for a in answers:
+            rank = str(a["rank"])
+            for name, rows in a["result"].items():
+                per = regions.setdefault(name, {})
+                for pname, block, fp in rows:
+                    key = (int(block[0]), int(block[2]), int(block[3]), int(block[4]))
+                    if key in per and per[key][0] != fp:
+                        raise VerificationError(
+                            f"replicas of {name!r} disagree: {per[key][1]} and rank {rank} {pname} hold different "
+                            "bytes for the same elements; resync from a keyframe"
+                        )
+                    per.setdefault(key, (fp, f"rank {rank} {pname}"))
+        table = FingerprintTable()
+        for name, spec in self._specs.items():
+            if name in self.unheld:
+                if name not in self._table:
+                    raise EngineError(f"tensor {name!r} is not held by the engine and has no tracked fingerprint")
+                table[name] = self._table[name]
+                continue
+            total = sum(int(fp, 16) for fp, _ in regions.get(name, {}).values()) & ((1 << 64) - 1)
+            table[name] = TensorId(dtype_named(spec.dtype).name, spec.shape, total)
+        return table
+
+    def health(self) -> bool:
+        return self._transport.health()
+
+    def close(self) -> None:
+        self._transport.close()
+
+    # ---------------------------------------------------------------------------------------- extras
+    def modes(self) -> dict[str, str]:
+        """Per vLLM parameter (rank 0): ``inplace`` or ``reload``, with the reason."""
+        first = self.params[min(self.params, key=int)]
+        return {p: f"{info['mode']}: {info['reason']}" for p, info in first.items()}

@@ -1,0 +1,857 @@
+"""The part of the ``vllm`` engine that runs inside vLLM's workers.
+
+vLLM loads :class:`FlipsyncWorkerExtension` into every worker (``--worker-extension-cls
+flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension``, or ``LLM(worker_extension_cls=...)``); the sidecar
+reaches it through ``collective_rpc("flipsync_call", args=(json,))``, in process (``LLM.collective_rpc``) or
+over HTTP (``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). Requests and answers are JSON strings
+(the HTTP route passes string arguments only); arrays travel as base64 of their little-endian bytes.
+
+All engine-independent logic lives in :class:`WorkerCore`, which needs only a module with vLLM's
+``load_weights(Iterable[(checkpoint name, tensor)])`` contract; unit tests drive it with a small fake model.
+
+The map from checkpoint coordinates to vLLM's parameters is *learned*, never written by hand: each
+checkpoint tensor is pushed through the model's own ``load_weights`` (stacked-parameter mapping, fused
+``qkv_proj`` / ``gate_up_proj``, tensor-parallel sharding, vocabulary padding) into zeroed scratch copies
+of the parameters, with values that encode the element index in base ``B`` digits (``B`` = the largest
+power of two whose integers 1..B the dtype holds exactly: 256 for BF16, 2048 for FP16, 16 for FP8 E4M3),
+one pass per digit. Reading back where each digit landed gives, per parameter, the checkpoint index of
+every element; the pairs are compressed into affine 2-D blocks (one block for a contiguous or row-sharded
+slice, one strided block for a column-sharded one). A last pass loads random values and checks that every
+mapped element holds the checkpoint's exact bits, so a loader that casts or transforms values is caught.
+The live parameters are never written while probing: the parameters of the probed layer are swapped for
+scratch tensors (rebuilt from vLLM's recorded model-format metadata where the kernel format differs), and
+every other parameter for a zero-stride "tripwire" that raises on any write.
+
+Two ways to apply the writes of a patch, decided per parameter at start-up:
+
+- ``inplace``: the kernel computes from the parameter as loaded (BF16/FP16 on CUDA, norms, embedding
+  lookups). Writes are scattered straight into the live parameter: O(changed).
+- ``reload``: the kernel computes from a repacked copy (vLLM's CPU backend packs every linear weight for
+  oneDNN and drops the parameter; Marlin, quantized kernels...). The worker keeps a host copy of the
+  parameter in model format, scatters into it (O(changed)), rebuilds the checkpoint tensors of each touched
+  layer from it and hands them to vLLM's layerwise reload (``model_runner.reload_weights``), which reprocesses
+  only those layers: O(size of the touched layers).
+
+Every apply keeps the old bits as an undo record (at most ``max_undo`` records per worker, oldest dropped).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import math
+import re
+import time
+import traceback
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import MethodType
+from typing import Any
+
+import numpy as np
+import torch
+
+from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.digest import fingerprint_of, fp_hex
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+RPC_METHOD = "flipsync_call"
+EXTENSION_CLS = "flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension"
+INPLACE, RELOAD = "inplace", "reload"
+DEFAULT_MAX_UNDO = 2
+
+# A policy says whether the kernel computes from a parameter as loaded: (module name, module, param) -> (ok, why).
+Policy = Callable[[str, torch.nn.Module, str, torch.Tensor], tuple[bool, str]]
+# Makes a zeroed model-format scratch parameter for (module, parameter name, live parameter).
+ScratchFactory = Callable[[torch.nn.Module, str, torch.Tensor], torch.Tensor]
+# Reloads whole checkpoint tensors through the engine's own reload path (layerwise reprocessing).
+Reloader = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class WorkerOpError(Exception):
+    """A worker-side operation failed; reported to the sidecar as an error answer, never raised across RPC."""
+
+
+# ----------------------------------------------------------------------------------------- encoding
+def b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
+
+
+def unb64(s: str, dtype: np.dtype | str) -> np.ndarray:
+    raw = base64.b64decode(s, validate=True)
+    dt = np.dtype(dtype)
+    if len(raw) % dt.itemsize:
+        raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
+    return np.frombuffer(raw, dtype=dt).copy()
+
+
+def uint_dtype(bits: int) -> np.dtype:
+    return np.dtype(f"<u{bits // 8}")
+
+
+# ------------------------------------------------------------------------------------------- blocks
+# A block maps checkpoint flat index c0 + i*cs + j to parameter flat index p0 + i*ps + j, 0 <= i < count,
+# 0 <= j < length, with cs >= length so that (i, j) is unique for each c. Columns: c0 p0 length count cs ps.
+BLOCK_COLS = 6
+
+
+def compress_map(ckpt_idx: np.ndarray, param_idx: np.ndarray) -> np.ndarray:
+    """Compress (checkpoint index, parameter index) pairs into affine 2-D blocks, shape (n, 6) int64."""
+    ckpt_idx = np.asarray(ckpt_idx, dtype=np.int64)
+    param_idx = np.asarray(param_idx, dtype=np.int64)
+    if ckpt_idx.size == 0:
+        return np.zeros((0, BLOCK_COLS), dtype=np.int64)
+    order = np.lexsort((param_idx, ckpt_idx))
+    c, p = ckpt_idx[order], param_idx[order]
+    brk = np.flatnonzero((np.diff(c) != 1) | (np.diff(p) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    lengths = np.diff(np.concatenate([starts, [c.size]]))
+    rc, rp = c[starts], p[starts]
+    blocks: list[tuple[int, int, int, int, int, int]] = []
+    i, n = 0, int(rc.size)
+    while i < n:
+        length = int(lengths[i])
+        j = i + 1
+        cs = ps = length
+        if j < n and lengths[j] == length and rc[j] - rc[i] >= length:
+            cs, ps = int(rc[j] - rc[i]), int(rp[j] - rp[i])
+            while j < n and lengths[j] == length and rc[j] - rc[j - 1] == cs and rp[j] - rp[j - 1] == ps:
+                j += 1
+        if j - i == 1:
+            cs = ps = length
+        blocks.append((int(rc[i]), int(rp[i]), length, j - i, cs, ps))
+        i = j
+    return np.array(blocks, dtype=np.int64).reshape(-1, BLOCK_COLS)
+
+
+def expand_block(block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    c0, p0, length, count, cs, ps = (int(x) for x in block)
+    i = np.arange(count, dtype=np.int64)[:, None]
+    j = np.arange(length, dtype=np.int64)[None, :]
+    return (c0 + i * cs + j).reshape(-1), (p0 + i * ps + j).reshape(-1)
+
+
+CHUNK_ELEMS = 1 << 22
+
+
+def iter_chunks(blocks: np.ndarray, max_elems: int = CHUNK_ELEMS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The (checkpoint, parameter) index pairs of ``blocks``, a few million at a time (bounded memory)."""
+    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
+        rows = max(1, max_elems // max(1, length))
+        for i0 in range(0, count, rows):
+            n = min(rows, count - i0)
+            yield expand_block((c0 + i0 * cs, p0 + i0 * ps, length, n, cs, ps))
+
+
+def expand_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(blocks) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    parts = [expand_block(b) for b in blocks]
+    return np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])
+
+
+def lookup_blocks(blocks: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted checkpoint ``positions``: (indices into positions that the blocks hold, parameter indices).
+
+    O(len(blocks) * log(len(positions)) + hits); a position held by several blocks appears once per block.
+    """
+    hits: list[np.ndarray] = []
+    params: list[np.ndarray] = []
+    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
+        lo = int(np.searchsorted(positions, c0, "left"))
+        hi = int(np.searchsorted(positions, c0 + (count - 1) * cs + length, "left"))
+        if lo >= hi:
+            continue
+        d = positions[lo:hi] - c0
+        i, j = np.divmod(d, cs)
+        m = j < length
+        idx = np.flatnonzero(m)
+        hits.append(idx + lo)
+        params.append(p0 + i[m] * ps + j[m])
+    if not hits:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(hits), np.concatenate(params)
+
+
+def block_runs(blocks: np.ndarray) -> np.ndarray:
+    """The 1-D runs (start, length) in checkpoint coordinates that the blocks cover, shape (n, 2)."""
+    if len(blocks) == 0:
+        return np.zeros((0, 2), np.int64)
+    starts = [b[0] + np.arange(b[3], dtype=np.int64) * b[4] for b in blocks]
+    lengths = [np.full(int(b[3]), b[2], dtype=np.int64) for b in blocks]
+    return np.stack([np.concatenate(starts), np.concatenate(lengths)], axis=1)
+
+
+# -------------------------------------------------------------------------------------------- probes
+def exact_int_base(dtype: torch.dtype) -> int:
+    """The largest power of two B such that the integers 1..B are exactly representable in ``dtype``."""
+    if dtype == torch.bool:
+        return 1
+    if dtype.is_floating_point:
+        finfo = torch.finfo(dtype)
+        nmant = round(-math.log2(finfo.eps))
+        return 1 << min(nmant + 1, 30)
+    iinfo = torch.iinfo(dtype)
+    return 1 << min(int(math.log2(iinfo.max)), 30)
+
+
+def probe_passes(numel: int, base: int) -> int:
+    passes, span = 1, base
+    while span < numel:
+        span *= base
+        passes += 1
+    return passes
+
+
+def digit_probe(numel: int, shape: Sequence[int], dtype: torch.dtype, base: int, k: int) -> torch.Tensor:
+    """Element i holds digit k of i in base ``base``, plus one (so an untouched zero means 'not loaded')."""
+    idx = torch.arange(numel, dtype=torch.int64)
+    return ((idx // (base**k)) % base + 1).to(dtype).reshape(tuple(shape))
+
+
+def group_key(name: str) -> str:
+    """The module prefix a checkpoint tensor belongs to: its numbered layer (``model.layers.3``) if any."""
+    m = re.match(r"^(.*?\.\d+)\.", name)
+    if m:
+        return m.group(1)
+    return name.rpartition(".")[0] or name
+
+
+# ------------------------------------------------------------------------------------------- worker
+@dataclass
+class ParamInfo:
+    name: str
+    module: str
+    mode: str
+    reason: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class UndoEntry:
+    writes: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)  # param, positions, old bits
+    modules: set[str] = field(default_factory=set)
+
+
+def _unwrap_loader(fn: Any) -> Any:
+    """Strip vLLM's layerwise-reload wrappers, which stay on recorded metadata after a reload."""
+    while getattr(fn, "__name__", "") == "online_process_loader" and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__
+    return fn
+
+
+def _copy_attrs(dst: torch.Tensor, template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """Give ``dst`` the class and attributes (weight_loader, output_dim, ...) of ``template``, bound to module."""
+    attrs = dict(template.__dict__)
+    for key, value in attrs.items():
+        if key in ("weight_loader", "_weight_loader"):
+            value = attrs[key] = _unwrap_loader(value)
+        if isinstance(value, MethodType) and not isinstance(value.__self__, torch.nn.Module | type):
+            attrs[key] = value.__func__.__get__(module)
+    dst.__class__ = template.__class__
+    dst.__dict__.update(attrs)
+    return dst
+
+
+def default_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    return _copy_attrs(torch.zeros(live.shape, dtype=live.dtype, device=live.device), live, module)
+
+
+def default_policy(module_name: str, module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[bool, str]:
+    if param.numel() == 0:
+        return False, "the parameter was dropped after loading (the kernel holds a repacked copy)"
+    return True, "the kernel computes from the parameter as loaded"
+
+
+def _tripwire(live: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """A zero-stride stand-in: reading works, any write raises (more than one element per memory location)."""
+    t = torch.zeros((), dtype=live.dtype, device=live.device).expand(live.shape)
+    return _copy_attrs(t, live, module)
+
+
+def _read_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
+    d = dtype_of(t)
+    flat = int_view(t.detach())
+    if flat.device.type == "cpu":
+        return flat.numpy()[positions].view(d.uint_numpy)
+    idx = torch.from_numpy(positions).to(flat.device)
+    return flat[idx].cpu().numpy().view(d.uint_numpy)
+
+
+def _write_bits(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray) -> None:
+    d = dtype_of(t)
+    flat = int_view(t.detach())
+    signed = np.ascontiguousarray(bits.astype(d.uint_numpy, copy=False)).view(_np_int(d.bits))
+    if flat.device.type == "cpu":
+        flat.numpy()[positions] = signed
+    else:
+        flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), torch.from_numpy(signed).to(flat.device))
+
+
+def _np_int(bits: int) -> np.dtype:
+    return np.dtype(np.uint8) if bits == 8 else np.dtype(f"<i{bits // 8}")
+
+
+class WorkerCore:
+    """Learns the checkpoint-to-parameter map of one worker and applies, undoes and fingerprints writes."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        rank: int = 0,
+        policy: Policy = default_policy,
+        scratch: ScratchFactory = default_scratch,
+        reloader: Reloader | None = None,
+        default_source: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
+        open_source: Callable[[str], Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
+        self.model = model
+        self.rank = rank
+        self.policy = policy
+        self.scratch = scratch
+        self.reloader = reloader
+        self.default_source = default_source
+        self.open_source = open_source or _open_checkpoint
+        self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.maps: dict[str, list[tuple[str, np.ndarray]]] = {}
+        self.params: dict[str, ParamInfo] = {}
+        self.host: dict[str, torch.Tensor] = {}  # model-format host copies of reload-mode parameters
+        self.feeds: dict[str, set[str]] = {}  # module -> checkpoint tensors that load into it
+        self.undo: OrderedDict[str, UndoEntry] = OrderedDict()
+        self.max_undo = DEFAULT_MAX_UNDO
+        self.attached = False
+        self._probe_shapes: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
+
+    # ------------------------------------------------------------------------------ module tree
+    def _live_params(self) -> dict[str, tuple[str, torch.nn.Module, str, torch.Tensor]]:
+        """Every parameter by its name in ``named_parameters``: (module name, module, attribute, tensor)."""
+        out: dict[str, tuple[str, torch.nn.Module, str, torch.Tensor]] = {}
+        seen: dict[int, str] = {}
+        for mname, mod in self.model.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is None:
+                    continue
+                full = f"{mname}.{pname}" if mname else pname
+                if id(p) in seen:
+                    continue
+                seen[id(p)] = full
+                out[full] = (mname, mod, pname, p)
+        return out
+
+    def _owners(self) -> dict[int, list[tuple[str, torch.nn.Module, str]]]:
+        owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
+        for mname, mod in self.model.named_modules(remove_duplicate=False):
+            for pname, p in mod._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((mname, mod, pname))
+        return owners
+
+    @contextmanager
+    def _swapped(self, scratch_names: set[str]) -> Iterator[dict[str, torch.Tensor]]:
+        """Swap the named parameters for zeroed scratch and every other one for a tripwire; restore on exit."""
+        live = self._live_params()
+        owners = self._owners()
+        saved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        scratch: dict[str, torch.Tensor] = {}
+        try:
+            for full, (_mname, mod, pname, p) in live.items():
+                if full in scratch_names:
+                    s = self.scratch(mod, pname, p)
+                    scratch[full] = s
+                elif p.numel() == 0:
+                    continue
+                else:
+                    s = _tripwire(p, mod)
+                for _m, omod, opname in owners.get(id(p), [(_mname, mod, pname)]):
+                    saved.append((omod, opname, omod._parameters[opname]))
+                    omod._parameters[opname] = s  # type: ignore[assignment]
+            yield scratch
+        finally:
+            for mod, pname, p in reversed(saved):
+                mod._parameters[pname] = p  # type: ignore[assignment]
+
+    def _load(self, name: str, tensor: torch.Tensor) -> set[str] | None:
+        ret = self.model.load_weights([(name, tensor)])  # type: ignore[operator]
+        return set(ret) if isinstance(ret, set | frozenset | list | tuple) else None
+
+    # ------------------------------------------------------------------------------- attach
+    def attach(self, specs: Mapping[str, tuple[Sequence[int], str]], source: Mapping[str, torch.Tensor] | None) -> dict:
+        """Learn the map for every checkpoint tensor in ``specs``; capture host copies of reload parameters."""
+        t0 = time.perf_counter()
+        self.attached = False
+        self.specs = {n: (tuple(int(x) for x in s), str(d)) for n, (s, d) in specs.items()}
+        with self._buffers_guard():
+            return self._attach(source, t0)
+
+    @contextmanager
+    def _buffers_guard(self) -> Iterator[None]:
+        """Probes load through ``load_weights``, which may also write buffers; put every buffer back after."""
+        saved = [(b, b.detach().clone()) for _, b in self.model.named_buffers() if b is not None and b.numel()]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, copy in saved:
+                    if not torch.equal(b, copy):
+                        b.copy_(copy)
+
+    def _attach(self, source: Mapping[str, torch.Tensor] | None, t0: float) -> dict:
+        live = self._live_params()
+        owners = self._owners()
+        modes: dict[str, ParamInfo] = {}
+        for full, (mname, _mod, _pname, p) in live.items():
+            ok, why = True, ""
+            for omname, omod, opname in owners[id(p)]:
+                o_ok, o_why = self.policy(omname, omod, opname, p)
+                if not o_ok:
+                    ok, why = False, f"{omname}: {o_why}"
+                    break
+                why = o_why
+            modes[full] = ParamInfo(full, mname, INPLACE if ok else RELOAD, why, "", tuple(p.shape))
+        narrowest = min(
+            (exact_int_base(p.dtype) for _, _, _, p in live.values() if p.dtype.is_floating_point), default=1 << 30
+        )
+        groups: dict[str, list[str]] = {}
+        for name in sorted(self.specs):
+            groups.setdefault(group_key(name), []).append(name)
+        maps: dict[str, list[tuple[str, np.ndarray]]] = {}
+        unheld: dict[str, str] = {}
+        for key, names in groups.items():
+            members = {full for full in live if full.startswith(key + ".") or full == key}
+            if not members:
+                log.warning("no parameter under %r; probing %s against the whole model", key, names)
+                members = set(live)
+            try:
+                got = self._probe_group(names, members, narrowest, unheld)
+            except RuntimeError as e:
+                if "more than one element" not in str(e) or members == set(live):
+                    raise
+                log.warning("loading %s wrote outside %r; probing against the whole model", names, key)
+                got = self._probe_group(names, set(live), narrowest, unheld)
+            maps.update(got)
+        self.maps = maps
+        # parameters that receive checkpoint data: their dtype and shape as loaded
+        fed: dict[str, set[str]] = {}
+        for name, places in maps.items():
+            for pname, _ in places:
+                fed.setdefault(pname, set()).add(name)
+        self.params = {}
+        self.feeds = {}
+        for pname, names in fed.items():
+            info = modes[pname]
+            dtypes = {self.specs[n][1] for n in names}
+            info.dtype = next(iter(dtypes))
+            self.params[pname] = info
+            self.feeds.setdefault(info.module, set()).update(names)
+        self.host = {}
+        reload_names = sorted({n for m, ns in self.feeds.items() for n in ns if self._module_reloads(m)})
+        if reload_names:
+            src = source if source is not None else (self.default_source() if self.default_source else None)
+            if src is None:
+                raise WorkerOpError(
+                    f"{len(reload_names)} checkpoint tensors load into repacked parameters (reload mode) and "
+                    "no source checkpoint was given to capture their values; pass 'source' (a checkpoint path)"
+                )
+            self._capture(reload_names, src)
+        self.attached = True
+        log.info(
+            "flipsync: rank %d mapped %d checkpoint tensors onto %d parameters (%d in place, %d reload) in %.1fs",
+            self.rank,
+            len(maps),
+            len(self.params),
+            sum(p.mode == INPLACE for p in self.params.values()),
+            sum(p.mode == RELOAD for p in self.params.values()),
+            time.perf_counter() - t0,
+        )
+        return self.describe(unheld)
+
+    def _module_reloads(self, module: str) -> bool:
+        return any(p.mode == RELOAD for p in self.params.values() if p.module == module)
+
+    def describe(self, unheld: Mapping[str, str] | None = None) -> dict:
+        return {
+            "rank": self.rank,
+            "maps": {n: [[p, blocks.tolist()] for p, blocks in places] for n, places in self.maps.items()},
+            "params": {
+                p.name: {
+                    "module": p.module,
+                    "mode": p.mode,
+                    "reason": p.reason,
+                    "dtype": p.dtype,
+                    "shape": list(p.shape),
+                }
+                for p in self.params.values()
+            },
+            "unheld": dict(unheld or {}),
+        }
+
+    def _probe_group(
+        self, names: list[str], members: set[str], narrowest: int, unheld: dict[str, str]
+    ) -> dict[str, list[tuple[str, np.ndarray]]]:
+        out: dict[str, list[tuple[str, np.ndarray]]] = {}
+        with self._swapped(members) as scratch:
+            for full, s in scratch.items():
+                self._probe_shapes[full] = (tuple(s.shape), s.dtype, s.device)
+            for name in names:
+                shape, dname = self.specs[name]
+                dtype = dtype_named(dname).torch_dtype
+                numel = math.prod(shape)
+                if numel == 0:
+                    unheld[name] = "empty tensor"
+                    continue
+                base = min(exact_int_base(dtype), narrowest)
+                if base < 2:
+                    raise WorkerOpError(f"cannot probe {name!r}: dtype {dname} holds no small integers exactly")
+                passes = probe_passes(numel, base)
+                found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (positions, index so far)
+                for k in range(passes):
+                    loaded = self._load(name, digit_probe(numel, shape, dtype, base, k))
+                    if k > 0:
+                        candidates = list(found)
+                    elif loaded is not None and loaded & scratch.keys():
+                        candidates = sorted(loaded & scratch.keys())
+                    else:
+                        candidates = list(scratch)
+                    for pname in candidates:
+                        flat = scratch[pname].detach().reshape(-1)
+                        pos = torch.nonzero(flat != 0).squeeze(1)
+                        if k > 0 and (pname not in found or not torch.equal(pos, found[pname][0])):
+                            raise WorkerOpError(
+                                f"loading {name!r} into {pname!r} is not a pure relayout (the written elements "
+                                f"differ between probe passes); this parameter is not supported"
+                            )
+                        if pos.numel() == 0:
+                            continue
+                        vals = flat[pos].to(torch.float64)
+                        digits = vals - 1
+                        if not bool(((digits >= 0) & (digits < base) & (digits == digits.round())).all()):
+                            raise WorkerOpError(
+                                f"loading {name!r} into {pname!r} transforms values (a probe digit did not survive); "
+                                "serve this tensor in the checkpoint's dtype without online quantization"
+                            )
+                        acc = found[pname][1] if pname in found else torch.zeros(pos.numel(), dtype=torch.int64)
+                        acc = acc + digits.to(torch.int64).cpu() * (base**k)
+                        found[pname] = (pos, acc)
+                        flat[pos] = 0
+                places: list[tuple[str, np.ndarray]] = []
+                for pname, (pos, idx) in sorted(found.items()):
+                    idx_np = idx.numpy()
+                    if idx_np.size and int(idx_np.max()) >= numel:
+                        raise WorkerOpError(f"probe of {name!r} decoded an index past its end in {pname!r}")
+                    places.append((pname, compress_map(idx_np, pos.cpu().numpy())))
+                if not places:
+                    unheld[name] = "the engine does not load this tensor (ignored, tied or on another pipeline stage)"
+                    continue
+                self._verify(name, shape, dtype, places, scratch)
+                out[name] = places
+        return out
+
+    def _verify(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        places: list[tuple[str, np.ndarray]],
+        scratch: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Load random values and check that every mapped element holds the checkpoint's exact bits."""
+        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+        if dtype.is_floating_point:
+            rnd = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+        else:
+            rnd = torch.randint(0, 100, shape, generator=g).to(dtype)
+        self._load(name, rnd)
+        src = bits_numpy(rnd.contiguous())
+        for pname, blocks in places:
+            t = scratch[pname]
+            if t.dtype != dtype:
+                raise WorkerOpError(
+                    f"checkpoint tensor {name!r} is {dtype} but loads into {pname!r} as {t.dtype}; serve the model "
+                    "in the served view's dtype (e.g. --dtype bfloat16) so that bits can be patched exactly"
+                )
+            for c, p in iter_chunks(blocks):
+                if not np.array_equal(_read_bits(t, p), src[c]):
+                    raise WorkerOpError(f"loading {name!r} into {pname!r} does not copy bits exactly; not supported")
+                _write_bits(t, p, np.zeros(p.size, dtype=dtype_of(t).uint_numpy))
+
+    def _capture(self, names: list[str], source: Mapping[str, torch.Tensor]) -> None:
+        """Host copies of reload-mode parameters, filled by loading ``names`` from ``source`` into scratch."""
+        reload_params = {p for p, info in self.params.items() if info.mode == RELOAD}
+        shapes = self._probe_shapes
+        for pname in reload_params:
+            shape, dtype, _device = shapes[pname]
+            self.host[pname] = torch.zeros(shape, dtype=dtype)
+        groups: dict[str, list[str]] = {}
+        for name in names:
+            groups.setdefault(group_key(name), []).append(name)
+        for _key, group in groups.items():
+            targets = {p for n in group for p, _ in self.maps.get(n, [])}
+            with self._swapped(targets) as scratch:
+                for name in group:
+                    if name not in source:
+                        raise WorkerOpError(f"the source checkpoint has no tensor {name!r}")
+                    tensor = source[name]
+                    self._check_spec(name, tensor)
+                    self._load(name, tensor)
+                    for pname, blocks in self.maps.get(name, []):
+                        if pname not in reload_params:
+                            continue
+                        for _c, p in iter_chunks(blocks):
+                            _write_bits(self.host[pname], p, _read_bits(scratch[pname], p))
+
+    def _check_spec(self, name: str, tensor: torch.Tensor) -> None:
+        shape, dname = self.specs[name]
+        if tuple(tensor.shape) != shape or dtype_of(tensor).name != dname:
+            raise WorkerOpError(
+                f"tensor {name!r} is {tuple(tensor.shape)} {dtype_of(tensor).name}, the served view has {shape} {dname}"
+            )
+
+    # ------------------------------------------------------------------------------- element access
+    def _target(
+        self, pname: str, live: Mapping[str, tuple[str, torch.nn.Module, str, torch.Tensor]] | None = None
+    ) -> torch.Tensor:
+        """Where parameter ``pname``'s checkpoint-format bits live: its host copy (reload) or itself (in place)."""
+        info = self.params.get(pname)
+        if info is None:
+            raise WorkerOpError(f"parameter {pname!r} is not in this worker's map")
+        if info.mode == RELOAD:
+            return self.host[pname]
+        live = live if live is not None else self._live_params()
+        return live[pname][3]
+
+    def _positions_ok(self, pname: str, t: torch.Tensor, positions: np.ndarray) -> None:
+        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= t.numel()):
+            raise WorkerOpError(f"positions outside parameter {pname!r} ({t.numel()} elements)")
+
+    def gather(self, reads: list[list[str]]) -> list[str]:
+        out = []
+        live = self._live_params()
+        for pname, pos_b64 in reads:
+            t = self._target(pname, live)
+            pos = unb64(pos_b64, np.int64)
+            self._positions_ok(pname, t, pos)
+            out.append(b64(_read_bits(t, pos)))
+        return out
+
+    def _reload_modules(self, modules: set[str]) -> None:
+        """Rebuild every checkpoint tensor that loads into ``modules`` from the held values; reprocess them."""
+        if not modules:
+            return
+        if self.reloader is None:
+            raise WorkerOpError("this worker has reload-mode parameters but no reload path")
+        names = sorted({n for m in modules for n in self.feeds.get(m, ())})
+        live = self._live_params()
+        tensors = []
+        for name in names:
+            shape, dname = self.specs[name]
+            d = dtype_named(dname)
+            out = torch.zeros(shape, dtype=d.torch_dtype)
+            for pname, blocks in self.maps[name]:
+                target = self._target(pname, live)
+                for c, p in iter_chunks(blocks):
+                    _write_bits(out, c, _read_bits(target, p))
+            tensors.append((name, out))
+        self.reloader(tensors)
+
+    def apply(self, token: str, writes: list[list[str]]) -> dict:
+        decoded = []
+        live = self._live_params()
+        for pname, pos_b64, bits_b64 in writes:
+            t = self._target(pname, live)
+            d = dtype_of(t)
+            pos = unb64(pos_b64, np.int64)
+            bits = unb64(bits_b64, uint_dtype(d.bits))
+            if bits.size != pos.size:
+                raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
+            self._positions_ok(pname, t, pos)
+            decoded.append((pname, t, pos, bits))
+        entry = UndoEntry()
+        t0 = time.perf_counter()
+        try:
+            for pname, t, pos, bits in decoded:
+                entry.writes.append((pname, pos, _read_bits(t, pos)))
+                _write_bits(t, pos, bits)
+                if self.params[pname].mode == RELOAD:
+                    entry.modules.add(self.params[pname].module)
+            for pname, t, pos, bits in decoded:
+                if not np.array_equal(_read_bits(t, pos), bits):
+                    raise WorkerOpError(f"read-back of {pname!r} after the scatter differs from what was written")
+            self._reload_modules(entry.modules)
+        except BaseException:
+            self._revert(entry)
+            raise
+        self.undo[token] = entry
+        while len(self.undo) > self.max_undo:
+            old, _ = self.undo.popitem(last=False)
+            log.info("flipsync: dropped undo record %s (keeping %d)", old, self.max_undo)
+        return {
+            "n": int(sum(p.size for _, _, p, _ in decoded)),
+            "reloaded": sorted(entry.modules),
+            "seconds": time.perf_counter() - t0,
+        }
+
+    def _revert(self, entry: UndoEntry) -> None:
+        live = self._live_params()
+        for pname, pos, old in reversed(entry.writes):
+            _write_bits(self._target(pname, live), pos, old)
+        if entry.modules:
+            self._reload_modules(entry.modules)
+
+    def undo_token(self, token: str) -> bool:
+        entry = self.undo.pop(token, None)
+        if entry is None:
+            return False
+        self._revert(entry)
+        return True
+
+    def fingerprints(self, names: Iterable[str] | None) -> dict[str, list[list[Any]]]:
+        """Per checkpoint tensor and block: (parameter, block, fingerprint of the block's elements)."""
+        out: dict[str, list[list[Any]]] = {}
+        live = self._live_params()
+        for name in names if names is not None else sorted(self.maps):
+            rows = []
+            for pname, blocks in self.maps.get(name, []):
+                t = self._target(pname, live)
+                for block in blocks:
+                    fp = sum(fingerprint_of(c, _read_bits(t, p)) for c, p in iter_chunks(block[None, :]))
+                    rows.append([pname, [int(x) for x in block], fp_hex(fp & 0xFFFFFFFFFFFFFFFF)])
+            out[name] = rows
+        return out
+
+    def load(self, source: Mapping[str, torch.Tensor]) -> None:
+        """Load a full served view through the engine's reload path, then refresh the host copies."""
+        missing = sorted(set(self.specs) - set(source))
+        if missing:
+            raise WorkerOpError(f"the view lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        for name in self.specs:
+            self._check_spec(name, source[name])
+        if self.reloader is None:
+            raise WorkerOpError("this worker has no reload path to load a full view")
+        self.reloader([(n, source[n]) for n in sorted(self.specs)])
+        reload_names = sorted({n for m, ns in self.feeds.items() for n in ns if self._module_reloads(m)})
+        if reload_names:
+            self._capture(reload_names, source)
+        self.undo.clear()
+
+    # ------------------------------------------------------------------------------- dispatch
+    def handle(self, request: Mapping[str, Any]) -> dict:
+        """Serve one request; never raises (errors are answers, so that every rank reports)."""
+        op = request.get("op")
+        try:
+            if request.get("protocol") != PROTOCOL:
+                raise WorkerOpError(f"protocol {request.get('protocol')!r} != worker protocol {PROTOCOL}")
+            if op == "attach":
+                self.max_undo = int(request.get("max_undo", DEFAULT_MAX_UNDO))
+                src_path = request.get("source")
+                src = self.open_source(src_path) if src_path else None
+                specs = {n: (tuple(s), d) for n, (s, d) in request["specs"].items()}
+                return {"ok": True, "rank": self.rank, "result": self.attach(specs, src)}
+            if not self.attached:
+                raise WorkerOpError("the worker is not attached; call attach first")
+            mine = request.get("per_rank", {}).get(str(self.rank), [])
+            if op == "gather":
+                result: Any = self.gather(mine)
+            elif op == "apply":
+                result = self.apply(str(request["token"]), mine)
+            elif op == "undo":
+                result = self.undo_token(str(request["token"]))
+            elif op == "fingerprint":
+                result = self.fingerprints(request.get("names"))
+            elif op == "load":
+                self.load(self.open_source(str(request["source"])))
+                result = True
+            elif op == "describe":
+                result = self.describe()
+            else:
+                raise WorkerOpError(f"unknown operation {op!r}")
+            return {"ok": True, "rank": self.rank, "result": result}
+        except Exception as e:
+            log.error("flipsync: %s failed on rank %d: %s", op, self.rank, e)
+            return {
+                "ok": False,
+                "rank": self.rank,
+                "error": f"{type(e).__name__}: {e}",
+                "trace": traceback.format_exc(limit=6) if not isinstance(e, WorkerOpError) else "",
+            }
+
+
+def _open_checkpoint(path: str) -> Mapping[str, torch.Tensor]:
+    from flipsync.checkpoint import Checkpoint
+
+    return Checkpoint(path)
+
+
+# ------------------------------------------------------------------------------------------- vLLM
+def vllm_policy(module_name: str, module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[bool, str]:
+    """Whether vLLM's kernel reads this parameter as loaded (then patches go in place)."""
+    if param.numel() == 0:
+        return False, "dropped after loading: the kernel holds a repacked copy"
+    quant = getattr(module, "quant_method", None)
+    qname = type(quant).__name__ if quant is not None else None
+    if qname not in (None, "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
+        return False, f"{qname} may repack or rescale the weight"
+    if hasattr(module, "cpu_linear") and type(module).__name__ != "VocabParallelEmbedding":
+        return False, "the CPU GEMM computes from a packed copy (oneDNN / sgl-kernel)"
+    return True, "the kernel reads the parameter as loaded"
+
+
+def vllm_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """Zeroed scratch in *model format*: vLLM records it before kernel processing (layerwise reload metadata)."""
+    template = None
+    device = live.device
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is not None:
+            template = info.restore_metadata[0].get(pname)
+            if live.numel() == 0:
+                device = torch.device(info.restore_device)
+    except ImportError:  # older vLLM: the live parameter is the template
+        template = None
+    if template is None:
+        return default_scratch(module, pname, live)
+    t = torch.zeros(tuple(template.shape), dtype=template.dtype, device=device)
+    return _copy_attrs(t, template, module)
+
+
+class FlipsyncWorkerExtension:
+    """Mixed into vLLM's worker class (``--worker-extension-cls``); one RPC method, JSON in and out."""
+
+    def flipsync_call(self, request: str) -> str:
+        core: WorkerCore | None = getattr(self, "_flipsync_core", None)
+        if core is None:
+            core = WorkerCore(
+                self.get_model(),  # type: ignore[attr-defined]
+                rank=int(getattr(self, "rank", 0)),
+                policy=vllm_policy,
+                scratch=vllm_scratch,
+                reloader=self._flipsync_reload,
+                default_source=self._flipsync_default_source,
+            )
+            self._flipsync_core = core
+        try:
+            req = json.loads(request)
+        except (TypeError, ValueError) as e:
+            return json.dumps({"ok": False, "rank": core.rank, "error": f"request is not JSON: {e}"})
+        return json.dumps(core.handle(req))
+
+    def _flipsync_reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        runner = self.model_runner  # type: ignore[attr-defined]
+        if not hasattr(runner, "reload_weights"):
+            raise WorkerOpError("this vLLM has no layerwise reload (model_runner.reload_weights); upgrade vLLM")
+        runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
+
+    def _flipsync_default_source(self) -> Mapping[str, torch.Tensor] | None:
+        import os
+
+        path = self.vllm_config.model_config.model  # type: ignore[attr-defined]
+        return _open_checkpoint(path) if os.path.isdir(path) else None

@@ -1,0 +1,1 @@
+"""Engine adapter tests (vLLM, SGLang): helpers live beside this file (``fake_vllm``, ``tiny_llama``)."""

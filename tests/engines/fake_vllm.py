@@ -1,0 +1,316 @@
+"""A small model that mimics how vLLM loads a Llama checkpoint, for tests that run without vLLM.
+
+Like vLLM's ``LlamaForCausalLM``: ``q/k/v_proj`` load into one fused ``qkv_proj`` and ``gate/up_proj`` into
+``gate_up_proj`` through ``stacked_params_mapping`` and per-shard weight loaders; column-parallel layers keep
+their rank's rows, row-parallel layers (``o_proj``, ``down_proj``) their rank's columns; the vocabulary is
+padded and split by rows (``VocabParallelEmbedding``); norms are replicated and use the default loader.
+``load_weights`` returns the names of the parameters it loaded.
+
+A layer built with ``packed=True`` computes from a copy made by ``process_weights_after_loading`` and then
+drops its weight, like vLLM's CPU backend does for oneDNN: patches must go through the reload path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from flipsync.codec.bits import int_view
+from flipsync.sidecar.vllm_worker import WorkerCore, expand_blocks
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    assert param.shape == loaded.shape, (param.shape, loaded.shape)
+    param.data.copy_(loaded)
+
+
+class ColumnLinear(nn.Module):
+    """Output rows split across ranks; ``shards`` names the fused pieces (q, k, v) and their full sizes."""
+
+    def __init__(self, in_f: int, shards: dict[str | int, int], rank: int, size: int, packed: bool) -> None:
+        super().__init__()
+        self.shards = shards
+        self.rank, self.size, self.packed = rank, size, packed
+        rows = sum(n // size for n in shards.values())
+        self.weight = nn.Parameter(torch.zeros(rows, in_f, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.packed_copy: torch.Tensor | None = None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if shard_id is None:
+            assert len(self.shards) == 1
+            shard_id = next(iter(self.shards))
+        offset = 0
+        for sid, n in self.shards.items():
+            per = n // self.size
+            if sid == shard_id:
+                param.data.narrow(0, offset, per).copy_(loaded.narrow(0, self.rank * per, per))
+                return
+            offset += per
+        raise KeyError(shard_id)
+
+    def process_weights_after_loading(self) -> None:
+        if self.packed:
+            self.packed_copy = self.weight.detach().clone().t().contiguous()  # a "repacked" layout
+            self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+    def effective(self) -> torch.Tensor:
+        if self.packed:
+            assert self.packed_copy is not None
+            return self.packed_copy.t()
+        return self.weight
+
+
+class RowLinear(nn.Module):
+    """Input columns split across ranks."""
+
+    def __init__(self, in_f: int, out_f: int, rank: int, size: int, packed: bool) -> None:
+        super().__init__()
+        self.rank, self.size, self.packed = rank, size, packed
+        self.weight = nn.Parameter(torch.zeros(out_f, in_f // size, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.packed_copy: torch.Tensor | None = None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        per = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.rank * per, per))
+
+    process_weights_after_loading = ColumnLinear.process_weights_after_loading
+    effective = ColumnLinear.effective
+
+
+class VocabEmbedding(nn.Module):
+    """Vocabulary padded to a multiple of 8 and split by rows; padding rows are zero-filled."""
+
+    def __init__(self, vocab: int, dim: int, rank: int, size: int) -> None:
+        super().__init__()
+        padded = -(-vocab // (8 * size)) * 8 * size
+        self.per = padded // size
+        self.rank = rank
+        self.weight = nn.Parameter(torch.zeros(self.per, dim, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        start = self.rank * self.per
+        n = max(0, min(self.per, loaded.shape[0] - start))
+        param.data[:n].copy_(loaded[start : start + n])
+        param.data[n:].fill_(0)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.bfloat16), requires_grad=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, hidden: int, q: int, kv: int, inter: int, rank: int, size: int, packed: bool) -> None:
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.qkv_proj = ColumnLinear(hidden, {"q": q, "k": kv, "v": kv}, rank, size, packed)
+        self.self_attn.o_proj = RowLinear(q, hidden, rank, size, packed)
+        self.mlp = nn.Module()
+        self.mlp.gate_up_proj = ColumnLinear(hidden, {0: inter, 1: inter}, rank, size, packed)
+        self.mlp.down_proj = RowLinear(inter, hidden, rank, size, packed)
+        self.input_layernorm = Norm(hidden)
+        self.post_attention_layernorm = Norm(hidden)
+
+
+class FakeLlama(nn.Module):
+    stacked_params_mapping: ClassVar[list[tuple[str, str, str | int]]] = [
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ]
+
+    def __init__(
+        self,
+        *,
+        vocab: int = 50,
+        hidden: int = 16,
+        q: int = 16,
+        kv: int = 8,
+        inter: int = 24,
+        layers: int = 2,
+        rank: int = 0,
+        size: int = 1,
+        packed: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed_tokens = VocabEmbedding(vocab, hidden, rank, size)
+        self.model.layers = nn.ModuleList(Layer(hidden, q, kv, inter, rank, size, packed) for _ in range(layers))
+        self.model.norm = Norm(hidden)
+        self.lm_head = ColumnLinear(hidden, {0: -(-vocab // (8 * size)) * 8 * size}, rank, size, packed)
+        self.lm_head.weight.weight_loader = self._lm_head_loader  # type: ignore[attr-defined]
+        self.lm_head._loader_for_scratch = self._lm_head_loader
+        self.vocab = vocab
+
+    def _lm_head_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        per = param.shape[0]
+        start = self.lm_head.rank * per
+        n = max(0, min(per, loaded.shape[0] - start))
+        param.data[:n].copy_(loaded[start : start + n])
+        param.data[n:].fill_(0)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, w in weights:
+            for param_name, weight_name, shard_id in self.stacked_params_mapping:
+                if weight_name not in name:
+                    continue
+                target = name.replace(weight_name, param_name)
+                param = params[target]
+                param.weight_loader(param, w, shard_id)  # type: ignore[attr-defined]
+                loaded.add(target)
+                break
+            else:
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, w)
+                loaded.add(name)
+        return loaded
+
+    def process_weights_after_loading(self, modules: Iterable[str] | None = None) -> None:
+        wanted = set(modules) if modules is not None else None
+        for mname, mod in self.named_modules():
+            if (
+                hasattr(mod, "process_weights_after_loading")
+                and mod is not self
+                and (wanted is None or mname in wanted)
+            ):
+                mod.process_weights_after_loading()
+
+    def effective(self, name: str) -> torch.Tensor:
+        """What the 'kernel' computes from for a vLLM parameter name (repacked copies for packed layers)."""
+        mname, _, pname = name.rpartition(".")
+        mod = self.get_submodule(mname)
+        return mod.effective() if hasattr(mod, "effective") else getattr(mod, pname)
+
+
+def fake_policy(module_name: str, module: nn.Module, pname: str, param: torch.Tensor) -> tuple[bool, str]:
+    if getattr(module, "packed", False):
+        return False, "packed copy"
+    return True, "as loaded"
+
+
+def make_reloader(model: FakeLlama):
+    """The fake's layerwise reload: restore model-format params of the touched layers, load, reprocess."""
+
+    def reload(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for mname, mod in model.named_modules():
+            if getattr(mod, "packed", False) and mod.weight.numel() == 0:
+                # restore the model-format parameter (vLLM does this from recorded metadata)
+                shape = tuple(mod.packed_copy.t().shape)
+                mod.weight = nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
+                mod.weight.weight_loader = (  # type: ignore[attr-defined]
+                    model._lm_head_loader if mname == "lm_head" else mod.weight_loader
+                )
+                mod._restored = True  # type: ignore[assignment]
+        loaded = model.load_weights(tensors)
+        touched = {n.rpartition(".")[0] for n in loaded}
+        for mname, mod in model.named_modules():
+            if getattr(mod, "_restored", False):
+                mod._restored = False  # type: ignore[assignment]
+                if mname in touched:
+                    mod.process_weights_after_loading()
+                else:  # untouched: put the old packed state back
+                    mod.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+    return reload
+
+
+def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+    """Model-format scratch for dropped weights (vLLM rebuilds it from recorded metadata)."""
+    from flipsync.sidecar.vllm_worker import _copy_attrs, default_scratch
+
+    if live.numel() == 0 and getattr(module, "packed_copy", None) is not None:
+        shape = tuple(module.packed_copy.t().shape)
+        t = torch.zeros(shape, dtype=live.dtype)
+        tmpl = torch.nn.Parameter(torch.empty(0, dtype=live.dtype), requires_grad=False)
+        owner_loader = getattr(module, "_loader_for_scratch", None) or module.weight_loader
+        tmpl.weight_loader = owner_loader  # type: ignore[attr-defined]
+        return _copy_attrs(t, tmpl, module)
+    return default_scratch(module, pname, live)
+
+
+# ------------------------------------------------------------------------------------ test helpers
+DIMS = {"vocab": 50, "hidden": 16, "q": 16, "kv": 8, "inter": 24, "layers": 2}
+
+
+def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, q, kv, inter, vocab = DIMS["hidden"], DIMS["q"], DIMS["kv"], DIMS["inter"], DIMS["vocab"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    for i in range(DIMS["layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+        }
+    return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in sorted(shapes.items())}
+
+
+def boot(view: dict[str, torch.Tensor], *, size: int = 1, packed: bool = False) -> list[tuple[FakeLlama, WorkerCore]]:
+    """Fake workers that loaded ``view`` at start-up, as vLLM does (load, then process)."""
+    out = []
+    for rank in range(size):
+        model = FakeLlama(**DIMS, rank=rank, size=size, packed=packed)
+        model.load_weights(view.items())
+        model.process_weights_after_loading()
+        core = WorkerCore(
+            model,
+            rank=rank,
+            policy=fake_policy,
+            scratch=packed_scratch,
+            reloader=make_reloader(model),
+            default_source=lambda v=view: v,
+        )
+        out.append((model, core))
+    return out
+
+
+def held_view(pairs, engine) -> dict[str, torch.Tensor]:
+    """Reassemble checkpoint tensors from what the fake kernels compute from, through the learned maps."""
+    out = {}
+    for name, spec in engine._specs.items():
+        flat = torch.zeros(spec.numel, dtype=torch.bfloat16)
+        seen = np.zeros(spec.numel, dtype=bool)
+        for (model, _core), rank in zip(pairs, sorted(engine._maps, key=int), strict=True):
+            for pname, blocks in engine._maps[rank].get(name, []):
+                c, p = expand_blocks(blocks)
+                src = int_view(model.effective(pname).contiguous()).numpy()
+                int_view(flat).numpy()[c] = src[p]
+                seen[c] = True
+        assert seen.all(), name
+        out[name] = flat.reshape(spec.shape)
+    return out
+
+
+def bits_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(int_view(a[n]), int_view(b[n].contiguous())) for n in a)
+
+
+def step(view: dict[str, torch.Tensor], seed: int, frac: float = 0.05) -> dict[str, torch.Tensor]:
+    """A training step's worth of change: a few elements of every tensor move by one bf16 ulp."""
+    g = torch.Generator().manual_seed(seed)
+    new = {}
+    for n, t in view.items():
+        bits = int_view(t.clone()).clone()
+        mask = torch.rand(bits.shape, generator=g) < frac
+        bits[mask] += 1
+        new[n] = bits.view(torch.bfloat16).reshape(t.shape)
+    return new

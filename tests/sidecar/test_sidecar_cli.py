@@ -1,0 +1,129 @@
+"""``flipsync sidecar`` and ``flipsync relay`` as processes: a sidecar reading a board through a relay."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from sidecar_helpers import Trainer
+from typer.testing import CliRunner
+
+from flipsync.bench import sidecar as bench
+from flipsync.board.store import ObstoreStore
+from flipsync.sidecar.cli import sidecar_app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flipsync.sidecar.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
+        )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode
+
+
+def _wait_http(url: str, timeout: float, procs: list[subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, "a process exited early"
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str, tmp_path: Path) -> None:
+    trainer = Trainer(store)
+    relay_port, proxy_port = _free_port(), _free_port()
+    relay = _start(["relay", "--board", board_dir, "--listen", f"127.0.0.1:{relay_port}"], tmp_path / "relay.log")
+    side = _start(
+        [
+            "sidecar",
+            "--board",
+            f"http://127.0.0.1:{relay_port}",
+            "--listen",
+            f"127.0.0.1:{proxy_port}",
+            "--poll",
+            "0.1",
+            "--threads",
+            "1",
+            "--commit-mode",
+            "quiesce",
+        ],
+        tmp_path / "sidecar.log",
+    )
+    base = f"http://127.0.0.1:{proxy_port}"
+    try:
+        _wait_http(f"http://127.0.0.1:{relay_port}/health", 60, [relay])
+        _wait_http(f"{base}/flipsync/status", 90, [side])
+        r = httpx.get(f"{base}/flipsync/wait", params={"min_version": 0, "timeout_s": 30}, timeout=40)
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert r.status_code == 200 and r.json()["weight_version"] == {"start": 0, "end": 0}
+        trainer.step()
+        r = httpx.get(f"{base}/flipsync/wait", params={"min_version": 1, "timeout_s": 30}, timeout=40)
+        assert r.status_code == 200 and r.json()["version"] == 1
+        st = httpx.get(f"{base}/flipsync/status", timeout=10).json()
+        assert st["commit_mode"] == "quiesce" and st["engine"]["name"] == "torch"
+        stats = httpx.get(f"http://127.0.0.1:{relay_port}/relay/stats", timeout=10).json()
+        assert stats["upstream"] > 0 and stats["board"].startswith("file://")
+    finally:
+        codes = (_stop(side), _stop(relay))
+    logs = (tmp_path / "sidecar.log").read_text() + (tmp_path / "relay.log").read_text()
+    assert codes == (0, 0), logs
+
+
+def test_cli_refuses_bad_settings(board_dir: str, store: ObstoreStore) -> None:
+    runner = CliRunner()
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--listen", "nowhere"])
+    assert r.exit_code == 2 and "HOST:PORT" in r.output
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "tpu"])
+    assert r.exit_code == 2 and "unknown engine" in r.output
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--listen", "127.0.0.1:0"])
+    assert r.exit_code == 2 and "no run" in r.output  # an empty board
+    Trainer(store)
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "vllm"])
+    assert r.exit_code == 2 and "--upstream" in r.output
+    up = ["--upstream", "http://127.0.0.1:9"]
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "vllm", *up])
+    assert r.exit_code == 2 and "model_dir" in r.output
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "sglang", *up])
+    assert r.exit_code == 2 and "mirror" in r.output
+
+
+def test_bench_measures_pause_against_patch_size() -> None:
+    setup = bench.Setup("tiny", (1e-3, 3e-2), repeat=1, formats=("bf16",))
+    res = bench.run(Console(file=io.StringIO()), setup=setup)
+    rows = res["formats"]["bf16"]["rows"]
+    assert [r["fraction"] for r in rows] == [1e-3, 3e-2]
+    assert rows[0]["changed"] < rows[1]["changed"] and rows[0]["patch_bytes"] < rows[1]["patch_bytes"]
+    assert all(r["pause_s"] > 0 and r["stage_s"] > 0 for r in rows)
+    assert res["bf16_scaling"]["changed_ratio"] > 10

@@ -1,0 +1,285 @@
+"""The version-aware proxy in front of a real torch engine server, both served by uvicorn on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
+
+from flipsync.sidecar.gate import CommitMode
+from flipsync.sidecar.proxy import VersionConstraint, parse_constraint
+
+
+def events(lines: Iterator[str]) -> list[Any]:
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            payload = line[6:]
+            out.append(payload if payload == "[DONE]" else json.loads(payload))
+    return out
+
+
+def slow_down(stack: Stack, seconds: float) -> None:
+    """Make each decode step of the engine take at least ``seconds`` (so a commit lands mid-sequence)."""
+    model = stack.torch_engine.model
+    forward = model.forward
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        time.sleep(seconds)
+        return forward(*args, **kw)
+
+    model.forward = slow  # type: ignore[method-assign]
+
+
+def test_completion_reports_versions_in_body_and_headers(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    r = s.client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 6, "temperature": 0, "n": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["weight_version"] == {"start": 0, "end": 0}
+    assert r.headers["x-flipsync-weight-version-start"] == "0" and r.headers["x-flipsync-weight-version-end"] == "0"
+    assert len(body["choices"]) == 2 and all(c["token_versions"] == [0] * 6 for c in body["choices"])
+    assert body["usage"]["completion_tokens"] == 12 and "date" in r.headers
+    assert r.headers.get_list("date") == [r.headers["date"]]  # one date header, not the engine's as well
+
+    trainer.step()
+    assert s.replica.wait_version(1, 10)
+    r = s.client.post(
+        "/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "weight_version": {"min_version": 1}},
+    )
+    assert r.status_code == 200, r.text
+    assert r.json()["weight_version"] == {"start": 1, "end": 1}
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_streams_pass_through_with_versions_on_every_event(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    body = {"messages": [{"role": "user", "content": "hey"}], "max_tokens": 5, "stream": True, "temperature": 0}
+    body["stream_options"] = {"include_usage": True}
+    with s.client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-flipsync-weight-version-start"] == "0"
+        evs = events(r.iter_lines())
+    assert evs[-1] == "[DONE]"
+    chunks = evs[:-1]
+    assert all(c["weight_version"] == {"start": 0, "end": 0} for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    tokens = [c for c in chunks if c["choices"] and c["choices"][0]["token_versions"]]
+    assert len(tokens) == 5 and chunks[-1]["usage"]["completion_tokens"] == 5
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert finals[0]["choices"][0]["finish_reason"] == "length"
+    # The same request without streaming generates the same text (greedy).
+    plain = s.client.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert plain["choices"][0]["message"]["content"] == streamed
+
+
+def test_unsatisfied_constraints_answer_409_with_retry_after(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "weight_version": {"min_version": 3}})
+    assert r.status_code == 409 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "weight_version_unavailable"
+    assert r.json()["weight_version"]["current"] == 0
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"X-Flipsync-Min-Version": "2"})
+    assert r.status_code == 409
+    trainer.step()
+    assert s.replica.wait_version(1, 10)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "weight_version": {"exact_version": 0}})
+    assert r.status_code == 409 and "exactly v0" in r.json()["error"]["message"]
+    r = s.client.post(
+        "/v1/completions", json={"prompt": "a", "max_tokens": 1}, headers={"X-Flipsync-Exact-Version": "1"}
+    )
+    assert r.status_code == 200 and r.json()["weight_version"] == {"start": 1, "end": 1}
+    r = s.client.post("/v1/completions", json={"prompt": "a", "weight_version": {"newest": True}})
+    assert r.status_code == 400
+    text = s.client.get("/metrics").text
+    assert 'flipsync_proxy_requests_total{outcome="rejected_version"} 3.0' in text
+    assert 'flipsync_proxy_requests_total{outcome="ok"} 1.0' in text
+
+
+def test_no_verified_version_answers_503(store: object, make_stack: StackFactory) -> None:
+    Trainer(store)  # type: ignore[arg-type]
+    s = make_stack(start_loop=False)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert s.client.get("/flipsync/health").status_code == 503
+    assert s.replica.sync_once()
+    assert s.client.get("/flipsync/health").status_code == 200
+    assert s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}).status_code == 200
+
+
+def test_control_endpoints(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    r = s.client.get("/flipsync/wait", params={"min_version": 0, "timeout_s": 10})
+    assert r.status_code == 200 and r.json()["satisfied"]
+    r = s.client.get("/flipsync/wait", params={"min_version": 1, "timeout_s": 0.2})
+    assert r.status_code == 408 and not r.json()["satisfied"]
+    waited: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: waited.update(r=s.client.get("/flipsync/wait", params={"min_version": 1, "timeout_s": 20}))
+    )
+    t.start()
+    time.sleep(0.1)
+    trainer.step()
+    t.join(20)
+    assert waited["r"].status_code == 200 and waited["r"].json()["version"] == 1
+    assert wait_until(lambda: s.client.get("/flipsync/status").json()["state"] == "idle", 10)
+    st = s.client.get("/flipsync/status").json()
+    assert st["version"] == 1 and st["proxy"]["gate_open"] and st["proxy"]["in_flight"] == 0
+    assert st["last_update"]["target"] == 1
+    assert s.client.post("/flipsync/sync").status_code == 202
+    text = s.client.get("/metrics").text
+    for name in (
+        "flipsync_version 1.0",
+        "flipsync_head_version 1.0",
+        "flipsync_lag_versions 0.0",
+        "flipsync_fetched_bytes_total",
+        "flipsync_stage_seconds_count",
+        "flipsync_commit_seconds_count",
+        "flipsync_pause_seconds_count",
+        "flipsync_failures_total",
+    ):
+        assert name in text
+    models = s.client.get("/v1/models")  # passes through untouched
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "flipsync-torch"
+
+
+def _stream_across_a_commit(s: Stack, trainer: Trainer, body: dict[str, Any]) -> tuple[list[Any], threading.Thread]:
+    """Start a slow stream, publish v1 after its first tokens, and commit from another thread."""
+    slow_down(s, 0.03)  # a window of a second or more for the commit, even on a loaded machine
+    with s.client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got: list[str] = []
+        for line in lines:
+            got.append(line)
+            if sum(1 for x in got if '"token_versions": [0]' in x or '"token_versions":[0]' in x) >= 3:
+                break
+        trainer.step()
+        syncer = threading.Thread(target=s.replica.sync_once)
+        syncer.start()
+        got.extend(lines)
+    return events(iter(got)), syncer
+
+
+def test_in_place_commit_lands_mid_stream_and_both_versions_are_reported(
+    trainer: Trainer, make_stack: StackFactory
+) -> None:
+    s = make_stack(mode=CommitMode.IN_PLACE, poll=30.0)
+    assert s.replica.sync_once() and s.replica.version == 0
+    body = {"prompt": "x", "max_tokens": 60, "temperature": 0, "stream": True}
+    evs, syncer = _stream_across_a_commit(s, trainer, body)
+    syncer.join(10)
+    versions = [v for e in evs[:-1] if e["choices"] for v in e["choices"][0]["token_versions"]]
+    assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions  # paused, applied, continued
+    assert evs[-2]["weight_version"] == {"start": 0, "end": 1}
+    assert s.replica.status()["last_update"]["drain_s"] < 1.0  # in_place did not wait for the stream
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_drained_requests_finish_on_the_version_they_started(
+    trainer: Trainer, make_stack: StackFactory, pinned: bool
+) -> None:
+    # quiesce drains every request; in_place drains only the requests pinned to an exact version.
+    s = make_stack(mode=CommitMode.IN_PLACE if pinned else CommitMode.QUIESCE, poll=30.0)
+    assert s.replica.sync_once() and s.replica.version == 0
+    body: dict[str, Any] = {"prompt": "x", "max_tokens": 40, "temperature": 0, "stream": True}
+    if pinned:
+        body["weight_version"] = {"exact_version": 0}
+    evs, syncer = _stream_across_a_commit(s, trainer, body)
+    syncer.join(10)
+    versions = [v for e in evs[:-1] if e["choices"] for v in e["choices"][0]["token_versions"]]
+    assert len(versions) == 40 and set(versions) == {0}
+    assert evs[-2]["weight_version"]["start"] == 0
+    assert s.replica.version == 1
+    last = s.replica.status()["last_update"]
+    assert last["drained"] and last["drain_s"] > 0.05 and last["pause_s"] >= last["drain_s"]
+
+
+def test_requests_wait_at_the_gate_during_a_commit(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack(poll=30.0)
+    assert s.replica.sync_once()
+    gate = s.sidecar.gate
+    from flipsync.sidecar.gate import CommitMode as Mode
+
+    result: dict[str, Any] = {}
+    with gate.closed(Mode.IN_PLACE, 1.0):
+        t = threading.Thread(
+            target=lambda: result.update(r=s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}))
+        )
+        t.start()
+        time.sleep(0.3)
+        assert "r" not in result  # held at the door
+    t.join(10)
+    assert result["r"].status_code == 200
+
+
+def test_upstream_down_answers_502(trainer: Trainer, make_stack: StackFactory) -> None:
+    # A bound socket that never listens: connections are refused, and no other server can take the port.
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        s = make_stack(upstream=f"http://127.0.0.1:{hole.getsockname()[1]}")
+        assert s.replica.wait_version(0, 10)
+        r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable", r.text
+        assert s.sidecar.gate.in_flight == 0
+        assert s.client.get("/v1/models").status_code == 502
+
+
+def test_the_gate_is_released_when_a_client_disconnects(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    slow_down(s, 0.05)  # 200 tokens take 10 s: the client leaves long before the end
+    body = {"prompt": "x", "max_tokens": 200, "stream": True, "temperature": 0}  # greedy: no early stop token
+    t0 = time.monotonic()
+    with s.client.stream("POST", "/v1/completions", json=body) as r:
+        next(r.iter_lines())
+        assert s.sidecar.gate.in_flight == 1
+    assert wait_until(lambda: s.sidecar.gate.in_flight == 0, 10)
+    assert time.monotonic() - t0 < 8  # released on the disconnect, not at the end of the sequence
+
+
+def test_parse_constraint() -> None:
+    assert parse_constraint(None, {}) == VersionConstraint()
+    assert parse_constraint({"min_version": 2}, {"x-flipsync-min-version": "5"}) == VersionConstraint(5, None)
+    c = parse_constraint({"exact_version": 3}, {})
+    assert c.pinned and c.satisfied_by(3) and not c.satisfied_by(4)
+    for bad in ({"min_version": -1}, {"min_version": True}, {"exact": 1}, 3):
+        with pytest.raises(Exception, match="version"):
+            parse_constraint(bad, {})
+    with pytest.raises(Exception, match="conflicting"):
+        parse_constraint({"exact_version": 1}, {"x-flipsync-exact-version": "2"})
+    assert httpx  # the module is used by fixtures through the client
+
+
+def test_faults_keep_the_last_version_serving_through_the_proxy(trainer: Trainer, make_stack: StackFactory) -> None:
+    engine = FaultyEngine(tiny_engine())
+    s = make_stack(engine=engine)
+    assert s.replica.wait_version(0, 10)
+    engine.fail_commits = 10**6  # the engine refuses every commit
+    trainer.step()
+    assert wait_until(lambda: (s.replica.status()["error"] or {}).get("kind") == "engine_rejected", 10)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["weight_version"] == {"start": 0, "end": 0}
+    st = s.client.get("/flipsync/status").json()
+    assert st["version"] == 0 and st["head"] == 1 and st["lag"] == 1 and st["error"]["kind"] == "engine_rejected"
+    assert 'flipsync_failures_total{kind="engine_rejected"}' in s.client.get("/metrics").text
+    engine.dead = True  # and now it dies: nothing may be served
+    assert wait_until(lambda: s.client.get("/flipsync/health").status_code == 503, 10)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+    assert r.status_code == 503 and "engine_down" in r.json()["error"]["message"]
+    engine.dead, engine.fail_commits = False, 0  # back, intact: it converges
+    assert s.replica.wait_version(1, 10)
+    r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "weight_version": {"min_version": 1}})
+    assert r.status_code == 200 and r.json()["weight_version"] == {"start": 1, "end": 1}

@@ -1,0 +1,177 @@
+"""The island relay and the HTTP store: coalesced, cached reads; replicas that follow a board through it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from sidecar_helpers import FlakyStore, Trainer, fast_replica, same_bits, tiny_engine, wait_until
+
+from flipsync.board import BoardReader
+from flipsync.board.layout import RunLayout
+from flipsync.board.store import ObstoreStore
+from flipsync.errors import NotFoundError, StoreError
+from flipsync.sidecar.http_store import HttpStore, is_relay_url, open_board
+from flipsync.sidecar.metrics import SidecarMetrics
+from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
+from flipsync.sidecar.replica import Replica
+from flipsync.sidecar.server import ServerThread
+
+FAST_CONFIG = RelayConfig(hint_ttl_s=0.3, listing_ttl_s=0.3, negative_ttl_s=0.2)
+
+
+@dataclass
+class Relay:
+    upstream: FlakyStore
+    cache: RelayCache
+    server: ServerThread
+
+    def client(self, **kw: float) -> HttpStore:
+        return HttpStore(self.server.url, timeout_s=10, retry_timeout_s=kw.get("retry_timeout_s", 3.0), max_retries=2)
+
+
+@pytest.fixture
+def relay(store: ObstoreStore) -> Iterator[Relay]:
+    upstream = FlakyStore(store)
+    cache = RelayCache(upstream, FAST_CONFIG)
+    server = ServerThread(create_relay_app(cache)).start()
+    yield Relay(upstream, cache, server)
+    server.stop()
+
+
+def test_replicas_follow_a_board_through_the_relay_and_the_wan_carries_each_part_once(
+    trainer: Trainer, relay: Relay
+) -> None:
+    trainer.step()
+    replicas = [
+        Replica(BoardReader(relay.client(), "run"), tiny_engine(), config=fast_replica(), metrics=SidecarMetrics())
+        for _ in range(3)
+    ]
+    threads = [threading.Thread(target=r.sync_once) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for r in replicas:
+        assert r.version == 1 and same_bits(r.engine.served, trainer.views[1])  # type: ignore[attr-defined]
+    parts = [p for p in relay.upstream.gets if "/manifest.json" not in p and not p.endswith("latest.json")]
+    assert parts and all(relay.upstream.gets[p] == 1 for p in parts)  # once per island, not per replica
+    trainer.step()
+    for r in replicas:  # the relay remembers the HEAD hint and a missing manifest for a moment
+        assert wait_until(lambda r=r: r.sync_once() and r.version == 2, 5)
+    parts = [p for p in relay.upstream.gets if "/versions/000000000002/" in p and "manifest" not in p]
+    assert parts and all(relay.upstream.gets[p] == 1 for p in parts)
+
+
+def test_concurrent_reads_of_one_object_make_one_upstream_fetch(trainer: Trainer, relay: Relay) -> None:
+    m = trainer.step()
+    path = f"{RunLayout('run').version_dir(1)}/{m.parts[0].path}"
+    relay.upstream.get_delay_s = 0.3
+    stores = [relay.client() for _ in range(8)]
+    results: list[bytes] = []
+    threads = [threading.Thread(target=lambda s=s: results.append(s.get(path))) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    want = relay.upstream.inner.get(path)
+    assert len(results) == 8 and all(r == want for r in results)
+    assert relay.upstream.gets[path] == 1
+    assert relay.cache.stats["coalesced"] >= 1
+    relay.upstream.get_delay_s = 0.0
+    assert stores[0].get(path) == want and relay.upstream.gets[path] == 1  # from the cache
+    assert stores[0].get_range(path, 10, 50) == want[10:50]
+    assert stores[0].head(path).size == len(want)
+    for s in stores:
+        s.close()
+
+
+def test_the_head_hint_expires_and_new_versions_appear(trainer: Trainer, relay: Relay) -> None:
+    client = relay.client()
+    layout = RunLayout("run")
+    assert b'"version": 0' in client.get(layout.latest) or b'"version":0' in client.get(layout.latest)
+    assert not client.exists(layout.version_manifest(1))  # remembered as missing, briefly
+    trainer.step()
+    reader = BoardReader(client, "run")
+    assert wait_until(lambda: reader.head() == 1, 5)
+    assert client.exists(layout.version_manifest(1))
+    client.close()
+
+
+def test_listings_and_errors(trainer: Trainer, relay: Relay) -> None:
+    client = relay.client()
+    assert client.list_dirs("runs") == ["run"]
+    objs = client.list("runs/run/versions")
+    assert any(o.path.endswith("manifest.json") for o in objs)
+    with pytest.raises(NotFoundError):
+        client.get("runs/run/nothing-here")
+    with pytest.raises(StoreError, match="read-only"):
+        client.put("x", b"1")
+    r = httpx.get(f"{relay.server.url}/board/o/runs/../../etc/passwd")
+    assert r.status_code in (400, 404)
+    r = httpx.get(f"{relay.server.url}/board/o/runs/%2E%2E/x")
+    assert r.status_code == 400
+    r = httpx.get(f"{relay.server.url}/board/dirs", params={"prefix": "/abs"})
+    assert r.status_code == 400
+    stats = httpx.get(f"{relay.server.url}/relay/stats").json()
+    assert stats["requests"] >= 3
+    assert "flipsync_relay_upstream_requests_total" in httpx.get(f"{relay.server.url}/metrics").text
+    client.close()
+
+
+def test_a_relay_that_goes_away_and_comes_back(store: ObstoreStore, trainer: Trainer) -> None:
+    cache = RelayCache(FlakyStore(store), FAST_CONFIG)
+    server = ServerThread(create_relay_app(cache)).start()
+    port = server.port
+    client = HttpStore(server.url, timeout_s=5, retry_timeout_s=0.5, max_retries=1, init_backoff_s=0.05)
+    rep = Replica(BoardReader(client, "run"), tiny_engine(), config=fast_replica(), metrics=SidecarMetrics())
+    assert rep.sync_once() and rep.version == 0
+    server.stop()
+    trainer.step()
+    t0 = time.monotonic()
+    assert not rep.sync_once()
+    assert time.monotonic() - t0 < 5  # bounded retries
+    assert rep.version == 0 and rep.serving and rep.status()["error"]["kind"] == "board_unreachable"
+    server = ServerThread(create_relay_app(RelayCache(FlakyStore(store), FAST_CONFIG)), port=port).start()
+    try:
+        assert rep.sync_once() and rep.version == 1 and same_bits(rep.engine.served, trainer.views[1])  # type: ignore[attr-defined]
+    finally:
+        server.stop()
+        client.close()
+
+
+def test_upstream_failures_surface_as_store_errors(store: ObstoreStore, trainer: Trainer, relay: Relay) -> None:
+    relay.upstream.down = True
+    client = relay.client(retry_timeout_s=0.3)
+    with pytest.raises(StoreError, match="unreachable"):
+        client.get("runs/run/latest.json")
+    relay.upstream.down = False
+    assert client.get("runs/run/latest.json")
+    client.close()
+
+
+def test_large_objects_are_relayed_without_being_kept(trainer: Trainer, store: ObstoreStore) -> None:
+    upstream = FlakyStore(store)
+    cache = RelayCache(upstream, RelayConfig(max_object_bytes=1000))
+    with ServerThread(create_relay_app(cache)) as server:
+        m = trainer.step()
+        path = f"{RunLayout('run').version_dir(1)}/{m.parts[0].path}"
+        client = HttpStore(server.url)
+        want = store.get(path)
+        assert client.get(path) == want and client.get(path) == want
+        assert upstream.gets[path] == 2 and cache.cached_bytes < 1000 * 20
+        assert client.get_range(path, 5, 105) == want[5:105]
+        client.close()
+
+
+def test_open_board_picks_the_relay_for_plain_http() -> None:
+    assert is_relay_url("http://10.0.0.5:8200")
+    assert not is_relay_url("https://acct.r2.cloudflarestorage.com/bucket")
+    assert not is_relay_url("s3://bucket/board")
+    store = open_board("http://127.0.0.1:9")
+    assert isinstance(store, HttpStore)
+    store.close()
