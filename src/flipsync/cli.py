@@ -22,6 +22,9 @@ from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squ
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import FORMAT_NAMES, served_view
+from flipsync.sidecar.cli import relay, sidecar
+from flipsync.trainer.cli import publish as publish_cmd
+from flipsync.trainer.cli import watch as watch_cmd
 
 log = logging.getLogger("flipsync")
 app = typer.Typer(
@@ -273,6 +276,57 @@ def inspect(
 
 
 @app.command()
+def demo(
+    steps: Annotated[int, typer.Option(help="RL steps (policy versions)")] = 30,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="served format the islands hold")] = "bf16",
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 1e-6,
+    islands: Annotated[int, typer.Option(help="rollout islands (processes)")] = 2,
+    bandwidth: Annotated[str, typer.Option(help="each island's link to the board, e.g. 100mbit, 1gbit; 'none'")] = (
+        "100mbit"
+    ),
+    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many versions old")] = 2,
+    model: Annotated[str, typer.Option(help="model preset (tiny, small, base) or a config.json")] = "tiny",
+    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 150,
+    out: Annotated[Path, typer.Option("--output", "-o", help="folder for the board, report and plots")] = Path(
+        "flipsync-demo"
+    ),
+    seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
+) -> None:
+    """A small RL run on this CPU: a trainer publishes every step; islands follow the board and roll out."""
+    from flipsync.demo.run import DemoConfig, run_demo, write_outputs
+
+    def go() -> None:
+        cfg = DemoConfig(
+            steps=steps,
+            served_format=fmt,
+            lr=lr,
+            islands=islands,
+            bandwidth=None if bandwidth.lower() == "none" else bandwidth,
+            max_staleness=max_staleness,
+            model=model,
+            warm_start_steps=warm_start,
+            seed=seed,
+            out=out,
+        )
+        console = _console()
+        report = run_demo(cfg, console)
+        paths = write_outputs(report, out)
+        console.print()
+        ok = all(report.bitwise_equal.values())
+        verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
+        held = ", ".join(f"{name}: v{audit['version']}" for name, audit in report.audits.items())
+        console.print(
+            f"final view {report.final_view_fp}: every island {verdict} to the trainer's served view ({held}); "
+            f"{len(report.steps)} steps in {report.wall_s:.0f} s"
+        )
+        console.print("wrote " + ", ".join(str(p) for p in paths))
+        if not ok:
+            raise typer.Exit(1)
+
+    _run(go)
+
+
+@app.command()
 def analyze(
     checkpoint: Annotated[Path, typer.Argument(help="master checkpoint (a .safetensors file or an HF directory)")],
     other: Annotated[Path | None, typer.Argument(help="a second checkpoint: measure the change between them")] = None,
@@ -359,8 +413,44 @@ def bench_codec(
         json_out.write_text(json.dumps(codec.as_dict(report), indent=2))
 
 
+def _bench(module: str, quick: bool, json_out: Path | None) -> None:
+    """Run ``flipsync.bench.<module>.run`` and optionally save its numbers."""
+    import importlib
+
+    bench = importlib.import_module(f"flipsync.bench.{module}")
+    results = bench.run(Console(width=max(160, Console().width)), quick=quick)
+    if json_out:
+        json_out.write_text(json.dumps(results, indent=2, default=str))
+
+
+QuickOpt = Annotated[bool, typer.Option(help="a small workload that runs in seconds")]
+JsonOpt = Annotated[Path | None, typer.Option("--json", help="also write the numbers as JSON here")]
+
+
+@bench_app.command("board")
+def bench_board(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Publish and catch-up throughput (local S3 server, filesystem); bytes to catch up k versions."""
+    _run(lambda: _bench("board", quick, json_out))
+
+
+@bench_app.command("sidecar")
+def bench_sidecar(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Engine pause per commit and stage time against patch size (torch engine)."""
+    _run(lambda: _bench("sidecar", quick, json_out))
+
+
+@bench_app.command("trainer")
+def bench_trainer(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Time the publisher adds to a training step, and its peak extra memory."""
+    _run(lambda: _bench("trainer", quick, json_out))
+
+
 app.add_typer(board_app, name="board")
 app.command("keygen")(keygen)
+app.command("sidecar")(sidecar)
+app.command("relay")(relay)
+app.command("watch")(watch_cmd)
+app.command("publish")(publish_cmd)
 
 
 def main() -> None:

@@ -1,0 +1,23 @@
+"""The trainer side: publish a model's served view to a board after every optimizer step.
+
+``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed);
+``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
+not control; ``apply_parts`` / ``stage_parts`` / ``join_parts`` let a replica apply a version made of several
+parts (one per trainer rank).
+"""
+
+from flipsync.trainer.group import Group, SoloGroup, TorchGroup
+from flipsync.trainer.parts import apply_parts, join_parts, stage_parts
+from flipsync.trainer.publisher import Publisher, PublisherStats, new_run_name
+
+__all__ = [
+    "Group",
+    "Publisher",
+    "PublisherStats",
+    "SoloGroup",
+    "TorchGroup",
+    "apply_parts",
+    "join_parts",
+    "new_run_name",
+    "stage_parts",
+]

@@ -1,0 +1,454 @@
+"""Publishing one version, on every rank together.
+
+Every rank runs the same sequence of small exchanges per version (a single process runs it alone):
+
+1. *agree*: each rank says which step it holds; all must hold the agreed step (else the round is retried),
+   and any rank that failed to compute its view (non-finite weights, ...) makes every rank skip the step;
+2. *diff*: each rank diffs its own pieces against the view of the previous version and sends only the
+   fingerprint delta of each changed tensor; rank 0 adds the version number and the attempt folder;
+3. *encode*: with every delta known, each rank knows the fingerprint table at every part boundary, so it
+   codes its part as a complete flipsync patch from the view before its part to the view after it. Parts
+   are ordered by rank; a rank with no changes sends no part. The parts form a chain whose first base is
+   the previous version's view and whose last target is the new version's view;
+4. *upload*: each rank uploads its part and makes it durable; rank 0 creates the manifest only after
+   every rank reported success, so readers never see a half-published version;
+5. *result*: rank 0 tells every rank whether the version exists, so all move their base together.
+
+Snapshots (the run's first version, a takeover, or a layout change) gather every piece to rank 0, which
+publishes the full view; extra keyframes, when the board's cadence asks, are published the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flipsync.board.layout import RunLayout, new_attempt_id
+from flipsync.board.store import Store
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch
+from flipsync.codec.bits import dtype_named, int_view
+from flipsync.domain.patch import ViewRef
+from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
+from flipsync.trainer.commit import PartsPublisher, upload_part
+from flipsync.trainer.group import Group
+from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.trainer.slot import Item
+from flipsync.trainer.spans import SpanMaker
+from flipsync.trainer.view import LocalView, PieceSpec
+
+log = logging.getLogger(__name__)
+
+
+class RoundSkipped(Exception):
+    """A version was not published, but the publisher can go on (internal; never escapes the worker)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason  # "retry" (ranks held different steps), "step" (a view failed), "store"
+
+
+@dataclass(frozen=True)
+class Published:
+    """What one version put on the board (as this rank saw it)."""
+
+    version: int
+    step: int
+    steps: int  # trainer steps this version covers (> 1 when squashed)
+    kind: str  # "snapshot" or "patch"
+    part_bytes: int  # bytes this rank uploaded
+    changed: int  # values this rank's part changes
+
+
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def merge_deltas(deltas: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for d in deltas:
+        for name, v in d.items():
+            out[name] = out.get(name, 0) + v
+    return out
+
+
+def check_tiling(specs: list[Mapping[str, PieceSpec]]) -> dict[str, PieceSpec]:
+    """Every tensor's pieces must cover it exactly once; returns one spec per tensor, in first-seen order."""
+    by_name: dict[str, list[PieceSpec]] = {}
+    for rank_specs in specs:
+        for name, s in rank_specs.items():
+            by_name.setdefault(name, []).append(s)
+    layout: dict[str, PieceSpec] = {}
+    for name, pieces in by_name.items():
+        first = pieces[0]
+        numel = 1
+        for dim in first.shape:
+            numel *= dim
+        at = 0
+        for p in sorted(pieces, key=lambda p: (p.offset, p.rank)):
+            if (p.dtype, p.shape) != (first.dtype, first.shape):
+                raise ConfigError(
+                    f"tensor {name!r} is {first.shape} {first.dtype} on rank {first.rank} but {p.shape} {p.dtype} "
+                    f"on rank {p.rank}; every rank must serve the same model"
+                )
+            if p.offset != at:
+                raise ConfigError(
+                    f"the pieces of tensor {name!r} do not tile it: rank {p.rank} starts at element {p.offset}, "
+                    f"expected {at} (overlapping or missing shards; the publisher needs every shard of the "
+                    "model on exactly one of its ranks)"
+                )
+            at += p.numel
+        if at != numel:
+            raise ConfigError(f"the pieces of tensor {name!r} cover {at} of its {numel} elements")
+        layout[name] = first
+    return layout
+
+
+def assemble(
+    layout: Mapping[str, PieceSpec], gathered: list[dict[str, tuple[int, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Full tensors from every rank's pieces (rank 0, for snapshots and keyframes)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, spec in layout.items():
+        parts = [g[name] for g in gathered if name in g]
+        if len(parts) == 1 and parts[0][0] == 0 and parts[0][1].numel() == spec.numel:
+            out[name] = parts[0][1].reshape(spec.shape)
+            continue
+        flat = torch.empty(sum(t.numel() for _, t in parts), dtype=dtype_named(spec.dtype).torch_dtype)
+        for offset, t in parts:
+            flat[offset : offset + t.numel()] = t.reshape(-1)
+        out[name] = flat.reshape(spec.shape)
+    return out
+
+
+def to_wire(view: LocalView) -> dict[str, tuple[int, np.ndarray]]:
+    """Pieces as (offset, integer bits): torch cannot pickle every dtype (fp8), numpy arrays always travel."""
+    return {n: (p.offset, int_view(p.tensor.detach().contiguous()).cpu().numpy()) for n, p in view.items()}
+
+
+def from_wire(
+    layout: Mapping[str, PieceSpec], wire: dict[str, tuple[int, np.ndarray]]
+) -> dict[str, tuple[int, torch.Tensor]]:
+    return {
+        n: (off, torch.from_numpy(bits).view(dtype_named(layout[n].dtype).torch_dtype))
+        for n, (off, bits) in wire.items()
+    }
+
+
+class Engine:
+    """Publishes versions of one run; holds the view of the last published version (this rank's pieces)."""
+
+    def __init__(
+        self,
+        *,
+        group: Group,
+        run: str,
+        store: Store,
+        board: PartsPublisher | None,
+        served_format: str,
+        hasher: Hasher,
+        differ: DiffEngine,
+        release: Callable[[LocalView | None], None],
+        spans: bool,
+        meta: Mapping[str, str | int],
+    ) -> None:
+        if (group.rank == 0) != (board is not None):
+            raise ConfigError("exactly rank 0 holds the board publisher")
+        self.group = group
+        self.paths = RunLayout(run)
+        self.store = store
+        self.board = board
+        self.fmt = served_format
+        self.hasher = hasher
+        self.differ = differ
+        self._release = release
+        self.meta = dict(meta)
+        self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
+        self.spans = SpanMaker(board.spans_due) if spans and board is not None else None
+        self.base: LocalView | None = None
+        self.base_step = 0
+        self.specs: dict[str, PieceSpec] = {}
+        self.table: FingerprintTable | None = None
+        self.head: int | None = None
+        self.head_fp: str | None = None
+        self.last: Published | None = None
+
+    # -- start ------------------------------------------------------------------------------------------
+
+    def survey(self, view: LocalView) -> tuple[dict[str, PieceSpec], FingerprintTable]:
+        """Every rank's piece layout and fingerprints -> the whole view's layout and table (collective)."""
+        rank = self.group.rank
+        specs = {name: p.spec(name, rank) for name, p in view.items()}
+        partials = {name: piece_fingerprint(self.hasher, p) for name, p in view.items()}
+        gathered = self.group.all_gather((specs, partials), "the served view's layout")
+        layout = check_tiling([s for s, _ in gathered])
+        return layout, table_of_pieces(layout, [p for _, p in gathered])
+
+    def adopt(
+        self, view: LocalView, step: int, layout: dict[str, PieceSpec], table: FingerprintTable, head: int
+    ) -> None:
+        """Continue a run whose HEAD already holds exactly this view."""
+        self.base, self.base_step, self.specs, self.table = view, step, layout, table
+        self.head, self.head_fp = head, table.view_fp()
+
+    # -- one round --------------------------------------------------------------------------------------
+
+    def run(self, item: Item, target: int) -> Published:
+        """Publish ``item`` (every rank's item for step ``target``) as the next version."""
+        if item.view is not None:
+            item.wait()
+        hello = (item.step == target, item.snapshot, item.error)
+        said = self.group.all_gather(hello, f"which step to publish (step {target})")
+        if not all(ok for ok, _, _ in said):
+            raise RoundSkipped("retry", f"the ranks held different steps around step {target}; trying again")
+        failed = [(r, e) for r, (_, _, e) in enumerate(said) if e]
+        if failed:
+            self._drop(item)
+            who = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise RoundSkipped("step", f"step {target} was not published because a rank could not serve it ({who})")
+        if any(snap for _, snap, _ in said) or self.base is None:
+            return self._snapshot(item)
+        return self._patch(item)
+
+    def _patch(self, item: Item) -> Published:
+        assert item.view is not None and self.base is not None and self.table is not None
+        rank, world = self.group.rank, self.group.size
+        try:
+            changes, failure = diff_pieces(self.base, item.view, self.differ, self.hasher), None
+        except FlipsyncError as e:  # reported to every rank, so none waits for this one
+            changes, failure = [], f"rank {rank}: {_first_line(e)}"
+        deltas = {c.name: c.delta for c in changes}
+        proposal = (self._next_version(), new_attempt_id()) if self.board is not None else None
+        said = self.group.all_gather((deltas, proposal, failure), "fingerprint deltas")
+        version, attempt = said[0][1]
+        failures = [f for _, _, f in said if f]
+        if failures:
+            self._drop(item)
+            raise BoardError(f"v{version} was not published: diffing failed ({'; '.join(failures)})")
+        everyone = [d for d, _, _ in said]
+        before = advance(self.table, merge_deltas(everyone[:rank]))
+        target_table = advance(self.table, merge_deltas(everyone))
+        target_fp = target_table.view_fp()
+        assert self.head_fp is not None
+        with_parts = [r for r, d in enumerate(everyone) if d]
+        patch: Patch | None = None
+        if deltas:
+            after = advance(before, deltas)
+            first, last = with_parts[0] == rank, with_parts[-1] == rank
+            patch = build_part(
+                changes,
+                before,
+                base=ViewRef(before.view_fp(), version - 1 if first else None),
+                target=ViewRef(after.view_fp(), version if last else None),
+                served_format=self.fmt,
+            )
+        elif rank == 0 and not with_parts:  # nothing changed anywhere: one empty patch keeps versions per step
+            patch = build_part(
+                [],
+                self.table,
+                base=ViewRef(self.head_fp, version - 1),
+                target=ViewRef(target_fp, version),
+                served_format=self.fmt,
+            )
+        data = patch.to_bytes() if patch is not None else None
+        meta = {**self.meta, **item.meta, "step": item.step, "steps": item.step - self.base_step, "ranks": world}
+        if world == 1:
+            result = self._commit_solo(data, version, target_fp, meta)
+            spans_input = [patch] if patch is not None else []
+        else:
+            result, spans_input = self._commit_sharded(data, version, attempt, target_fp, meta)
+        published = self._finish(
+            result,
+            item,
+            target_table,
+            self.specs,
+            Published(
+                version,
+                item.step,
+                item.step - self.base_step,
+                "patch",
+                len(data or b""),
+                sum(c.positions.size for c in changes),
+            ),
+        )
+        if self.spans is not None:
+            self._publish_spans(version, spans_input)
+        if result[1]:  # the board's cadence asks for a keyframe of the new HEAD
+            self._keyframe()
+        return published
+
+    def _next_version(self) -> int:
+        return 0 if self.head is None else self.head + 1
+
+    def _commit_solo(self, data: bytes | None, version: int, target_fp: str, meta: dict[str, Any]) -> tuple[str, Any]:
+        assert self.board is not None and data is not None and self.head_fp is not None
+        try:
+            self.board.publish_patch(
+                [data],
+                base_version=version - 1,
+                target_version=version,
+                base_view_fp=self.head_fp,
+                target_view_fp=target_fp,
+                served_format=self.fmt,
+                meta=meta,
+            )
+        except FlipsyncError as e:
+            return self._failure(e)
+        return "ok", self.board.keyframe_due()
+
+    @staticmethod
+    def _failure(e: FlipsyncError) -> tuple[str, Any]:
+        if isinstance(e, StoreError):
+            return "store", _first_line(e)
+        if isinstance(e, ConflictError):
+            return "conflict", str(e)
+        return "fatal", _first_line(e)
+
+    def _commit_sharded(
+        self, data: bytes | None, version: int, attempt: str, target_fp: str, meta: dict[str, Any]
+    ) -> tuple[tuple[str, Any], list[Patch]]:
+        rank = self.group.rank
+        version_dir = self.paths.version_dir(version)
+        info, err = None, None
+        if data is not None:
+            try:
+                info = upload_part(self.store, version_dir, attempt, rank, data)
+            except FlipsyncError as e:
+                err = f"rank {rank}: {_first_line(e)}"
+        reports = self.group.gather((err, info, data if self.want_spans else None), f"the parts of v{version}")
+        result: tuple[str, Any] = ("fatal", "no result")
+        spans_input: list[Patch] = []
+        if self.board is not None:
+            assert reports is not None and self.head_fp is not None
+            errors = [e for e, _, _ in reports if e]
+            parts = [i for _, i, _ in reports if i is not None]
+            if errors:
+                result = ("store", f"v{version} was not published: uploading parts failed ({'; '.join(errors)})")
+            else:
+                try:
+                    self.board.commit_uploaded_patch(
+                        parts,
+                        base_version=version - 1,
+                        target_version=version,
+                        base_view_fp=self.head_fp,
+                        target_view_fp=target_fp,
+                        served_format=self.fmt,
+                        meta=meta,
+                    )
+                    result = ("ok", self.board.keyframe_due())
+                    spans_input = [Patch.from_bytes(d) for _, _, d in reports if d is not None]
+                except FlipsyncError as e:
+                    result = self._failure(e)
+        result = self.group.broadcast(result, f"whether v{version} was published")
+        if result[0] != "ok" and info is not None:
+            try:  # unreferenced now; retention would remove it later anyway
+                self.store.delete([f"{version_dir}/{info.path}"])
+            except FlipsyncError as e:
+                log.debug("could not remove an unpublished part: %s", e)
+        return result, spans_input
+
+    def _finish(
+        self,
+        result: tuple[str, Any],
+        item: Item,
+        table: FingerprintTable,
+        layout: dict[str, PieceSpec],
+        published: Published,
+    ) -> Published:
+        status, detail = result
+        if status != "ok":
+            self._drop(item)
+            if status == "store":
+                raise RoundSkipped("store", str(detail))
+            if status == "conflict":
+                raise ConflictError(str(detail))
+            raise BoardError(f"publishing v{published.version} failed: {detail}")
+        self._release(self.base)
+        self.base, self.base_step, self.table, self.specs = item.view, item.step, table, layout
+        self.head, self.head_fp = published.version, table.view_fp()
+        self.last = published
+        log.info(
+            "rank %d: v%d = step %d (%d steps, %d bytes, %d changed values)",
+            self.group.rank,
+            published.version,
+            published.step,
+            published.steps,
+            published.part_bytes,
+            published.changed,
+        )
+        return published
+
+    # -- full views -------------------------------------------------------------------------------------
+
+    def _full_view(self, view: LocalView, layout: Mapping[str, PieceSpec], what: str) -> dict[str, torch.Tensor] | None:
+        """The whole served view on rank 0 (None elsewhere)."""
+        if self.group.size == 1:
+            return assemble(layout, [{n: (p.offset, p.tensor) for n, p in view.items()}])
+        gathered = self.group.gather(to_wire(view), what)
+        return assemble(layout, [from_wire(layout, g) for g in gathered]) if gathered is not None else None
+
+    def _snapshot(self, item: Item) -> Published:
+        assert item.view is not None
+        layout, table = self.survey(item.view)
+        full = self._full_view(item.view, layout, "the pieces of a snapshot")
+        version = -1
+        result: tuple[str, Any] = ("fatal", "no result")
+        if self.board is not None:
+            assert full is not None
+            head = self.board.head
+            version = 0 if head is None else head.version + 1
+            meta = {**self.meta, **item.meta, "step": item.step}
+            try:
+                self.board.publish_snapshot(
+                    full, version=version, view_fp=table.view_fp(), served_format=self.fmt, meta=meta
+                )
+                result = ("ok", False)
+            except FlipsyncError as e:
+                result = self._failure(e)
+            del full
+        result, version = self.group.broadcast((result, version), "whether the snapshot was published")
+        size = sum(p.nbytes for p in item.view.values())
+        published = self._finish(result, item, table, layout, Published(version, item.step, 1, "snapshot", size, 0))
+        if self.spans is not None and self.board is not None:
+            self.spans = SpanMaker(self.board.spans_due)  # a snapshot starts a new lineage
+        return published
+
+    def _keyframe(self) -> None:
+        """An extra keyframe of HEAD; failures only cost catch-up bandwidth, so they are logged, not raised."""
+        assert self.base is not None and self.head is not None and self.head_fp is not None
+        full = self._full_view(self.base, self.specs, f"the pieces of v{self.head}'s keyframe")
+        if self.board is None or full is None:
+            return
+        try:
+            self.board.publish_keyframe(full, version=self.head, view_fp=self.head_fp, served_format=self.fmt)
+        except FlipsyncError as e:
+            log.warning("keyframe of v%d not published (replicas catch up over patches instead): %s", self.head, e)
+
+    def _publish_spans(self, version: int, patches: list[Patch]) -> None:
+        assert self.spans is not None and self.board is not None
+        if not patches:
+            return
+        try:
+            for a, b, span in self.spans.add(version, patches):
+                self.board.publish_span(
+                    [span.to_bytes()],
+                    base_version=a,
+                    target_version=b,
+                    base_view_fp=span.header.base.view,
+                    target_view_fp=span.header.target.view,
+                    served_format=self.fmt,
+                )
+        except FlipsyncError as e:
+            log.warning("spans after v%d not published (catch-up takes the longer way): %s", version, e)
+
+    def _drop(self, item: Item) -> None:
+        self._release(item.view)
+        item.view = None
+
+    def close(self) -> None:
+        self._release(self.base)
+        self.base = None

@@ -1,0 +1,119 @@
+"""Diff served *pieces* and build the patch part of one rank.
+
+`flipsync.codec.diff_views` diffs whole tensors. A rank of a sharded trainer holds only some rows of a
+tensor, so here the changed positions of a piece are shifted by its offset into the full tensor, and its
+fingerprint contribution is computed with those global positions. The codec's fingerprint is a sum over
+elements, so the full tensor's fingerprint is the sum of its pieces' and a change moves it by the sum of
+every rank's deltas: ranks exchange only those deltas (8 bytes per changed tensor), never tensor data.
+The values themselves are coded by the codec (`TensorChange`, `PatchBuilder`) exactly as `diff_views` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, TensorChange, TensorId
+from flipsync.codec.bits import bits_numpy, dtype_named, to_key
+from flipsync.codec.build import gather_bits
+from flipsync.codec.digest import fingerprint_of
+from flipsync.domain.patch import ViewRef
+from flipsync.trainer.view import Piece, PieceSpec
+
+MASK = (1 << 64) - 1
+_FP_CHUNK = 1 << 22  # elements per fingerprint call when positions must be materialised
+
+
+@dataclass
+class PieceChange:
+    """The changed elements of one piece, with global positions, and its fingerprint delta."""
+
+    name: str
+    positions: np.ndarray
+    old_bits: np.ndarray
+    new_bits: np.ndarray
+    delta: int
+    digest: str | None  # content digest of the whole tensor, when this piece is the whole tensor
+
+
+def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
+    """This piece's share of its tensor's fingerprint (global positions)."""
+    t = piece.tensor.detach().contiguous()
+    if piece.offset == 0:
+        return hasher.fingerprint(t)
+    bits = bits_numpy(t.cpu())
+    acc = 0
+    for s in range(0, bits.size, _FP_CHUNK):
+        e = min(bits.size, s + _FP_CHUNK)
+        acc += fingerprint_of(np.arange(piece.offset + s, piece.offset + e, dtype=np.int64), bits[s:e])
+    return acc & MASK
+
+
+def diff_pieces(
+    old: Mapping[str, Piece], new: Mapping[str, Piece], engine: DiffEngine, hasher: Hasher
+) -> list[PieceChange]:
+    """Changed elements of every piece (same layout on both sides, checked by the caller)."""
+    out = []
+    for name in sorted(new):
+        a, b = old[name], new[name]
+        ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
+        local = engine.changed_positions(ta, tb)
+        if not local.size:
+            continue
+        old_bits, new_bits = gather_bits(ta, local), gather_bits(tb, local)
+        positions = local + b.offset
+        delta = (fingerprint_of(positions, new_bits) - fingerprint_of(positions, old_bits)) & MASK
+        out.append(PieceChange(name, positions, old_bits, new_bits, delta, hasher.digest(tb) if b.whole else None))
+    return out
+
+
+def advance(table: FingerprintTable, deltas: Mapping[str, int]) -> FingerprintTable:
+    """The table after adding fingerprint deltas to the named tensors."""
+    out = table.copy()
+    for name, d in deltas.items():
+        tid = out[name]
+        out[name] = TensorId(tid.dtype, tid.shape, (tid.fp + d) & MASK)
+    return out
+
+
+def build_part(
+    changes: list[PieceChange],
+    before: FingerprintTable,
+    *,
+    base: ViewRef,
+    target: ViewRef,
+    served_format: str,
+) -> Patch:
+    """One rank's part: a complete flipsync patch from the view ``base`` to ``target``."""
+    builder = PatchBuilder()
+    for c in changes:
+        tid = before[c.name]
+        d = dtype_named(tid.dtype)
+        builder.add(
+            TensorChange(
+                name=c.name,
+                dtype=d,
+                shape=tid.shape,
+                positions=c.positions,
+                values=to_key(c.new_bits, d) - to_key(c.old_bits, d),
+                raw=None,
+                base_fp=tid.fp,
+                target_fp=(tid.fp + c.delta) & MASK,
+                target_digest=c.digest,
+            )
+        )
+    return builder.build(base=base, target=target, served_format=served_format)
+
+
+def table_of_pieces(layout: Mapping[str, PieceSpec], partials: list[dict[str, int]]) -> FingerprintTable:
+    """The view's fingerprint table from every rank's piece fingerprints (summed per tensor).
+
+    ``layout`` gives each tensor's dtype and full shape (any of its pieces' specs).
+    """
+    fps: dict[str, int] = {}
+    for part in partials:
+        for name, fp in part.items():
+            fps[name] = (fps.get(name, 0) + fp) & MASK
+    return FingerprintTable({name: TensorId(s.dtype, s.shape, fps.get(name, 0)) for name, s in layout.items()})

@@ -1,0 +1,164 @@
+"""The hand-off between the training thread and the publisher's background thread.
+
+The training thread pushes one *item* per optimizer step: the served view of that step (or the error that
+kept it from computing one). The slot holds at most one item: a newer item replaces a pending one, so when
+uploads fall behind, the steps in between are never diffed at all; the next publication goes straight from
+the last published view to the newest one. That is the squash: bitwise the same result as squashing the
+skipped patches, for less work and bounded memory.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from flipsync.errors import BoardError
+from flipsync.trainer.view import LocalView, view_bytes
+
+
+class MemoryAccount:
+    """Bytes of served views the publisher holds (base, in flight, pending), and their high-water mark."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.current = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.current += n
+            self.peak = max(self.peak, self.current)
+
+    def sub(self, n: int) -> None:
+        with self._lock:
+            self.current -= n
+
+
+@dataclass
+class Item:
+    """One trainer step's served view, on its way to the board."""
+
+    step: int
+    view: LocalView | None
+    wait: Callable[[], None] = field(default=lambda: None)
+    snapshot: bool = False  # publish a full view (the run's first version, or after a layout change)
+    first_step: int | None = None  # the earliest step folded into this item (squashed)
+    error: str | None = None  # the view could not be computed on this rank (sharded runs report it)
+    meta: dict[str, str | int] = field(default_factory=dict)  # extra manifest metadata for this step
+
+    def __post_init__(self) -> None:
+        if self.first_step is None:
+            self.first_step = self.step
+
+    @property
+    def nbytes(self) -> int:
+        return view_bytes(self.view) if self.view else 0
+
+
+class Slot:
+    """A one-item mailbox whose newer items replace older ones (see the module doc)."""
+
+    def __init__(self, release: Callable[[Item], None]) -> None:
+        self._cond = threading.Condition()
+        self._pending: Item | None = None
+        self._busy = False  # the worker holds an item
+        self._closing = False
+        self._release = release
+        self.squashed_steps = 0
+
+    def _merge_into(self, newer: Item) -> None:
+        old = self._pending
+        if old is None:
+            return
+        newer.snapshot = newer.snapshot or old.snapshot
+        newer.first_step = min(newer.first_step or newer.step, old.first_step or old.step)
+        newer.meta = {**old.meta, **newer.meta}
+        self.squashed_steps += 1
+        self._release(old)
+
+    def push(self, item: Item) -> None:
+        with self._cond:
+            self._merge_into(item)
+            self._pending = item
+            self._cond.notify_all()
+
+    def push_back(self, item: Item) -> None:
+        """Return an item the worker took but could not use, unless something newer arrived meanwhile."""
+        with self._cond:
+            if self._pending is None or self._pending.step < item.step:
+                self._merge_into(item)
+                self._pending = item
+            else:
+                self._release(item)
+            self._busy = False
+            self._cond.notify_all()
+
+    def drop_pending_view(self) -> None:
+        """Free a pending view that the step being computed will replace (keeps its flags for the merge)."""
+        with self._cond:
+            if self._pending is not None and self._pending.view is not None:
+                self._release(self._pending)
+                self._pending.view = None
+
+    def newest(self) -> int | None:
+        """Block until an item is pending or the slot closes; the pending step, or None when closed."""
+        with self._cond:
+            while not self._ready() and not self._closing:
+                self._cond.wait()
+            return self._pending.step if self._ready() and self._pending is not None else None
+
+    def _ready(self) -> bool:
+        p = self._pending
+        return p is not None and (p.view is not None or p.error is not None)
+
+    def take(self, at_least: int | None = None, timeout_s: float | None = None) -> Item | None:
+        """The pending item (with step >= ``at_least``), waiting for it; None when the slot closed empty."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                if self._ready() and self._pending is not None and (at_least is None or self._pending.step >= at_least):
+                    item, self._pending = self._pending, None
+                    self._busy = True
+                    return item
+                if self._closing and (at_least is None or not self._ready()):
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise BoardError(
+                        f"this rank's training loop did not reach step {at_least} within {timeout_s:g} s while "
+                        "the other ranks published it; every rank must call step() for the same steps"
+                    )
+                self._cond.wait(left)
+
+    def done(self) -> None:
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def wait_idle(self, timeout_s: float | None, alive: Callable[[], bool]) -> bool:
+        """Wait until nothing is pending or in flight (or the worker stopped); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while (self._ready() or self._busy) and alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(0.1 if left is None else min(0.1, left))
+            return True
+
+    def clear(self) -> None:
+        with self._cond:
+            if self._pending is not None:
+                self._release(self._pending)
+                self._pending = None

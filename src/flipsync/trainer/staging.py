@@ -1,0 +1,147 @@
+"""Where the publisher keeps served views between steps: on the device, or in pinned host memory.
+
+``keep_on="host"`` (the default) copies every accelerator piece into a pinned host buffer on a side stream,
+so the device holds no extra view and the copy overlaps the next training step; the background thread waits
+for the copy's event before it reads the buffer. Pinned buffers are expensive to allocate, so released views
+give theirs back to a pool that the next step reuses. ``keep_on="device"`` keeps the pieces where they were
+computed (the diff then runs on the device). CPU pieces are kept as they are either way.
+
+CUDA work may be issued from a thread other than the training thread (the deferred served view), whose
+current device and stream are not the training loop's: every call here names the pieces' own device, and
+`StreamFence` orders the publisher's kernels after the optimizer's and the next optimizer step after them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from flipsync.errors import ConfigError
+from flipsync.trainer.view import LocalView, Piece
+
+KeepOn = Literal["host", "device"]
+
+
+@dataclass
+class Staged:
+    """A view on its way to the background thread; ``wait()`` before reading it there."""
+
+    view: LocalView
+    wait: Callable[[], None]
+
+
+def _noop() -> None:
+    pass
+
+
+def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
+    return sorted({t.device for t in tensors if t.device.type == "cuda"}, key=lambda d: d.index or 0)
+
+
+class StreamFence:
+    """Orders GPU work across threads: events recorded on one thread's streams, awaited on another's."""
+
+    def __init__(self, devices: list[torch.device]) -> None:
+        self.devices = devices
+        self._events: dict[torch.device, torch.cuda.Event] = {}
+
+    def add(self, device: torch.device, stream: torch.cuda.Stream) -> None:
+        """Mark the work issued so far on ``stream`` of ``device``."""
+        e = torch.cuda.Event()
+        e.record(stream)
+        self._events[device] = e
+
+    def record(self) -> StreamFence:
+        """Mark the work issued so far on the calling thread's current stream of every device."""
+        for d in self.devices:
+            with torch.cuda.device(d):
+                e = torch.cuda.Event()
+                e.record()
+                self._events[d] = e
+        return self
+
+    def wait(self) -> None:
+        """Make the calling thread's current streams wait for the recorded work (no CPU wait)."""
+        for d, e in self._events.items():
+            with torch.cuda.device(d):
+                torch.cuda.current_stream().wait_event(e)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the recorded work is done."""
+        for e in self._events.values():
+            e.synchronize()
+
+
+def on_devices(devices: list[torch.device]) -> ExitStack:
+    """A context that makes the first of ``devices`` current (a new thread starts on device 0)."""
+    stack = ExitStack()
+    if devices:
+        stack.enter_context(torch.cuda.device(devices[0]))
+    return stack
+
+
+class Stager:
+    """Moves served views to where they are kept, reusing pinned buffers."""
+
+    def __init__(self, keep_on: KeepOn) -> None:
+        if keep_on not in ("host", "device"):
+            raise ConfigError(f"keep_on must be 'host' or 'device', not {keep_on!r}")
+        self.keep_on = keep_on
+        self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+        self._mine: set[int] = set()
+        self._lock = threading.Lock()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def stage(self, view: LocalView) -> Staged:
+        """Start moving ``view`` (returns without waiting for copies)."""
+        devices = cuda_devices(p.tensor for p in view.values())
+        if not devices:
+            return Staged(view, _noop)
+        if self.keep_on == "device":
+            return Staged(view, StreamFence(devices).record().synchronize)
+        out: LocalView = dict(view)
+        copied = StreamFence([])
+        for d in devices:
+            with torch.cuda.device(d):
+                stream = self._streams.setdefault(d, torch.cuda.Stream())
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for name, p in view.items():
+                        if p.tensor.device != d:
+                            continue
+                        buf = self._buffer(tuple(p.tensor.shape), p.tensor.dtype)
+                        buf.copy_(p.tensor, non_blocking=True)
+                        p.tensor.record_stream(stream)  # the device copy may be freed before the copy ran
+                        out[name] = Piece(buf, p.offset, p.shape)
+                    copied.add(d, stream)
+        return Staged(out, copied.synchronize)
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        with self._lock:
+            free = self._pool.get((shape, dtype))
+            if free:
+                return free.pop()
+        t = torch.empty(shape, dtype=dtype, pin_memory=True)
+        with self._lock:
+            self._mine.add(t.data_ptr())
+        return t
+
+    def release(self, view: LocalView | None) -> None:
+        """Give a view's pinned buffers back for reuse (called when the view is no longer needed)."""
+        if not view:
+            return
+        with self._lock:
+            for p in view.values():
+                t = p.tensor
+                if t.data_ptr() in self._mine:
+                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._pool.clear()
+            self._mine.clear()

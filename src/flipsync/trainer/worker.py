@@ -1,0 +1,174 @@
+"""The publisher's background thread: takes the newest step from the slot and publishes it.
+
+Error policy (all surfaced to the training thread by the next ``step()``, ``flush()`` or ``close()``):
+
+- a store failure (upload or manifest create refused, timed out) skips the version: nothing is visible to
+  readers, the base stays, and the next step's publication covers both steps. After
+  ``max_store_failures`` failures in a row the publisher stops with the store's error.
+- a conflict (another trainer published on this run) stops the publisher: it is fenced off.
+- a rank that could not serve a step (non-finite weights, a layout change) makes every rank skip that step;
+  the failing rank raised it from ``step()``, the others raise it once from their next call.
+- a rank that died or hung (a collective failed or timed out) stops the publisher on every rank: the
+  version in progress is not published.
+
+On Linux the thread lowers its own scheduling priority (``nice``), and the diff and hash pools it creates
+inherit it, so on a machine whose cores the training step keeps busy, the publisher takes what is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from flipsync.codec import DiffEngine, Hasher
+from flipsync.errors import BoardError, StoreError
+from flipsync.trainer.engine import Engine, Published, RoundSkipped
+from flipsync.trainer.group import Group
+from flipsync.trainer.slot import Item, Slot
+
+log = logging.getLogger(__name__)
+
+
+def lower_priority(nice: int) -> None:
+    """Lower the calling thread's priority (Linux: per thread); a no-op where unsupported."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # not permitted, or not a per-thread platform
+        log.debug("could not lower the publisher thread's priority: %s", e)
+
+
+class Worker:
+    """Runs the engine on items from the slot, in a thread or inline."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        slot: Slot,
+        group: Group,
+        *,
+        release: Callable[[Item], None],
+        max_store_failures: int,
+        agree_timeout_s: float,
+        nice: int,
+        threads: int | None,
+    ) -> None:
+        self.engine = engine
+        self.slot = slot
+        self.group = group
+        self._release = release
+        self.max_store_failures = max_store_failures
+        self.agree_timeout_s = agree_timeout_s
+        self.nice = nice
+        self.threads = threads
+        self.error: BaseException | None = None  # fatal: the worker stopped
+        self.notice: BaseException | None = None  # raised once by the next call, then cleared
+        self.store_failures = 0
+        self.published: list[Published] = []
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # -- threads --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="flipsync-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def join(self, timeout_s: float | None) -> bool:
+        if self._thread is None:
+            return True
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _main(self) -> None:
+        lower_priority(self.nice)
+        torch.set_num_threads(self.threads or 1)  # per thread (an OpenMP setting): training keeps its own
+        # Pools created here inherit the lowered priority.
+        self.engine.differ = DiffEngine(self.threads)
+        self.engine.hasher = Hasher(self.threads)
+        try:
+            if self.group.size == 1:
+                self._solo_loop()
+            else:
+                self._sharded_loop()
+        except BaseException as e:
+            self.error = e
+            log.error("the flipsync publisher stopped: %s", e)
+        finally:
+            self.slot.close()
+            self.slot.clear()
+            self.engine.differ.close()
+            self.engine.hasher.close()
+
+    def _solo_loop(self) -> None:
+        while (item := self.slot.take()) is not None:
+            self.handle(item, item.step)
+
+    def _sharded_loop(self) -> None:
+        while True:
+            newest = self.slot.newest()
+            said = self.group.all_gather((newest, self.slot.closing), "which steps are ready")
+            steps = [s for s, _ in said]
+            if all(s is None for s in steps):
+                return  # every rank closed with nothing left
+            target = max((s for s in steps if s is not None), default=0)
+            if any(s is None for s in steps):
+                closed = [r for r, s in enumerate(steps) if s is None]
+                raise BoardError(
+                    f"ranks {closed} closed their publisher while others still publish step {target}; "
+                    "every rank must call step() for the same steps before close()"
+                )
+            item = self.slot.take(at_least=target, timeout_s=self.agree_timeout_s)
+            if item is None:
+                raise BoardError(f"this rank's publisher closed before step {target}, which other ranks publish")
+            self.handle(item, target)
+
+    # -- one item -------------------------------------------------------------------------------------
+
+    def handle(self, item: Item, target: int) -> Published | None:
+        """Publish one item; classify failures by the policy in the module doc (fatal ones stick)."""
+        try:
+            try:
+                published = self.engine.run(item, target)
+            except RoundSkipped as skip:
+                return self._skipped(item, target, skip)
+            finally:
+                self.slot.done()
+        except BaseException as e:
+            self.error = e
+            raise
+        self.store_failures = 0
+        with self._lock:
+            self.published.append(published)
+        return published
+
+    def _skipped(self, item: Item, target: int, skip: RoundSkipped) -> None:
+        if skip.reason == "retry":
+            if item.step > target:
+                self.slot.push_back(item)
+            else:
+                self._release(item)
+            return None
+        if skip.reason == "step":
+            if item.error is None:  # the rank that failed raised it already
+                self.notice = BoardError(str(skip))
+            log.warning("%s", skip)
+            return None
+        self.store_failures += 1
+        if self.store_failures >= self.max_store_failures:
+            raise StoreError(
+                f"{skip}; gave up after {self.store_failures} failed publications in a row. Nothing half-"
+                "published is visible; check the board's store, then resume the run (resume=True)"
+            )
+        log.warning("%s; the next step's publication will cover this one", skip)
+        return None

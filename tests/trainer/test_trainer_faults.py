@@ -1,0 +1,176 @@
+"""Bad input: layout changes, non-finite weights, a board that refuses writes. Clear errors, no half versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_helpers import (
+    RefusingStore,
+    Replica,
+    adam,
+    assert_bitwise,
+    expected_view,
+    tiny_llama,
+    train,
+    versions_are_whole,
+)
+
+from flipsync.board import open_store
+from flipsync.board.catalog import Catalog
+from flipsync.domain.manifest import Kind
+from flipsync.errors import ConflictError, FormatError, NonFiniteError, PatchError, StoreError
+from flipsync.trainer import Publisher
+
+
+def test_a_shape_change_is_refused_then_a_snapshot_continues(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama(tie=False)
+    opt = adam(model)
+    pub = Publisher(model, store, run="resize", optimizer=opt, background=False)
+    train(model, opt, 1)
+    model.resize_token_embeddings(72)
+    with pytest.raises(PatchError, match=r"changed layout.*publisher\.snapshot\(\)"):
+        pub.step()
+    assert Catalog(store, "resize").list_versions() == [0, 1]  # nothing published for the bad step
+    pub.snapshot()  # the new layout goes out as a full view; patches continue from it
+    pub.step()
+    pub.close()
+    replica = Replica(store, "resize")
+    replica.follow_each()
+    assert [s.manifest.kind for s in replica.steps] == [Kind.KEYFRAME, Kind.PATCH, Kind.KEYFRAME, Kind.PATCH]
+    assert_bitwise(expected_view(model), replica.tensors)
+
+
+def test_dtype_changes_are_refused_by_name(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama()
+    model.model.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
+    with Publisher(model, store, run="dtypes", background=False) as pub:
+        model.double()
+        with pytest.raises(FormatError, match="float64"):
+            pub.step()
+        model.float()
+        model.model.counter = torch.zeros(3, dtype=torch.int32)
+        with pytest.raises(PatchError, match=r"model\.counter.*changed layout"):
+            pub.step()
+        model.model.counter = torch.ones(3, dtype=torch.int64)
+        pub.step()
+    replica = Replica(store, "dtypes")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+    assert versions_are_whole(store, "dtypes") == [0, 1]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_non_finite_weights_are_refused_and_nothing_is_published(tmp_path: Path, background: bool) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="nan", optimizer=opt, background=background)
+    train(model, opt, 1)
+    pub.flush()
+    head = pub.stats.head
+    w = model.model.layers[0].mlp.up_proj.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w[1, 2] = float("inf")
+    with pytest.raises(NonFiniteError, match="up_proj"):
+        pub.step()
+    assert pub.flush() is not None and pub.stats.head == head
+    with torch.no_grad():
+        w.copy_(saved)
+    train(model, opt, 1)
+    pub.close()
+    replica = Replica(store, "nan")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+
+
+@pytest.mark.parametrize("where", ["manifest", "part"])
+def test_a_refused_write_skips_the_version_and_the_next_one_covers_it(tmp_path: Path, where: str) -> None:
+    inner = open_store(tmp_path)
+    parts_left = [2]
+
+    def refuse(path: str, create_only: bool, data: bytes) -> bool:
+        if where == "manifest":  # every try of the manifests of steps 1 and 2 (the board retries a create)
+            return create_only and any(f'"step":{i},'.encode() in data for i in (1, 2))
+        if "patch-" in path and parts_left[0] > 0:
+            parts_left[0] -= 1
+            return True
+        return False
+
+    store = RefusingStore(inner, refuse)
+    model = tiny_llama()
+    opt = adam(model)
+    with Publisher(
+        model, store, run="flaky", optimizer=opt, background=False, max_store_failures=3, manifest_retry_s=0.05
+    ) as pub:
+        train(model, opt, 4)
+    assert store.refused >= 2 and pub.stats.store_failures == 0
+    replica = Replica(inner, "flaky")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+    steps = [s.manifest.meta["steps"] for s in replica.patches]
+    assert sum(steps) == 4 and steps[0] == 3  # steps 1 and 2 went out with step 3
+    assert versions_are_whole(inner, "flaky") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_board_that_keeps_refusing_stops_the_publisher_with_the_store_error(tmp_path: Path, background: bool) -> None:
+    inner = open_store(tmp_path)
+    store = RefusingStore(inner, lambda path, create_only, data: "patch-" in path)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="down", optimizer=opt, background=background, max_store_failures=2)
+    with pytest.raises(StoreError, match=r"gave up after 2 failed publications.*resume the run"):
+        for _ in range(6):
+            train(model, opt, 1)
+            pub.flush()
+    with pytest.raises(StoreError):
+        pub.step()  # a stopped publisher stays stopped
+    pub.close()  # the error was reported already
+    assert versions_are_whole(inner, "down") == [0]  # readers never saw a half-published version
+    parts = [o.path for o in inner.list("runs/down/versions/000000000001")]
+    assert not parts  # the refused part left nothing behind
+
+
+def test_a_fenced_off_background_publisher_raises_on_the_next_step(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="fence", optimizer=opt)
+    pub.flush()
+    with Publisher(tiny_llama(seed=5), store, run="fence", resume=True, background=False):
+        pass
+    train(model, opt, 1)
+    with pytest.raises(ConflictError, match="fenced off"):
+        pub.flush()
+    with pytest.raises(ConflictError):
+        train(model, opt, 1)
+    pub.close()
+
+
+def test_a_non_finite_view_computed_in_the_background_stops_the_next_optimizer_step(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="nan-bg", optimizer=opt)  # attached: views are computed off-thread
+    train(model, opt, 1)
+    pub.flush()  # changing weights outside the optimizer: first let the last step's view finish
+    w = model.model.norm.weight
+    with torch.no_grad():
+        w[3] = float("nan")
+    opt.step()  # no gradients: nothing moves, but the hook publishes this (non-finite) state
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(NonFiniteError, match=r"model\.norm\.weight"):
+        opt.step()  # refused before it changes any weight
+    assert all(torch.equal(v, before[k]) or torch.isnan(v).any() for k, v in model.state_dict().items())
+    with torch.no_grad():
+        w[3] = 1.0
+    train(model, opt, 1)
+    pub.close()
+    replica = Replica(store, "nan-bg")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)

@@ -1,0 +1,140 @@
+"""Row-shard pieces, the part chain of one version, and applying several parts on a replica."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trainer_helpers import assert_bitwise
+
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, apply_patch, diff_views
+from flipsync.domain.patch import ViewRef
+from flipsync.errors import BaseMismatchError, ConfigError, VerificationError
+from flipsync.trainer import apply_parts, join_parts, stage_parts
+from flipsync.trainer.engine import assemble, check_tiling, merge_deltas
+from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.trainer.view import Piece, dedupe_tied
+
+
+def views(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    old = {"w": torch.randn(11, 8, generator=g), "b": torch.randn(7, generator=g), "n": torch.randn(5, generator=g)}
+    new = {
+        k: v + 1e-2 * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g) < 0.3)
+        for k, v in old.items()
+    }
+    return {k: v.bfloat16() for k, v in old.items()}, {k: v.bfloat16() for k, v in new.items()}
+
+
+def shard(view: dict[str, torch.Tensor], world: int) -> list[dict[str, Piece]]:
+    """torch.chunk row shards (uneven; a rank may get none), "n" whole on the last rank."""
+    out: list[dict[str, Piece]] = [{} for _ in range(world)]
+    for name, t in view.items():
+        if name == "n":
+            out[-1][name] = Piece(t, 0, tuple(t.shape))
+            continue
+        start = 0
+        for r, rows in enumerate(torch.chunk(t, world, dim=0)):
+            out[r][name] = Piece(rows.contiguous(), start * (t.numel() // t.shape[0]), tuple(t.shape))
+            start += rows.shape[0]
+    return out
+
+
+def parts_of(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int) -> tuple[list[bytes], str, str]:
+    """What the engine does on each rank, done here rank by rank: the chain of parts of one version."""
+    olds, news = shard(old, world), shard(new, world)
+    with DiffEngine(1) as engine, Hasher(1) as hasher:
+        specs = [{n: p.spec(n, r) for n, p in olds[r].items()} for r in range(world)]
+        layout = check_tiling(specs)
+        table = table_of_pieces(layout, [{n: piece_fingerprint(hasher, p) for n, p in v.items()} for v in olds])
+        changes = [diff_pieces(olds[r], news[r], engine, hasher) for r in range(world)]
+    deltas = [{c.name: c.delta for c in ch} for ch in changes]
+    target = advance(table, merge_deltas(deltas))
+    with_parts = [r for r in range(world) if deltas[r]]
+    parts = []
+    for r in with_parts:
+        before = advance(table, merge_deltas(deltas[:r]))
+        after = advance(before, deltas[r])
+        part = build_part(
+            changes[r],
+            before,
+            base=ViewRef(before.view_fp(), 0 if r == with_parts[0] else None),
+            target=ViewRef(after.view_fp(), 1 if r == with_parts[-1] else None),
+            served_format="bf16",
+        )
+        parts.append(part.to_bytes())
+    assert target.view_fp() == FingerprintTable.of(new).view_fp()  # summed piece fingerprints = the real ones
+    return parts, table.view_fp(), target.view_fp()
+
+
+@pytest.mark.parametrize("world", [1, 3, 16])  # 16 ranks: some hold no rows of "b" (7 rows)
+def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
+    old, new = views()
+    parts, base_fp, target_fp = parts_of(old, new, world)
+    replica = {k: v.clone() for k, v in old.items()}
+    table = FingerprintTable.of(replica)
+    assert table.view_fp() == base_fp
+    apply_parts(replica, parts, table, verify="digest")
+    assert table.view_fp() == target_fp
+    assert_bitwise(new, replica)
+    # the same version as one patch (what an engine port that takes one patch gets)
+    joined = join_parts(parts)
+    other = {k: v.clone() for k, v in old.items()}
+    t2 = FingerprintTable.of(other)
+    apply_patch(other, joined, t2)
+    assert_bitwise(new, other)
+    assert (joined.header.base.view, joined.header.target.view) == (base_fp, target_fp)
+
+
+def test_parts_out_of_order_are_refused_before_any_write() -> None:
+    old, new = views(1)
+    parts, _, _ = parts_of(old, new, 2)
+    assert len(parts) == 2
+    replica = {k: v.clone() for k, v in old.items()}
+    table = FingerprintTable.of(replica)
+    with pytest.raises(BaseMismatchError):
+        apply_parts(replica, parts[::-1], table)
+    assert_bitwise(old, replica)
+
+
+def test_overlapping_parts_fail_verification_not_silently() -> None:
+    a, b = views(2)
+    c = {k: (v.float() + 1e-2).bfloat16() for k, v in b.items()}
+    p1, _ = diff_views(a, b)
+    p2, _ = diff_views(b, c)  # touches the same elements as p1: not disjoint shards
+    replica = {k: v.clone() for k, v in a.items()}
+    table = FingerprintTable.of(replica)
+    with pytest.raises(VerificationError):
+        stage_parts(replica, [p1, p2], table)
+    apply_patch(replica, join_parts([p1, p2]), table)  # the squash of a chain is fine
+    assert_bitwise(c, replica)
+
+
+def test_tiling_errors_name_the_tensor() -> None:
+    old, _ = views()
+    pieces = shard(old, 2)
+    specs = [{n: p.spec(n, r) for n, p in pieces[r].items()} for r in range(2)]
+    del specs[1]["w"]
+    with pytest.raises(ConfigError, match=r"pieces of tensor 'w' cover"):
+        check_tiling(specs)
+    specs = [{n: p.spec(n, r) for n, p in pieces[r].items()} for r in range(2)]
+    specs[1]["b"] = specs[0]["b"]
+    with pytest.raises(ConfigError, match="do not tile"):
+        check_tiling(specs)
+
+
+def test_assemble_puts_row_shards_back_together() -> None:
+    old, _ = views()
+    pieces = shard(old, 3)
+    layout = check_tiling([{n: p.spec(n, r) for n, p in pieces[r].items()} for r in range(3)])
+    full = assemble(layout, [{n: (p.offset, p.tensor) for n, p in v.items()} for v in pieces])
+    assert_bitwise(old, full)
+
+
+def test_tied_names_keep_the_checkpoint_name() -> None:
+    shared = torch.zeros(4, 2)
+    state = {"model.embed_tokens.weight": shared, "x": torch.ones(3), "lm_head.weight": shared}
+    masters, aliases = dedupe_tied(state, {"lm_head.weight"})
+    assert list(masters) == ["model.embed_tokens.weight", "x"]
+    assert aliases == {"lm_head.weight": "model.embed_tokens.weight"}
+    masters, aliases = dedupe_tied({"lm_head.weight": shared, "model.embed_tokens.weight": shared}, {"lm_head.weight"})
+    assert list(masters) == ["model.embed_tokens.weight"] and aliases == {"lm_head.weight": "model.embed_tokens.weight"}
