@@ -20,46 +20,47 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
     return total
 
 
+@numba.njit(inline="always")
+def _put(
+    out: np.ndarray, j: int, acc: np.uint64, nacc: int, value: np.uint64, width: int
+) -> tuple[int, np.uint64, int]:
+    """Append the low ``width`` bits (at most 64) of ``value``; flush whole bytes. Returns (j, acc, nacc)."""
+    remaining = width
+    while remaining > 0:
+        take = min(remaining, 32)
+        remaining -= take
+        part = (value >> np.uint64(remaining)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+        acc = (acc << np.uint64(take)) | part
+        nacc += take
+        while nacc >= 8:
+            out[j] = np.uint8((acc >> np.uint64(nacc - 8)) & np.uint64(0xFF))
+            j += 1
+            nacc -= 8
+    return j, acc, nacc
+
+
+@numba.njit(inline="always")
+def _flush(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> int:
+    if nacc > 0:
+        out[j] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
+        j += 1
+    return j
+
+
 @numba.njit(nogil=True, cache=True)
 def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
     """Each gap as its quotient in unary (q zeros, then a one) followed by its k low bits."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
-    mask_k = (np.uint64(1) << np.uint64(k)) - np.uint64(1) if k < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
     for g in gaps:
         q = g >> np.uint64(k)
         while q >= np.uint64(32):  # long zero runs, 32 at a time
-            acc <<= np.uint64(32)
-            nacc += 32
-            while nacc >= 8:
-                out[j] = np.uint8((acc >> np.uint64(nacc - 8)) & np.uint64(0xFF))
-                j += 1
-                nacc -= 8
+            j, acc, nacc = _put(out, j, acc, nacc, np.uint64(0), 32)
             q -= np.uint64(32)
-        width = int(q) + 1
-        acc = (acc << np.uint64(width)) | np.uint64(1)
-        nacc += width
-        while nacc >= 8:
-            out[j] = np.uint8((acc >> np.uint64(nacc - 8)) & np.uint64(0xFF))
-            j += 1
-            nacc -= 8
-        low = g & mask_k
-        remaining = k
-        while remaining > 0:
-            take = min(remaining, 32)
-            remaining -= take
-            part = (low >> np.uint64(remaining)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-            acc = (acc << np.uint64(take)) | part
-            nacc += take
-            while nacc >= 8:
-                out[j] = np.uint8((acc >> np.uint64(nacc - 8)) & np.uint64(0xFF))
-                j += 1
-                nacc -= 8
-    if nacc > 0:
-        out[j] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-        j += 1
-    return j
+        j, acc, nacc = _put(out, j, acc, nacc, np.uint64(1), int(q) + 1)
+        j, acc, nacc = _put(out, j, acc, nacc, g, k)  # _put keeps only the k low bits
+    return _flush(out, j, acc, nacc)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -100,21 +101,8 @@ def fixed_pack(values: np.ndarray, width: int, out: np.ndarray) -> int:
     nacc = 0
     j = 0
     for v in values:
-        remaining = width
-        while remaining > 0:
-            take = min(remaining, 32)
-            remaining -= take
-            part = (v >> np.uint64(remaining)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-            acc = (acc << np.uint64(take)) | part
-            nacc += take
-            while nacc >= 8:
-                out[j] = np.uint8((acc >> np.uint64(nacc - 8)) & np.uint64(0xFF))
-                j += 1
-                nacc -= 8
-    if nacc > 0:
-        out[j] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(0xFF))
-        j += 1
-    return j
+        j, acc, nacc = _put(out, j, acc, nacc, v, width)
+    return _flush(out, j, acc, nacc)
 
 
 @numba.njit(nogil=True, cache=True)
