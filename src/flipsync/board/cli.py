@@ -17,7 +17,7 @@ from flipsync.board.catalog import Catalog
 from flipsync.board.layout import RUNS
 from flipsync.board.retention import RetentionPolicy, collect_garbage
 from flipsync.board.signing import Verifier, write_keypair
-from flipsync.board.store import ObstoreStore, StoreOptions, open_store
+from flipsync.board.store import ObstoreStore, open_store, parse_store_options
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import ConfigError, FlipsyncError, IntegrityError, NotFoundError
 
@@ -45,13 +45,7 @@ def _fail(console: Console, e: Exception) -> typer.Exit:
 
 
 def _open(url: str, options: list[str] | None) -> ObstoreStore:
-    config: dict[str, str] = {}
-    for item in options or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"store options are key=value, got {item!r}")
-        config[key.strip()] = value.strip()
-    return open_store(url, StoreOptions(config=config))
+    return open_store(url, parse_store_options(options))
 
 
 def _runs(store: ObstoreStore) -> list[str]:

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from flipsync.board.cadence import KeyframePolicy
-from flipsync.board.cli import _open as open_board
 from flipsync.board.signing import Signer
+from flipsync.board.store import open_store, parse_store_options
 from flipsync.errors import FlipsyncError
 from flipsync.formats import FORMAT_NAMES
 from flipsync.trainer import watch as watching
@@ -79,7 +79,7 @@ def watch(
             status.update(f"watching {info['dir']} ({info['published']} published; Ctrl-C to stop)")
 
     try:
-        store = open_board(board_url, store_option)
+        store = open_store(board_url, parse_store_options(store_option))
         with status:
             pub = watching.watch(
                 ckpt_dir,
@@ -119,7 +119,7 @@ def publish(
     console = Console(stderr=True)
     try:
         found = [watching.complete_checkpoint(p) for p in checkpoints]
-        store = open_board(board_url, store_option)
+        store = open_store(board_url, parse_store_options(store_option))
         pub = watching.CheckpointPublisher(store, run=run, format=fmt, resume=resume, **_options(key, keyframe_every))
         with Progress(
             TextColumn("{task.description}"),
