@@ -317,6 +317,7 @@ def _row_cells(row: VersionRow) -> list[str]:
     applied = max(row.applied_s.values()) if row.applied_s else None
     return [
         f"v{row.version}",
+        str(row.steps),
         f"{row.changed_pct:.3f}%" if row.changed else "keyframe" if row.version == 0 else "0%",
         f"{row.patch_bytes:,}",
         f"{row.checkpoint_bytes:,}",
@@ -327,7 +328,17 @@ def _row_cells(row: VersionRow) -> list[str]:
     ]
 
 
-ROW_COLUMNS = ("version", "changed", "patch B", "checkpoint B", "ratio", "publish s", "all applied s", "verified")
+ROW_COLUMNS = (
+    "version",
+    "steps",
+    "changed",
+    "patch B",
+    "checkpoint B",
+    "ratio",
+    "publish s",
+    "all applied s",
+    "verified",
+)
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
