@@ -10,6 +10,7 @@ CUDA: the same answer from torch ops on the device, chunked to bound the tempora
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -67,14 +68,17 @@ def _changed_lanes(a: np.ndarray, b: np.ndarray, lane_bits: int, out: np.ndarray
     return n
 
 
-def _chunk_positions(a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int) -> np.ndarray:
+def _chunk_positions(
+    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, scratch: np.ndarray
+) -> np.ndarray:
     """Changed element indices inside bytes [start, stop) of two uint8 arrays; start, stop are 8-aligned.
 
     A probe of the chunk's first words picks the method: the sparse kernel, or numpy on dense chunks.
+    ``scratch`` (int32, one slot per element of the chunk at least) is the kernel's output buffer.
     """
     words_a = a8[start:stop].view(np.uint64)
     words_b = b8[start:stop].view(np.uint64)
-    out = np.empty((stop - start) // esize, dtype=np.int32)
+    out = scratch[: (stop - start) // esize]
     lane_bits = esize * 8
     probe = min(_PROBE_WORDS, words_a.shape[0])
     n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, out, _BIT_INDEX)
@@ -82,11 +86,10 @@ def _chunk_positions(a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esiz
         dt = _uint_np(esize)
         rest = np.flatnonzero(a8[start + 8 * probe : stop].view(dt) != b8[start + 8 * probe : stop].view(dt))
         tail = rest.astype(np.int64) + probe * (64 // lane_bits)
-    else:
-        m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, out[n:], _BIT_INDEX)
-        out[n : n + m] += probe * (64 // lane_bits)
-        tail = out[n : n + m].astype(np.int64)
-    return np.concatenate([out[:n].astype(np.int64), tail]) + start // esize
+        return np.concatenate([out[:n].astype(np.int64), tail]) + start // esize
+    m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, out[n:], _BIT_INDEX)
+    out[n : n + m] += probe * (64 // lane_bits)  # numbered from the probe's end
+    return out[: n + m].astype(np.int64) + start // esize
 
 
 class DiffEngine:
@@ -95,6 +98,13 @@ class DiffEngine:
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, threads or os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-diff")
+        self._local = threading.local()  # one kernel output buffer per pool thread, reused across chunks
+
+    def _scratch(self, chunk_bytes: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.shape[0] < chunk_bytes:
+            buf = self._local.buf = np.empty(chunk_bytes, dtype=np.int32)
+        return buf
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -124,9 +134,9 @@ class DiffEngine:
             a8, b8 = int_view(a).numpy().view(np.uint8), int_view(b).numpy().view(np.uint8)
             tasks += [(i, a8, b8, s, min(s + chunk, a8.shape[0]), esize) for s in range(0, a8.shape[0], chunk)]
         done = (
-            self._pool.map(lambda t: _span_positions(*t[1:]), tasks)
+            self._pool.map(lambda t: _span_positions(*t[1:], self._scratch(chunk)), tasks)
             if len(tasks) > 1
-            else map(lambda t: _span_positions(*t[1:]), tasks)
+            else map(lambda t: _span_positions(*t[1:], self._scratch(chunk)), tasks)
         )
         parts: list[list[np.ndarray]] = [[] for _ in pairs]
         for task, positions in zip(tasks, done, strict=True):
@@ -150,10 +160,12 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
 
 
-def _span_positions(a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int) -> np.ndarray:
+def _span_positions(
+    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, scratch: np.ndarray
+) -> np.ndarray:
     """Changed element indices in bytes [start, stop): whole words by the kernel, a short tail by numpy."""
     body = stop - (stop - start) % 8
-    head = _chunk_positions(a8, b8, start, body, esize) if body > start else np.empty(0, dtype=np.int64)
+    head = _chunk_positions(a8, b8, start, body, esize, scratch) if body > start else np.empty(0, dtype=np.int64)
     if body == stop:
         return head
     dt = _uint_np(esize)
