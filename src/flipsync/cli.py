@@ -445,6 +445,36 @@ def bench_trainer(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     _run(lambda: _bench("trainer", quick, json_out))
 
 
+@bench_app.command("crossregion")
+def bench_crossregion(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Publish -> last replica verified over limited links: patches, patches via a relay, full checkpoints."""
+    _run(lambda: _bench("crossregion", quick, json_out))
+
+
+@bench_app.command("scaling")
+def bench_scaling(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Diff, encode, decode, apply and fingerprint cost as one tensor grows."""
+    _run(lambda: _bench("scaling", quick, json_out))
+
+
+@bench_app.command("all")
+def bench_all(
+    quick: QuickOpt = False,
+    out: Annotated[Path, typer.Option("--output", "-o", help="markdown file to write")] = Path(
+        "docs/benchmarks-all.md"
+    ),
+) -> None:
+    """Every benchmark, written up as one markdown file (with a cross-region plot beside it)."""
+    from flipsync.bench.all import run_all
+
+    def go() -> None:
+        text = run_all(Console(width=max(200, Console().width)), quick=quick, plot=out.with_name("crossregion.png"))
+        out.write_text(text)
+        _console().print(f"wrote {out}")
+
+    _run(go)
+
+
 app.add_typer(board_app, name="board")
 app.command("keygen")(keygen)
 app.command("sidecar")(sidecar)
