@@ -53,9 +53,7 @@ class Setup:
     behind: tuple[int, ...]
 
 
-QUICK = Setup(
-    patch_mib=4, patches=4, params=2_000_000, change=0.02, hot=0.25, versions=64, behind=(1, 4, 16, 63)
-)
+QUICK = Setup(patch_mib=4, patches=4, params=2_000_000, change=0.02, hot=0.25, versions=64, behind=(1, 4, 16, 63))
 FULL = Setup(
     patch_mib=32, patches=8, params=16_000_000, change=0.02, hot=0.25, versions=256, behind=(1, 4, 16, 64, 255)
 )
