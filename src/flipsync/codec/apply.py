@@ -13,8 +13,10 @@ Everything but the optional digest check is O(changed).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -26,9 +28,11 @@ from flipsync.codec.bits import DType, dtype_of, from_key, int_view, to_key
 from flipsync.codec.build import gather_bits
 from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of, fp_hex
 from flipsync.codec.patch import Patch, TensorChange
+from flipsync.domain.patch import SectionHeader
 from flipsync.errors import BaseMismatchError, PatchError, VerificationError
 
 Verify = Literal["fingerprint", "digest"]
+PARALLEL_STAGE_CHANGES = 100_000  # below this, a thread pool costs more than it saves
 
 
 @dataclass
@@ -127,9 +131,10 @@ def stage(
         check_base(tensors, patch, table)
     elif not patch.header.idempotent:
         raise PatchError("only overwrite-mode patches can be applied without checking their base")
-    staged = []
     for s in patch.sections:
         _check_layout(tensors, s.name, s.dtype, s.shape)
+
+    def prepare(s: SectionHeader) -> StagedWrite:
         change: TensorChange = patch.change(s.name)
         t = tensors[s.name]
         old_bits = gather_bits(t, change.positions)
@@ -141,17 +146,22 @@ def stage(
                 f"tensor {s.name!r} would not match the patch's target fingerprint; the patch is corrupt "
                 "or was built from other tensors (nothing was changed)"
             )
-        staged.append(
-            StagedWrite(
-                name=s.name,
-                positions=torch.from_numpy(change.positions).to(t.device),
-                old_bits=_torch_bits(old_bits, change.dtype, t.device),
-                new_bits=_torch_bits(new_bits, change.dtype, t.device),
-                target=TensorId(change.dtype.name, change.shape, change.target_fp if check else fp),
-                target_digest=change.target_digest,
-            )
+        return StagedWrite(
+            name=s.name,
+            positions=torch.from_numpy(change.positions).to(t.device),
+            old_bits=_torch_bits(old_bits, change.dtype, t.device),
+            new_bits=_torch_bits(new_bits, change.dtype, t.device),
+            target=TensorId(change.dtype.name, change.shape, change.target_fp if check else fp),
+            target_digest=change.target_digest,
         )
-    return staged
+
+    # Sections are independent and their decoders release the GIL for most of the work: large patches are
+    # staged on every core (reads only; the first error is raised, nothing is written either way).
+    workers = min(len(patch.sections), os.cpu_count() or 1)
+    if workers < 2 or patch.header.n_changed < PARALLEL_STAGE_CHANGES:
+        return [prepare(s) for s in patch.sections]
+    with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-stage") as pool:
+        return list(pool.map(prepare, patch.sections))
 
 
 def commit(
