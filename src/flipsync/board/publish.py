@@ -192,6 +192,34 @@ class Publisher:
         Raises ConflictError if this publisher is fenced off: its base is not the board's HEAD (another
         trainer published first, or this one restarted from an older state).
         """
+        self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
+        if self.catalog.has_version(target_version):
+            # Cheap early fence: do not upload parts for a version that already exists.
+            other = _describe(self._read_existing(self.layout.version_manifest(target_version)))
+            raise ConflictError(
+                f"publisher {self.publisher_id} is fenced off: v{target_version} of run {self.run!r} was "
+                f"already published{other}. This publisher's view is stale: resume() from the board's "
+                "HEAD, or take over with publish_snapshot on top of it"
+            )
+        files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
+        m = self._publish(
+            self.layout.version_dir(target_version),
+            files,
+            kind=Kind.PATCH,
+            version=target_version,
+            base=(base_version, base_view_fp),
+            target_view_fp=target_view_fp,
+            served_format=served_format,
+            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
+            fence=True,
+        )
+        self._advance_patch(m)
+        return m
+
+    def _check_patch_on_head(
+        self, base_version: int, target_version: int, base_view_fp: str, served_format: str
+    ) -> None:
+        """A patch version goes from HEAD to HEAD + 1 in HEAD's format; otherwise this publisher is fenced off."""
         self._ensure_resumed()
         if target_version != base_version + 1:
             raise BoardError(
@@ -217,32 +245,14 @@ class Publisher:
                 f"served format {served_format!r} differs from HEAD's {head.served_format!r}; "
                 "changing the format needs a snapshot"
             )
-        if self.catalog.has_version(target_version):
-            # Cheap early fence: do not upload parts for a version that already exists.
-            other = _describe(self._read_existing(self.layout.version_manifest(target_version)))
-            raise ConflictError(
-                f"publisher {self.publisher_id} is fenced off: v{target_version} of run {self.run!r} was "
-                f"already published{other}. This publisher's view is stale: resume() from the board's "
-                "HEAD, or take over with publish_snapshot on top of it"
-            )
-        files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        m = self._publish(
-            self.layout.version_dir(target_version),
-            files,
-            kind=Kind.PATCH,
-            version=target_version,
-            base=(base_version, base_view_fp),
-            target_view_fp=target_view_fp,
-            served_format=served_format,
-            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
-            fence=True,
-        )
+
+    def _advance_patch(self, m: Manifest) -> None:
+        """HEAD moves to a new patch version, which lengthens the chain since the last keyframe."""
         self._advance(m)
         c = self._cadence
         self._cadence = CadenceState(
             c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
         )
-        return m
 
     def publish_snapshot(
         self,
@@ -264,8 +274,7 @@ class Publisher:
             # Fixing the number makes the create-only manifest a fence for the first version too.
             where = "the run is empty" if head is None else f"the board's HEAD is v{head.version}"
             raise ConflictError(
-                f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), "
-                f"not v{version}"
+                f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
         files = iter_keyframe_files(tensors, self.max_shard_bytes)
         m = self._publish(
@@ -442,9 +451,7 @@ class Publisher:
         )
         return m
 
-    def _create_manifest(
-        self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool
-    ) -> None:
+    def _create_manifest(self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool) -> None:
         deadline = time.monotonic() + self.manifest_retry_s
         delay = 0.1
         while True:

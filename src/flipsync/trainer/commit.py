@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from flipsync.board import Publisher as BoardPublisher
 from flipsync.board import content_hash
 from flipsync.board.layout import MANIFEST
-from flipsync.board.publish import CadenceState, Meta
+from flipsync.board.publish import Meta
 from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part
-from flipsync.errors import BoardError, ConflictError
+from flipsync.errors import BoardError
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +52,7 @@ class PartsPublisher(BoardPublisher):
         meta: Meta | None = None,
     ) -> Manifest:
         """Create version ``target_version``'s manifest over ``parts`` (durable, in its version folder)."""
-        self._ensure_resumed()
-        head = self._head
-        if target_version != base_version + 1 or head is None:
-            raise BoardError(f"a version's patch goes from HEAD to HEAD + 1, not v{base_version}->v{target_version}")
-        if base_version != head.version or base_view_fp != head.target_view_fp:
-            raise ConflictError(
-                f"publisher {self.publisher_id} is fenced off: its base is v{base_version} "
-                f"(view {base_view_fp[:16]}), but the board's HEAD is v{head.version} (published by "
-                f"{head.publisher} at {head.created}); resume from HEAD, or start a new run"
-            )
-        if served_format != head.served_format:
-            raise BoardError(f"served format {served_format!r} differs from HEAD's {head.served_format!r}")
+        self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         if not parts:
             raise BoardError(f"nothing to publish for v{target_version}: no parts")
         folder = self.layout.version_dir(target_version)
@@ -88,9 +77,5 @@ class PartsPublisher(BoardPublisher):
             f"{folder}/{MANIFEST}", m.to_json().encode("ascii"), written, version=target_version, fence=True
         )
         log.info("published patch v%d from %d uploaded parts (%d bytes)", target_version, len(parts), m.total_size)
-        self._advance(m)
-        c = self._cadence
-        self._cadence = CadenceState(
-            c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
-        )
+        self._advance_patch(m)
         return m
