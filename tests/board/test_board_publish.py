@@ -4,7 +4,6 @@ crashes at every step, and catch-up over chains, spans and keyframes."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, 
 from flipsync.board.layout import RunLayout
 from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep
-from flipsync.board.store import ObjectInfo, ObstoreStore
+from flipsync.board.store import ObstoreStore, StoreWrapper
 from flipsync.domain.manifest import Kind
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
 
@@ -117,7 +116,11 @@ def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
     patch(a, 3)  # a moves on; b still believes HEAD is v2
     with pytest.raises(ConflictError, match=r"v3 of run 'run' was already published by trainer-a"):
         b.publish_patch(
-            [b"b's patch"], base_version=2, target_version=3, base_view_fp=fp(2), target_view_fp=fp(3, "b"),
+            [b"b's patch"],
+            base_version=2,
+            target_version=3,
+            base_view_fp=fp(2),
+            target_view_fp=fp(3, "b"),
             served_format="bf16",
         )
     # A trainer restarted from an older checkpoint (its base is v1) is fenced with a clear message.
@@ -156,12 +159,20 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
     pub.publish_snapshot(small_view(), version=0, view_fp=fp(0), served_format="bf16")
     with pytest.raises(BoardError, match="publish_span"):
         pub.publish_patch(
-            [b"x"], base_version=0, target_version=2, base_view_fp=fp(0), target_view_fp=fp(2),
+            [b"x"],
+            base_version=0,
+            target_version=2,
+            base_view_fp=fp(0),
+            target_view_fp=fp(2),
             served_format="bf16",
         )
     with pytest.raises(BoardError, match="served format"):
         pub.publish_patch(
-            [b"x"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+            [b"x"],
+            base_version=0,
+            target_version=1,
+            base_view_fp=fp(0),
+            target_view_fp=fp(1),
             served_format="fp8",
         )
     patch(pub, 1)
@@ -169,7 +180,11 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
         pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1, "zz"), served_format="bf16")
     with pytest.raises(IntegrityError, match="span's target view"):
         pub.publish_span(
-            [b"x"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(7),
+            [b"x"],
+            base_version=0,
+            target_version=1,
+            base_view_fp=fp(0),
+            target_view_fp=fp(7),
             served_format="bf16",
         )
     with pytest.raises(NotFoundError):
@@ -179,11 +194,19 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
     other = Publisher(store, "run", publisher_id="t2")
     assert other.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16") == k1
     s1 = pub.publish_span(
-        [span_bytes(0, 1)], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+        [span_bytes(0, 1)],
+        base_version=0,
+        target_version=1,
+        base_view_fp=fp(0),
+        target_view_fp=fp(1),
         served_format="bf16",
     )
     s2 = other.publish_span(
-        [b"different bytes"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1),
+        [b"different bytes"],
+        base_version=0,
+        target_version=1,
+        base_view_fp=fp(0),
+        target_view_fp=fp(1),
         served_format="bf16",
     )
     assert s1 == s2
@@ -191,12 +214,11 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
     assert pub.publish_keyframe(small_view(), version=0, view_fp=fp(0), served_format="bf16").version == 0
 
 
-class CrashingStore:
+class CrashingStore(StoreWrapper):
     """A real store with a fault injected at one step of the protocol (the process 'dies' there)."""
 
     def __init__(self, inner: ObstoreStore, *, crash_on: str, land_first: bool = False) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.crash_on = crash_on  # "manifest", "hint" or "part"
         self.land_first = land_first  # perform the write, then fail (an ambiguous timeout)
 
@@ -213,32 +235,8 @@ class CrashingStore:
             raise KeyboardInterrupt(f"simulated crash before {path}")
         self.inner.put(path, data, create_only=create_only)
 
-    def get(self, path: str, *, size: int | None = None) -> bytes:
-        return self.inner.get(path, size=size)
-
-    def get_range(self, path: str, start: int, end: int) -> bytes:
-        return self.inner.get_range(path, start, end)
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        return self.inner.list_dirs(prefix)
-
-    def delete(self, paths: Sequence[str]) -> None:
-        self.inner.delete(paths)
-
-    def make_durable(self, paths: Sequence[str]) -> None:
-        self.inner.make_durable(paths)
-
     def close(self) -> None:
-        pass
+        pass  # the test closes the real store itself
 
 
 @pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
@@ -276,7 +274,11 @@ def test_ambiguous_manifest_write_is_resolved_by_reading_back(store: ObstoreStor
     crashing = CrashingStore(store, crash_on="manifest", land_first=True)
     pub = Publisher(crashing, "run", publisher_id="trainer-0")
     m = pub.publish_patch(
-        [patch_bytes(2)], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2),
+        [patch_bytes(2)],
+        base_version=1,
+        target_version=2,
+        base_view_fp=fp(1),
+        target_view_fp=fp(2),
         served_format="bf16",
     )
     assert BoardReader(store, "run").catalog.version(2) == m

@@ -62,9 +62,7 @@ class SpanPolicy:
             raise ConfigError("need 1 <= min_level <= max_level <= 40")
 
 
-def spans_to_publish(
-    version: int, *, origin: int = 0, policy: SpanPolicy | None = None
-) -> list[tuple[int, int]]:
+def spans_to_publish(version: int, *, origin: int = 0, policy: SpanPolicy | None = None) -> list[tuple[int, int]]:
     """The (base, target) spans to squash right after ``version`` is published, smallest first.
 
     ``origin`` is the first version of the lineage (the snapshot the patch chain starts from): spans are

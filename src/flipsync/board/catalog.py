@@ -92,9 +92,7 @@ class Catalog:
         return self._read_manifest(self.layout.keyframe_manifest(v), lambda _m: (Kind.KEYFRAME.value, None, v))
 
     def span(self, base: int, target: int) -> Manifest:
-        return self._read_manifest(
-            self.layout.span_manifest(base, target), lambda _m: (Kind.SPAN.value, base, target)
-        )
+        return self._read_manifest(self.layout.span_manifest(base, target), lambda _m: (Kind.SPAN.value, base, target))
 
     def read_versions(self, versions: Iterable[int], problems: list[str] | None = None) -> dict[int, Manifest]:
         """Read many version manifests in parallel; missing ones (retention) are skipped, unusable ones
@@ -214,9 +212,7 @@ class Catalog:
             raise IntegrityError(f"part {where} has {len(data)} bytes, its manifest says {part.size}")
         actual = content_hash(data)
         if actual != part.hash:
-            raise IntegrityError(
-                f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {part.hash[:16]}..."
-            )
+            raise IntegrityError(f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {part.hash[:16]}...")
         return data
 
     def fetch_parts(self, m: Manifest, artifact_dir: str, parts: Sequence[Part] | None = None) -> list[bytes]:

@@ -246,9 +246,7 @@ def gc(
     keep_seconds: Annotated[
         float | None, typer.Option(help="Also keep every version younger than this many seconds")
     ] = None,
-    grace: Annotated[
-        float, typer.Option(help="Leave unreferenced parts younger than this (seconds)")
-    ] = 3600.0,
+    grace: Annotated[float, typer.Option(help="Leave unreferenced parts younger than this (seconds)")] = 3600.0,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report what would be deleted")] = False,
     store_option: StoreOpt = None,
 ) -> None:

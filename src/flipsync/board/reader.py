@@ -111,9 +111,7 @@ class BoardReader:
 
     # -- planning -------------------------------------------------------------------------------------
 
-    def _read_many(
-        self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None
-    ) -> list[Manifest]:
+    def _read_many(self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None) -> list[Manifest]:
         """Read manifests in parallel, skipping missing (retention) and broken ones (logged, noted)."""
         if not reads:
             return []
@@ -146,9 +144,7 @@ class BoardReader:
             hi = lo - 1
         return out
 
-    def artifacts(
-        self, local_version: int | None, head: int, problems: list[str] | None = None
-    ) -> list[Manifest]:
+    def artifacts(self, local_version: int | None, head: int, problems: list[str] | None = None) -> list[Manifest]:
         """The manifests a plan from ``local_version`` to ``head`` may use (unusable ones noted)."""
         problems = [] if problems is None else problems
         keyframes = [k for k in self.catalog.list_keyframes() if k <= head]
@@ -353,9 +349,7 @@ class Follower:
             last = err
             if attempt == self.max_replans:
                 raise err
-            log.warning(
-                "excluding %s v%s->v%d and planning again: %s", m.kind.value, m.base_version, m.version, err
-            )
+            log.warning("excluding %s v%s->v%d and planning again: %s", m.kind.value, m.base_version, m.version, err)
             bad.add(m.edge)
             self.reader.catalog.forget(m)
         return self.version

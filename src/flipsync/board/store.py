@@ -209,6 +209,44 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+class StoreWrapper:
+    """A Store that passes every call to ``inner``: subclass it to change a few calls (limits, faults)."""
+
+    def __init__(self, inner: Store) -> None:
+        self.inner = inner
+        self.url = inner.url
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        self.inner.put(path, data, create_only=create_only)
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        return self.inner.get(path, size=size)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return self.inner.get_range(path, start, end)
+
+    def head(self, path: str) -> ObjectInfo:
+        return self.inner.head(path)
+
+    def exists(self, path: str) -> bool:
+        return self.inner.exists(path)
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def list_dirs(self, prefix: str) -> list[str]:
+        return self.inner.list_dirs(prefix)
+
+    def delete(self, paths: Sequence[str]) -> None:
+        self.inner.delete(paths)
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        self.inner.make_durable(paths)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:400] if text else type(e).__name__
@@ -337,8 +375,7 @@ class ObstoreStore:
             data = self.get_range(path, r[0], r[1])
             if len(data) != r[1] - r[0]:
                 raise StoreError(
-                    f"{self._where(path)} is shorter than expected: "
-                    f"range {r[0]}-{r[1]} returned {len(data)} bytes"
+                    f"{self._where(path)} is shorter than expected: range {r[0]}-{r[1]} returned {len(data)} bytes"
                 )
             view[r[0] : r[1]] = data
 
@@ -347,9 +384,7 @@ class ObstoreStore:
         return bytes(out)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
-        return bytes(
-            self._call("get_range", path, lambda: obstore.get_range(self._inner, path, start=start, end=end))
-        )
+        return bytes(self._call("get_range", path, lambda: obstore.get_range(self._inner, path, start=start, end=end)))
 
     def head(self, path: str) -> ObjectInfo:
         meta = self._call("head", path, lambda: obstore.head(self._inner, path))
@@ -368,9 +403,7 @@ class ObstoreStore:
         def run() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
             for batch in obstore.list(self._inner, prefix + "/" if prefix else None, chunk_size=1000):
-                out.extend(
-                    ObjectInfo(m["path"], m["size"], m["last_modified"], m.get("e_tag")) for m in batch
-                )
+                out.extend(ObjectInfo(m["path"], m["size"], m["last_modified"], m.get("e_tag")) for m in batch)
             return out
 
         return self._call("list", prefix, run)
@@ -382,9 +415,7 @@ class ObstoreStore:
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                self.options.max_parallel_reads, thread_name_prefix="flipsync-get"
-            )
+            self._pool = ThreadPoolExecutor(self.options.max_parallel_reads, thread_name_prefix="flipsync-get")
         return self._pool
 
     def close(self) -> None:
@@ -484,4 +515,3 @@ def open_store(url: str | Path, options: StoreOptions | None = None) -> ObstoreS
     except (obx.BaseError, ValueError, TypeError) as e:
         raise ConfigError(f"cannot open {text!r}: {_first_line(e)}") from e
     return ObstoreStore(inner, text, opts)
-

@@ -11,9 +11,8 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Sequence
 
-from flipsync.board.store import ObjectInfo, Store
+from flipsync.board.store import Store, StoreWrapper
 from flipsync.errors import ConfigError
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -55,17 +54,13 @@ class TokenBucket:
                 time.sleep(min(wait, 0.1))
 
 
-class ThrottledStore:
-    """Wraps a Store; reads pay the bucket. Metadata calls (head, list) pass through unlimited."""
+class ThrottledStore(StoreWrapper):
+    """Wraps a Store; reads pay the bucket. Writes and metadata calls (head, list) pass through unlimited."""
 
     def __init__(self, inner: Store, bytes_per_s: float, *, bucket: TokenBucket | None = None) -> None:
-        self.inner = inner
-        self.url = inner.url
+        super().__init__(inner)
         self.bucket = bucket or TokenBucket(bytes_per_s)
         self.bytes_read = 0
-
-    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
-        self.inner.put(path, data, create_only=create_only)
 
     def get(self, path: str, *, size: int | None = None) -> bytes:
         data = self.inner.get(path, size=size)
@@ -76,27 +71,6 @@ class ThrottledStore:
         data = self.inner.get_range(path, start, end)
         self._pay(len(data))
         return data
-
-    def head(self, path: str) -> ObjectInfo:
-        return self.inner.head(path)
-
-    def exists(self, path: str) -> bool:
-        return self.inner.exists(path)
-
-    def list(self, prefix: str) -> list[ObjectInfo]:
-        return self.inner.list(prefix)
-
-    def list_dirs(self, prefix: str) -> list[str]:
-        return self.inner.list_dirs(prefix)
-
-    def delete(self, paths: Sequence[str]) -> None:
-        self.inner.delete(paths)
-
-    def make_durable(self, paths: Sequence[str]) -> None:
-        self.inner.make_durable(paths)
-
-    def close(self) -> None:
-        self.inner.close()
 
     def _pay(self, n: int) -> None:
         self.bucket.take(n)
