@@ -9,11 +9,13 @@ import pytest
 import torch
 from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, small_view, span_bytes
 
-from flipsync.board.layout import RunLayout
+from flipsync.board.catalog import content_hash
+from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep
+from flipsync.board.signing import Signer, Verifier, generate_keypair
 from flipsync.board.store import ObstoreStore, StoreWrapper
-from flipsync.domain.manifest import Kind
+from flipsync.domain.manifest import Kind, Manifest, Part
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
 
 ALL = backend_params()
@@ -308,3 +310,93 @@ def test_hint_is_only_a_hint(store: ObstoreStore) -> None:
     store.delete([layout.latest])
     assert reader.head() == 4
     assert reader.catalog.version(4).kind is Kind.PATCH
+
+
+def upload(store: ObstoreStore, version: int, attempt: str, parts: list[bytes]) -> list[Part]:
+    """What each rank of a sharded trainer does: put its part in the shared attempt folder, durably."""
+    folder = RunLayout("run").version_dir(version)
+    out = []
+    for rank, data in enumerate(parts):
+        rel = f"{attempt}/patch-{rank:05d}.safetensors"
+        store.put(f"{folder}/{rel}", data)
+        store.make_durable([f"{folder}/{rel}"])
+        out.append(Part(path=rel, size=len(data), hash=content_hash(data)))
+    return out
+
+
+def commit(pub: Publisher, parts: list[Part], v: int, lineage: str = "a") -> Manifest:
+    return pub.commit_uploaded_patch(
+        parts,
+        base_version=v - 1,
+        target_version=v,
+        base_view_fp=fp(v - 1),
+        target_view_fp=fp(v, lineage),
+        served_format="bf16",
+        meta={"ranks": len(parts)},
+    )
+
+
+@pytest.mark.parametrize("store_factory", ALL, indirect=True)
+def test_commit_uploaded_patch_publishes_parts_uploaded_by_others(store: ObstoreStore) -> None:
+    private, public = generate_keypair()
+    pub = build_run(store, 2, publisher_id="rank-0", signer=Signer.from_pem(private))
+    chain_before = pub.cadence.chain_bytes
+    data = [patch_bytes(30), patch_bytes(31, 700), patch_bytes(32, 10)]
+    m = commit(pub, upload(store, 3, new_attempt_id(), data), 3)
+    assert (m.kind, m.base_version, m.version, m.publisher) == (Kind.PATCH, 2, 3, "rank-0")
+    assert m.meta == {"ranks": 3, "origin": 0} and m.signature is not None
+    # HEAD and the keyframe cadence move exactly as after publish_patch.
+    assert pub.head == m and pub.cadence.chain_bytes == chain_before + sum(map(len, data))
+    reader = BoardReader(store, "run", verifier=Verifier.from_pem(public))
+    rec = Recorder()
+    assert Follower(reader, version=2, view_fp=fp(2)).sync(rec) == 3
+    assert rec.steps[0].parts == data  # type: ignore[union-attr]
+    patch(pub, 4)  # a normal publish continues the chain
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
+def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore) -> None:
+    a = build_run(store, 2, publisher_id="trainer-a")
+    b = Publisher(store, "run", publisher_id="trainer-b")
+    b.resume()
+    patch(a, 3)  # a moves on; b still believes HEAD is v2
+    folder = RunLayout("run").version_dir(3)
+    stale = upload(store, 3, new_attempt_id(), [patch_bytes(-30), patch_bytes(-31)])
+    with pytest.raises(ConflictError, match=r"fenced off: v3 of run 'run' was already published by trainer-a"):
+        commit(b, stale, 3, lineage="b")
+    # The loser's parts are unreferenced, so they are removed; the winner's stay.
+    left = {o.path for o in store.list(folder)}
+    assert not any(f"{folder}/{p.path}" in left for p in stale)
+    assert all(f"{folder}/{p.path}" in left for p in BoardReader(store, "run").catalog.version(3).parts)
+    # A committer whose base is older than HEAD is refused before anything is written.
+    c = Publisher(store, "run", publisher_id="trainer-c")
+    with pytest.raises(ConflictError, match=r"its base is v2 .* board's HEAD is v3"):
+        commit(c, upload(store, 3, new_attempt_id(), [patch_bytes(-32)]), 3, lineage="c")
+    with pytest.raises(BoardError, match="served format"):
+        c.commit_uploaded_patch(
+            upload(store, 4, new_attempt_id(), [patch_bytes(-40)]),
+            base_version=3,
+            target_version=4,
+            base_view_fp=fp(3),
+            target_view_fp=fp(4),
+            served_format="fp8",
+        )
+    assert BoardReader(store, "run").head() == 3
+
+
+@pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
+def test_commit_uploaded_patch_refuses_missing_or_wrong_parts(store: ObstoreStore) -> None:
+    pub = build_run(store, 1, publisher_id="rank-0")
+    attempt = new_attempt_id()
+    parts = upload(store, 2, attempt, [patch_bytes(20), patch_bytes(21)])
+    lost = Part(path=f"{attempt}/patch-00002.safetensors", size=10, hash=content_hash(b"never uploaded"))
+    with pytest.raises(NotFoundError, match=r"1 of 3 parts are not on the board \(.*patch-00002"):
+        commit(pub, [*parts, lost], 2)
+    short = Part(path=parts[1].path, size=parts[1].size + 1, hash=parts[1].hash)
+    with pytest.raises(IntegrityError, match=r"patch-00001.safetensors is 2000 bytes on the board, not the 2001"):
+        commit(pub, [parts[0], short], 2)
+    with pytest.raises(BoardError, match="no parts"):
+        commit(pub, [], 2)
+    # Nothing was created: the version is still free, and the right parts commit.
+    assert BoardReader(store, "run").head() == 1
+    assert commit(pub, parts, 2).parts == tuple(parts)

@@ -8,6 +8,9 @@ Every artifact (a version, an extra keyframe, a squashed span) is published the 
    delete their parts (nobody references them);
 3. the ``latest.json`` hint is overwritten (best effort; readers never trust it alone).
 
+``commit_uploaded_patch`` is steps 2-3 alone, for a patch version whose parts other processes uploaded
+(sharded training: each rank uploads its part, one process commits).
+
 A crash at any step leaves a usable board: before step 2 the parts are unreferenced (retention removes them
 later), after it the version exists. A publisher whose write timed out checks whether its own manifest
 landed before it reports a failure. A restarted publisher resumes from the newest manifest. A trainer whose
@@ -202,19 +205,55 @@ class Publisher:
                 "HEAD, or take over with publish_snapshot on top of it"
             )
         files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        m = self._publish(
-            self.layout.version_dir(target_version),
-            files,
-            kind=Kind.PATCH,
-            version=target_version,
-            base=(base_version, base_view_fp),
-            target_view_fp=target_view_fp,
-            served_format=served_format,
-            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
-            fence=True,
+        uploaded = self._upload(self.layout.version_dir(target_version), files)
+        return self._commit_patch(
+            uploaded, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
         )
-        self._advance_patch(m)
-        return m
+
+    def commit_uploaded_patch(
+        self,
+        parts: Sequence[Part],
+        *,
+        base_version: int,
+        target_version: int,
+        base_view_fp: str,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta | None = None,
+    ) -> Manifest:
+        """Publish version ``target_version`` as a patch whose parts other processes already uploaded.
+
+        The second half of ``publish_patch``, for sharded training: every rank puts its part under
+        ``layout.version_dir(target_version)/<attempt>/`` (an attempt id shared by the ranks, from
+        ``new_attempt_id()``), makes it durable and reports its ``Part`` (path relative to the version
+        folder, size, BLAKE3); one process then commits them all here, with the same fences as
+        ``publish_patch``: the base must be HEAD (else ConflictError), the manifest is created create-only,
+        and if another publisher created the version first, the parts are deleted and ConflictError raised.
+
+        Every part must be on the board with its recorded size (one listing of the version folder; the
+        hashes are the uploaders' word, checked by every reader): NotFoundError if one is missing,
+        IntegrityError if one has another size. Nothing is created then.
+        """
+        self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
+        folder = self.layout.version_dir(target_version)
+        on_board = {o.path: o.size for o in self.store.list(folder)}
+        missing = [p.path for p in parts if f"{folder}/{p.path}" not in on_board]
+        if missing:
+            raise NotFoundError(
+                f"cannot commit v{target_version} of run {self.run!r}: {len(missing)} of {len(parts)} parts are "
+                f"not on the board ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} under "
+                f"{self.store.url}/{folder}). Upload every part and make it durable before committing"
+            )
+        for p in parts:
+            size = on_board[f"{folder}/{p.path}"]
+            if size != p.size:
+                raise IntegrityError(
+                    f"cannot commit v{target_version} of run {self.run!r}: part {p.path} is {size} bytes on "
+                    f"the board, not the {p.size} bytes reported for it"
+                )
+        return self._commit_patch(
+            parts, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
+        )
 
     def _check_patch_on_head(
         self, base_version: int, target_version: int, base_view_fp: str, served_format: str
@@ -246,13 +285,34 @@ class Publisher:
                 "changing the format needs a snapshot"
             )
 
-    def _advance_patch(self, m: Manifest) -> None:
-        """HEAD moves to a new patch version, which lengthens the chain since the last keyframe."""
+    def _commit_patch(
+        self,
+        parts: Sequence[Part],
+        base_version: int,
+        target_version: int,
+        base_view_fp: str,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta | None,
+    ) -> Manifest:
+        """Create a checked patch version's manifest; HEAD moves to it, lengthening the chain since the keyframe."""
+        m = self._commit(
+            self.layout.version_dir(target_version),
+            parts,
+            kind=Kind.PATCH,
+            version=target_version,
+            base=(base_version, base_view_fp),
+            target_view_fp=target_view_fp,
+            served_format=served_format,
+            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
+            fence=True,
+        )
         self._advance(m)
         c = self._cadence
         self._cadence = CadenceState(
             c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
         )
+        return m
 
     def publish_snapshot(
         self,
@@ -276,10 +336,10 @@ class Publisher:
             raise ConflictError(
                 f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
-        files = iter_keyframe_files(tensors, self.max_shard_bytes)
-        m = self._publish(
-            self.layout.version_dir(version),
-            files,
+        folder = self.layout.version_dir(version)
+        m = self._commit(
+            folder,
+            self._upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
             kind=Kind.KEYFRAME,
             version=version,
             base=None,
@@ -314,10 +374,11 @@ class Publisher:
             )
         if vm.kind is Kind.KEYFRAME:
             return vm  # the version is a snapshot: it is its own keyframe
+        folder = self.layout.keyframe_dir(version)
         try:
-            m = self._publish(
-                self.layout.keyframe_dir(version),
-                iter_keyframe_files(tensors, self.max_shard_bytes),
+            m = self._commit(
+                folder,
+                self._upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
                 kind=Kind.KEYFRAME,
                 version=version,
                 base=None,
@@ -356,11 +417,12 @@ class Publisher:
                     f"the span's {end} view {fp[:16]} is not v{v}'s view {vm.target_view_fp[:16]}; "
                     "refusing to publish it"
                 )
+        folder = self.layout.span_dir(base_version, target_version)
         files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
         try:
-            return self._publish(
-                self.layout.span_dir(base_version, target_version),
-                files,
+            return self._commit(
+                folder,
+                self._upload(folder, files),
                 kind=Kind.SPAN,
                 version=target_version,
                 base=(base_version, base_view_fp),
@@ -396,10 +458,23 @@ class Publisher:
             since += 1
         self._cadence = CadenceState(m.version, m.total_size, chain, since)
 
-    def _publish(
+    def _upload(self, folder: str, files: Iterable[tuple[str, bytes]]) -> list[Part]:
+        """Put ``files`` in a fresh attempt folder under ``folder`` and make them durable."""
+        attempt = new_attempt_id()
+        written: list[str] = []
+        parts: list[Part] = []
+        for name, data in files:
+            rel = f"{attempt}/{name}"
+            self.store.put(f"{folder}/{rel}", data)
+            written.append(f"{folder}/{rel}")
+            parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
+        self.store.make_durable(written)
+        return parts
+
+    def _commit(
         self,
         folder: str,
-        files: Iterable[tuple[str, bytes]],
+        parts: Sequence[Part],
         *,
         kind: Kind,
         version: int,
@@ -409,18 +484,9 @@ class Publisher:
         meta: Meta,
         fence: bool,
     ) -> Manifest:
-        attempt = new_attempt_id()
-        written: list[str] = []
-        parts: list[Part] = []
-        for name, data in files:
-            rel = f"{attempt}/{name}"
-            path = f"{folder}/{rel}"
-            self.store.put(path, data)
-            written.append(path)
-            parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
+        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only."""
         if not parts:
             raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
-        self.store.make_durable(written)
         m = Manifest(
             run=self.run,
             version=version,
@@ -438,8 +504,8 @@ class Publisher:
         if self.signer is not None:
             m = self.signer.sign(m)
         payload = m.to_json().encode("ascii")
-        manifest_path = f"{folder}/{MANIFEST}"
-        self._create_manifest(manifest_path, payload, written, version=version, fence=fence)
+        written = [f"{folder}/{p.path}" for p in parts]
+        self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=fence)
         log.info(
             "published %s v%d (%d parts, %d bytes) to %s/%s",
             kind.value,

@@ -11,38 +11,80 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numba
 import numpy as np
 
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
 from flipsync.errors import PatchError
 
 
+@numba.njit(nogil=True, cache=True)
+def _merge_sorted(
+    a_pos: np.ndarray,
+    a_val: np.ndarray,
+    a_raw: np.ndarray,
+    b_pos: np.ndarray,
+    b_val: np.ndarray,
+    b_raw: np.ndarray,
+    out_pos: np.ndarray,
+    out_val: np.ndarray,
+    out_raw: np.ndarray,
+) -> int:
+    """Merge two sorted, unique position lists (``a`` then ``b``) into ``out``; return how many were kept.
+
+    One linear pass over both (a sort-based union costs O(n log n) and three sorts). An empty raw array
+    means "no raw values". b's raw value wins; otherwise b's step adds to a's value, keeping a's kind; a step
+    chain that cancels out is dropped (the element ends as it was).
+    """
+    na, nb = a_pos.shape[0], b_pos.shape[0]
+    a_has_raw, b_has_raw = a_raw.shape[0] > 0, b_raw.shape[0] > 0
+    i = j = n = 0
+    while i < na or j < nb:
+        if j == nb or (i < na and a_pos[i] < b_pos[j]):
+            p, v, r = a_pos[i], a_val[i], a_has_raw and a_raw[i]
+            i += 1
+        elif i == na or b_pos[j] < a_pos[i]:
+            p, v, r = b_pos[j], b_val[j], b_has_raw and b_raw[j]
+            j += 1
+        else:
+            p = a_pos[i]
+            if b_has_raw and b_raw[j]:
+                v, r = b_val[j], True
+            else:
+                v, r = a_val[i] + b_val[j], a_has_raw and a_raw[i]  # int64 wraps, as numpy's add does
+            i += 1
+            j += 1
+        if r or v != 0:
+            out_pos[n], out_val[n], out_raw[n] = p, v, r
+            n += 1
+    return n
+
+
 def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
     """``a`` then ``b`` on the same tensor."""
     if a.dtype != b.dtype or a.shape != b.shape:
         raise PatchError(f"tensor {a.name!r} changes layout inside the chain; squash cannot merge it")
-    positions = np.union1d(a.positions, b.positions)
-    in_a = np.isin(positions, a.positions, assume_unique=True)
-    in_b = np.isin(positions, b.positions, assume_unique=True)
-    n = positions.size
-    a_val, a_raw = np.zeros(n, np.int64), np.zeros(n, bool)
-    b_val, b_raw = np.zeros(n, np.int64), np.zeros(n, bool)
-    a_val[in_a], b_val[in_b] = a.values, b.values
-    if a.raw is not None:
-        a_raw[in_a] = a.raw
-    if b.raw is not None:
-        b_raw[in_b] = b.raw
-    # b raw wins; otherwise b's step (zero where b is absent) is added to a's value, keeping a's kind.
-    values = np.where(b_raw, b_val, a_val + b_val)
-    raw = b_raw | (a_raw & ~b_raw)
-    keep = raw | (values != 0)  # a step chain that cancels out leaves the element as it was
+    size = a.n + b.n
+    positions, values, raw = np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.bool_)
+    n = _merge_sorted(
+        np.ascontiguousarray(a.positions, np.int64),
+        np.ascontiguousarray(a.values, np.int64),
+        np.zeros(0, np.bool_) if a.raw is None else np.ascontiguousarray(a.raw, np.bool_),
+        np.ascontiguousarray(b.positions, np.int64),
+        np.ascontiguousarray(b.values, np.int64),
+        np.zeros(0, np.bool_) if b.raw is None else np.ascontiguousarray(b.raw, np.bool_),
+        positions,
+        values,
+        raw,
+    )
+    raw = raw[:n]
     return TensorChange(
         name=a.name,
         dtype=a.dtype,
         shape=a.shape,
-        positions=positions[keep],
-        values=values[keep],
-        raw=raw[keep] if raw.any() else None,
+        positions=positions[:n],
+        values=values[:n],
+        raw=raw if raw.any() else None,
         base_fp=a.base_fp,
         target_fp=b.target_fp,
         target_digest=b.target_digest,

@@ -28,13 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from flipsync.board import Publisher as BoardPublisher
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
-from flipsync.trainer.commit import PartsPublisher, upload_part
+from flipsync.trainer.commit import upload_part
 from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
 from flipsync.trainer.slot import Item
@@ -148,7 +149,7 @@ class Engine:
         group: Group,
         run: str,
         store: Store,
-        board: PartsPublisher | None,
+        board: BoardPublisher | None,
         served_format: str,
         hasher: Hasher,
         differ: DiffEngine,

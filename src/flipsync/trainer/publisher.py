@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import torch
 
+from flipsync.board import Publisher as BoardPublisher
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store, StoreOptions, open_store
@@ -34,7 +35,6 @@ from flipsync.codec.bits import dtype_named
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
-from flipsync.trainer.commit import PartsPublisher
 from flipsync.trainer.engine import Engine, Published
 from flipsync.trainer.group import Group, make_group
 from flipsync.trainer.slot import Item, MemoryAccount, Slot
@@ -162,8 +162,8 @@ class Publisher:
         self._expected: dict[str, PieceSpec] = {n: p.spec(n, self.group.rank) for n, p in view.items()}
 
         rank0 = self.group.rank == 0
-        self.board: PartsPublisher | None = (
-            PartsPublisher(
+        self.board: BoardPublisher | None = (
+            BoardPublisher(
                 self.store,
                 self.run,
                 publisher_id=publisher_id,
