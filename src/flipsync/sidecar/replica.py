@@ -22,6 +22,10 @@ again, and converges once the fault is gone:
   fingerprint mismatch is rolled back;
 - after an engine fault or restart the weights are audited (fingerprints recomputed); if they are not the
   version on record, the replica stops serving and resyncs from a keyframe;
+- on boot (and after an audit lost the version) the replica *adopts* what an engine that outlived its
+  sidecar holds: if the recomputed view fingerprint is a version among the newest manifests on the board,
+  that version is reported and patches continue from it; anything else (a commit cut short by a killed
+  sidecar, other weights) resyncs from a keyframe, so a half-written engine is never reported;
 - a base mismatch (the engine no longer holds the base it should) resyncs from a keyframe;
 - a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is.
 """
@@ -81,6 +85,8 @@ class ReplicaConfig:
     drain_timeout_s: float = 30.0
     max_replans: int = 3
     jitter: float = 0.1  # +-10% on every wait, so a fleet does not poll in lockstep
+    # How many of the newest version manifests to compare with what the engine holds on boot (0: never adopt).
+    adopt_search: int = 64
 
 
 @dataclass(frozen=True)
@@ -177,6 +183,8 @@ class Replica:
         self._state_since = time.monotonic()
         self._engine_up = True
         self._need_audit = False
+        self._adopt_pending = True  # the engine may outlive its sidecar: look at what it holds first
+        self._adopted: dict[str, Any] | None = None
         self._bad_edges: dict[Edge, UnusableArtifactError] = {}
         self._error: Failure | None = None
         self._last_error: Failure | None = None
@@ -243,6 +251,7 @@ class Replica:
                 "updates": self._updates,
                 "fetched_bytes": self._fetched_bytes,
                 "last_update": asdict(self._last_update) if self._last_update else None,
+                "adopted": self._adopted,
                 "error": asdict(self._error) if self._error else None,
                 "last_error": asdict(self._last_error) if self._last_error else None,
                 "excluded": [
@@ -365,6 +374,8 @@ class Replica:
         held = self._engine_call("recompute_table", self.engine.recompute_table).view_fp()
         if self._view_fp is not None and held != self._view_fp:
             self._lose_version(f"{why}, the engine holds view {held[:16]}, not v{self._version}'s {self._view_fp[:16]}")
+        if self._version is None:
+            self._adopt_pending = True  # a restarted engine may hold a published version (its checkpoint)
         self._need_audit = False
 
     def _after_engine_fault(self, e: BaseException) -> None:
@@ -387,6 +398,62 @@ class Replica:
         if m.target_view_fp != self._view_fp:
             self._lose_version(f"the board says v{m.version} is view {m.target_view_fp[:16]}")
 
+    def _adopt(self, head: int) -> None:
+        """Report the version an engine already holds (it outlived its sidecar), if the board has it.
+
+        The engine's fingerprints are recomputed from its weights (O(size), once) and compared with the
+        target view of the newest ``adopt_search`` version manifests (signature-checked with a verifier).
+        No match (a commit cut short between ranks or tensors, weights from elsewhere) means a keyframe.
+        """
+        name = self.engine.name
+        if self.config.adopt_search <= 0 or not getattr(self.engine, "adoptable", True):
+            self._adopt_pending = False
+            log.info("not adopting what the %s engine holds (disabled for it); loading a keyframe", name)
+            return
+        try:
+            held_table = self._engine_call("recompute_table", self.engine.recompute_table)
+        except EngineUnavailableError:
+            raise  # try again once it answers
+        except FlipsyncError as e:  # e.g. tensor-parallel replicas disagree: a commit reached some ranks only
+            self._adopt_pending = False
+            log.warning("cannot read back a consistent view from the %s engine (%s); loading a keyframe", name, e)
+            return
+        held = held_table.view_fp()
+        tracked = self.engine.table.view_fp()
+        if held != tracked:  # patches are staged against ``table``: it must describe the weights
+            self._adopt_pending = False
+            log.warning(
+                "the %s engine's fingerprint table (%s) does not describe its weights (%s); loading a keyframe",
+                name,
+                tracked[:16],
+                held[:16],
+            )
+            return
+        lowest = max(head - self.config.adopt_search + 1, min(self.reader.catalog.list_versions(), default=0))
+        match: Manifest | None = None
+        hi = head
+        while match is None and hi >= lowest:  # newest first, in small batches: usually it is HEAD or close
+            lo = max(lowest, hi - 7)
+            found = self.reader.catalog.read_versions(range(lo, hi + 1))
+            match = max((m for m in found.values() if m.target_view_fp == held), key=lambda m: m.version, default=None)
+            hi = lo - 1
+        self._adopt_pending = False
+        if match is None:
+            log.warning(
+                "the %s engine holds view %s, which is none of v%d..v%d on the board (a commit cut short, or "
+                "other weights); loading a keyframe",
+                name,
+                held[:16],
+                lowest,
+                head,
+            )
+            return
+        self._label(match)
+        with self._n.lock:
+            self._adopted = {"version": match.target_version, "view_fp": held, "at": _now()}
+        self._set_version(match.target_version, match.target_view_fp)
+        log.info("adopted v%d: the %s engine already holds its view %s", match.target_version, name, held[:16])
+
     def _reconcile(self) -> None:
         self._set_state(State.FETCHING)
         head = self.reader.head()
@@ -394,7 +461,11 @@ class Replica:
             self._head = head
         self.metrics.head.set(-1 if head is None else head)
         self._update_lag()
-        if head is None or self._version == head:
+        if head is None:
+            return
+        if self._version is None and self._adopt_pending:
+            self._adopt(head)
+        if self._version == head:
             return
         self._check_local_view()
         transient: set[Edge] = set()

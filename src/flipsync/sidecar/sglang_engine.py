@@ -172,6 +172,9 @@ class SglangEngine(Engine):
     """An SGLang server updated through ``/update_weights_from_disk`` from a mirror of the served view."""
 
     name: ClassVar[str] = "sglang"
+    # The fingerprints come from the mirror, not the server: a sidecar killed between the server's update and
+    # the mirror's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead of adopting.
+    adoptable: ClassVar[bool] = False
 
     def __init__(
         self,

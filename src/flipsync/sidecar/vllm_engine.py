@@ -52,6 +52,7 @@ from flipsync.sidecar.vllm_worker import (
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
     PROTOCOL,
+    RELOAD,
     RPC_METHOD,
     WorkerCore,
     b64,
@@ -309,8 +310,17 @@ class VllmEngine(Engine):
             unheld.update(res.get("unheld", {}))
         self.unheld = self._coverage(unheld)
         self._table = table.copy() if table is not None else FingerprintTable()
+        # Why the ranks hold no consistent view (None: they do); patches are refused until a full load.
+        self._diverged: str | None = None
         if table is None:
-            self._table = self.recompute_table()
+            try:
+                self._table = self.recompute_table()
+            except VerificationError as e:
+                # A commit that reached some ranks only (its sidecar killed before the undo): attach anyway,
+                # so that the sidecar can resync the engine from a keyframe instead of failing to boot.
+                self._diverged = str(e)
+                self._table = self._recompute(strict=False)
+                log.warning("vllm engine: the workers hold no consistent view (%s); a full load is needed", e)
         elif set(table) != set(self._specs):
             raise ConfigError("the fingerprint table does not describe the same tensors as the specs")
         log.info(
@@ -366,6 +376,17 @@ class VllmEngine(Engine):
     def table(self) -> FingerprintTable:
         return self._table
 
+    @property
+    def adoptable(self) -> bool:
+        """Whether ``recompute_table`` reads what the kernels compute from, right after attaching.
+
+        Not with reload-mode (repacked) parameters: their host copies are captured from ``source`` at attach,
+        so after a sidecar restart they describe that checkpoint, not necessarily the weights served.
+        """
+        return self._diverged is None and all(
+            info["mode"] != RELOAD for params in self.params.values() for info in params.values()
+        )
+
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if specs_of(view) != self._specs:
             raise ConfigError(
@@ -385,9 +406,12 @@ class VllmEngine(Engine):
         if held.view_fp() != self._table.view_fp():
             bad = sorted(n for n in held if held[n] != self._table[n])
             raise VerificationError(f"after loading the view the engine holds other bytes in {bad[:5]}")
+        self._diverged = None
 
     def stage(self, patch: Patch) -> VllmStaged:
         t0 = time.perf_counter()
+        if self._diverged is not None:
+            raise BaseMismatchError(f"the workers hold no consistent view ({self._diverged}); load a full view first")
         for s in patch.sections:
             spec = self._specs.get(s.name)
             if spec is None:
@@ -504,6 +528,10 @@ class VllmEngine(Engine):
         self._table.update(undo.table_before)
 
     def recompute_table(self) -> FingerprintTable:
+        return self._recompute(strict=True)
+
+    def _recompute(self, *, strict: bool) -> FingerprintTable:
+        """``strict=False``: where replicas disagree, the lowest rank's bytes count (a placeholder table)."""
         answers = self._call({"op": "fingerprint", "names": None}, max(self._timeout, 600.0))
         regions: dict[str, dict[tuple[int, int, int, int], tuple[str, str]]] = {}
         for a in answers:
@@ -512,7 +540,7 @@ class VllmEngine(Engine):
                 per = regions.setdefault(name, {})
                 for pname, block, fp in rows:
                     key = (int(block[0]), int(block[2]), int(block[3]), int(block[4]))
-                    if key in per and per[key][0] != fp:
+                    if strict and key in per and per[key][0] != fp:
                         raise VerificationError(
                             f"replicas of {name!r} disagree: {per[key][1]} and rank {rank} {pname} hold different "
                             "bytes for the same elements; resync from a keyframe"
