@@ -171,3 +171,79 @@ def test_cuda_diff_and_apply_match_cpu(chain: list) -> None:
     assert p_gpu.to_bytes() == p_cpu.to_bytes()
     apply_patch(cuda, p_cpu, FingerprintTable.of(cuda))
     assert all(same_bits(cuda[k].cpu(), chain[1][k]) for k in cuda)
+
+
+@pytest.mark.parametrize("dtype", ["F64", "F32", "BF16", "F8_E4M3", "F8_E8M0", "I64", "I16", "I8", "U8"])
+@pytest.mark.parametrize("mode", ["step", "raw", "mixed"])
+@pytest.mark.parametrize("gathered", [False, True])
+def test_stage_kernel_matches_the_reference_key_and_fingerprint(dtype: str, mode: str, gathered: bool) -> None:
+    """The fused kernel is bitwise the numpy definitions: bits.to_key/from_key and digest.fingerprint_of,
+    including steps that wrap past either end of the key range (any symbol is a legal step)."""
+    from flipsync.codec.bits import dtype_named, from_key, to_key, unzigzag
+    from flipsync.codec.digest import fingerprint_of
+
+    d = dtype_named(dtype)
+    rng = np.random.default_rng(len(dtype) * 7 + len(mode))
+    numel, n = 50_000, 5_000  # several kernel blocks
+    tensor = rng.integers(0, 1 << 63, size=numel, dtype=np.uint64).astype(d.uint_numpy)
+    positions = np.unique(rng.integers(0, numel, size=n)).astype(np.int64)
+    n = positions.size
+    small = rng.integers(0, 8, size=n).astype(np.uint64)
+    wide = rng.integers(0, 1 << 63, size=n, dtype=np.uint64) * np.uint64(2) + rng.integers(0, 2, size=n).astype(
+        np.uint64
+    )
+    steps = np.where(rng.random(n) < 0.9, small, wide)
+    raw_bits = rng.integers(0, 1 << 63, size=n, dtype=np.uint64).astype(d.uint_numpy).astype(np.uint64)
+    flags = {"step": np.zeros(n, bool), "raw": np.ones(n, bool), "mixed": rng.random(n) < 0.3}[mode]
+    symbols = np.where(flags, raw_bits, steps)
+
+    old = tensor[positions]
+    keys = to_key(old, d) + unzigzag(steps)
+    expected = np.where(flags, raw_bits.astype(d.uint_numpy), from_key(keys, d))
+    expected_fp = (fingerprint_of(positions, expected) - fingerprint_of(positions, old)) & ((1 << 64) - 1)
+
+    old_out, new_out = np.empty(n, d.uint_numpy), np.empty(n, d.uint_numpy)
+    bad, delta = apply_mod._stage_kernel(
+        old.copy() if gathered else tensor,
+        positions,
+        gathered,
+        symbols,
+        flags if mode == "mixed" else np.zeros(0, bool),
+        apply_mod._MODE[mode],
+        apply_mod._KIND[d.kind],
+        d.bits,
+        old_out,
+        new_out,
+    )
+    assert bad == -1
+    assert np.array_equal(old_out, old) and np.array_equal(new_out, expected)
+    assert int(delta) == expected_fp
+
+
+def test_stage_kernel_refuses_raw_values_wider_than_the_dtype() -> None:
+    bits = np.zeros(10, np.uint16)
+    out = np.empty(3, np.uint16), np.empty(3, np.uint16)
+    symbols = np.array([5, 1 << 16, 7], np.uint64)
+    bad, _ = apply_mod._stage_kernel(bits, np.array([1, 2, 3]), False, symbols, np.zeros(0, bool), 1, 0, 16, *out)
+    assert bad == 1
+
+
+@pytest.mark.parametrize("mode", ["step", "raw"])
+def test_patches_coded_with_constriction_still_apply(chain: list, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Patches written before the ``ans`` coder carry ``rans`` (constriction) value streams."""
+    from flipsync.codec import streams
+
+    def legacy(symbols: np.ndarray) -> tuple[dict, bytes]:
+        params, blob = streams.rans_encode(symbols)
+        return {"codec": "rans", **params}, blob
+
+    with monkeypatch.context() as m:
+        m.setattr(streams, "encode_symbols", legacy)
+        data = diff_views(chain[0], chain[1], mode=mode)[0].to_bytes()
+    patch = Patch.from_bytes(data)
+    assert {s.val["codec"] for s in patch.sections} == {"rans"}
+    work = snapshot(chain[0])
+    table = FingerprintTable.of(work)
+    apply_patch(work, patch, table)
+    assert unchanged(work, chain[1])
+    assert table == FingerprintTable.of(chain[1])

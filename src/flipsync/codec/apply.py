@@ -23,13 +23,18 @@ from typing import Literal
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from flipsync.codec.bits import DType, dtype_of, from_key, int_view, to_key
+from flipsync.codec import streams
+from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.build import gather_bits
-from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of, fp_hex
-from flipsync.codec.patch import Patch, TensorChange
+from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, _fmix64, fp_hex
+from flipsync.codec.patch import Patch, split_streams
 from flipsync.domain.patch import SectionHeader
-from flipsync.errors import BaseMismatchError, PatchError, VerificationError
+from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 
 Verify = Literal["fingerprint", "digest"]
 PARALLEL_STAGE_CHANGES = 100_000  # below this, a thread pool costs more than it saves
@@ -69,9 +74,34 @@ class ApplyResult:
     commit_s: float
 
 
+@intrinsic
+def _prefetch_for_write(typingctx, arr, idx):  # type: ignore[no-untyped-def]
+    """llvm.prefetch(&arr[idx], write, high locality): a hint only, it never faults."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        addr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+        )
+        builder.call(fn, [addr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_SCATTER_AHEAD = 32  # prefetch this many writes ahead: random stores otherwise stall on the store buffer
+
+
 @numba.njit(nogil=True, cache=True)
 def _scatter_cpu(flat: np.ndarray, positions: np.ndarray, bits: np.ndarray) -> None:
-    for i in range(positions.shape[0]):
+    n = positions.shape[0]
+    for i in range(n):
+        if i + _SCATTER_AHEAD < n:  # ~1.3x faster on tensors far larger than the cache
+            _prefetch_for_write(flat, positions[i + _SCATTER_AHEAD])
         flat[positions[i]] = bits[i]
 
 
@@ -90,6 +120,131 @@ def scatter(t: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Non
 def _torch_bits(bits: np.ndarray, d: DType, device: torch.device) -> torch.Tensor:
     signed = bits if d.bits == 8 else bits.view(f"<i{d.bits // 8}")
     return torch.from_numpy(np.ascontiguousarray(signed)).to(device)
+
+
+_KIND = {"float": 0, "int": 1, "uint": 2}
+_MODE = {"step": 0, "raw": 1, "mixed": 2}
+_FP_SEED = np.uint64(0x9E3779B97F4A7C15)  # digest.py's per-position constant
+_BLOCK = 2048  # values per kernel block: its gathered bits stay in L1 between the kernel's three loops
+
+
+@numba.njit(nogil=True, cache=True)
+def _stage_kernel(
+    src: np.ndarray,
+    positions: np.ndarray,
+    gathered: bool,
+    symbols: np.ndarray,
+    raw: np.ndarray,
+    mode: int,
+    kind: int,
+    width: int,
+    old_out: np.ndarray,
+    new_out: np.ndarray,
+) -> tuple[int, np.uint64]:
+    """Everything staging does per changed value, block by block: gather the old bits (``src[positions[i]]``,
+    or ``src[i]`` when already ``gathered``), apply the zigzagged step or raw pattern through the order key
+    (the arithmetic of bits.to_key/from_key, mod 2**64, truncated to ``width``), and accumulate the
+    fingerprint delta sum(h(i, new) - h(i, old)) of digest.py.
+
+    Three tight loops per block rather than one fused loop: a bare gather loop keeps many cache misses in
+    flight, and the branch-free arithmetic and hash loops vectorise (one fused loop was 4x slower).
+    Returns (index of the first raw value wider than ``width``, or -1; fingerprint delta mod 2**64).
+    """
+    one = np.uint64(1)
+    zero = np.uint64(0)
+    half = one << np.uint64(width - 1)
+    mask = (half - one) | half
+    top = mask  # the largest pattern of this width
+    acc = zero
+    n = positions.shape[0]
+    for b0 in range(0, n, _BLOCK):
+        b1 = min(n, b0 + _BLOCK)
+        if gathered:
+            for i in range(b0, b1):
+                old_out[i] = src[i]
+        else:
+            for i in range(b0, b1):
+                old_out[i] = src[positions[i]]
+        if mode != 1:  # steps (for a mixed section, raw entries are overwritten below)
+            if kind == 0:  # sign-magnitude float: negative patterns reversed
+                for i in range(b0, b1):
+                    u = np.uint64(old_out[i])
+                    z = np.uint64(symbols[i])
+                    key = ((top - u) if (u & half) else (u + half)) + ((z >> one) ^ (zero - (z & one)))
+                    new_out[i] = ((key - half) if (key & half) else (top - key)) & mask
+            elif kind == 1:  # two's complement: offset binary
+                for i in range(b0, b1):
+                    z = np.uint64(symbols[i])
+                    new_out[i] = (((np.uint64(old_out[i]) ^ half) + ((z >> one) ^ (zero - (z & one)))) ^ half) & mask
+            else:
+                for i in range(b0, b1):
+                    z = np.uint64(symbols[i])
+                    new_out[i] = (np.uint64(old_out[i]) + ((z >> one) ^ (zero - (z & one)))) & mask
+        if mode != 0:
+            for i in range(b0, b1):
+                if mode == 1 or raw[i]:
+                    z = np.uint64(symbols[i])
+                    if z & ~mask:
+                        return i, acc
+                    new_out[i] = z
+        for i in range(b0, b1):
+            h = _fmix64(np.uint64(positions[i]) + _FP_SEED)
+            acc += _fmix64(h ^ np.uint64(new_out[i])) - _fmix64(h ^ np.uint64(old_out[i]))
+    return -1, acc
+
+
+@dataclass
+class _Decoded:
+    """One section's streams decoded but not yet turned into values (the stage kernel does that)."""
+
+    dtype: DType
+    mode: str  # "step", "raw" or "mixed"
+    positions: np.ndarray  # int64, sorted, below numel
+    symbols: np.ndarray  # zigzagged steps or raw patterns
+    raw: np.ndarray | None  # per-value kind flags of a mixed section
+
+
+def _decode_section(section: SectionHeader, blob: bytes | memoryview) -> _Decoded:
+    """The checks of ``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
+    try:
+        d = dtype_named(section.dtype)
+    except PatchError as e:
+        raise CorruptPatchError(str(e)) from None
+    blobs = split_streams(section, blob)
+    n = section.n
+    positions = streams.decode_positions(section.pos, blobs["pos"], n, section.numel)
+    symbols = streams.decode_symbols(section.val, blobs["val"], n)
+    raw = None
+    if section.mode == "mixed":
+        if section.tag is None:
+            raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
+        tags = streams.decode_symbols(section.tag, blobs["tag"], n)
+        if tags.size and int(tags.max()) > 1:
+            raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
+        raw = tags.astype(bool)
+    return _Decoded(d, section.mode, positions, symbols, raw)
+
+
+def _stage_bits(t: torch.Tensor, dec: _Decoded, name: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Old and new bit patterns at the changed positions, and the fingerprint delta (mod 2**64)."""
+    d = dec.dtype
+    n = dec.positions.size
+    if n and dec.positions[-1] >= t.numel():  # the decoders bound positions by the header's shape already
+        raise CorruptPatchError(f"section {name!r} has positions past the end of its tensor")
+    old_bits = np.empty(n, dtype=d.uint_numpy)
+    new_bits = np.empty(n, dtype=d.uint_numpy)
+    if t.device.type == "cpu":
+        src, gathered = bits_numpy(t), False
+    else:
+        src, gathered = gather_bits(t, dec.positions), True
+    raw = dec.raw if dec.raw is not None else np.zeros(0, dtype=bool)
+    mode = _MODE[dec.mode]
+    bad, delta = _stage_kernel(
+        src, dec.positions, gathered, dec.symbols, raw, mode, _KIND[d.kind], d.bits, old_bits, new_bits
+    )
+    if bad >= 0:
+        raise CorruptPatchError(f"section {name!r} has raw values wider than {d.name}")
+    return old_bits, new_bits, int(delta)
 
 
 def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: FingerprintTable) -> None:
@@ -135,24 +290,23 @@ def stage(
         _check_layout(tensors, s.name, s.dtype, s.shape)
 
     def prepare(s: SectionHeader) -> StagedWrite:
-        change: TensorChange = patch.change(s.name)
         t = tensors[s.name]
-        old_bits = gather_bits(t, change.positions)
-        new_bits = from_key(change.new_keys(to_key(old_bits, change.dtype)), change.dtype)
-        fp = table[s.name].fp - fingerprint_of(change.positions, old_bits) + fingerprint_of(change.positions, new_bits)
-        fp &= (1 << 64) - 1
-        if check and fp != change.target_fp:
+        dec = _decode_section(s, patch.section_blob(s.name))
+        old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
+        fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
+        target_fp = int(s.target_fp, 16)
+        if check and fp != target_fp:
             raise VerificationError(
                 f"tensor {s.name!r} would not match the patch's target fingerprint; the patch is corrupt "
                 "or was built from other tensors (nothing was changed)"
             )
         return StagedWrite(
             name=s.name,
-            positions=torch.from_numpy(change.positions).to(t.device),
-            old_bits=_torch_bits(old_bits, change.dtype, t.device),
-            new_bits=_torch_bits(new_bits, change.dtype, t.device),
-            target=TensorId(change.dtype.name, change.shape, change.target_fp if check else fp),
-            target_digest=change.target_digest,
+            positions=torch.from_numpy(dec.positions).to(t.device),
+            old_bits=_torch_bits(old_bits, dec.dtype, t.device),
+            new_bits=_torch_bits(new_bits, dec.dtype, t.device),
+            target=TensorId(dec.dtype.name, s.shape, target_fp if check else fp),
+            target_digest=s.target_digest,
         )
 
     # Sections are independent and their decoders release the GIL for most of the work: large patches are

@@ -246,10 +246,13 @@ class Patch:
         return len(self._blobs.get(name, b""))
 
     def change(self, name: str) -> TensorChange:
-        section = self._sections[name]
+        return decode_change(self._sections[name], self.section_blob(name))
+
+    def section_blob(self, name: str) -> bytes | memoryview:
+        """The coded streams of one section, back to back (see :func:`split_streams`)."""
         if name not in self._blobs:
             raise CorruptPatchError(f"patch lacks the coded streams of tensor {name!r}")
-        return decode_change(section, self._blobs[name])
+        return self._blobs[name]
 
     def changes(self) -> Iterator[TensorChange]:
         for section in self.header.sections:
