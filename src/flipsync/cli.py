@@ -17,11 +17,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from flipsync.board.cli import board_app, keygen
+from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.codec.bits import dtype_of
 from flipsync.domain.patch import ViewRef
-from flipsync.errors import ConfigError, FlipsyncError
-from flipsync.formats import FORMAT_NAMES, served_view
+from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError, VerificationError
+from flipsync.formats import FORMAT_NAMES, get_format, served_view
 from flipsync.sidecar.cli import relay, sidecar
 from flipsync.trainer.cli import publish as publish_cmd
 from flipsync.trainer.cli import watch as watch_cmd
@@ -35,6 +37,9 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks: every comparison runs side by side in one process.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+
+
+CODEC_DTYPES = "bf16, fp16, fp32, fp64, fp8 (e4m3, e5m2, e8m0), int8 to int64, uint8 and bool tensors"
 
 
 class InputKind(StrEnum):
@@ -86,11 +91,24 @@ def _served(path: Path, fmt: str | None, kind: InputKind, *, from_fp32: bool = F
     tensors = {name: ckpt[name] for name in ckpt}
     master = _is_master(tensors) if kind is InputKind.auto else kind is InputKind.master
     if not master:
+        _check_dtypes(path, tensors)
         return tensors
     if fmt is None:
         raise ConfigError(f"{path} holds master weights: say which served format to quantize them to (--format)")
     log.info("quantizing %s to %s", path, fmt)
     return served_view(tensors, fmt, from_fp32=from_fp32)
+
+
+def _check_dtypes(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Name the tensor the codec cannot hold here, where the user can still act on the checkpoint."""
+    for name, t in tensors.items():
+        try:
+            dtype_of(t)
+        except PatchError:
+            raise ConfigError(
+                f"{path}: tensor {name!r} is {t.dtype}, which flipsync cannot patch (it patches {CODEC_DTYPES}); "
+                "convert it or leave it out of the checkpoint"
+            ) from None
 
 
 def _size(n: float) -> str:
@@ -198,10 +216,31 @@ def apply(
 
     def go() -> None:
         patch = Patch.load(patch_path)
-        tensors = _served(base, fmt or patch.header.served_format, input_kind)
+        made_for = patch.header.served_format
+        if fmt is not None and made_for is not None and fmt != made_for:
+            raise ConfigError(
+                f"{patch_path} holds {made_for} served values, but --format {fmt} was given: "
+                f"leave --format out (the patch's format is used) or pass --format {made_for}"
+            )
+        tensors = _served(base, fmt or made_for, input_kind)
         tensors = {k: v.clone() for k, v in tensors.items()}
         table = FingerprintTable.of(tensors)
-        result = apply_patch(tensors, patch, table, verify=verify.value)  # type: ignore[arg-type]
+        try:
+            result = apply_patch(tensors, patch, table, verify=verify.value)  # type: ignore[arg-type]
+        except BaseMismatchError as e:
+            raise BaseMismatchError(
+                f"{e} ({base} is not the base {patch_path} was made from: pass that checkpoint, its served "
+                "view, or the output of applying the patches before this one)"
+            ) from None
+        reached = table.view_fp()
+        if reached != patch.header.target.view:
+            # apply_patch checks every changed tensor, not the view the header promises; a header naming
+            # another target is corrupt or crafted, and nothing may be written from it.
+            result.undo.rollback(tensors, table)
+            raise VerificationError(
+                f"{patch_path} says it leads to view {patch.header.target.view}, but its changes lead to {reached}: "
+                f"the patch header is corrupt; nothing was written to {out}. Rebuild the patch with `flipsync diff`"
+            )
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
         _console().print(
             f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "
@@ -293,9 +332,14 @@ def demo(
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; islands follow the board and roll out."""
-    from flipsync.demo.run import DemoConfig, run_demo, write_outputs
 
     def go() -> None:
+        # Checked before the imports and the warm start, which take a minute, so a typo fails at once.
+        get_format(fmt)
+        if bandwidth.lower() != "none":
+            parse_bandwidth(bandwidth)
+        from flipsync.demo.run import DemoConfig, run_demo, write_outputs
+
         cfg = DemoConfig(
             steps=steps,
             served_format=fmt,
@@ -460,17 +504,24 @@ def bench_scaling(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
 @bench_app.command("all")
 def bench_all(
     quick: QuickOpt = False,
-    out: Annotated[Path, typer.Option("--output", "-o", help="markdown file to write")] = Path(
-        "docs/benchmarks-all.md"
-    ),
+    out: Annotated[
+        Path, typer.Option("--output", "-o", help="markdown file to write; its plots go to the folder of its stem")
+    ] = Path("docs/benchmarks.md"),
 ) -> None:
-    """Every benchmark, written up as one markdown file (with a cross-region plot beside it)."""
+    """Every benchmark, written up as docs/benchmarks.md (tables, targets, PNG plots in docs/benchmarks/)."""
+    import shlex
+    import sys
+
     from flipsync.bench.all import run_all
 
     def go() -> None:
-        text = run_all(Console(width=max(200, Console().width)), quick=quick, plot=out.with_name("crossregion.png"))
+        args = sys.argv[1:]
+        if args[:2] != ["bench", "all"]:  # called in-process (tests): the equivalent command line
+            args = ["bench", "all", *(["--quick"] if quick else []), "-o", str(out)]
+        command = shlex.join(["flipsync", *args])
+        text = run_all(Console(width=max(200, Console().width)), quick=quick, out=out, command=command)
         out.write_text(text)
-        _console().print(f"wrote {out}")
+        _console().print(f"wrote {out} and its plots in {out.parent / out.stem}/")
 
     _run(go)
 

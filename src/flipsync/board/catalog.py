@@ -156,7 +156,7 @@ class Catalog:
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
         except NotFoundError:
             return None
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:  # RecursionError: absurdly nested JSON
             log.warning("ignoring unreadable HEAD hint %s/%s: %s", self.store.url, self.layout.latest, e)
             return None
 

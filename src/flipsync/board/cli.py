@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import unquote, urlparse
 
 import typer
 from rich.console import Console
@@ -45,6 +46,14 @@ def _fail(console: Console, e: Exception) -> typer.Exit:
 
 
 def _open(url: str, options: list[str] | None) -> ObstoreStore:
+    """Open a board to look at: a local one must exist (open_store creates folders, as publishers need)."""
+    parsed = urlparse(url)
+    if parsed.scheme in ("", "file"):
+        local = Path(unquote(parsed.path) if parsed.scheme == "file" else url).expanduser()
+        if not local.is_dir():
+            raise NotFoundError(
+                f"board {url} does not exist: check the path (a publisher creates it with its first version)"
+            )
     return open_store(url, parse_store_options(options))
 
 
@@ -53,13 +62,16 @@ def _runs(store: ObstoreStore) -> list[str]:
 
 
 def _pick_run(store: ObstoreStore, run: str | None) -> str:
-    if run:
-        return run
     runs = _runs(store)
+    if run:
+        if run not in runs:
+            known = f"its runs: {', '.join(runs[:20])}" if runs else "it holds no runs yet"
+            raise NotFoundError(f"run {run!r} does not exist on {store.url} ({known}); check --run")
+        return run
     if len(runs) == 1:
         return runs[0]
     if not runs:
-        raise NotFoundError(f"{store.url} holds no runs")
+        raise NotFoundError(f"{store.url} holds no runs: check the URL, or publish to it first")
     raise ConfigError(f"{store.url} holds several runs ({', '.join(runs)}): choose one with --run")
 
 

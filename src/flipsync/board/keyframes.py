@@ -13,11 +13,11 @@ import json
 from collections.abc import Iterator, Mapping
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
+from safetensors import SafetensorError, deserialize
 from safetensors.torch import save as st_save
 
-from flipsync.errors import ConfigError, IntegrityError
+from flipsync.codec.bits import dtype_named
+from flipsync.errors import ConfigError, IntegrityError, PatchError
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
@@ -79,7 +79,7 @@ def parse_index(data: bytes) -> dict[str, str]:
     """The weight map of an index file, validated."""
     try:
         index = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # the last: nesting deeper than Python's stack
         raise IntegrityError(f"keyframe index is not valid JSON ({e})") from None
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
@@ -96,11 +96,7 @@ def tensors_from_files(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
     for shard in sorted(set(weight_map.values())):
         if shard not in files:
             raise IntegrityError(f"keyframe index names shard {shard!r}, which is not among its parts")
-        try:
-            part = st_load(files[shard])
-        except (SafetensorError, ValueError, RuntimeError) as e:
-            raise IntegrityError(f"keyframe shard {shard!r} is not a valid safetensors file: {e}") from None
-        for name, t in part.items():
+        for name, t in _load_shard(shard, files[shard]).items():
             if weight_map.get(name) != shard:
                 raise IntegrityError(f"tensor {name!r} in {shard!r} is not listed there by the index")
             loaded[name] = t
@@ -108,3 +104,24 @@ def tensors_from_files(files: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
     if missing:
         raise IntegrityError(f"keyframe index lists tensors missing from the shards: {missing[:5]}")
     return {n: loaded[n] for n in weight_map}
+
+
+def _load_shard(shard: str, data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of one shard. Not ``safetensors.torch.load``: it raises a bare KeyError on dtypes it
+    lacks (F8_E8M0, which the codec serves), and accepts dtypes the codec cannot fingerprint (C64, U16)."""
+    try:
+        entries = deserialize(data)
+    except (SafetensorError, ValueError) as e:
+        raise IntegrityError(f"keyframe shard {shard!r} is not a valid safetensors file: {e}") from None
+    out: dict[str, torch.Tensor] = {}
+    for name, info in entries:
+        try:
+            dtype = dtype_named(info["dtype"]).torch_dtype
+        except PatchError:
+            raise IntegrityError(
+                f"tensor {name!r} in keyframe shard {shard!r} has dtype {info['dtype']}, which flipsync does not serve"
+            ) from None
+        raw = info["data"]
+        t = torch.frombuffer(raw, dtype=dtype) if len(raw) else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(info["shape"])
+    return out

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import blake3
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InternalError, InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -42,10 +42,16 @@ class Signer:
         data = _read(pem, "private key")
         try:
             key = serialization.load_pem_private_key(data, password=None)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"cannot load the Ed25519 private key: {e}") from None
+        # UnsupportedAlgorithm: a key type cryptography lacks; InternalError: OpenSSL refused the key bytes.
+        except (ValueError, TypeError, UnsupportedAlgorithm, InternalError) as e:
+            raise ConfigError(
+                f"cannot load the Ed25519 private key: {_reason(e)} (create one with `flipsync keygen KEY`)"
+            ) from None
         if not isinstance(key, Ed25519PrivateKey):
-            raise ConfigError(f"the private key is {type(key).__name__}, not Ed25519")
+            raise ConfigError(
+                f"the private key is {type(key).__name__}, not Ed25519: "
+                "create an Ed25519 pair with `flipsync keygen KEY`"
+            )
         return cls(key)
 
     def public_key(self) -> Ed25519PublicKey:
@@ -73,10 +79,16 @@ class Verifier:
             data = _read(pem, "public key")
             try:
                 key = serialization.load_pem_public_key(data)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"cannot load the Ed25519 public key: {e}") from None
+            except (ValueError, TypeError, UnsupportedAlgorithm, InternalError) as e:  # as in Signer.from_pem
+                raise ConfigError(
+                    f"cannot load the Ed25519 public key: {_reason(e)} "
+                    "(readers take the KEY.pub that `flipsync keygen` wrote)"
+                ) from None
             if not isinstance(key, Ed25519PublicKey):
-                raise ConfigError(f"the public key is {type(key).__name__}, not Ed25519")
+                raise ConfigError(
+                    f"the public key is {type(key).__name__}, not Ed25519: pass the KEY.pub that `flipsync keygen` "
+                    "wrote beside the publisher's key"
+                )
             keys.append(key)
         return cls(keys)
 
@@ -127,6 +139,11 @@ def write_keypair(out: Path, *, force: bool = False) -> tuple[Path, Path, str]:
     os.chmod(out, 0o600)
     pub_path.write_bytes(public)
     return out, pub_path, Signer.from_pem(private).key_id
+
+
+def _reason(e: Exception) -> str:
+    # OpenSSL's InternalError text is a paragraph about its error stack; what the user needs is below.
+    return "its key bytes are corrupt" if isinstance(e, InternalError) else str(e)
 
 
 def _read(source: bytes | str | Path, what: str) -> bytes:

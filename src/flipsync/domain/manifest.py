@@ -327,7 +327,7 @@ class Manifest:
         """Parse and validate; every problem raises IntegrityError naming the field."""
         try:
             d = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # the last: nesting deeper than Python's stack
             raise _fail(f"not valid JSON ({e})") from None
         return cls.from_dict(d)
 

@@ -1,0 +1,187 @@
+"""Seed inputs for the fuzz targets, built in process from real patches, manifests, keyframes and keys.
+
+Nothing binary is committed: every seed is generated from a fixed RNG seed (keys excepted, which are fresh
+per run; their bytes do not matter, only their structure), so corpora stay small and follow the formats.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x25519
+
+from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
+from flipsync.board.signing import Signer
+from flipsync.codec import Patch, diff_views, squash, streams
+from flipsync.codec.bits import zigzag
+from flipsync.codec.patch import encode_change
+from flipsync.domain.manifest import Kind, Manifest, Part
+from tests.strategies import edit
+
+SEPARATOR = b"\x00"  # splits a two-part fuzz input (JSON cannot hold a raw NUL byte)
+H = "ab" * 32
+
+
+@dataclass(frozen=True)
+class PatchCase:
+    """A real patch and the views at both of its ends."""
+
+    old: dict[str, torch.Tensor]
+    new: dict[str, torch.Tensor]
+    data: bytes
+
+
+def _case(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kw: object) -> PatchCase:
+    patch, _ = diff_views(old, new, **kw)  # type: ignore[arg-type]
+    return PatchCase(old, new, patch.to_bytes())
+
+
+def patch_cases() -> list[PatchCase]:
+    """Patches that between them use every codec, mode and container layout the decoder knows."""
+    rng = np.random.default_rng(8)
+    g = torch.Generator().manual_seed(8)
+    small = {
+        "a.weight": torch.randn(600, generator=g).to(torch.bfloat16),
+        "b.weight": torch.randn(40, 8, generator=g),
+        "c.bias": torch.randint(0, 255, (300,), generator=g, dtype=torch.uint8),
+        "d.weight": torch.randn(200, generator=g).to(torch.float8_e4m3fn),
+    }
+    small_new = {k: edit(rng, v, 0.05, style="ulp" if k != "c.bias" else "bits") for k, v in small.items()}
+    big = {
+        "e.weight": torch.randn(60000, generator=g).to(torch.bfloat16),
+        "f.weight": torch.randn(3000, generator=g).to(torch.float16),
+    }
+    big_new = {
+        "e.weight": edit(rng, big["e.weight"], 0.1, style="ulp"),
+        "f.weight": edit(rng, big["f.weight"], 0.3, style="bits"),
+    }
+    runs = {
+        "g.weight": torch.randn(5000, generator=g).to(torch.bfloat16),
+        "h.weight": torch.randint(-9, 9, (400,), generator=g, dtype=torch.int32),
+    }
+    runs_new = {k: edit(rng, v, 0.2, style="runs") for k, v in runs.items()}
+    cases = [
+        _case(small, small_new, base_version=3, target_version=4, served_format="bf16"),
+        _case(big, big_new),
+        _case(runs, runs_new, mode="raw"),
+    ]
+    # A step patch followed by an overwrite of the same tensors squashes into mixed sections.
+    third = {k: edit(rng, v, 0.05, style="bits") for k, v in small_new.items()}
+    first, _ = diff_views(small, small_new)
+    second, _ = diff_views(small_new, third, mode="raw")
+    cases.append(PatchCase(small, third, squash([first, second]).to_bytes()))
+    return cases
+
+
+def split_sections(data: bytes) -> bytes:
+    """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
+    patch = Patch.from_bytes(data)
+    blobs = [encode_change(change)[1] for change in patch.changes()]
+    return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
+
+
+def legacy_sections(data: bytes) -> bytes | None:
+    """The sections input of a step patch whose values use the retired ``rans`` codec, which the decoder
+    still reads (older patches on boards); None once the encoder is gone."""
+    rans_encode = getattr(streams, "rans_encode", None)
+    if rans_encode is None:
+        return None
+    patch = Patch.from_bytes(data)
+    sections, blobs = [], []
+    for change in patch.changes():
+        section, blob = encode_change(change)
+        if change.mode == "step":
+            params, values = rans_encode(zigzag(change.values))
+            section = replace(section, val={"codec": "rans", **params, "bytes": len(values)})
+            blob = blob[: section.pos["bytes"]] + values
+        sections.append(section)
+        blobs.append(blob)
+    header = replace(patch.header, sections=tuple(sections))
+    return header.to_json().encode() + SEPARATOR + b"".join(blobs)
+
+
+def manifests() -> list[Manifest]:
+    signer = Signer(ed25519.Ed25519PrivateKey.generate())
+    common: dict[str, object] = dict(
+        run="run-1",
+        served_format="bf16",
+        created="2026-01-02T03:04:05.000006Z",
+        publisher="trainer-0",
+    )
+    patch = Manifest(
+        version=7,
+        kind=Kind.PATCH,
+        base_version=6,
+        target_version=7,
+        base_view_fp="0f" * 8,
+        target_view_fp="1e" * 8,
+        parts=(Part("a1b2/patch-00000.safetensors", 123, H),),
+        meta={"origin": 0, "step": 700, "loss": 0.5, "squashed": True},
+        **common,  # type: ignore[arg-type]
+    )
+    keyframe = Manifest(
+        version=8,
+        kind=Kind.KEYFRAME,
+        base_version=None,
+        target_version=8,
+        base_view_fp=None,
+        target_view_fp="2d" * 16,
+        parts=(Part("c3/model-00001-of-00001.safetensors", 4096, H), Part(f"c3/{INDEX_NAME}", 90, "cd" * 32)),
+        **common,  # type: ignore[arg-type]
+    )
+    span = Manifest(
+        version=9,
+        kind=Kind.SPAN,
+        base_version=2,
+        target_version=9,
+        base_view_fp="0a",
+        target_view_fp="0b",
+        parts=(Part("x/patch-00000.safetensors", 1, H), Part("x/patch-00001.safetensors", 2, H)),
+        **common,  # type: ignore[arg-type]
+    )
+    return [patch, keyframe, span, signer.sign(patch), signer.sign(keyframe)]
+
+
+def manifest_seeds() -> list[bytes]:
+    out = [m.to_json().encode() for m in manifests()]
+    out.append(json.dumps(manifests()[0].to_dict(), indent=1).encode())  # not canonical, still valid
+    return out
+
+
+def keyframe_seeds() -> list[bytes]:
+    """Index JSON, NUL, one shard; the target names them as a one-shard keyframe's files."""
+    g = torch.Generator().manual_seed(1)
+    views = [
+        {"w": torch.randn(4, 4, generator=g).to(torch.bfloat16), "b": torch.zeros(3, dtype=torch.uint8)},
+        {"x": torch.randn(8, generator=g), "s": torch.ones(2, dtype=torch.float8_e8m0fnu)},
+    ]
+    out = []
+    for view in views:
+        files = dict(iter_keyframe_files(view))
+        (shard,) = (v for k, v in files.items() if k != INDEX_NAME)
+        out.append(files[INDEX_NAME] + SEPARATOR + shard)
+    return out
+
+
+def key_seeds() -> list[bytes]:
+    """PEM keys of every kind a user might hand over by mistake, and the right one."""
+    ed = ed25519.Ed25519PrivateKey.generate()
+    others = [
+        ed448.Ed448PrivateKey.generate(),
+        ec.generate_private_key(ec.SECP256R1()),
+        rsa.generate_private_key(public_exponent=65537, key_size=1024),
+        x25519.X25519PrivateKey.generate(),
+    ]
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    spki = serialization.PublicFormat.SubjectPublicKeyInfo
+    pem, none = serialization.Encoding.PEM, serialization.NoEncryption()
+    out = [ed.private_bytes(pem, pkcs8, none), ed.public_key().public_bytes(pem, spki)]
+    for key in others:
+        out.append(key.private_bytes(pem, pkcs8, none))
+        out.append(key.public_key().public_bytes(pem, spki))
+    out.append(ed.private_bytes(pem, pkcs8, serialization.BestAvailableEncryption(b"secret")))
+    return out

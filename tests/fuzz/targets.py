@@ -1,0 +1,245 @@
+"""Fuzz targets: each takes arbitrary bytes and may fail only with the flipsync error its contract names.
+
+Any other exception, a wrong result, more than ``-timeout`` seconds on one input or more than
+``-rss_limit_mb`` of memory is a finding. The targets are plain callables, so the regression tests run them
+without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in process.
+
+- ``patch``: a patch file (safetensors container) -> ``Patch.from_bytes``, every section decoded, a
+  re-encode round trip, and an apply onto the seed's base view that either refuses and leaves the tensors
+  untouched or yields exactly the verified target.
+- ``sections``: the patch header JSON and the section streams, re-wrapped into a valid container, so that
+  mutations reach the header validation and the stream decoders (rice, zstd, bits, rANS, kind flags)
+  instead of dying in the container's own zstd/base64 layer.
+- ``manifest``: manifest JSON -> ``Manifest.from_json``, canonical round trip, signature verification,
+  board placement and catch-up planning.
+- ``keyframe``: a keyframe's index JSON and one shard -> ``tensors_from_files`` and fingerprints.
+- ``keys``: PEM bytes given as a signing or verification key -> ``Signer``/``Verifier.from_pem``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import safetensors.numpy
+import torch
+import zstandard
+from obstore.store import MemoryStore
+
+try:
+    import atheris
+except ImportError:  # the targets still run as plain functions (regression tests); only fuzzing needs it
+    atheris = None
+
+# numba compiles these modules' kernels from their bytecode, which must stay free of atheris's hooks.
+_NUMBA_MODULES = [f"flipsync.codec.{m}" for m in ("bitpack", "diff", "digest", "apply", "squash")]
+
+with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if atheris else contextlib.nullcontext():
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from flipsync.board.catalog import Catalog
+    from flipsync.board.keyframes import INDEX_NAME, shard_name, tensors_from_files
+    from flipsync.board.layout import RunLayout
+    from flipsync.board.signing import Signer, Verifier
+    from flipsync.board.store import ObstoreStore
+    from flipsync.codec import FingerprintTable, Patch, apply_patch
+    from flipsync.codec.patch import CONTAINER_VERSION, SMALL_SECTIONS
+    from flipsync.domain.catchup import plan_catchup
+    from flipsync.domain.manifest import Kind, Manifest, canonical_json
+    from flipsync.errors import (
+        BoardError,
+        ConfigError,
+        CorruptPatchError,
+        FlipsyncError,
+        IntegrityError,
+        PatchError,
+    )
+
+SEPARATOR = b"\x00"
+Target = Callable[[bytes], None]
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and _bits(a[k]) == _bits(b[k]) for k in a
+    )
+
+
+class PatchTarget:
+    """Decode a patch file completely, re-encode it, and apply it to the base it names when we hold it."""
+
+    def __init__(self, cases: Iterable[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]) -> None:
+        # Views keyed by their fingerprint, so a fuzzed patch that still names a seed's base gets applied.
+        self._views: dict[str, dict[str, torch.Tensor]] = {}
+        for old, new in cases:
+            for view in (old, new):
+                self._views[FingerprintTable.of(view).view_fp()] = view
+
+    def __call__(self, data: bytes) -> None:
+        try:
+            patch = Patch.from_bytes(data)
+            changes = list(patch.changes())
+        except CorruptPatchError:  # the decoder's whole contract: this, or a patch that decodes
+            return
+        for s, c in zip(patch.sections, changes, strict=True):
+            assert c.positions.dtype == np.int64 and c.positions.size == c.values.size == s.n, s.name
+            assert c.raw is None or c.raw.size == s.n, s.name
+            assert s.n == 0 or (np.all(np.diff(c.positions) > 0) and c.positions[0] >= 0 and c.positions[-1] < s.numel)
+        self._round_trip(patch, changes)
+        self._apply(patch)
+
+    @staticmethod
+    def _round_trip(patch: Patch, changes: list) -> None:
+        h = patch.header
+        again = Patch.from_changes(changes, base=h.base, target=h.target, served_format=h.served_format, meta=h.meta)
+        back = Patch.from_bytes(again.to_bytes())
+        assert [s.name for s in back.sections] == [s.name for s in h.sections]
+        for a, b in zip(changes, back.changes(), strict=True):
+            assert np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values), a.name
+            assert (a.raw is None) == (b.raw is None) or a.mode == b.mode, a.name
+
+    def _apply(self, patch: Patch) -> None:
+        base = self._views.get(patch.header.base.view)
+        if base is None:
+            return
+        work = {k: v.clone() for k, v in base.items()}
+        table = FingerprintTable.of(work)
+        try:
+            result = apply_patch(work, patch, table, verify="digest")
+        except PatchError:
+            assert _same(work, base), "a refused apply changed the tensors"
+            return
+        if table.view_fp() != patch.header.target.view:
+            # Finding F3: apply_patch verifies each tensor, not the header's target view; its callers (the
+            # CLI, the sidecar) compare the view and roll back, which must restore the base exactly.
+            result.undo.rollback(work, table)
+            assert _same(work, base) and table.view_fp() == patch.header.base.view, "a rollback left other bits"
+            return
+        expected = self._views.get(patch.header.target.view)
+        assert expected is None or _same(work, expected), "an apply reached the target fingerprint with other bits"
+
+
+def wrap_sections(data: bytes) -> bytes:
+    """A container around ``header JSON NUL section streams``: every section reads the shared tensor."""
+    header, _, blob = data.partition(SEPARATOR)
+    packed = zstandard.ZstdCompressor(level=1).compress(header)
+    meta = {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(packed).decode()}
+    arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
+    return safetensors.numpy.save(arrays, metadata=meta)
+
+
+class SectionsTarget(PatchTarget):
+    def __call__(self, data: bytes) -> None:
+        super().__call__(wrap_sections(data))
+
+
+class ManifestTarget:
+    """Parse a manifest as a reader does, then use it the ways a reader does; the same bytes as the run's
+    ``latest.json`` HEAD hint must read as a version or as no hint, never raise."""
+
+    def __init__(self) -> None:
+        self._verifier = Verifier([Ed25519PrivateKey.generate().public_key()])
+        self._catalog = Catalog(ObstoreStore(MemoryStore(), "memory://"), "run-1")
+
+    def __call__(self, data: bytes) -> None:
+        self._catalog.store.put(self._catalog.layout.latest, data)
+        hint = self._catalog.read_hint()
+        assert hint is None or (isinstance(hint, int) and hint >= 0)
+        try:
+            m = Manifest.from_json(data)
+        except IntegrityError:
+            return
+        text = m.to_json()
+        assert Manifest.from_json(text) == m and canonical_json(m.to_dict()) == text
+        assert m.signing_payload().decode("ascii")
+        with contextlib.suppress(IntegrityError):  # unsigned, or signed by another key: refused cleanly
+            self._verifier.verify(m)
+        with contextlib.suppress(BoardError):  # e.g. a version number past what a board folder can name
+            layout = RunLayout(m.run)
+            layout.artifact_dir(m, in_versions=m.kind is not Kind.SPAN)
+        assert m.total_size >= 0
+        start = None if m.kind is Kind.KEYFRAME else m.base_version
+        plan = plan_catchup(start, m.target_version, [m])
+        assert plan.steps == (m,) and plan.describe()
+
+
+class KeyframeTarget:
+    """Rebuild a one-shard keyframe from ``index JSON NUL shard`` and fingerprint the view it holds."""
+
+    def __call__(self, data: bytes) -> None:
+        index, _, shard = data.partition(SEPARATOR)
+        try:
+            tensors = tensors_from_files({INDEX_NAME: index, shard_name(1, 1): shard})
+        except IntegrityError:
+            return
+        # A view the codec cannot fingerprint (e.g. a complex dtype) must be refused by a flipsync error.
+        with contextlib.suppress(FlipsyncError):
+            FingerprintTable.of(tensors).view_fp()
+
+
+class KeysTarget:
+    """Bytes handed over as a signing key, or as a key to verify with."""
+
+    def __call__(self, data: bytes) -> None:
+        for load in (Signer.from_pem, Verifier.from_pem):
+            with contextlib.suppress(ConfigError):
+                load(data)
+
+
+def build(name: str) -> tuple[Target, list[bytes]]:
+    """A target and its seed inputs (real artifacts built in process)."""
+    from tests.fuzz import seeds
+
+    if name in ("patch", "sections"):
+        cases = seeds.patch_cases()
+        pairs = [(c.old, c.new) for c in cases]
+        if name == "patch":
+            return PatchTarget(pairs), [c.data for c in cases]
+        inputs = [seeds.split_sections(c.data) for c in cases]
+        legacy = seeds.legacy_sections(cases[0].data)
+        return SectionsTarget(pairs), inputs + ([legacy] if legacy else [])
+    if name == "manifest":
+        return ManifestTarget(), seeds.manifest_seeds()
+    if name == "keyframe":
+        return KeyframeTarget(), seeds.keyframe_seeds()
+    if name == "keys":
+        return KeysTarget(), seeds.key_seeds()
+    raise ValueError(f"unknown fuzz target {name!r}")
+
+
+# libFuzzer options every run gets unless the command line sets them: one input may take at most 10 s and
+# the process at most 3 GiB (torch and numba alone take about 0.6 GiB), so blowups are findings.
+DEFAULTS = {"-timeout": "10", "-rss_limit_mb": "3072", "-max_len": "65536"}
+
+
+def main(name: str, argv: list[str] | None = None) -> None:
+    """``python tests/fuzz/fuzz_<name>.py [libFuzzer flags] [CORPUS_DIR]``; seeds go into the corpus."""
+    if atheris is None:
+        sys.exit("atheris is not installed: pip install atheris (wheels: Linux x86_64, CPython 3.11-3.13)")
+    args = list(sys.argv if argv is None else argv)
+    dirs = [a for a in args[1:] if not a.startswith("-")]
+    if not dirs:
+        dirs = [tempfile.mkdtemp(prefix=f"flipsync-fuzz-{name}-")]
+        args.append(dirs[0])
+    target, seed_inputs = build(name)
+    corpus = Path(dirs[0])
+    corpus.mkdir(parents=True, exist_ok=True)
+    for i, seed in enumerate(seed_inputs):
+        path = corpus / f"seed-{i:02d}"
+        if not path.exists():
+            path.write_bytes(seed)
+    for flag, value in DEFAULTS.items():
+        if not any(a.startswith(flag + "=") for a in args):
+            args.insert(1, f"{flag}={value}")
+    print(f"fuzzing {name}: corpus {corpus} ({len(seed_inputs)} seeds)", file=sys.stderr)
+    atheris.Setup(args, target)
+    atheris.Fuzz()

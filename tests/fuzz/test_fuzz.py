@@ -1,0 +1,154 @@
+"""The fuzz targets: their seeds and every finding as regression inputs (always), and a short coverage-guided
+run of each target under atheris (where atheris installs: Linux x86_64, CPython 3.11-3.13)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from obstore.store import MemoryStore
+from safetensors.torch import save
+
+from flipsync.board.catalog import Catalog
+from flipsync.board.keyframes import INDEX_NAME, parse_index, shard_name, tensors_from_files
+from flipsync.board.signing import Signer, Verifier
+from flipsync.board.store import ObstoreStore
+from flipsync.codec import Patch
+from flipsync.domain.manifest import Manifest
+from flipsync.errors import ConfigError, IntegrityError
+from tests.fuzz import seeds, targets
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = ("patch", "sections", "manifest", "keyframe", "keys")
+SECONDS_PER_TARGET = 2  # five targets, each also ~3 s to start: about 25 s in all
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[seeds.PatchCase]:
+    return seeds.patch_cases()
+
+
+def test_seeds_decode_and_pass_their_targets(cases: list[seeds.PatchCase]) -> None:
+    """The seeds are real artifacts (so the fuzzer starts deep), and the targets accept them."""
+    modes = {s.mode for c in cases for s in Patch.from_bytes(c.data).sections}
+    assert modes == {"step", "raw", "mixed"}
+    codecs = {(s.pos["codec"], s.val["codec"]) for c in cases for s in Patch.from_bytes(c.data).sections}
+    assert {p for p, _ in codecs} == {"rice", "zstd"} and len({v for _, v in codecs}) >= 2
+    for name in NAMES:
+        target, inputs = targets.build(name)
+        assert inputs
+        for data in inputs:
+            target(data)
+
+
+def test_the_sections_wrapper_rebuilds_each_seed_patch(cases: list[seeds.PatchCase]) -> None:
+    for c in cases:
+        again = Patch.from_bytes(targets.wrap_sections(seeds.split_sections(c.data)))
+        original = Patch.from_bytes(c.data)
+        assert again.header == original.header
+        for a, b in zip(again.changes(), original.changes(), strict=True):
+            assert (a.positions == b.positions).all() and (a.values == b.values).all()
+
+
+def test_a_header_naming_another_target_view_is_rolled_back(cases: list[seeds.PatchCase]) -> None:
+    """F3: apply_patch verifies tensors, not the header's target view; the rollback callers rely on restores."""
+    target = targets.SectionsTarget([(c.old, c.new) for c in cases])
+    header, _, blob = seeds.split_sections(cases[0].data).partition(seeds.SEPARATOR)
+    doc = json.loads(header)
+    doc["target"]["view"] = "0" * 32
+    target(json.dumps(doc).encode() + seeds.SEPARATOR + blob)
+
+
+def test_keyframe_shards_with_e8m0_tensors_load() -> None:
+    """F1: safetensors.torch.load raised a bare KeyError on F8_E8M0, a dtype the codec serves."""
+    scale = torch.tensor([0x7F, 0x80, 0x00], dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    index = json.dumps({"weight_map": {"s": shard_name(1, 1)}}).encode()
+    got = tensors_from_files({INDEX_NAME: index, shard_name(1, 1): save({"s": scale})})
+    assert got["s"].dtype == torch.float8_e8m0fnu
+    assert got["s"].view(torch.uint8).tolist() == [0x7F, 0x80, 0x00]
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.uint16, torch.uint32])
+def test_keyframe_shards_with_dtypes_flipsync_does_not_serve_are_refused(dtype: torch.dtype) -> None:
+    index = json.dumps({"weight_map": {"x": shard_name(1, 1)}}).encode()
+    with pytest.raises(IntegrityError, match="which flipsync does not serve"):
+        tensors_from_files({INDEX_NAME: index, shard_name(1, 1): save({"x": torch.zeros(2, dtype=dtype)})})
+
+
+# F2: an Ed25519 public key whose algorithm OID the fuzzer changed to 1.3.69.112; cryptography raised
+# UnsupportedAlgorithm, which is not a ValueError, straight through Verifier.from_pem.
+UNKNOWN_KEY_TYPE = (
+    b"-----BEGIN PUBLIC KEY-----\n"
+    b"MCowBQYDK0VwAyEAa9/eXYTopPtOXgPntgfYlIBOAkfx4LUaXBKDpe4EVS4=\n"
+    b"-----END PUBLIC KEY-----\n"
+)
+# F4: an Ed448 private key whose raw key bytes the fuzzer cut short; OpenSSL refused it with an InternalError.
+CORRUPT_ED448 = (
+    b"-----BEGIN PRIVATE KEY-----\n"
+    b"MC4CAQAwBQYDK2VxBCIEIHe9CB2jj/mFpeVlG6pjw/4oiPhggIrL0VmVw6Av1NSb\n"
+    b"-----END PRIVATE KEY-----\n"
+)
+
+
+def test_a_key_of_an_unknown_type_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="cannot load the Ed25519 public key"):
+        Verifier.from_pem(UNKNOWN_KEY_TYPE)
+    with pytest.raises(ConfigError, match="cannot load the Ed25519 private key"):
+        Signer.from_pem(UNKNOWN_KEY_TYPE.replace(b"PUBLIC", b"PRIVATE"))
+    targets.KeysTarget()(UNKNOWN_KEY_TYPE)
+
+
+def test_corrupt_key_bytes_are_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="its key bytes are corrupt"):
+        Signer.from_pem(CORRUPT_ED448)
+    targets.KeysTarget()(CORRUPT_ED448)
+
+
+# F5 (found reviewing the JSON entry points the targets share, not by the fuzzer: libFuzzer rarely builds
+# a thousand nested brackets): json.loads raises RecursionError, which is not a ValueError.
+DEEP = b"[" * 100_000
+
+
+def test_deeply_nested_json_is_refused_cleanly() -> None:
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        Manifest.from_json(DEEP)
+    with pytest.raises(IntegrityError, match="keyframe index is not valid JSON"):
+        parse_index(DEEP)
+    catalog = Catalog(ObstoreStore(MemoryStore(), "memory://"), "run-1")
+    catalog.store.put(catalog.layout.latest, DEEP)
+    assert catalog.read_hint() is None
+    targets.ManifestTarget()(DEEP)
+    targets.KeyframeTarget()(DEEP)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed (no wheel here)")
+@pytest.mark.parametrize("name", NAMES)
+def test_fuzz_briefly(name: str, tmp_path: Path) -> None:
+    """A few seconds of coverage-guided fuzzing per target; any crash, leak or hang fails the test."""
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "fuzz" / f"fuzz_{name}.py"),
+            f"-max_total_time={SECONDS_PER_TARGET}",
+            f"-artifact_prefix={artifacts}/",
+            "-print_final_stats=1",
+            str(tmp_path / "corpus"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        cwd=tmp_path,
+    )
+    tail = proc.stderr[-3000:]
+    assert proc.returncode == 0, tail
+    assert "stat::number_of_executed_units" in proc.stderr, tail
+    assert not list(artifacts.iterdir()), tail
