@@ -8,6 +8,7 @@ import torch
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
+from flipsync.domain.patch import ViewRef
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 from tests.strategies import edit, same_bits
 
@@ -40,6 +41,18 @@ def test_wrong_base_is_refused_before_any_write(chain: list) -> None:
     table = FingerprintTable.of(work)
     with pytest.raises(BaseMismatchError, match="fetch the patches in between"):
         apply_patch(work, p12, table)
+    assert unchanged(work, chain[0])
+    assert table == FingerprintTable.of(chain[0])
+
+
+def test_a_header_naming_another_target_view_is_refused_before_any_write(chain: list) -> None:
+    # Every section reaching its own target is not enough: the view the header promises must result.
+    p01, _ = diff_views(chain[0], chain[1])
+    crafted = p01.with_refs(target=ViewRef(view=FingerprintTable.of(chain[2]).view_fp(), version=2))
+    work = snapshot(chain[0])
+    table = FingerprintTable.of(work)
+    with pytest.raises(VerificationError, match="target view"):
+        apply_patch(work, crafted, table)
     assert unchanged(work, chain[0])
     assert table == FingerprintTable.of(chain[0])
 

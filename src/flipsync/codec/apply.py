@@ -313,9 +313,25 @@ def stage(
     # staged on every core (reads only; the first error is raised, nothing is written either way).
     workers = min(len(patch.sections), os.cpu_count() or 1)
     if workers < 2 or patch.header.n_changed < PARALLEL_STAGE_CHANGES:
-        return [prepare(s) for s in patch.sections]
-    with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-stage") as pool:
-        return list(pool.map(prepare, patch.sections))
+        staged = [prepare(s) for s in patch.sections]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-stage") as pool:
+            staged = list(pool.map(prepare, patch.sections))
+    if check:
+        _check_target_view(table, staged, patch)
+    return staged
+
+
+def _check_target_view(table: FingerprintTable, staged: list[StagedWrite], patch: Patch) -> None:
+    """Every tensor matching its target is not enough: the header's target view must be what results."""
+    after = table.copy()
+    after.update({w.name: w.target for w in staged})
+    if after.view_fp() != patch.header.target.view:
+        raise VerificationError(
+            f"applying this patch would give view {after.view_fp()}, not the target view "
+            f"{patch.header.target.view} (version {patch.header.target.version}) its header names; the patch "
+            "is corrupt or crafted (nothing was changed)"
+        )
 
 
 def commit(
