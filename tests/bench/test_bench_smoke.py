@@ -1,57 +1,86 @@
-"""Tiny runs of the crossregion and scaling benchmarks: correctness only, no timings asserted."""
+"""Tiny runs of the benchmarks and of ``flipsync bench all --quick``: correctness and output only, no timings."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-from rich.console import Console
+from typer.testing import CliRunner
 
-from flipsync.bench import crossregion, scaling
-from flipsync.bench.all import machine, plot_crossregion, versions
+from flipsync.bench import board, codec, crossregion, scaling, sidecar, trainer
+from flipsync.bench.all import machine, versions
+from flipsync.bench.workload import Shape
+from flipsync.cli import app
 
 RATE = 50e6  # bytes/s: fast enough that the test takes milliseconds per transfer
 
 
 @pytest.fixture(scope="module")
-def versions_small() -> crossregion.Versions:
-    return crossregion.prepare(1 << 18)
+def trained() -> crossregion.Trained:
+    return crossregion.Trained(1 << 18, 1e-6, warmup=2)
 
 
+def test_trained_step_is_the_same_every_time(trained: crossregion.Trained) -> None:
+    params, opt = trained.fresh()
+    trained.step(params, opt)
+    view = crossregion.served_view({k: p.detach() for k, p in params.items()}, crossregion.FMT)
+    assert crossregion.same_bits(view, trained.v1)
+    assert 0 < trained.changed < trained.elements
+
+
+@pytest.mark.parametrize("method", crossregion.METHODS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_patch_replicas_end_at_v1_bitwise(versions_small: crossregion.Versions, n: int) -> None:
-    out = crossregion.run_patch(versions_small, n, RATE, timeout_s=30)
+def test_every_method_ends_at_v1_bitwise(trained: crossregion.Trained, method: str, n: int) -> None:
+    out = crossregion.run_method(method, trained, n, RATE, timeout_s=60)
     assert out.bitwise
-    assert out.wan_bytes >= n * len(versions_small.patch)
+    assert 0 <= out.publish_s <= out.seconds
+    if method == "patch":
+        assert out.wan_bytes >= n * len(trained.patch)
+    elif method == "relay":  # the patch once, plus manifests and HEAD hints, whatever n
+        assert len(trained.patch) <= out.wan_bytes < 1.5 * len(trained.patch) + 8192
+    else:
+        assert out.wan_bytes >= n * trained.view_bytes
 
 
-def test_relay_carries_the_patch_once_whatever_n(versions_small: crossregion.Versions) -> None:
-    patch = len(versions_small.patch)
-    wan = []
-    for n in (1, 4):
-        out = crossregion.run_relay(versions_small, n, RATE, timeout_s=30)
-        assert out.bitwise
-        wan.append(out.wan_bytes)
-    for w in wan:
-        assert patch <= w < 1.5 * patch + 8192  # the patch once, plus manifests and HEAD hints
-    assert abs(wan[1] - wan[0]) < 0.25 * patch + 4096
-
-
-def test_full_download_ends_at_v1(versions_small: crossregion.Versions) -> None:
-    out = crossregion.run_full(versions_small, 2, RATE, timeout_s=30)
-    assert out.bitwise
-    assert out.wan_bytes >= 2 * versions_small.view_bytes
-
-
-def test_dict_engine_rolls_back(versions_small: crossregion.Versions) -> None:
-    engine = crossregion.DictEngine(versions_small.v0)
-    undo = engine.commit(engine.stage(crossregion.Patch.from_bytes(versions_small.patch)))
-    assert engine.table.view_fp() == versions_small.fp1
+def test_dict_engine_rolls_back(trained: crossregion.Trained) -> None:
+    engine = crossregion.DictEngine(trained.v0)
+    undo = engine.commit(engine.stage(crossregion.Patch.from_bytes(trained.patch)))
+    assert engine.table.view_fp() == trained.fp1
     engine.rollback(undo)
-    assert engine.table.view_fp() == versions_small.fp0
-    assert crossregion.same_bits(engine.tensors, versions_small.v0)
-    assert engine.recompute_table().view_fp() == versions_small.fp0
+    assert engine.table.view_fp() == trained.fp0
+    assert crossregion.same_bits(engine.tensors, trained.v0)
+    assert engine.recompute_table().view_fp() == trained.fp0
+
+
+def test_cost_model_adds_its_terms() -> None:
+    m = crossregion.CostModel(
+        trainer_patch_s_per_byte=1e-9,
+        trainer_full_s_per_byte=2e-9,
+        trainer_patch_fixed_s=0.5,
+        trainer_full_fixed_s=0.25,
+        receiver_s_per_change=1e-7,
+        receiver_full_s_per_byte=1e-9,
+        fixed_s=0.01,
+        relay_fixed_s=0.02,
+        cores=2,
+    )
+    patch = m.predict("patch", 1, 1e8, view_bytes=1e9, changed=1e7, patch_bytes=1e7)
+    assert patch == pytest.approx(0.5 + 1.0 + 0.01 + 0.1 + 1.0)
+    assert m.predict("patch", 4, 1e8, 1e9, 1e7, 1e7) == pytest.approx(patch + 1.0)  # 4 replicas on 2 cores
+    assert m.predict("relay", 1, 1e8, 1e9, 1e7, 1e7) == pytest.approx(patch + 0.01)
+    assert m.predict("full", 1, 1e8, 1e9, 1e7, 1e7) == pytest.approx(0.25 + 2.0 + 0.01 + 10.0 + 1.0)
+    sharded = m.predict("patch", 1, 1e8, 1e9, 1e7, 1e7, trainer_shards=10, receiver_cores=10)
+    assert sharded == pytest.approx(0.5 + 0.1 + 0.01 + 0.1 + 0.1)
+    e = crossregion.extrapolate(m, ("1gbit",), 0.02, 1.1, "a test")
+    row = e["rows"][0]
+    assert row["parallel"]["ratio"] > row["single"]["ratio"] > 1
+    assert row["wire_ratio"] == pytest.approx(500e9 / (1.1 * 0.02 * 250e9))
+
+
+def test_line_through_two_points() -> None:
+    assert crossregion._line((1.0, 3.0), (3.0, 7.0)) == pytest.approx((1.0, 2.0))
+    assert crossregion._line((1.0, 3.0), (3.0, 2.0)) == pytest.approx((2.0, 0.0))  # noise: no negative slope
+    assert crossregion._line((1.0, 3.0), (2.0, 8.0)) == pytest.approx((0.0, 4.0))  # no negative fixed part
 
 
 def test_scaling_measure_verifies() -> None:
@@ -61,39 +90,65 @@ def test_scaling_measure_verifies() -> None:
         r = scaling.measure(1_000_000, 1, engine)
     assert r["verified"]
     assert 0.002 < r["changed"] / r["elements"] < 0.004
-    assert "| 1,000,000 |" in scaling.markdown({"fraction": scaling.FRACTION, "rows": [r]})
+    assert "| 1,000,000 |" in scaling.markdown({"fraction": scaling.FRACTION, "rows": [r], "skipped": []})
 
 
-def test_crossregion_markdown_and_plot(tmp_path: Path) -> None:
-    rows: list[dict[str, Any]] = [
-        {
-            "bandwidth": "1gbit",
-            "replicas": n,
-            "patch_s": 0.01,
-            "relay_s": 0.02,
-            "full_s": 0.1,
-            "full_over_patch": 10.0,
-            "relay_wan_bytes": 10,
-            "bitwise": True,
-        }
-        for n in (1, 4)
-    ]
-    result: dict[str, Any] = {
-        "view_bytes": 1000,
-        "changed": 5,
-        "patch_bytes": 10,
-        "bytes_per_changed": 2.0,
-        "apply_s": 0.001,
-        "rows": rows,
-    }
-    result["extrapolation"] = crossregion.extrapolate(rows, 2.0, 1e-9, 1000)
-    text = crossregion.markdown(result)
-    assert "| 1gbit | 4 |" in text and "500 GB" in text
-    assert plot_crossregion(result, tmp_path / "x.png").stat().st_size > 0
+@pytest.fixture
+def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shrink every --quick setup so that ``bench all --quick`` runs in seconds under test."""
+    monkeypatch.setattr(codec, "QUICK", Shape(hidden=64, intermediate=128, layers=1, vocab=256))
+    monkeypatch.setattr(codec, "QUICK_REAL_PARAMS", 0)
+    monkeypatch.setattr(codec, "BENCH_FORMATS", ("bf16", "nvfp4"))
+    monkeypatch.setattr(crossregion, "QUICK", crossregion.Setup(1 << 16, (1, 2), ("1gbit",), repeats=1))
+    monkeypatch.setattr(sidecar, "QUICK", sidecar.Setup("tiny", (1e-3, 1e-2), repeat=1, formats=("bf16",)))
+    monkeypatch.setattr(scaling, "QUICK", scaling.Setup((200_000, 400_000), repeat=1))
+    monkeypatch.setattr(
+        board,
+        "QUICK",
+        board.Setup(patch_mib=0.25, patches=2, params=100_000, change=0.02, hot=0.25, versions=16, behind=(1, 4)),
+    )
+    monkeypatch.setattr(
+        trainer,
+        "QUICK",
+        trainer.Setup(hidden=32, intermediate=64, layers=1, vocab=128, seq=16, batch=2, rounds=2, block=2),
+    )
+
+
+def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None:
+    out = tmp_path / "benchmarks.md"
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["bench", "all", "--quick", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert f"Command: `flipsync bench all --quick -o {out}`" in text
+    assert "Machine: " in text and "Versions: Python" in text and "Date: " in text
+    for heading in (
+        "## Targets",
+        "## Codec",
+        "## Cross-region",
+        "## Engine pause",
+        "## Scaling",
+        "## Board",
+        "## Trainer",
+    ):
+        assert heading in text
+    for header in (
+        "| target | result | figure |",
+        "| workload | format | lr | changed % | bound B/chg | flipsync B/chg |",
+        "| link | N | patch | model |",
+        "| component | cost | covers |",
+        "| changed values | of view | patch |",
+        "| elements | bytes | changed |",
+        "| store | publish MB/s |",
+        "| setup | median step |",
+    ):
+        assert header in text
+    assert "```json" not in text  # tables only
+    plots = sorted(p.name for p in (tmp_path / "benchmarks").iterdir())
+    assert plots == ["codec-bytes-per-change.png", "crossregion.png", "engine-pause.png", "scaling.png"]
+    for name in plots:
+        assert f"](benchmarks/{name})" in text
+        assert (tmp_path / "benchmarks" / name).stat().st_size > 1000
+
+
+def test_machine_and_versions() -> None:
     assert "cores" in machine() and "Python" in versions()
-
-
-def test_run_quick_tables_print() -> None:
-    console = Console(record=True, width=200)
-    out = scaling.run(console, quick=True)
-    assert all(r["verified"] for r in out["rows"])

