@@ -21,6 +21,7 @@ from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import dtype_of
+from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError, VerificationError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view
@@ -254,12 +255,16 @@ def apply(
 def squash_cmd(
     patches: Annotated[list[Path], typer.Argument(help="patches v->v+1, ..., v+k-1->v+k, in order")],
     out: Annotated[Path, typer.Option("--output", "-o", help="patch file to write")],
+    max_decoded_gib: Annotated[
+        float,
+        typer.Option(help="refuse patches whose declared changes take more memory than this once decoded"),
+    ] = DEFAULT_MAX_DECODED_BYTES / (1 << 30),
 ) -> None:
     """Merge a chain of patches into one patch from the first base to the last target."""
 
     def go() -> None:
         loaded = [Patch.load(p) for p in patches]
-        merged = squash(loaded)
+        merged = squash(loaded, max_decoded_bytes=int(max_decoded_gib * (1 << 30)))
         data = merged.to_bytes()
         out.write_bytes(data)
         before = sum(len(p.to_bytes()) for p in loaded)

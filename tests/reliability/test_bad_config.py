@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -25,10 +25,11 @@ from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
 from flipsync.cli import app
-from flipsync.codec import FingerprintTable, Patch, apply_patch
+from flipsync.codec import FingerprintTable, Patch, apply_patch, streams
 from flipsync.errors import (
     BaseMismatchError,
     ConfigError,
+    CorruptPatchError,
     EngineError,
     FlipsyncError,
     NotFoundError,
@@ -82,6 +83,15 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
         )
     )
     return e
+
+
+def _crafted_huge_patch(e: Env) -> str:
+    """A real patch whose header claims 2**40 changes in a 2**20 x 2**20 tensor: its streams hold a few."""
+    patch = Patch.load(e("pm0m1"))
+    first, *rest = patch.header.sections
+    huge = replace(first, shape=(1 << 20, 1 << 20), n=1 << 40)
+    Path(e("phuge")).write_bytes(Patch(replace(patch.header, sections=(huge, *rest)), patch._blobs).to_bytes())
+    return e("phuge")
 
 
 @dataclass(frozen=True)
@@ -173,6 +183,18 @@ CLI_ROWS = [
         ("do not form a chain",),
     ),
     CliRow(
+        "a crafted patch declaring 2**40 changes (terabytes once decoded) squashed",
+        lambda e: ["squash", _crafted_huge_patch(e), "-o", e("x")],
+        1,
+        ("the patch declares 1,099,511,6", "GiB once decoded", "more than the limit of 8 GiB", "--max-decoded-gib"),
+    ),
+    CliRow(
+        "a chain squashed under a lower memory cap",
+        lambda e: ["squash", e("pm0m1"), e("pm1m2"), "-o", e("x"), "--max-decoded-gib", "0.000001"],
+        1,
+        ("the patches declare", "more than the limit", "--max-decoded-gib N"),
+    ),
+    CliRow(
         "a board path that does not exist",
         lambda e: ["board", "ls", e("no-such-board")],
         1,
@@ -227,6 +249,18 @@ CLI_ROWS = [
         ("cannot read the private key file", "nokey.pem"),
     ),
     CliRow(
+        "resuming a run with another model's checkpoint",
+        lambda e: ["publish", e("board"), e("other.safetensors"), "--run", "r1", "--resume"],
+        1,
+        ("cannot resume run 'r1'", "differ from HEAD's", "another --run name", "--resume --new-weights"),
+    ),
+    CliRow(
+        "--new-weights without --resume",
+        lambda e: ["publish", e("board"), e("other.safetensors"), "--run", "r1", "--new-weights"],
+        1,
+        ("--new-weights", "needs --resume"),
+    ),
+    CliRow(
         "bad bandwidth string",
         lambda e: ["demo", "--bandwidth", "fast", "--steps", "1", "-o", e("demo")],
         1,
@@ -249,6 +283,19 @@ CLI_ROWS = [
         lambda e: ["sidecar", "--board", e("board"), "--listen", "localhost"],
         2,
         ("'localhost' is not HOST:PORT",),
+    ),
+    CliRow(
+        "wrong served format at the sidecar: --format fp8-block for a bf16 run",
+        # --wait-timeout bounds the test should the check regress (the sidecar would otherwise serve on).
+        lambda e: ["sidecar", "--board", e("board"), "--run", "r1", "--format", "fp8-block", "--wait-timeout", "5"],
+        2,
+        ("--format fp8-block does not match run 'r1'", "serves bf16", "--format bf16", "leave --format out"),
+    ),
+    CliRow(
+        "a sidecar's --run naming a run that is not on the board",
+        lambda e: ["sidecar", "--board", e("board"), "--run", "r7", "--wait-timeout", "0"],
+        2,
+        ("run 'r7' does not exist", "the runs there are: r1", "typo", "gave up waiting"),
     ),
     CliRow(
         "a vLLM sidecar without the engine's URL",
@@ -278,13 +325,13 @@ def test_a_board_that_does_not_exist_is_not_created(env: Env) -> None:
 
 
 def test_a_patch_whose_header_names_another_target_writes_nothing(env: Env) -> None:
-    """Fuzz finding F3: apply_patch checks each tensor, not the header's target view; the CLI checks it."""
+    """Fuzz finding F3: the header's target view is checked (by stage, before anything is written)."""
     patch = Patch.load(env("pm0m1"))
     bad = patch.with_refs(target=type(patch.header.target)("0" * 32, None))
     Path(env("pbad")).write_bytes(bad.to_bytes())
     r = runner.invoke(app, ["apply", env("m0.safetensors"), env("pbad"), "-o", env("out-bad")])
     out = " ".join(r.output.split())
-    assert r.exit_code == 1 and "says it leads to view 00000000" in out and "nothing was written" in out, out
+    assert r.exit_code == 1 and "not the target view 00000000" in out and "nothing was changed" in out, out
     assert not os.path.exists(env("out-bad"))
 
 
@@ -313,6 +360,11 @@ def _tiny_engine_and_view(engine_format: str, view_seed: int, view_layers: int =
 def _sidecar_wrong_format() -> None:
     engine, bf16_view = _tiny_engine_and_view("fp8-block", 0)
     engine.load_view(bf16_view)  # type: ignore[attr-defined]
+
+
+def _sidecar_stages_wrong_format(env: Env) -> None:
+    engine, _ = _tiny_engine_and_view("fp8-block", 0)
+    engine.stage(Patch.load(env("pm0m1")))  # type: ignore[attr-defined]
 
 
 def _sidecar_wrong_model() -> None:
@@ -363,6 +415,12 @@ API_ROWS = [
         ("does not fit this model", "weight_scale_inv", "served format (fp8-block)", "match the trainer's"),
     ),
     ApiRow(
+        "wrong served format: a sidecar's fp8-block engine stages a bf16 patch",
+        _sidecar_stages_wrong_format,
+        BaseMismatchError,
+        ("served format 'bf16'", "serves 'fp8-block'", "--format bf16"),
+    ),
+    ApiRow(
         "wrong model: a sidecar's engine loads another model's view",
         lambda e: _sidecar_wrong_model(),
         EngineError,
@@ -391,6 +449,12 @@ API_ROWS = [
         lambda e: parse_bandwidth("-5mbit"),  # type: ignore[func-returns-value]
         ConfigError,
         ("cannot read bandwidth '-5mbit'", "100mbit"),
+    ),
+    ApiRow(
+        "a crafted fixed-width value stream declaring 2**40 values in one byte",
+        lambda e: streams.fixed_decode({"bits": 1}, b"\x00", 1 << 40),  # type: ignore[func-returns-value]
+        CorruptPatchError,
+        ("fixed-width stream of 1 bytes cannot hold 1099511627776 values",),
     ),
     ApiRow(
         "base version mismatch through the Python API",

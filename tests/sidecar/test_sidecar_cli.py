@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 from rich.console import Console
 from sidecar_helpers import Trainer
 from typer.testing import CliRunner
@@ -127,3 +130,44 @@ def test_bench_measures_pause_against_patch_size() -> None:
     assert rows[0]["changed"] < rows[1]["changed"] and rows[0]["patch_bytes"] < rows[1]["patch_bytes"]
     assert all(r["pause_s"] > 0 and r["stage_s"] > 0 for r in rows)
     assert res["bf16_scaling"]["changed_ratio"] > 10
+
+
+def test_arguments_are_checked_before_the_heavy_imports(board_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # An import of the engines' module (torch, transformers, uvicorn) would fail: a typo is answered first.
+    monkeypatch.setitem(sys.modules, "flipsync.sidecar.service", None)
+    runner = CliRunner()
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "tensorrt"])
+    assert r.exit_code == 2 and "unknown engine 'tensorrt'" in r.output, r.output
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "vllm"])
+    assert r.exit_code == 2 and "--upstream" in r.output, r.output
+    r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine-listen", "nowhere"])
+    assert r.exit_code == 2 and "HOST:PORT" in r.output, r.output
+
+
+def test_format_is_checked_against_the_first_manifest(store: ObstoreStore, board_dir: str) -> None:
+    """A run with no version yet is waited for; its first manifest's format is then checked, not assumed."""
+    Trainer(store, run="other")
+    publish = threading.Timer(0.5, lambda: Trainer(store, run="later", fmt="fp8-block"))
+    publish.start()
+    try:
+        args = ["sidecar", "--board", board_dir, "--run", "later", "--format", "bf16", "--poll", "0.05"]
+        r = CliRunner().invoke(sidecar_app, [*args, "--wait-timeout", "60"])
+    finally:
+        publish.join()
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2, out
+    assert "--format bf16 does not match run 'later'" in out and "serves fp8-block" in out, out
+
+
+def test_waiting_for_a_missing_run_names_the_runs_there(store: ObstoreStore, caplog: pytest.LogCaptureFixture) -> None:
+    from flipsync.board.reader import BoardReader
+    from flipsync.errors import ConfigError
+    from flipsync.sidecar.service import wait_for_format
+
+    Trainer(store, run="r1")
+    reader = BoardReader(store, "r7")
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match="gave up waiting"):
+        wait_for_format(reader, poll_s=0.01, timeout_s=0.1)
+    assert "run 'r7' does not exist" in caplog.text and "the runs there are: r1" in caplog.text
+    assert "waiting for its first version" in caplog.text
+    assert wait_for_format(BoardReader(store, "r1"), poll_s=0.01, timeout_s=0) == "bf16"

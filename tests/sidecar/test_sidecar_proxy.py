@@ -283,3 +283,44 @@ def test_faults_keep_the_last_version_serving_through_the_proxy(trainer: Trainer
     assert s.replica.wait_version(1, 10)
     r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "weight_version": {"min_version": 1}})
     assert r.status_code == 200 and r.json()["weight_version"] == {"start": 1, "end": 1}
+
+
+def _deep(levels: int) -> str:
+    return "[" * levels + "]" * levels
+
+
+def test_deeply_nested_json_is_refused_cleanly(trainer: Trainer, make_stack: StackFactory) -> None:
+    """json.loads raises RecursionError (not ValueError) on deep nesting: a client's body answers 400, an
+    engine's answer 502 (an error event once a stream has started), never a 500."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response as FastResponse
+
+    from flipsync.sidecar.server import ServerThread
+
+    deep = '{"choices": ' + _deep(100_000) + "}"
+    engine = FastAPI()
+
+    @engine.post("/v1/completions")
+    async def completions() -> FastResponse:
+        return FastResponse(deep, media_type="application/json")
+
+    @engine.post("/v1/chat/completions")
+    async def chat() -> FastResponse:
+        events = f"data: {deep}\n\ndata: [DONE]\n\n"
+        return FastResponse(events, media_type="text/event-stream")
+
+    with ServerThread(engine) as fake:
+        s = make_stack(upstream=fake.url)
+        assert s.replica.wait_version(0, 10)
+        body = '{"prompt": ' + _deep(100_000) + "}"
+        r = s.client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert "nests arrays/objects too deeply" in r.json()["error"]["message"]
+
+        r = s.client.post("/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 502, r.text
+        assert "nested too deeply" in r.json()["error"]["message"] and fake.url in r.json()["error"]["message"]
+
+        with s.client.stream("POST", "/v1/chat/completions", json={"messages": [], "stream": True}) as r:
+            evs = events(r.iter_lines())
+        assert evs[0]["error"]["type"] == "upstream_invalid_response" and evs[-1] == "[DONE]"

@@ -204,3 +204,27 @@ def test_bf16_masters_are_snapshotted_not_aliased(tmp_path: Path) -> None:
     replica = Replica(store, "b")
     replica.follow_each()
     assert_bitwise(expected_view(model), replica.tensors)
+
+
+def test_resuming_with_another_model_is_refused_unless_new_weights(tmp_path: Path) -> None:
+    """Other weights of the same model take the run over (a snapshot); another model's view would strand
+    the run's replicas (built for HEAD's tensors), so it needs new_weights=True."""
+    store = open_store(tmp_path)
+    with Publisher(tiny_llama(), store, run="r", background=False):
+        pass
+    bigger = tiny_llama(layers=2)
+    with pytest.raises(ConfigError, match=r"tensors \(names, dtypes or shapes\) that differ from HEAD's") as info:
+        Publisher(bigger, store, run="r", resume=True, background=False)
+    assert "another --run name" in str(info.value) and "--resume --new-weights" in str(info.value)
+    with pytest.raises(ConfigError, match="served format fp16, HEAD's is bf16"):
+        Publisher(tiny_llama(), store, run="r", resume=True, format="fp16", background=False)
+    assert Catalog(store, "r").discover_head(None) == 0  # nothing was published by the refused ones
+    with Publisher(tiny_llama(seed=3), store, run="r", resume=True, background=False) as same_model:
+        assert same_model.started == "takeover"  # same tensors, other values: a snapshot, as before
+    with Publisher(bigger, store, run="r", resume=True, new_weights=True, background=False) as replaced:
+        assert replaced.started == "takeover"
+    head = Catalog(store, "r").version(2)
+    assert head.kind is Kind.KEYFRAME and isinstance(head.meta["layout"], str)
+    replica = Replica(store, "r")
+    replica.sync()
+    assert_bitwise(expected_view(bigger), replica.tensors)

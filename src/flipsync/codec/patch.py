@@ -33,6 +33,12 @@ from flipsync.domain.patch import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 MAX_HEADER_BYTES = 64 << 20
+# What one decoded change holds in memory: an int64 position, an int64 value and a raw flag.
+DECODED_BYTES_PER_CHANGE = 17
+# Default cap on what decoding whole patches without their tensors (flipsync squash) may allocate. A header may
+# declare up to 2**48 changes per tensor and the coded streams expand ~32,000x (zstd) or more (ans), so a
+# small crafted file could otherwise ask for terabytes; apply bounds them by the real tensors instead.
+DEFAULT_MAX_DECODED_BYTES = 8 << 30
 CONTAINER_VERSION = "1"
 OWN_TENSOR_BYTES = 4096
 SMALL_SECTIONS = "flipsync.small_sections"
@@ -301,6 +307,25 @@ class Patch:
     @property
     def nbytes(self) -> int:
         return sum(len(v) for v in self._blobs.values())
+
+    @property
+    def decoded_nbytes(self) -> int:
+        """What decoding every section allocates, from the header's declared counts (nothing is decoded)."""
+        return self.header.n_changed * DECODED_BYTES_PER_CHANGE
+
+
+def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:
+    """Refuse, before anything is decoded, patches whose declared changes would take more than ``max_bytes``."""
+    patches = list(patches)
+    total = sum(p.decoded_nbytes for p in patches)
+    if total > max_bytes:
+        n = sum(p.header.n_changed for p in patches)
+        raise CorruptPatchError(
+            f"the patch{'es' if len(patches) > 1 else ''} declare{'' if len(patches) > 1 else 's'} {n:,} changed "
+            f"values, {total / (1 << 30):,.1f} GiB once decoded, more than the limit of "
+            f"{max_bytes / (1 << 30):g} GiB: a crafted or corrupt patch, or a chain too large for this limit "
+            "(if the patches are genuine, raise it: flipsync squash --max-decoded-gib N, or max_decoded_bytes)"
+        )
 
 
 def _inflate_header(text: str) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numba
 import numpy as np
 
-from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
+from flipsync.codec.patch import Patch, PatchBuilder, TensorChange, check_decoded_size
 from flipsync.errors import PatchError
 
 
@@ -91,10 +91,18 @@ def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
     )
 
 
-def squash(patches: Sequence[Patch]) -> Patch:
-    """One patch equivalent to applying ``patches`` in order; refuses a broken chain."""
+def squash(patches: Sequence[Patch], *, max_decoded_bytes: int | None = None) -> Patch:
+    """One patch equivalent to applying ``patches`` in order; refuses a broken chain.
+
+    ``max_decoded_bytes``: for patches from elsewhere (``flipsync squash`` passes
+    ``DEFAULT_MAX_DECODED_BYTES``), refuse with CorruptPatchError, before decoding, a chain whose headers
+    declare more changes than that much decoded memory holds: no tensors bound the declared counts here.
+    None (a publisher squashing what it built itself): no cap.
+    """
     if not patches:
         raise PatchError("squash needs at least one patch")
+    if max_decoded_bytes is not None:
+        check_decoded_size(patches, max_decoded_bytes)
     for prev, nxt in itertools.pairwise(patches):
         if prev.header.target.view != nxt.header.base.view:
             raise PatchError(

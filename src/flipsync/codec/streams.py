@@ -136,6 +136,8 @@ def fixed_encode(values: np.ndarray) -> tuple[Params, bytes]:
 
 def fixed_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
     width = _get_int(params, "bits", range(1, 65))
+    if n * width > 8 * len(blob):  # before allocating: n comes from a header that may be crafted
+        raise CorruptPatchError(f"fixed-width stream of {len(blob)} bytes cannot hold {n} values of {width} bits")
     out = np.empty(n, dtype=np.uint64)
     if bitpack.fixed_unpack(np.frombuffer(blob, dtype=np.uint8), width, out) != bitpack.OK:
         raise CorruptPatchError("fixed-width stream is truncated")

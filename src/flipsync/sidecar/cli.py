@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -19,6 +22,8 @@ from flipsync.sidecar.gate import CommitMode
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
+
+    from flipsync.sidecar.engine import Engine
 
 # Everything heavy (torch, transformers, uvicorn, the board) is imported inside the commands, so that
 # mounting them keeps ``flipsync --help`` and the other commands fast.
@@ -43,24 +48,34 @@ def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
+@contextmanager
+def _exit_on_signals() -> Iterator[None]:
+    """SIGINT / SIGTERM end the command with a clean SystemExit(0), so the caller's cleanup runs."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _serve(app: FastAPI, host: str, port: int) -> None:
     """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
 
     uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
     a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0.
     """
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(0)
-
     import uvicorn
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _exit_on_signals():
         uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _fail(e: FlipsyncError) -> typer.Exit:
@@ -99,7 +114,7 @@ def sidecar(
     store_option: StoreOpt = None,
     model: Annotated[str, typer.Option(help="torch: model preset (tiny, small, base) or a config.json")] = "tiny",
     served_format: Annotated[
-        str | None, typer.Option("--format", help="torch: served format (default: the board's)")
+        str | None, typer.Option("--format", help="Served format; must match the board's (default: the board's)")
     ] = None,
     device: Annotated[str, typer.Option(help="torch: cpu or cuda[:N]")] = "cpu",
     engine_listen: Annotated[str, typer.Option(help="torch: where its OpenAI server listens")] = "127.0.0.1:0",
@@ -108,59 +123,89 @@ def sidecar(
     engine_option: Annotated[
         list[str] | None, typer.Option("--engine-option", help="vllm/sglang: engine setting key=value")
     ] = None,
+    wait_timeout: Annotated[
+        float | None,
+        typer.Option(
+            help="Give up (exit 2) when the run has no version after this many seconds (default: wait for it)"
+        ),
+    ] = None,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
+    from flipsync.sidecar import ENGINE_KINDS
+    from flipsync.sidecar.server import parse_listen
+
+    # The arguments first: a typo is answered in milliseconds, before torch and the engines are imported.
+    try:
+        host, port = parse_listen(listen)
+        if engine not in ENGINE_KINDS:
+            raise ConfigError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_KINDS)}")
+        if engine == "torch":
+            ehost, eport = parse_listen(engine_listen)
+        elif not upstream:
+            raise ConfigError(f"--upstream URL is required for the {engine} engine (its OpenAI server)")
+        store_config = _pairs(store_option, "store option")
+        engine_config = _pairs(engine_option, "engine option")
+        if wait_timeout is not None and not wait_timeout >= 0:
+            raise ConfigError(f"--wait-timeout must be a number of seconds >= 0, not {wait_timeout}")
+    except FlipsyncError as e:
+        raise _fail(e) from None
+
     from flipsync.board.reader import BoardReader
     from flipsync.board.signing import Verifier
     from flipsync.board.store import StoreOptions
+    from flipsync.formats import get_format
     from flipsync.sidecar.http_store import open_board
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
-    from flipsync.sidecar.server import parse_listen
     from flipsync.sidecar.service import (
-        ENGINE_KINDS,
         EngineOptions,
         Sidecar,
         TorchEngineHandle,
         board_format,
+        check_format,
         find_run,
         load_engine,
+        no_version_yet,
         start_torch_engine,
+        wait_for_format,
     )
 
     torch_handle: TorchEngineHandle | None = None
     service: Sidecar | None = None
     store = None
     try:
-        host, port = parse_listen(listen)
-        if engine not in ENGINE_KINDS:
-            raise ConfigError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_KINDS)}")
-        store = open_board(board, StoreOptions(config=_pairs(store_option, "store option")))
+        if served_format is not None:
+            get_format(served_format)  # an unknown name is refused before waiting for the board
         verifier = Verifier.from_pem(*public_key) if public_key else None
+        store = open_board(board, StoreOptions(config=store_config))
         run_name = run or find_run(store)
         replica_config = ReplicaConfig(
             commit_mode=commit_mode, poll_interval_s=poll, max_backoff_s=max_backoff, drain_timeout_s=drain_timeout
         )
+        fmt = served_format
+        if engine == "torch" or served_format is not None:
+            # The torch engine is built in the board's format, and a --format is checked against it: both need
+            # a version, so a run the trainer has not published yet is waited for (no guessing a format).
+            reader = BoardReader(store, run_name, verifier=verifier)
+            with _exit_on_signals():
+                board_fmt = wait_for_format(reader, poll_s=poll, timeout_s=wait_timeout)
+            fmt = check_format(served_format, board_fmt, run_name)
+        elif board_format(BoardReader(store, run_name, verifier=verifier)) is None:
+            log.warning("%s; the sidecar waits for it", no_version_yet(store, run_name))
         if engine == "torch":
             if threads:
                 import torch
 
                 torch.set_num_threads(threads)
-            fmt = served_format or board_format(BoardReader(store, run_name, verifier=verifier))
-            if fmt is None:
-                fmt = "bf16"
-                log.warning("the board has no version yet; assuming served format bf16 (set --format)")
-            ehost, eport = parse_listen(engine_listen)
+            assert fmt is not None
             torch_handle = start_torch_engine(
                 model, fmt, device=device, host=ehost, port=eport, max_concurrency=max_concurrency
             )
-            the_engine = torch_handle.engine
+            the_engine: Engine = torch_handle.engine
             upstream_url = torch_handle.url
         else:
-            if not upstream:
-                raise ConfigError(f"--upstream URL is required for the {engine} engine (its OpenAI server)")
-            options = EngineOptions(upstream, served_format, device, _pairs(engine_option, "engine option"))
-            the_engine = load_engine(engine, options)
+            assert upstream is not None
+            the_engine = load_engine(engine, EngineOptions(upstream, fmt, device, engine_config))
             upstream_url = upstream
         service = Sidecar(
             store,

@@ -127,6 +127,20 @@ def parse_constraint(field: Any, headers: Any) -> VersionConstraint:
     return VersionConstraint(max(mins) if mins else None, exacts[0] if exacts else None)
 
 
+_TOO_DEEP_REQUEST = (
+    "the JSON body nests arrays/objects too deeply to parse (about 1000 levels or more); send a flatter body"
+)
+_TOO_DEEP_RESPONSE = (
+    "the engine at {upstream} answered JSON nested too deeply to parse (about 1000 levels or more); "
+    "check the engine and the request that produced it"
+)
+
+
+def _too_deep_event() -> dict[str, Any]:
+    message = "the engine sent an event whose JSON nests too deeply to parse; check the engine"
+    return {"error": {"message": message, "type": "upstream_invalid_response"}}
+
+
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
@@ -151,15 +165,17 @@ def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
     payload = line[5:].strip()
     if not payload.startswith(b"{"):
         return line
+    ending = b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
     try:
         doc = json.loads(payload)
+        if not isinstance(doc, dict):
+            return line
+        doc[BODY_FIELD] = stamp
+        return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + ending
     except ValueError:
         return line
-    if not isinstance(doc, dict):
-        return line
-    doc[BODY_FIELD] = stamp
-    ending = b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
-    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + ending
+    except RecursionError:  # the status line has gone out: say so in the stream, as for a broken-off engine
+        return b"data: " + json.dumps(_too_deep_event()).encode() + b"\n\n"
 
 
 class _ClosingStream(StreamingResponse):
@@ -272,13 +288,20 @@ def create_proxy_app(
                     body = json.loads(raw)
                 except ValueError:
                     body = None  # not ours to judge: the upstream answers malformed bodies
+                except RecursionError:  # json.loads recurses per bracket; no engine reads this either
+                    metrics.requests.labels(outcome="bad_request").inc()
+                    return _error(400, _TOO_DEEP_REQUEST, "invalid_request_error")
             field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
             constraint = parse_constraint(field, request.headers)
         except BadRequest as e:
             metrics.requests.labels(outcome="bad_request").inc()
             return _error(400, str(e), "invalid_request_error")
         if field is not None:
-            raw = json.dumps(body).encode()
+            try:
+                raw = json.dumps(body).encode()
+            except RecursionError:
+                metrics.requests.labels(outcome="bad_request").inc()
+                return _error(400, _TOO_DEEP_REQUEST, "invalid_request_error")
 
         def refusal() -> Response | None:
             current = replica.version
@@ -369,11 +392,14 @@ def create_proxy_app(
             if resp.status_code < 400 and "json" in resp.headers.get("content-type", ""):
                 try:
                     doc = json.loads(data)
+                    if isinstance(doc, dict):
+                        doc[BODY_FIELD] = {"start": start, "end": end}
+                        data = json.dumps(doc).encode()
                 except ValueError:
-                    doc = None
-                if isinstance(doc, dict):
-                    doc[BODY_FIELD] = {"start": start, "end": end}
-                    data = json.dumps(doc).encode()
+                    pass  # not JSON after all: relay it as it is
+                except RecursionError:
+                    metrics.requests.labels(outcome="upstream_error").inc()
+                    return _error(502, _TOO_DEEP_RESPONSE.format(upstream=upstream), "upstream_invalid_response")
             metrics.requests.labels(outcome="ok" if resp.status_code < 400 else "upstream_status").inc()
             return Response(data, status_code=resp.status_code, headers=out_headers)
         except BaseException:

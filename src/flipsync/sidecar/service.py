@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
 from flipsync.board.store import Store
 from flipsync.errors import ConfigError
+from flipsync.formats import get_format
+from flipsync.sidecar import ENGINE_KINDS
 from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
@@ -30,8 +33,6 @@ from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
-
-ENGINE_KINDS = ("torch", "vllm", "sglang")
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,62 @@ def board_format(reader: BoardReader) -> str | None:
     """The served format of the board's HEAD (None: nothing published yet)."""
     head = reader.head()
     return None if head is None else reader.catalog.version(head).served_format
+
+
+def no_version_yet(store: Store, run: str) -> str:
+    """Why ``run`` has no version, naming the runs that do exist when it is not one of them (a typo?)."""
+    runs = store.list_dirs("runs")
+    if run in runs:
+        return f"run {run!r} on {store.url} has no version yet"
+    if not runs:
+        return f"the board {store.url} has no run yet (this sidecar follows run {run!r})"
+    shown = ", ".join(runs[:10]) + (f", ... ({len(runs)} runs)" if len(runs) > 10 else "")
+    return (
+        f"run {run!r} does not exist on {store.url}; the runs there are: {shown}. If --run is a typo, pass one "
+        f"of them; otherwise a trainer has yet to create {run!r}"
+    )
+
+
+def wait_for_format(
+    reader: BoardReader, *, poll_s: float, timeout_s: float | None = None, warn_every_s: float = 60.0
+) -> str:
+    """The served format of the run's HEAD, polling until the run has a first version.
+
+    A sidecar may start before its trainer, so an empty or missing run is waited for, not refused; it says
+    why every ``warn_every_s`` (naming the runs that exist when the run is not one of them), and gives up
+    with a ConfigError after ``timeout_s`` (None: never).
+    """
+    start = time.monotonic()
+    next_warning = start
+    while (fmt := board_format(reader)) is None:
+        now = time.monotonic()
+        if timeout_s is not None and now - start >= timeout_s:
+            raise ConfigError(
+                f"{no_version_yet(reader.store, reader.run)}; gave up waiting for its first version after "
+                f"{timeout_s:g} s (--wait-timeout)"
+            )
+        if now >= next_warning:
+            log.warning(
+                "%s; waiting for its first version to learn the served format (%.0f s so far)",
+                no_version_yet(reader.store, reader.run),
+                now - start,
+            )
+            next_warning = now + warn_every_s
+        time.sleep(poll_s)
+    return fmt
+
+
+def check_format(requested: str | None, board: str, run: str) -> str:
+    """The served format to run the engine in: the board's; a different ``--format`` is refused."""
+    if requested is None:
+        return board
+    if get_format(requested).name != get_format(board).name:
+        raise ConfigError(
+            f"--format {requested} does not match run {run!r}, whose manifests say it serves {board}: start the "
+            f"sidecar with --format {board} (and a model/engine that serves {board}), or leave --format out to "
+            "take the board's format"
+        )
+    return board
 
 
 @dataclass

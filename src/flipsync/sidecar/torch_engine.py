@@ -288,7 +288,9 @@ class TorchEngine(Engine):
         fmt = patch.header.served_format
         if fmt is not None and fmt != self.served_format:
             raise BaseMismatchError(
-                f"the patch is for served format {fmt!r}, but this engine serves {self.served_format!r}"
+                f"the patch is for served format {fmt!r}, but this engine serves {self.served_format!r}: start "
+                f"the sidecar with --format {fmt} to match the board (and an engine that serves {fmt}), or follow "
+                f"a run published in {self.served_format}"
             )
         # Decodes and verifies against the weights held now; reads only, so decoding runs while serving.
         writes = codec_stage(self._served, patch, self._table)

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flipsync.board.cadence import KeyframePolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import open_store, parse_store_options
-from flipsync.errors import FlipsyncError
+from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import FORMAT_NAMES
 from flipsync.trainer import watch as watching
 
@@ -28,6 +28,13 @@ UrlArg = Annotated[str, typer.Argument(help="Board URL or local path, e.g. s3://
 RunOpt = Annotated[str | None, typer.Option("--run", "-r", help="Run name (default: a new unique run)")]
 FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}")]
 ResumeOpt = Annotated[bool, typer.Option(help="continue an existing run (after the checkpoint its HEAD came from)")]
+NewWeightsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--new-weights",
+        help="with --resume: replace the run's weights even when the model differs from HEAD's (a snapshot)",
+    ),
+]
 StoreOpt = Annotated[
     list[str] | None,
     typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...); repeatable"),
@@ -38,10 +45,13 @@ KeyframeOpt = Annotated[
 ]
 
 
-def _options(key: Path | None, keyframe_every: int) -> dict[str, Any]:
+def _options(key: Path | None, keyframe_every: int, resume: bool, new_weights: bool) -> dict[str, Any]:
+    if new_weights and not resume:
+        raise ConfigError("--new-weights replaces an existing run's weights: it needs --resume")
     return {
         "signer": Signer.from_pem(key) if key else None,
         "keyframe_policy": KeyframePolicy(max_interval=keyframe_every),
+        "new_weights": new_weights,
     }
 
 
@@ -56,6 +66,7 @@ def watch(
     run: RunOpt = None,
     fmt: FormatOpt = "bf16",
     resume: ResumeOpt = False,
+    new_weights: NewWeightsOpt = False,
     poll: Annotated[float, typer.Option(help="seconds between scans")] = 5.0,
     settle: Annotated[float, typer.Option(help="a checkpoint's files must be unchanged this long")] = 10.0,
     once: Annotated[bool, typer.Option(help="publish what is complete now, then exit")] = False,
@@ -92,7 +103,7 @@ def watch(
                 once=once,
                 max_checkpoints=max_checkpoints,
                 on_event=on_event,
-                **_options(key, keyframe_every),
+                **_options(key, keyframe_every, resume, new_weights),
             )
     except KeyboardInterrupt:
         console.print("stopped")
@@ -111,6 +122,7 @@ def publish(
     run: RunOpt = None,
     fmt: FormatOpt = "bf16",
     resume: ResumeOpt = False,
+    new_weights: NewWeightsOpt = False,
     store_option: StoreOpt = None,
     key: KeyOpt = None,
     keyframe_every: KeyframeOpt = 1000,
@@ -120,7 +132,8 @@ def publish(
     try:
         found = [watching.complete_checkpoint(p) for p in checkpoints]
         store = open_store(board_url, parse_store_options(store_option))
-        pub = watching.CheckpointPublisher(store, run=run, format=fmt, resume=resume, **_options(key, keyframe_every))
+        options = _options(key, keyframe_every, resume, new_weights)
+        pub = watching.CheckpointPublisher(store, run=run, format=fmt, resume=resume, **options)
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),

@@ -16,6 +16,7 @@ See docs/trainer.md for the threads, the back-pressure policy, sharded training 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import secrets
@@ -30,7 +31,7 @@ from flipsync.board import Publisher as BoardPublisher
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store, StoreOptions, open_store
-from flipsync.codec import DiffEngine, Hasher
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher
 from flipsync.codec.bits import dtype_named
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
@@ -85,12 +86,23 @@ class PublisherStats:
     head: int | None  # the newest version published (or adopted)
 
 
+def layout_fingerprint(table: FingerprintTable) -> str:
+    """The served view's tensor names, dtypes and shapes (not its values), as 16 hex digits."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in sorted(table):
+        t = table[name]
+        h.update(f"{name}\t{t.dtype}\t{','.join(map(str, t.shape))}\n".encode())
+    return h.hexdigest()
+
+
 class Publisher:
     """Publishes a model's served view after every optimizer step (see the module doc).
 
     ``board``: a URL or path (``file://``, ``s3://``, ...) or a ``Store``. ``run``: the run's name on the
     board (default: a new unique name); an existing run is refused unless ``resume=True``, which continues
-    it when HEAD holds this model's view and otherwise takes over with a snapshot at HEAD + 1.
+    it when HEAD holds this model's view and otherwise takes over with a snapshot at HEAD + 1, as long as
+    the served view has HEAD's tensors (names, dtypes, shapes) and format: other weights of the same model.
+    Another model is refused (ConfigError) unless ``new_weights=True`` says to replace the run's weights.
     ``keep_on``: where the previous view is kept, "host" (pinned CPU memory) or "device".
     ``defer_view``: when attached to an optimizer, compute each served view on a background thread while
     the next forward and backward run (see `attach`); ``False`` computes it inside the post-step hook.
@@ -111,6 +123,7 @@ class Publisher:
         keep: KeepFn | None = None,
         run: str | None = None,
         resume: bool = False,
+        new_weights: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
         background: bool = True,
         defer_view: bool = True,
@@ -191,13 +204,19 @@ class Publisher:
             meta=run_meta,
         )
         layout, table = self.engine.survey(view)
-        decision = self.group.broadcast(self._decide(table.view_fp(), resume) if rank0 else None, "how to start")
+        # Every manifest names the view's layout, so that a resume can tell another model from other weights.
+        layout_fp = layout_fingerprint(table)
+        self.engine.meta["layout"] = layout_fp
+        decision = self.group.broadcast(
+            self._decide(table.view_fp(), layout_fp, resume, new_weights) if rank0 else None,
+            "how to start",
+        )
         kind, head, message = decision
         self.started: str = kind  # "new", "adopt" (HEAD held this view), "takeover" (snapshot on HEAD)
-        if kind == "refuse":
+        if kind in ("refuse", "refuse_model"):
             self._release_view(view)
             self._shutdown_resources()
-            raise ConflictError(message)
+            raise ConflictError(message) if kind == "refuse" else ConfigError(message)
         self.worker = Worker(
             self.engine,
             self.slot,
@@ -242,8 +261,9 @@ class Publisher:
     def _serve(self) -> LocalView:
         return self.plan.serve(self.plan.masters(self.model))
 
-    def _decide(self, view_fp: str, resume: bool) -> tuple[str, int | None, str]:
-        """Rank 0: start a run, continue it, take it over, or refuse (an existing run without resume)."""
+    def _decide(self, view_fp: str, layout: str, resume: bool, new_weights: bool) -> tuple[str, int | None, str]:
+        """Rank 0: start a run, continue it, take it over, or refuse (an existing run without resume, or
+        another model's view without new_weights)."""
         assert self.board is not None
         head = self.board.resume()
         if head is None:
@@ -258,10 +278,33 @@ class Publisher:
             )
         if head.target_view_fp == view_fp and head.served_format == self.format:
             return "adopt", head.version, ""
+        # Runs published before manifests named their layout: only the format can be compared.
+        head_layout = head.meta.get("layout")
+        other_format = head.served_format != self.format
+        other_model = other_format or (head_layout is not None and head_layout != layout)
+        if other_model and not new_weights:
+            what = (
+                f"served format {self.format}, HEAD's is {head.served_format}"
+                if other_format
+                else "tensors (names, dtypes or shapes) that differ from HEAD's"
+            )
+            return (
+                "refuse_model",
+                head.version,
+                f"cannot resume run {self.run!r} on {self.store.url}: this model's served view has {what} "
+                f"(HEAD v{head.version}); its replicas were built for that model. Publish to a new run (another "
+                "--run name, or none for a fresh one), or replace the run's weights on purpose with "
+                "new_weights=True (CLI: --resume --new-weights)",
+            )
         log.warning(
-            "run %s: HEAD v%d holds another view than this model's; taking over with a snapshot at v%d",
+            "run %s: HEAD v%d holds %s; taking over with a snapshot at v%d",
             self.run,
             head.version,
+            "another model's view (new_weights)"
+            if other_model
+            else "other weights of this model"
+            if head_layout is not None
+            else "another view (its manifests predate layout checks)",
             head.version + 1,
         )
         return "takeover", head.version, ""
