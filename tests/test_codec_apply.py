@@ -239,24 +239,3 @@ def test_stage_kernel_refuses_raw_values_wider_than_the_dtype() -> None:
     symbols = np.array([5, 1 << 16, 7], np.uint64)
     bad, _ = apply_mod._stage_kernel(bits, np.array([1, 2, 3]), False, symbols, np.zeros(0, bool), 1, 0, 16, *out)
     assert bad == 1
-
-
-@pytest.mark.parametrize("mode", ["step", "raw"])
-def test_patches_coded_with_constriction_still_apply(chain: list, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Patches written before the ``ans`` coder carry ``rans`` (constriction) value streams."""
-    from flipsync.codec import streams
-
-    def legacy(symbols: np.ndarray) -> tuple[dict, bytes]:
-        params, blob = streams.rans_encode(symbols)
-        return {"codec": "rans", **params}, blob
-
-    with monkeypatch.context() as m:
-        m.setattr(streams, "encode_symbols", legacy)
-        data = diff_views(chain[0], chain[1], mode=mode)[0].to_bytes()
-    patch = Patch.from_bytes(data)
-    assert {s.val["codec"] for s in patch.sections} == {"rans"}
-    work = snapshot(chain[0])
-    table = FingerprintTable.of(work)
-    apply_patch(work, patch, table)
-    assert unchanged(work, chain[1])
-    assert table == FingerprintTable.of(chain[1])

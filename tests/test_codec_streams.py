@@ -37,16 +37,16 @@ def test_positions_round_trip(case: tuple[np.ndarray, int]) -> None:
     assert out.dtype == np.int64 and np.array_equal(out, pos)
 
 
-@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=500), st.sampled_from(["zstd", "ans", "rans", "bits", "best"]))
+@given(st.lists(st.integers(0, (1 << 64) - 1), max_size=500), st.sampled_from(["zstd", "ans", "bits", "best"]))
 def test_symbols_round_trip(values: list[int], coder: str) -> None:
     sym = np.array(values, dtype=np.uint64)
     if coder == "best":
         params, blob = streams.encode_symbols(sym)
-    elif coder in ("ans", "rans"):  # rans: constriction's coder, which older patches used
+    elif coder == "ans":
         if not sym.size:
             return
-        params, blob = (streams.ans_encode if coder == "ans" else streams.rans_encode)(sym)
-        params["codec"] = coder
+        params, blob = streams.ans_encode(sym)
+        params["codec"] = "ans"
     elif coder == "bits":
         params, blob = streams.fixed_encode(sym)
         params["codec"] = "bits"
@@ -100,8 +100,6 @@ def test_ans_round_trips_at_every_lane_layout(n: int, kind: str) -> None:
     sym = sym.astype(np.uint64)
     params, blob = streams.ans_encode(sym)
     assert np.array_equal(streams.ans_decode(params, blob, n), sym)
-    _, legacy_blob = streams.rans_encode(sym)
-    assert len(blob) <= len(legacy_blob) + 32  # as small as constriction's rANS, but for 4 lanes' states
 
 
 def test_ans_refuses_a_table_that_does_not_count_the_values() -> None:
@@ -137,7 +135,7 @@ def test_garbage_positions_never_crash(blob: bytes, n: int, codec: str, k: int) 
 
 
 @given(
-    st.binary(max_size=300), st.integers(0, 3000), st.sampled_from(["ans", "rans", "zstd", "bits"]), st.integers(0, 300)
+    st.binary(max_size=300), st.integers(0, 3000), st.sampled_from(["ans", "zstd", "bits"]), st.integers(0, 300)
 )
 def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) -> None:
     params = {"codec": codec, "alphabet": a, "escapes": a % 7, "esc_width": 1, "bits": a % 70, "width": 2}
@@ -149,9 +147,8 @@ def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) ->
 
 
 @pytest.mark.parametrize("values", [[0], [0, 0, 0], [5], [7] * 100, [1, 0]])
-@pytest.mark.parametrize("coder", ["ans", "rans"])
-def test_one_symbol_alphabets(values: list[int], coder: str) -> None:
+def test_one_symbol_alphabets(values: list[int]) -> None:
     sym = np.array(values, dtype=np.uint64)
-    params, blob = (streams.ans_encode if coder == "ans" else streams.rans_encode)(sym)
-    params["codec"] = coder
+    params, blob = streams.ans_encode(sym)
+    params["codec"] = "ans"
     assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)

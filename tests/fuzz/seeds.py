@@ -7,7 +7,7 @@ per run; their bytes do not matter, only their structure), so corpora stay small
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,8 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
-from flipsync.codec import Patch, diff_views, squash, streams
-from flipsync.codec.bits import zigzag
+from flipsync.codec import Patch, diff_views, squash
 from flipsync.codec.patch import encode_change
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import edit
@@ -82,26 +81,6 @@ def split_sections(data: bytes) -> bytes:
     patch = Patch.from_bytes(data)
     blobs = [encode_change(change)[1] for change in patch.changes()]
     return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
-
-
-def legacy_sections(data: bytes) -> bytes | None:
-    """The sections input of a step patch whose values use the retired ``rans`` codec, which the decoder
-    still reads (older patches on boards); None once the encoder is gone."""
-    rans_encode = getattr(streams, "rans_encode", None)
-    if rans_encode is None:
-        return None
-    patch = Patch.from_bytes(data)
-    sections, blobs = [], []
-    for change in patch.changes():
-        section, blob = encode_change(change)
-        if change.mode == "step":
-            params, values = rans_encode(zigzag(change.values))
-            section = replace(section, val={"codec": "rans", **params, "bytes": len(values)})
-            blob = blob[: section.pos["bytes"]] + values
-        sections.append(section)
-        blobs.append(blob)
-    header = replace(patch.header, sections=tuple(sections))
-    return header.to_json().encode() + SEPARATOR + b"".join(blobs)
 
 
 def manifests() -> list[Manifest]:

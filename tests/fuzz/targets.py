@@ -205,8 +205,7 @@ def build(name: str) -> tuple[Target, list[bytes]]:
         if name == "patch":
             return PatchTarget(pairs), [c.data for c in cases]
         inputs = [seeds.split_sections(c.data) for c in cases]
-        legacy = seeds.legacy_sections(cases[0].data)
-        return SectionsTarget(pairs), inputs + ([legacy] if legacy else [])
+        return SectionsTarget(pairs), inputs
     if name == "manifest":
         return ManifestTarget(), seeds.manifest_seeds()
     if name == "keyframe":

@@ -30,7 +30,6 @@ PACKAGES = (
     "numpy",
     "numba",
     "zstandard",
-    "constriction",
     "safetensors",
     "obstore",
     "transformers",
@@ -205,22 +204,35 @@ def targets(run: Run) -> list[Target]:
             )
     xr = run.numbers.get("crossregion")
     if xr is not None:
-        e = {r["bandwidth"]: r for r in xr["extrapolation"]["rows"]}.get("1gbit")
         measured = [r for r in xr["rows"] if r["bandwidth"] == "1gbit" and r["replicas"] == 1]
-        if e is not None:
+        figures = []
+        real = []  # the parallel model's ratio at each real model's change rate
+        for x in xr["extrapolations"]:
+            e = {r["bandwidth"]: r for r in x["rows"]}.get("1gbit")
+            if e is None:
+                continue
             s, p = e["single"]["ratio"], e["parallel"]["ratio"]
-            here = (
-                f"; measured on the {xr['view_bytes'] / 1e6:.0f} MB view, N=1: "
-                f"{measured[0]['full']['median'] / measured[0]['patch']['median']:.1f}x"
-                if measured
-                else ""
+            name = x["source"].removeprefix("the codec section's ").removesuffix(" BF16 row at lr 1e-6")
+            if not name.startswith("llm-like"):
+                real.append(p)
+            figures.append(
+                f"{name} ({100 * x['changed_fraction']:.2f}% changed): {s:.1f}x on this machine's per-unit costs, "
+                f"{p:.1f}x under the parallel model, {e['wire_ratio']:.0f}x in bytes alone"
             )
+        met = bool(real) and min(real) >= 100
+        if figures:
+            if measured:
+                m = measured[0]
+                figures.append(
+                    f"measured on the {xr['view_bytes'] / 1e6:.0f} MB view, N=1: "
+                    f"{m['full']['median'] / m['patch']['median']:.1f}x"
+                )
             out.append(
                 Target(
-                    "update 100x faster than a full checkpoint at 1 Gbit/s (500 GB BF16 view, lr 1e-6; model)",
-                    s >= 100,
-                    f"{s:.1f}x on this machine's per-unit costs; {p:.1f}x under the parallel model; "
-                    f"{e['wire_ratio']:.0f}x in bytes alone{here}",
+                    "update 100x faster than a full checkpoint at 1 Gbit/s (500 GB BF16 view, lr 1e-6; a model: met "
+                    "if the parallel model reaches it at every real model's change rate)",
+                    met,
+                    "; ".join(figures),
                 )
             )
         relay = [r["relay"]["wan_bytes"] / xr["patch_bytes"] for r in xr["rows"]]
@@ -334,27 +346,18 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         lambda: codec.run(console, quick=quick),
         lambda r: codec.markdown(r, figures, quick=quick),
     )
-    # The 500 GB extrapolation uses what the codec measured on LLM-shaped weights (BF16, lr 1e-6).
-    ref = next(
-        (
-            r
-            for r in run.numbers["codec"].rows
-            if r.workload.startswith("llm-like") and r.format == "bf16" and r.lr == 1e-6
-        ),
-        None,
-    )
-    extra: dict[str, Any] = {}
-    if ref is not None:
-        extra = {
-            "changed_fraction": ref.changed / ref.elements,
-            "bytes_per_change": ref.ours_bpc,
-            "source": f"the codec section's {ref.workload} BF16 row at lr 1e-6",
-        }
+    # The 500 GB extrapolation uses the change rate the codec measured at BF16, lr 1e-6, on every workload
+    # (LLM-shaped synthetic weights first, then the real models).
+    rates = [
+        (f"the codec section's {r.workload} BF16 row at lr 1e-6", r.changed / r.elements, r.ours_bpc)
+        for r in run.numbers["codec"].rows
+        if r.format == "bf16" and r.lr == 1e-6 and r.changed
+    ]
     run.timed(
         "crossregion",
         "Cross-region update latency",
         "crossregion",
-        lambda: crossregion.run(console, quick=quick, **extra),
+        lambda: crossregion.run(console, quick=quick, rates=rates),
         lambda r: crossregion.markdown(r, figures),
     )
     run.timed(

@@ -45,7 +45,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -452,14 +452,12 @@ def run(
     quick: bool = False,
     *,
     setup: Setup | None = None,
-    changed_fraction: float | None = None,
-    bytes_per_change: float | None = None,
-    source: str | None = None,
+    rates: Sequence[tuple[str, float, float]] = (),
 ) -> dict[str, Any]:
     """Measure every (link, N, method) cell ``setup.repeats`` times, fit the cost model, extrapolate.
 
-    ``changed_fraction``/``bytes_per_change``: what the extrapolation assumes for a 500 GB view (the codec
-    section's llm-like bf16 row when ``bench all`` runs); by default this benchmark's own step.
+    ``rates``: (source, changed fraction, bytes per change) for each 500 GB extrapolation (``bench all`` passes
+    the codec section's BF16 lr 1e-6 row of every workload); by default this benchmark's own step.
     """
     setup = setup or (QUICK if quick else FULL)
     with console.status("crossregion bench: warm-up Adam steps"):
@@ -529,8 +527,7 @@ def run(
                 row[m]["publish_s"] = statistics.median(o.publish_s for o in os_)
             row["bitwise"] = all(o.bitwise for m in METHODS for o in runs[(bw, n, m)])
             rows.append(row)
-    frac = changed_fraction if changed_fraction is not None else tr.changed / tr.elements
-    bpc = bytes_per_change if bytes_per_change is not None else len(tr.patch) / tr.changed
+    rates = rates or [("this benchmark's own step", tr.changed / tr.elements, len(tr.patch) / tr.changed)]
     result: dict[str, Any] = {
         "setup": asdict(setup),
         "elements": tr.elements,
@@ -547,7 +544,7 @@ def run(
         },
         "model": asdict(model),
         "rows": rows,
-        "extrapolation": extrapolate(model, setup.bandwidths, frac, bpc, source or "this benchmark's own step"),
+        "extrapolations": [extrapolate(model, setup.bandwidths, frac, bpc, src) for src, frac, bpc in rates],
     }
     for t in tables(result):
         console.print(t)
@@ -600,26 +597,30 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
             f"{r['relay']['wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f}",
             "yes" if r["bitwise"] else "NO",
         )
-    e = result["extrapolation"]
+    e = result["extrapolations"][0]
     x = Table(
         title=f"model: 500 GB bf16 view, {100 * e['changed_fraction']:.2f}% changed, "
-        f"{e['bytes_per_change']:.3f} B/change, patch {e['patch_bytes'] / 1e9:.2f} GB"
+        f"{e['bytes_per_change']:.3f} B/change ({e['source']}), patch {e['patch_bytes'] / 1e9:.2f} GB"
     )
     for col in ("link", "patch (this machine)", "full", "ratio", "patch (parallel model)", "full", "ratio", "wire"):
         x.add_column(col, justify="right")
     for r in e["rows"]:
-        s, p = r["single"], r["parallel"]
-        x.add_row(
-            r["bandwidth"],
-            fmt_s(s["patch_s"]),
-            fmt_s(s["full_s"]),
-            f"{s['ratio']:.1f}x",
-            fmt_s(p["patch_s"]),
-            fmt_s(p["full_s"]),
-            f"{p['ratio']:.1f}x",
-            f"{r['wire_ratio']:.0f}x",
-        )
+        x.add_row(*_extrapolation_cells(r))
     return [t, x]
+
+
+def _extrapolation_cells(r: Mapping[str, Any], bold: str = "") -> tuple[str, ...]:
+    s, p = r["single"], r["parallel"]
+    return (
+        r["bandwidth"],
+        fmt_s(s["patch_s"]),
+        fmt_s(s["full_s"]),
+        f"{bold}{s['ratio']:.1f}x{bold}",
+        fmt_s(p["patch_s"]),
+        fmt_s(p["full_s"]),
+        f"{bold}{p['ratio']:.1f}x{bold}",
+        f"{r['wire_ratio']:.0f}x",
+    )
 
 
 ABOUT = """**Trainer.** FP32 masters (four `(rows, 1024)` matrices, N(0, 0.02^2)) trained by `torch.optim.Adam`
@@ -683,22 +684,8 @@ def _components(result: Mapping[str, Any]) -> str:
     return md_table(("component", "cost", "covers"), rows, left=3)
 
 
-def _extrapolation_md(e: Mapping[str, Any]) -> str:
-    rows = []
-    for r in e["rows"]:
-        s, p = r["single"], r["parallel"]
-        rows.append(
-            (
-                r["bandwidth"],
-                fmt_s(s["patch_s"]),
-                fmt_s(s["full_s"]),
-                f"**{s['ratio']:.1f}x**",
-                fmt_s(p["patch_s"]),
-                fmt_s(p["full_s"]),
-                f"**{p['ratio']:.1f}x**",
-                f"{r['wire_ratio']:.0f}x",
-            )
-        )
+def _extrapolation_md(e: Mapping[str, Any], *, first: bool = True) -> str:
+    rows = [_extrapolation_cells(r, bold="**") for r in e["rows"]]
     head = (
         "link",
         "patch, this machine",
@@ -709,6 +696,14 @@ def _extrapolation_md(e: Mapping[str, Any]) -> str:
         "full / patch",
         "bytes only",
     )
+    if not first:
+        return "\n\n".join(
+            [
+                f"The same model with the change rate of {e['source']}: {100 * e['changed_fraction']:.2f}% changed "
+                f"at {e['bytes_per_change']:.3f} B per change, patch {e['patch_bytes'] / 1e9:.2f} GB.",
+                md_table(head, rows),
+            ]
+        )
     return "\n\n".join(
         [
             f"**Extrapolation (a model, not a measurement).** One replica of a 500 GB BF16 served view "
@@ -768,7 +763,8 @@ def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
     ]
     if figures is not None:
         parts.append(figures.link(plot(result, figures.path("crossregion.png")).name, "update latency vs replicas"))
-    parts += [MODEL_ABOUT, _components(result), _extrapolation_md(result["extrapolation"])]
+    parts += [MODEL_ABOUT, _components(result)]
+    parts += [_extrapolation_md(e, first=i == 0) for i, e in enumerate(result["extrapolations"])]
     return "\n\n".join(parts)
 
 

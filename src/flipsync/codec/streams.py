@@ -12,8 +12,6 @@ Values (unsigned symbols: zigzagged steps or raw bit patterns) are coded as:
 - ``ans``: an order-0 rANS coder (our own compiled one, ``bitpack.ans_*``) over symbols below a cut-off
   with the frequency table stored; larger symbols escape to a zstd side stream. Reaches the empirical
   entropy of the steps; long streams interleave four states so that decoding takes ~2-3 ns per value.
-- ``rans``: the same layout coded by ``constriction`` (~10 ns per value to decode): what older patches
-  hold; still decoded, no longer written.
 - ``zstd``: narrowest unsigned ints, byte-shuffled, zstd.
 The encoder keeps whichever candidate is smallest.
 """
@@ -24,7 +22,6 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-import constriction
 import numpy as np
 import zstandard
 
@@ -32,7 +29,7 @@ from flipsync.codec import bitpack
 from flipsync.errors import CorruptPatchError
 
 ZSTD_LEVEL = 3
-RANS_MAX_ALPHABET = 256  # symbols >= this escape to the side stream
+ANS_MAX_ALPHABET = 256  # symbols >= this escape to the side stream
 _MAX_RICE_K = 62
 _ZSTD_MAX_RATIO = 1 << 15  # zstd cannot expand input by more than this (RLE blocks of 128 KiB)
 
@@ -188,79 +185,26 @@ def decode_positions(params: Params, blob: bytes, n: int, numel: int) -> np.ndar
 
 
 # ------------------------------------------------------------------------------------------------ values
-_RANS_HEADER = struct.Struct("<HBBHHI")  # used symbols, rice k, count bits, table bytes x2, rANS bytes
+_ANS_HEADER = struct.Struct("<HBBHHI")  # used symbols, rice k, count bits, table bytes x2, rANS bytes
 
 
-def rans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
-    """rANS over symbols < alphabet; larger ones become an escape symbol plus a zstd side stream.
-
-    The frequency table is stored sparsely (Rice-coded symbol gaps, fixed-width counts): a section with a
-    few hundred changes then pays tens of bytes for its table, not hundreds.
-    """
-    top = int(symbols.max()) if symbols.size else 0
-    alphabet = min(top + 1, RANS_MAX_ALPHABET)
-    escaped = symbols >= alphabet
-    coded = np.where(escaped, alphabet, symbols).astype(np.int32)
-    counts = np.bincount(coded, minlength=alphabet + 1).astype(np.uint64)
-    if not escaped.any():
-        counts = counts[: max(alphabet, 2)]  # constriction needs at least two symbols
-    coder = constriction.stream.stack.AnsCoder()
-    coder.encode_reverse(coded, _rans_model(counts))
-    words = coder.get_compressed().astype("<u4").tobytes()
-    used = np.flatnonzero(counts)
-    sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
-    cnt_params, cnt_blob = fixed_encode(counts[used] - np.uint64(1))
-    header = _RANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
-    esc_params, esc_blob = _shuffled_zstd(symbols[escaped] - np.uint64(alphabet))
-    params = {"alphabet": len(counts), "escapes": int(escaped.sum()), "esc_width": esc_params["width"]}
-    return params, header + sym_blob + cnt_blob + words + (esc_blob if escaped.any() else b"")
-
-
-def _rans_model(counts: np.ndarray) -> Any:
-    return constriction.stream.model.Categorical(counts.astype(np.float64), perfect=False)
-
-
-def _rans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
+def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
     """The frequency table and the offset where the rANS words start."""
-    if len(blob) < _RANS_HEADER.size:
-        raise CorruptPatchError("rans stream is truncated")
-    used, k, cbits, sym_len, cnt_len, words_len = _RANS_HEADER.unpack_from(blob)
-    off = _RANS_HEADER.size
+    if len(blob) < _ANS_HEADER.size:
+        raise CorruptPatchError("ans stream is truncated")
+    used, k, cbits, sym_len, cnt_len, words_len = _ANS_HEADER.unpack_from(blob)
+    off = _ANS_HEADER.size
     if not 1 <= used <= n_counts or off + sym_len + cnt_len + words_len > len(blob) or words_len % 4:
-        raise CorruptPatchError("rans stream header is inconsistent")
+        raise CorruptPatchError("ans stream header is inconsistent")
     gaps = rice_decode({"k": k}, blob[off : off + sym_len], used)
     symbols = np.cumsum(gaps.astype(np.int64) + 1) - 1
     if gaps.max() >= n_counts or symbols[-1] >= n_counts:
-        raise CorruptPatchError("rans frequency table names symbols outside the alphabet")
+        raise CorruptPatchError("ans frequency table names symbols outside the alphabet")
     off += sym_len
     counts = np.zeros(n_counts, dtype=np.uint64)
     # Stored as count - 1; a crafted 2**64 - 1 wraps to 0, which the callers' checks refuse.
     counts[symbols] = fixed_decode({"bits": cbits}, blob[off : off + cnt_len], used) + np.uint64(1)
     return counts, off + cnt_len
-
-
-def rans_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
-    n_counts = _get_int(params, "alphabet", range(1, RANS_MAX_ALPHABET + 2))
-    counts_u, off = _rans_table(blob, n_counts)
-    counts = counts_u.astype(np.float64)
-    words_len = _RANS_HEADER.unpack_from(blob)[5]
-    words = np.frombuffer(blob, dtype="<u4", count=words_len // 4, offset=off).astype(np.uint32)
-    if n == 0:
-        symbols = np.empty(0, dtype=np.uint64)
-    else:
-        try:
-            symbols = constriction.stream.stack.AnsCoder(words).decode(_rans_model(counts), n)
-        except Exception as e:  # constriction raises plain exceptions on malformed streams
-            raise CorruptPatchError(f"rans stream cannot be decoded: {e}") from None
-        symbols = symbols.astype(np.uint64)
-    n_esc = _get_int(params, "escapes", range(n + 1))
-    escaped = symbols == np.uint64(n_counts - 1) if n_esc else np.zeros(n, dtype=bool)
-    if int(escaped.sum()) != n_esc:
-        raise CorruptPatchError("rans stream escape count disagrees with the section header")
-    if n_esc:
-        extra = _unshuffled_zstd({"width": params.get("esc_width")}, blob[off + words_len :], n_esc)
-        symbols[escaped] = extra + np.uint64(n_counts - 1)
-    return symbols
 
 
 _ANS_MAX_PREC = 16  # frequency precision: a 64 Ki-slot decode table at most
@@ -277,12 +221,13 @@ def _ans_shape(n: int) -> tuple[int, int]:
 def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     """rANS (our own compiled coder, see bitpack) over symbols < alphabet; larger ones escape to zstd.
 
-    Same layout as ``rans_encode``: header, sparse frequency table (exact counts), 32-bit words, escapes.
-    The decoder rebuilds the quantized frequencies from the counts (``bitpack.ans_quantize``).
+    Layout: header, sparse frequency table (Rice-coded symbol gaps, fixed-width exact counts: a section with a
+    few hundred changes pays tens of bytes for it), 32-bit words, escapes. The decoder rebuilds the quantized
+    frequencies from the counts (``bitpack.ans_quantize``).
     """
     n = int(symbols.size)
     top = int(symbols.max()) if n else 0
-    alphabet = min(top + 1, RANS_MAX_ALPHABET)
+    alphabet = min(top + 1, ANS_MAX_ALPHABET)
     escaped = symbols >= alphabet
     coded = np.where(escaped, alphabet, symbols).astype(np.int32)
     counts = np.bincount(coded, minlength=alphabet + 1).astype(np.uint64)
@@ -295,23 +240,23 @@ def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     used = np.flatnonzero(counts)
     sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
     cnt_params, cnt_blob = fixed_encode(counts[used] - np.uint64(1))
-    header = _RANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
+    header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
     esc_params, esc_blob = _shuffled_zstd(symbols[escaped] - np.uint64(alphabet))
     params = {"alphabet": len(counts), "escapes": int(escaped.sum()), "esc_width": esc_params["width"]}
     return params, header + sym_blob + cnt_blob + words + (esc_blob if escaped.any() else b"")
 
 
 def ans_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
-    n_counts = _get_int(params, "alphabet", range(1, RANS_MAX_ALPHABET + 2))
+    n_counts = _get_int(params, "alphabet", range(1, ANS_MAX_ALPHABET + 2))
     n_esc = _get_int(params, "escapes", range(n + 1))
     if n == 0 or n >= 1 << 47:
         raise CorruptPatchError("an ans stream codes at least one and fewer than 2**47 values")
     prec, lanes = _ans_shape(n)
-    counts, off = _rans_table(blob, n_counts)
+    counts, off = _ans_table(blob, n_counts)
     # The table holds exact counts: they must add up to the values, which also bounds them for quantizing.
     if int(counts.max()) > n or int(counts.sum()) != n or int(np.count_nonzero(counts)) > 1 << prec:
         raise CorruptPatchError("ans frequency table does not add up to the number of values")
-    words_len = _RANS_HEADER.unpack_from(blob)[5]
+    words_len = _ANS_HEADER.unpack_from(blob)[5]
     words = np.frombuffer(blob, dtype="<u4", count=words_len // 4, offset=off)
     symbols = np.empty(n, dtype=np.uint64)
     status = bitpack.ans_unpack(words, bitpack.ans_quantize(counts, prec), prec, lanes, symbols)
@@ -346,7 +291,6 @@ def encode_symbols(symbols: np.ndarray) -> tuple[Params, bytes]:
 _SYMBOL_DECODERS: dict[str, Callable[[Params, bytes, int], np.ndarray]] = {
     "zstd": _unshuffled_zstd,
     "ans": ans_decode,
-    "rans": rans_decode,  # constriction's coder: what patches used before "ans"; decoded, no longer written
     "bits": fixed_decode,
 }
 

@@ -24,6 +24,19 @@ UNQUANTIZED_MARKERS = ("embed", "lm_head", "norm")
 E4M3_MAX = 448.0
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """True when ``t`` holds no NaN or inf: one fused min/max pass.
+
+    NaN propagates through min/max and an inf is the min or the max, so both ends are finite exactly
+    when every element is; ``isfinite(t).all()`` is an order of magnitude slower (a bool tensor, then a
+    reduction), which made the check the largest per-byte cost of publishing a served view.
+    """
+    if t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(torch.stack((lo, hi))).all())
+
+
 def check_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """Validate a floating master tensor and return it as float32 (exact upcast for bf16/fp16).
 
@@ -41,6 +54,8 @@ def check_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
             "(or bfloat16/float16) masters"
         )
     x = tensor.float()
+    if all_finite(x):
+        return x
     finite = torch.isfinite(x)
     if not bool(finite.all()):
         bad = int(finite.numel() - int(finite.sum()))
@@ -54,7 +69,7 @@ def check_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def cast_checked(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """RNE cast of finite fp32 `x` to bf16/fp16 (torch `.to`), refusing values that round to inf."""
     y = x.to(dtype)
-    if bool(torch.isinf(y).any()):
+    if not all_finite(y) and bool(torch.isinf(y).any()):
         limit = torch.finfo(dtype).max
         raise FormatError(
             f"tensor {name!r} (shape {list(x.shape)}) has values that overflow {dtype} "
