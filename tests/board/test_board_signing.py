@@ -107,3 +107,29 @@ def test_tampered_part_is_refused(store: ObstoreStore, keys: tuple[Signer, Verif
     with pytest.raises(IntegrityError, match="corrupt"):
         f.sync(Recorder())
     assert f.version == 2
+
+
+def test_tampered_keyframe_is_refused(store: ObstoreStore, keys: tuple[Signer, Verifier]) -> None:
+    signer, verifier = keys
+    build_run(store, 3, keyframes=(3,), signer=signer)
+    reader = BoardReader(store, "run", verifier=verifier)
+    m = reader.catalog.keyframe(3)
+    path = f"{L.keyframe_dir(3)}/{m.parts[0].path}"
+    data = bytearray(store.get(path))
+    data[len(data) // 2] ^= 1
+    store.put(path, bytes(data))
+    f = Follower(reader, version=None, max_replans=0)
+    with pytest.raises(IntegrityError, match="corrupt"):
+        f.sync(Recorder())
+    assert f.version is None  # nothing was loaded from the tampered keyframe
+
+
+def test_replayed_older_manifest_cannot_move_a_replica(store: ObstoreStore, keys: tuple[Signer, Verifier]) -> None:
+    # An attacker with write access copies the validly signed v2 manifest to where v4's would go.
+    signer, verifier = keys
+    build_run(store, 3, signer=signer)
+    store.put(L.version_manifest(4), store.get(L.version_manifest(2)), create_only=True)
+    f = Follower(BoardReader(store, "run", verifier=verifier), version=3, view_fp=fp(3))
+    with pytest.raises(IntegrityError, match="its location says patch 3->4"):
+        f.sync(Recorder())
+    assert f.version == 3
