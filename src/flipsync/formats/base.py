@@ -50,8 +50,7 @@ def check_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
         )
     if tensor.dtype not in MASTER_DTYPES:
         raise FormatError(
-            f"master tensor {name!r} has dtype {tensor.dtype}; served views take float32 "
-            "(or bfloat16/float16) masters"
+            f"master tensor {name!r} has dtype {tensor.dtype}; served views take float32 (or bfloat16/float16) masters"
         )
     x = tensor.float()
     if all_finite(x):
@@ -76,6 +75,19 @@ def cast_checked(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
             f"(|x| rounds beyond {limit:.6g}); rescale the weights or use a format with a wider range"
         )
     return y
+
+
+def cast_master(name: str, master: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cast_checked(name, check_master(name, master), dtype)`` with one finiteness pass instead of two.
+
+    The cast keeps NaN and inf, so a finite result means a finite master that did not overflow; only
+    otherwise do the two checks run, to raise their errors.
+    """
+    if master.dtype in MASTER_DTYPES:
+        y = master.float().to(dtype)
+        if all_finite(y):
+            return y
+    return cast_checked(name, check_master(name, master), dtype)
 
 
 def engine_input(name: str, master: torch.Tensor, *, from_fp32: bool) -> torch.Tensor:
@@ -191,6 +203,12 @@ class ServedFormat(ABC):
                     f"tensor's own amax {float(own)!r}; pass the max |x| over the whole fused group"
                 )
         return self.encode(name, prepared, amax)
+
+    def components(
+        self, name: str, master: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """`prepare` then `encode` (what `served_view` runs per selected tensor outside a fused group)."""
+        return self.encode(name, self.prepare(name, master, from_fp32=from_fp32), group_amax)
 
     @abstractmethod
     def encode(self, name: str, x: torch.Tensor, group_amax: torch.Tensor | None) -> dict[str, torch.Tensor]:

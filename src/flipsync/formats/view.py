@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 
 from flipsync.errors import ConfigError, FormatError
-from flipsync.formats.base import ServedFormat, cast_checked, check_master, tensor_amax
+from flipsync.formats.base import ServedFormat, cast_master, tensor_amax
 from flipsync.formats.registry import get_format
 
 KeepFn = Callable[[str, torch.Tensor], bool]
@@ -62,9 +62,7 @@ def _resolve_groups(
         return []
     if isinstance(fused_groups, str):
         if fused_groups != "auto":
-            raise ConfigError(
-                f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}"
-            )
+            raise ConfigError(f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}")
         groups = fused_groups_auto(masters)
     else:
         groups = []
@@ -110,9 +108,7 @@ def served_view(
     selected = {
         name
         for name, tensor in masters.items()
-        if tensor.is_floating_point()
-        and f.selects(name, tensor)
-        and not (keep is not None and keep(name, tensor))
+        if tensor.is_floating_point() and f.selects(name, tensor) and not (keep is not None and keep(name, tensor))
     }
     groups = _resolve_groups(fused_groups, masters, selected)
     group_of = {member: i for i, group in enumerate(groups) for member in group} if f.uses_group_amax else {}
@@ -122,9 +118,7 @@ def served_view(
     out: dict[str, torch.Tensor] = {}
     for name, tensor in masters.items():
         if tensor.is_complex():
-            raise FormatError(
-                f"tensor {name!r} is complex ({tensor.dtype}); served views hold real tensors only"
-            )
+            raise FormatError(f"tensor {name!r} is complex ({tensor.dtype}); served views hold real tensors only")
         if not tensor.is_floating_point():
             parts = {name: tensor}
         elif name in selected:
@@ -137,10 +131,12 @@ def served_view(
                     amaxes = [tensor_amax(prepared[member]).cpu() for member in groups[gid]]
                     group_amax[gid] = torch.stack(amaxes).amax()
                 amax = group_amax[gid].to(tensor.device)
-            x = prepared.pop(name) if name in prepared else f.prepare(name, tensor, from_fp32=from_fp32)
-            parts = f.encode(name, x, amax)
+            if name in prepared:
+                parts = f.encode(name, prepared.pop(name), amax)
+            else:
+                parts = f.components(name, tensor, amax, from_fp32=from_fp32)
         else:
-            parts = {name: cast_checked(name, check_master(name, tensor), f.unquantized_dtype)}
+            parts = {name: cast_master(name, tensor, f.unquantized_dtype)}
         for key, value in parts.items():
             if key in out:
                 raise ConfigError(
