@@ -23,7 +23,7 @@ from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squ
 from flipsync.codec.bits import dtype_of
 from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
 from flipsync.domain.patch import ViewRef
-from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError, VerificationError
+from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view
 from flipsync.sidecar.cli import relay, sidecar
 from flipsync.trainer.cli import publish as publish_cmd
@@ -233,15 +233,6 @@ def apply(
                 f"{e} ({base} is not the base {patch_path} was made from: pass that checkpoint, its served "
                 "view, or the output of applying the patches before this one)"
             ) from None
-        reached = table.view_fp()
-        if reached != patch.header.target.view:
-            # apply_patch checks every changed tensor, not the view the header promises; a header naming
-            # another target is corrupt or crafted, and nothing may be written from it.
-            result.undo.rollback(tensors, table)
-            raise VerificationError(
-                f"{patch_path} says it leads to view {patch.header.target.view}, but its changes lead to {reached}: "
-                f"the patch header is corrupt; nothing was written to {out}. Rebuild the patch with `flipsync diff`"
-            )
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
         _console().print(
             f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "

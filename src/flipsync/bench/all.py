@@ -103,13 +103,14 @@ class Run:
     numbers: dict[str, Any] = field(default_factory=dict)
     sections: list[Section] = field(default_factory=list)
 
-    def timed(self, anchor: str, title: str, name: str, fn: Callable[[], Any], render: Callable[[Any], str]) -> None:
+    def timed(self, name: str, title: str, fn: Callable[[], Any], render: Callable[[Any], str]) -> None:
+        """Run benchmark ``name`` and render its section (anchored ``#name``)."""
         t0 = time.perf_counter()
         numbers = fn()
         seconds = time.perf_counter() - t0
         self.numbers[name] = numbers
         command = f"flipsync bench {name}" + (" --quick" if self.quick else "")
-        self.sections.append(Section(anchor, title, command, seconds, render(numbers)))
+        self.sections.append(Section(name, title, command, seconds, render(numbers)))
 
 
 # -- targets ----------------------------------------------------------------------------------------------
@@ -342,7 +343,6 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
     run.timed(
         "codec",
         "Codec: patch size and speed",
-        "codec",
         lambda: codec.run(console, quick=quick),
         lambda r: codec.markdown(r, figures, quick=quick),
     )
@@ -356,29 +356,25 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
     run.timed(
         "crossregion",
         "Cross-region update latency",
-        "crossregion",
         lambda: crossregion.run(console, quick=quick, rates=rates),
         lambda r: crossregion.markdown(r, figures),
     )
     run.timed(
         "sidecar",
         "Engine pause against patch size",
-        "sidecar",
         lambda: sidecar.run(console, quick=quick),
         lambda r: sidecar.markdown(r, figures),
     )
     run.timed(
         "scaling",
         "Scaling with tensor size",
-        "scaling",
         lambda: scaling.run(console, quick=quick),
         lambda r: scaling.markdown(r, figures, repeat=(scaling.QUICK if quick else scaling.FULL).repeat),
     )
-    run.timed("board", "Board: publish and catch-up", "board", lambda: board.run(console, quick=quick), board.markdown)
+    run.timed("board", "Board: publish and catch-up", lambda: board.run(console, quick=quick), board.markdown)
     run.timed(
         "trainer",
         "Trainer: what publishing adds to a step",
-        "trainer",
         lambda: trainer.run(console, quick=quick),
         lambda r: trainer.markdown(r, quick=quick),
     )

@@ -304,15 +304,19 @@ def apply_table(rows: list[ApplyRow]) -> Table:
     for col in ("elements", "changed %", "stage ms", "commit ms", "full copy ms", "commit / copy"):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(
-            f"{r.elements:,}",
-            f"{r.changed_pct:.2f}",
-            f"{r.stage_ms:.1f}",
-            f"{r.commit_ms:.2f}",
-            f"{r.copy_ms:.1f}",
-            f"{r.commit_vs_copy:.3f}",
-        )
+        t.add_row(*_apply_cells(r))
     return t
+
+
+def _apply_cells(r: ApplyRow) -> tuple[str, ...]:
+    return (
+        f"{r.elements:,}",
+        f"{r.changed_pct:.2f}",
+        f"{r.stage_ms:.1f}",
+        f"{r.commit_ms:.2f}",
+        f"{r.copy_ms:.1f}",
+        f"{r.commit_vs_copy:.3f}",
+    )
 
 
 def table(rows: list[CodecRow]) -> Table:
@@ -483,17 +487,7 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
             "full copy ms",
             "commit / copy",
         ),
-        (
-            (
-                f"{r.elements:,}",
-                f"{r.changed_pct:.2f}",
-                f"{r.stage_ms:.1f}",
-                f"{r.commit_ms:.2f}",
-                f"{r.copy_ms:.1f}",
-                f"{r.commit_vs_copy:.3f}",
-            )
-            for r in report.apply
-        ),
+        (_apply_cells(r) for r in report.apply),
     )
     parts = [
         _data_md(report, quick),

@@ -57,7 +57,7 @@ from rich.table import Table
 from flipsync.bench.report import Figures, md_table, pyplot
 from flipsync.board.publish import Publisher as BoardPublisher
 from flipsync.board.reader import BoardReader
-from flipsync.board.store import Store, open_store
+from flipsync.board.store import Store, StoreWrapper, open_store
 from flipsync.board.throttle import ThrottledStore, TokenBucket, parse_bandwidth
 from flipsync.codec import FingerprintTable, Patch, UndoRecord, diff_views
 from flipsync.codec import commit as codec_commit
@@ -276,19 +276,34 @@ def _masters_of(params: Mapping[str, torch.nn.Parameter]) -> Callable[[], dict[s
     return lambda: {k: p.detach() for k, p in params.items()}
 
 
+class _ManifestClock(StoreWrapper):
+    """Notes when the newest version manifest's write began: the moment a version is committed to the board.
+
+    Taken inside the trainer's own write, so no replica can have seen the version earlier (the time at which
+    the publishing call returns can come after replicas verified it, when the caller is descheduled)."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.committed_at = 0.0
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        if "/versions/" in path and path.endswith("/manifest.json"):  # not keyframes' or spans' manifests
+            self.committed_at = time.perf_counter()
+        super().put(path, data, create_only=create_only)
+
+
 def _trainer_patch_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
     """The real trainer publisher attached to Adam; v0 is published (snapshot) before this returns."""
     params, opt = tr.fresh()
-    pub = TrainerPublisher(
-        _masters_of(params), open_store(root), format=FMT, run=RUN, optimizer=opt, publisher_id="bench-trainer"
-    )
+    store = _ManifestClock(open_store(root))
+    pub = TrainerPublisher(_masters_of(params), store, format=FMT, run=RUN, optimizer=opt, publisher_id="bench-trainer")
     pub.flush()
 
     def fire() -> tuple[float, float]:
         tr.step(params, opt)  # the publisher's post-step hook runs inside
         t0 = time.perf_counter()
         pub.flush()
-        return t0, time.perf_counter()
+        return t0, store.committed_at
 
     return fire, pub.close
 
@@ -296,7 +311,8 @@ def _trainer_patch_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None
 def _trainer_full_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
     """A full-checkpoint trainer: v1 is the whole served view, written as a snapshot."""
     params, opt = tr.fresh()
-    board = BoardPublisher(open_store(root), RUN, publisher_id="bench-trainer")
+    store = _ManifestClock(open_store(root))
+    board = BoardPublisher(store, RUN, publisher_id="bench-trainer")
     board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
 
     def fire() -> tuple[float, float]:
@@ -304,7 +320,7 @@ def _trainer_full_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]
         t0 = time.perf_counter()
         view = served_view(_masters_of(params)(), FMT)
         board.publish_snapshot(view, version=1, view_fp=FingerprintTable.of(view).view_fp(), served_format=FMT)
-        return t0, time.perf_counter()
+        return t0, store.committed_at
 
     return fire, lambda: None
 

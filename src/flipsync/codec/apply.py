@@ -28,11 +28,10 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from flipsync.codec import streams
-from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.bits import DType, bits_numpy, dtype_of, int_view
 from flipsync.codec.build import gather_bits
 from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, _fmix64, fp_hex
-from flipsync.codec.patch import Patch, split_streams
+from flipsync.codec.patch import Patch, decode_streams
 from flipsync.domain.patch import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 
@@ -205,23 +204,8 @@ class _Decoded:
 
 
 def _decode_section(section: SectionHeader, blob: bytes | memoryview) -> _Decoded:
-    """The checks of ``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
-    try:
-        d = dtype_named(section.dtype)
-    except PatchError as e:
-        raise CorruptPatchError(str(e)) from None
-    blobs = split_streams(section, blob)
-    n = section.n
-    positions = streams.decode_positions(section.pos, blobs["pos"], n, section.numel)
-    symbols = streams.decode_symbols(section.val, blobs["val"], n)
-    raw = None
-    if section.mode == "mixed":
-        if section.tag is None:
-            raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
-        tags = streams.decode_symbols(section.tag, blobs["tag"], n)
-        if tags.size and int(tags.max()) > 1:
-            raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
-        raw = tags.astype(bool)
+    """``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
+    d, positions, symbols, raw = decode_streams(section, blob)
     return _Decoded(d, section.mode, positions, symbols, raw)
 
 

@@ -184,11 +184,10 @@ def fixed_unpack(data: np.ndarray, width: int, out: np.ndarray) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- rANS
-# An encoder and decoder pair (our own: ~4x faster to decode than constriction's, same size): 64-bit
-# states, 32-bit words, lower bound L = 2**31, frequencies summing to 2**prec (prec <= 16), so every value
-# costs at most one word. The encoder works backwards from a known start state; the decoder reads the
-# final states first and must end at exactly the start states with every word consumed, which catches
-# most corruption before the fingerprint check does.
+# An encoder and decoder pair, compiled here: 64-bit states, 32-bit words, lower bound L = 2**31,
+# frequencies summing to 2**prec (prec <= 16), so every value costs at most one word. The encoder works
+# backwards from a known start state; the decoder reads the final states first and must end at exactly the
+# start states with every word consumed, which catches most corruption before the fingerprint check does.
 ANS_LOW = 1 << 31
 CORRUPT = -3
 
@@ -241,9 +240,9 @@ def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
     dependency chains); all lanes share one word stream, and the final states lead it, lane 0 first.
     """
     cum = _cumulative(freq)
-    # One lane starts from state 0 (as constriction does): its first ~31 bits of information fill the
-    # state instead of the stream, which saves a word on small sections. Interleaved lanes must start at
-    # ANS_LOW, or a lane still below it would take a word meant for another lane.
+    # One lane starts from state 0: its first ~31 bits of information fill the state instead of the
+    # stream, which saves a word on small sections. Interleaved lanes must start at ANS_LOW, or a lane
+    # still below it would take a word meant for another lane.
     x = np.full(lanes, np.uint64(ANS_LOW if lanes > 1 else 0), dtype=np.uint64)
     j = out.shape[0]
     bound = np.uint64((ANS_LOW >> prec) << 32)

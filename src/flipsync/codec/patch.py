@@ -135,26 +135,35 @@ def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str,
     return out
 
 
-def decode_change(section: SectionHeader, blob: bytes | memoryview) -> TensorChange:
-    """Decode one section; every failure is a :class:`CorruptPatchError`."""
+def decode_streams(
+    section: SectionHeader, blob: bytes | memoryview
+) -> tuple[DType, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A section's dtype, positions, symbols (zigzagged steps or raw patterns) and, for a mixed section, its
+    kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`."""
     try:
         d = dtype_named(section.dtype)
     except PatchError as e:
         raise CorruptPatchError(str(e)) from None
     blobs = split_streams(section, blob)
-    n, numel = section.n, section.numel
-    positions = streams.decode_positions(section.pos, bytes(blobs["pos"]), n, numel)
-    symbols = streams.decode_symbols(section.val, bytes(blobs["val"]), n)
-    raw: np.ndarray | None = None
-    if section.mode == "raw":
-        raw = np.ones(n, dtype=bool)
-    elif section.mode == "mixed":
+    n = section.n
+    positions = streams.decode_positions(section.pos, blobs["pos"], n, section.numel)
+    symbols = streams.decode_symbols(section.val, blobs["val"], n)
+    flags: np.ndarray | None = None
+    if section.mode == "mixed":
         if section.tag is None:
             raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
-        tags = streams.decode_symbols(section.tag, bytes(blobs["tag"]), n)
+        tags = streams.decode_symbols(section.tag, blobs["tag"], n)
         if tags.size and int(tags.max()) > 1:
             raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
-        raw = tags.astype(bool)
+        flags = tags.astype(bool)
+    return d, positions, symbols, flags
+
+
+def decode_change(section: SectionHeader, blob: bytes | memoryview) -> TensorChange:
+    """Decode one section; every failure is a :class:`CorruptPatchError`."""
+    d, positions, symbols, raw = decode_streams(section, blob)
+    if section.mode == "raw":
+        raw = np.ones(section.n, dtype=bool)
     values = unzigzag(symbols)
     if raw is not None:
         if d.bits < 64 and raw.any() and int(symbols[raw].max()) >> d.bits:

@@ -111,15 +111,23 @@ def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     return {"k": k}, out[:used].tobytes()
 
 
-def rice_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
+def rice_decode(params: Params, blob: bytes, n: int, numel: int | None = None) -> np.ndarray:
+    """The n gaps (uint64); with ``numel``, straight to sorted positions below it (int64) in one compiled pass."""
     k = _get_int(params, "k", range(_MAX_RICE_K + 1))
     if n > 8 * len(blob):  # every value takes at least one bit
         raise CorruptPatchError(f"rice stream of {len(blob)} bytes cannot hold {n} values")
-    gaps = np.empty(n, dtype=np.uint64)
-    status = bitpack.rice_unpack(np.frombuffer(blob, dtype=np.uint8), k, gaps)
+    data = np.frombuffer(blob, dtype=np.uint8)
+    if numel is None:
+        out = np.empty(n, dtype=np.uint64)
+        status = bitpack.rice_unpack(data, k, out)
+    else:
+        out = np.empty(n, dtype=np.int64)
+        status = bitpack.rice_unpack_positions(data, k, out, numel)
+        if status == bitpack.OVERFLOW:
+            raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
     if status != bitpack.OK:
         raise CorruptPatchError("rice stream is truncated or corrupt")
-    return gaps
+    return out
 
 
 def fixed_encode(values: np.ndarray) -> tuple[Params, bytes]:
@@ -158,17 +166,7 @@ def decode_positions(params: Params, blob: bytes, n: int, numel: int) -> np.ndar
     """Sorted unique positions, each below ``numel``."""
     codec = params.get("codec")
     if codec == "rice":
-        # One compiled pass from bits to bounded positions: the gaps never exist as a separate array.
-        k = _get_int(params, "k", range(_MAX_RICE_K + 1))
-        if n > 8 * len(blob):  # every value takes at least one bit
-            raise CorruptPatchError(f"rice stream of {len(blob)} bytes cannot hold {n} values")
-        positions = np.empty(n, dtype=np.int64)
-        status = bitpack.rice_unpack_positions(np.frombuffer(blob, dtype=np.uint8), k, positions, numel)
-        if status == bitpack.OVERFLOW:
-            raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
-        if status != bitpack.OK:
-            raise CorruptPatchError("rice stream is truncated or corrupt")
-        return positions
+        return rice_decode(params, blob, n, numel)  # the gaps never exist as a separate array
     if codec == "zstd":
         gaps = _unshuffled_zstd(params, blob, n)
     else:
