@@ -118,12 +118,12 @@ class PatchTarget:
         except PatchError:
             assert _same(work, base), "a refused apply changed the tensors"
             return
-        if table.view_fp() != patch.header.target.view:
-            # Finding F3: apply_patch verifies each tensor, not the header's target view; its callers (the
-            # CLI, the sidecar) compare the view and roll back, which must restore the base exactly.
-            result.undo.rollback(work, table)
-            assert _same(work, base) and table.view_fp() == patch.header.base.view, "a rollback left other bits"
-            return
+        # Finding F3: stage now refuses a header whose target view would not result, so every apply that
+        # succeeds ends exactly at the view the header names.
+        assert table.view_fp() == patch.header.target.view, "an apply ended at a view other than its target"
+        result.undo.rollback(work, table)
+        assert _same(work, base) and table.view_fp() == patch.header.base.view, "a rollback left other bits"
+        apply_patch(work, patch, table, verify="digest")
         expected = self._views.get(patch.header.target.view)
         assert expected is None or _same(work, expected), "an apply reached the target fingerprint with other bits"
 
