@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec.bits import dtype_named, from_key, to_key, unzigzag, zigzag
+from flipsync.codec.bits import dtype_named, from_key, key_steps, to_key, unzigzag, zigzag
 
 ALL_16 = np.arange(1 << 16, dtype=np.uint16)
 ALL_8 = np.arange(1 << 8, dtype=np.uint8)
@@ -90,3 +90,26 @@ def test_zigzag_round_trip(values: list[int]) -> None:
     assert np.array_equal(unzigzag(z), v)
     small = (v > -1000) & (v < 1000)
     assert np.all(z[small] <= 2 * np.abs(v[small]).astype(np.uint64))
+
+
+@pytest.mark.parametrize("name", ["BF16", "F16", "I16", "F8_E4M3", "F8_E8M0", "U8", "BOOL"])
+def test_key_steps_is_the_key_difference_exhaustively(name: str) -> None:
+    """Every (old, new) pair of a shuffled full pattern set: the compiled pass equals numpy's to_key arithmetic."""
+    d = dtype_named(name)
+    patterns = ALL_16 if d.bits == 16 else ALL_8
+    new = np.random.default_rng(0).permutation(patterns)
+    assert np.array_equal(key_steps(patterns, new, d), to_key(new, d) - to_key(patterns, d))
+
+
+@given(
+    st.sampled_from(["F32", "I32", "F64", "I64"]),
+    st.lists(st.tuples(st.integers(0, (1 << 64) - 1), st.integers(0, (1 << 64) - 1)), max_size=200),
+)
+def test_key_steps_wide_types_wrap_like_numpy(name: str, pairs: list[tuple[int, int]]) -> None:
+    d = dtype_named(name)
+    width = np.dtype(f"<u{d.bits // 8}")
+    old = np.array([a & ((1 << d.bits) - 1) for a, _ in pairs], dtype=width)
+    new = np.array([b & ((1 << d.bits) - 1) for _, b in pairs], dtype=width)
+    with np.errstate(over="ignore"):
+        expect = to_key(new, d) - to_key(old, d)
+    assert np.array_equal(key_steps(old, new, d), expect)

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import diff
-from flipsync.codec.diff import DiffEngine, changed_positions_reference
+from flipsync.codec.bits import bits_numpy
+from flipsync.codec.diff import Changes, DiffEngine, changed_positions_reference
 from flipsync.errors import PatchError
 from tests.strategies import CODEC_DTYPES, edit, random_tensor
 
@@ -33,6 +34,16 @@ def test_matches_the_obvious_method(dtype: torch.dtype, numel: int, frac: float,
     b = edit(rng, a, frac, style=style)
     with DiffEngine(threads=2) as e:
         assert np.array_equal(e.changed_positions(a, b), changed_positions_reference(a, b))
+        assert_changes_exact(e.changes(a, b), a, b)
+
+
+def assert_changes_exact(found: Changes, a: torch.Tensor, b: torch.Tensor) -> None:
+    """Positions as the obvious method finds them, and both sides' bit patterns there, bit for bit."""
+    expect = changed_positions_reference(a, b)
+    assert np.array_equal(found.positions, expect) and found.positions.dtype == np.int64
+    for side, t in ((found.old, a), (found.new, b)):
+        bits = bits_numpy(t.contiguous()).reshape(-1)
+        assert side.dtype == bits.dtype and np.array_equal(side, bits[expect])
 
 
 @pytest.mark.parametrize("frac", [0.0005, 0.05, 0.5])
@@ -48,6 +59,10 @@ def test_many_chunks_sparse_and_dense(
     a = random_tensor(rng, dtype, (200_003,))
     b = edit(rng, a, frac, style="ulp")
     assert np.array_equal(engine.changed_positions(a, b), changed_positions_reference(a, b))
+    assert_changes_exact(engine.changes(a, b), a, b)
+    found = engine.changes_many([(a, b), (b, a)])  # several tensors share the pool's tasks
+    assert_changes_exact(found[0], a, b)
+    assert_changes_exact(found[1], b, a)
 
 
 def test_signed_zero_and_nan_payloads_count_as_changes(engine: DiffEngine) -> None:

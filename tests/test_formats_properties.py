@@ -6,6 +6,8 @@ same bytes as serving the master, fused groups share one scale, and NaN/inf is r
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -105,13 +107,22 @@ def test_bytes_match_reference(fmt: str, data: st.DataObject) -> None:
         except RefOverflow:
             return
         master = torch.from_numpy(x).to(torch.bfloat16)
+    # A publisher hands plain casts reused buffers: stale bits in them must never show through.
+    alloc = dirty_alloc if data.draw(st.booleans(), label="reused buffers") else None
     try:
         expected = reference(fmt, "w.weight", x, from_fp32=from_fp32)
     except RefOverflow:
         with pytest.raises(FormatError, match="overflow"):
-            served_view({"w.weight": master}, fmt, from_fp32=from_fp32)
+            served_view({"w.weight": master}, fmt, from_fp32=from_fp32, alloc=alloc)
         return
-    assert_same_bits(served_view({"w.weight": master}, fmt, from_fp32=from_fp32), expected)
+    assert_same_bits(served_view({"w.weight": master}, fmt, from_fp32=from_fp32, alloc=alloc), expected)
+
+
+def dirty_alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A buffer full of all-ones bytes (NaN in every float format), as a reused one may hold anything."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    t.reshape(-1).view(torch.uint8).fill_(0xFF)
+    return t
 
 
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "nvfp4"])
@@ -246,3 +257,5 @@ def test_nonfinite_refused_naming_the_tensor(
     with pytest.raises(NonFiniteError) as info:
         served_view(masters, fmt)
     assert repr(name) in str(info.value)
+    with pytest.raises(NonFiniteError, match=re.escape(repr(name))):
+        served_view(masters, fmt, alloc=dirty_alloc)

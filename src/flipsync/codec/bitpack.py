@@ -158,6 +158,25 @@ def unzigzag_into(z: np.ndarray, out: np.ndarray) -> None:
         out[i] = (v >> one) ^ (np.uint64(0) - (v & one))
 
 
+@numba.njit(inline="always")
+def _order_key(u: np.uint64, half: np.uint64, top: np.uint64, kind: int) -> np.uint64:
+    if kind == 0:  # sign-magnitude float: negative patterns reverse
+        return top - u if u & half else u + half
+    if kind == 1:  # two's complement
+        return u ^ half
+    return u
+
+
+@numba.njit(nogil=True, cache=True)
+def key_steps_into(old: np.ndarray, new: np.ndarray, bits: int, kind: int, out: np.ndarray) -> None:
+    """out[i] = key(new[i]) - key(old[i]) mod 2**64, for patterns of width ``bits`` (kind 0 float, 1 int,
+    2 uint): the order-key step of `bits.to_key` in one pass, without its int64 temporaries."""
+    half = np.uint64(1) << np.uint64(bits - 1)
+    top = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
+    for i in range(old.shape[0]):
+        out[i] = _order_key(np.uint64(new[i]), half, top, kind) - _order_key(np.uint64(old[i]), half, top, kind)
+
+
 @numba.njit(nogil=True, cache=True)
 def fixed_pack(values: np.ndarray, width: int, out: np.ndarray) -> int:
     """Each value in ``width`` bits (1..64)."""

@@ -103,6 +103,17 @@ def to_key(bits: np.ndarray, d: DType) -> np.ndarray:
     return key.view(np.int64)
 
 
+_KIND_CODE = {"float": 0, "int": 1, "uint": 2}
+
+
+def key_steps(old_bits: np.ndarray, new_bits: np.ndarray, d: DType) -> np.ndarray:
+    """``to_key(new_bits, d) - to_key(old_bits, d)`` (int64, modulo 2**64) in one compiled pass."""
+    out = np.empty(old_bits.size, dtype=np.uint64)
+    old, new = np.ascontiguousarray(old_bits).reshape(-1), np.ascontiguousarray(new_bits).reshape(-1)
+    bitpack.key_steps_into(old, new, d.bits, _KIND_CODE[d.kind], out)
+    return out.view(np.int64)
+
+
 def from_key(key: np.ndarray, d: DType) -> np.ndarray:
     """Inverse of :func:`to_key`; returns unsigned bit patterns of width d.bits."""
     k = key.view(np.uint64) if key.dtype == np.int64 else key.astype(np.uint64)

@@ -8,8 +8,8 @@ from typing import Literal
 import numpy as np
 import torch
 
-from flipsync.codec.bits import bits_numpy, dtype_of, int_view, to_key
-from flipsync.codec.diff import DiffEngine
+from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_key
+from flipsync.codec.diff import Changes, DiffEngine
 from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
 from flipsync.domain.patch import ViewRef
@@ -48,23 +48,22 @@ def check_same_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
 def _change(
     name: str,
     a: torch.Tensor,
-    b: torch.Tensor,
-    positions: np.ndarray,
+    found: Changes,
     base_fp: int,
     mode: str,
     hasher: Hasher | None,
+    b: torch.Tensor,
 ) -> TensorChange:
-    """The coded-to-be change of one tensor: old and new bits at the changed positions, fingerprints."""
+    """The coded-to-be change of one tensor: the diff's changed positions and patterns, fingerprints."""
     d = dtype_of(a)
-    old_bits, new_bits = gather_bits(a, positions), gather_bits(b, positions)
-    old_keys, new_keys = to_key(old_bits, d), to_key(new_bits, d)
+    positions, old_bits, new_bits = found.positions, found.old, found.new
     target_fp = (base_fp - fingerprint_of(positions, old_bits) + fingerprint_of(positions, new_bits)) & ((1 << 64) - 1)
     return TensorChange(
         name=name,
         dtype=d,
         shape=tuple(a.shape),
         positions=positions,
-        values=new_keys if mode == "raw" else new_keys - old_keys,
+        values=to_key(new_bits, d) if mode == "raw" else key_steps(old_bits, new_bits, d),
         raw=np.ones(positions.size, dtype=bool) if mode == "raw" else None,
         base_fp=base_fp,
         target_fp=target_fp,
@@ -104,10 +103,10 @@ def diff_views(
         builder = PatchBuilder()
 
         def flush(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-            found = engine.changed_positions_many([(a, b) for _, a, b in batch])
-            for (name, a, b), positions in zip(batch, found, strict=True):
-                if positions.size:
-                    change = _change(name, a, b, positions, table[name].fp, mode, hasher if digests else None)
+            found = engine.changes_many([(a, b) for _, a, b in batch])
+            for (name, a, b), changes in zip(batch, found, strict=True):
+                if changes.size:
+                    change = _change(name, a, changes, table[name].fp, mode, hasher if digests else None, b)
                     builder.add(change)
                     new_table[name] = TensorId(change.dtype.name, change.shape, change.target_fp)
                 if progress is not None:

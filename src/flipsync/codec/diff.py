@@ -13,6 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numba
 import numpy as np
@@ -37,8 +38,19 @@ _PROBE_WORDS = 4096  # words scanned to estimate a chunk's density
 
 
 @numba.njit(nogil=True, cache=True)
-def _changed_lanes(a: np.ndarray, b: np.ndarray, lane_bits: int, out: np.ndarray, bit_index: np.ndarray) -> int:
-    """Write the lane indices (relative to a[0]) of differing lanes of uint64 words a, b into out.
+def _changed_lanes(
+    a: np.ndarray,
+    b: np.ndarray,
+    lane_bits: int,
+    out: np.ndarray,
+    bit_index: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    values: bool,
+) -> int:
+    """Write the lane indices (relative to a[0]) of differing lanes of uint64 words a, b into out; with
+    ``values``, also each lane's old and new bit pattern into ``old`` and ``new`` (already in registers:
+    emitting them here spares the caller a cache-missing gather per change afterwards).
 
     Equal words cost one XOR and a well-predicted branch. In a differing word every lane is folded onto
     its lowest bit (SWAR: or-shifts, then a mask), and only the set bits are visited, lowest first.
@@ -47,6 +59,7 @@ def _changed_lanes(a: np.ndarray, b: np.ndarray, lane_bits: int, out: np.ndarray
     low = np.uint64(0)
     for i in range(lanes):
         low |= np.uint64(1) << np.uint64(i * lane_bits)
+    lane_mask = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - lane_bits)
     lane_shift = 0
     while (1 << lane_shift) < lane_bits:
         lane_shift += 1
@@ -62,48 +75,85 @@ def _changed_lanes(a: np.ndarray, b: np.ndarray, lane_bits: int, out: np.ndarray
             base = w * lanes
             while x != 0:
                 bit = x & (~x + np.uint64(1))
-                out[n] = base + (bit_index[(bit * _DEBRUIJN) >> np.uint64(58)] >> lane_shift)
+                at = bit_index[(bit * _DEBRUIJN) >> np.uint64(58)]  # the lane's lowest bit
+                out[n] = base + (at >> lane_shift)
+                if values:
+                    old[n] = (a[w] >> np.uint64(at)) & lane_mask
+                    new[n] = (b[w] >> np.uint64(at)) & lane_mask
                 n += 1
                 x &= x - np.uint64(1)
     return n
 
 
-def _chunk_positions(
-    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, scratch: np.ndarray
-) -> np.ndarray:
-    """Changed element indices inside bytes [start, stop) of two uint8 arrays; start, stop are 8-aligned.
+@dataclass(frozen=True)
+class Changes:
+    """The elements whose bit patterns differ between two tensors, with both patterns."""
+
+    positions: np.ndarray  # sorted int64 flat indices
+    old: np.ndarray  # the bit patterns before (unsigned, the element's width)
+    new: np.ndarray  # and after
+
+    @property
+    def size(self) -> int:
+        return int(self.positions.size)
+
+
+_Found = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # positions, and old, new when asked
+
+
+@dataclass
+class _Scratch:
+    """One pool thread's kernel output buffers for chunks of one element size, reused across chunks."""
+
+    pos: np.ndarray  # int32: chunk-relative indices
+    old: np.ndarray
+    new: np.ndarray
+
+
+def _chunk_changes(
+    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
+) -> _Found:
+    """Changed elements inside bytes [start, stop) of two uint8 arrays; start, stop are 8-aligned.
 
     A probe of the chunk's first words picks the method: the sparse kernel, or numpy on dense chunks.
-    ``scratch`` (int32, one slot per element of the chunk at least) is the kernel's output buffer.
     """
     words_a = a8[start:stop].view(np.uint64)
     words_b = b8[start:stop].view(np.uint64)
-    out = scratch[: (stop - start) // esize]
-    lane_bits = esize * 8
+    count = (stop - start) // esize
+    pos, old, new = buf.pos[:count], buf.old[:count], buf.new[:count]
+    lane_bits, lanes, first = esize * 8, 8 // esize, start // esize
     probe = min(_PROBE_WORDS, words_a.shape[0])
-    n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, out, _BIT_INDEX)
-    if n > DENSE_FRACTION * probe * (64 // lane_bits):
+    n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, pos, _BIT_INDEX, old, new, values)
+    if n > DENSE_FRACTION * probe * lanes:
         dt = _uint_np(esize)
-        rest = np.flatnonzero(a8[start + 8 * probe : stop].view(dt) != b8[start + 8 * probe : stop].view(dt))
-        tail = rest.astype(np.int64) + probe * (64 // lane_bits)
-        return np.concatenate([out[:n].astype(np.int64), tail]) + start // esize
-    m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, out[n:], _BIT_INDEX)
-    out[n : n + m] += probe * (64 // lane_bits)  # numbered from the probe's end
-    return out[: n + m].astype(np.int64) + start // esize
+        va, vb = a8[start + 8 * probe : stop].view(dt), b8[start + 8 * probe : stop].view(dt)
+        rest = np.flatnonzero(va != vb)
+        positions = np.concatenate([pos[:n].astype(np.int64), rest + probe * lanes]) + first
+        if not values:
+            return positions, None, None
+        return positions, np.concatenate([old[:n], va[rest]]), np.concatenate([new[:n], vb[rest]])
+    m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, pos[n:], _BIT_INDEX, old[n:], new[n:], values)
+    pos[n : n + m] += probe * lanes  # numbered from the probe's end
+    k = n + m
+    if not values:
+        return pos[:k].astype(np.int64) + first, None, None
+    return pos[:k].astype(np.int64) + first, old[:k].copy(), new[:k].copy()
 
 
 class DiffEngine:
-    """Finds changed positions; holds the thread pool so repeated diffs do not re-create it."""
+    """Finds changed elements; holds the thread pool so repeated diffs do not re-create it."""
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = max(1, threads or os.cpu_count() or 1)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-diff")
-        self._local = threading.local()  # one kernel output buffer per pool thread, reused across chunks
+        self._local = threading.local()  # one set of kernel output buffers per pool thread and element size
 
-    def _scratch(self, chunk_bytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.shape[0] < chunk_bytes:
-            buf = self._local.buf = np.empty(chunk_bytes, dtype=np.int32)
+    def _scratch(self, chunk_bytes: int, esize: int) -> _Scratch:
+        bufs: dict[int, _Scratch] = self._local.__dict__.setdefault("bufs", {})
+        buf = bufs.get(esize)
+        if buf is None or buf.pos.shape[0] < chunk_bytes // esize:
+            count, dt = chunk_bytes // esize, _uint_np(esize)
+            buf = bufs[esize] = _Scratch(np.empty(count, np.int32), np.empty(count, dt), np.empty(count, dt))
         return buf
 
     def close(self) -> None:
@@ -122,6 +172,17 @@ class DiffEngine:
     def changed_positions_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
         """``changed_positions`` of several pairs at once: small tensors share the pool instead of each
         running alone, so a view of many small tensors still uses every core."""
+        return [positions for positions, _, _ in self._find(pairs, values=False)]
+
+    def changes(self, old: torch.Tensor, new: torch.Tensor) -> Changes:
+        """The changed positions of ``old`` and ``new`` with the bit patterns on both sides, from one scan."""
+        return self.changes_many([(old, new)])[0]
+
+    def changes_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Changes]:
+        """``changes`` of several pairs at once (see `changed_positions_many`)."""
+        return [Changes(p, o, n) for p, o, n in self._find(pairs, values=True)]  # type: ignore[arg-type]
+
+    def _find(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], values: bool) -> list[_Found]:
         for old, new in pairs:
             _check_pair(old, new)
         cpu = [(i, a, b) for i, (a, b) in enumerate(pairs) if a.device.type == "cpu"]
@@ -133,21 +194,31 @@ class DiffEngine:
             esize = dtype_of(a).bits // 8
             a8, b8 = int_view(a).numpy().view(np.uint8), int_view(b).numpy().view(np.uint8)
             tasks += [(i, a8, b8, s, min(s + chunk, a8.shape[0]), esize) for s in range(0, a8.shape[0], chunk)]
-        done = (
-            self._pool.map(lambda t: _span_positions(*t[1:], self._scratch(chunk)), tasks)
-            if len(tasks) > 1
-            else map(lambda t: _span_positions(*t[1:], self._scratch(chunk)), tasks)
-        )
-        parts: list[list[np.ndarray]] = [[] for _ in pairs]
-        for task, positions in zip(tasks, done, strict=True):
-            parts[task[0]].append(positions)
-        out = []
+
+        def run(t: tuple[int, np.ndarray, np.ndarray, int, int, int]) -> _Found:
+            return _span_changes(*t[1:], self._scratch(chunk, t[5]), values)
+
+        done = self._pool.map(run, tasks) if len(tasks) > 1 else map(run, tasks)
+        parts: list[list[_Found]] = [[] for _ in pairs]
+        for task, found in zip(tasks, done, strict=True):
+            parts[task[0]].append(found)
+        out: list[_Found] = []
         for i, (a, b) in enumerate(pairs):
             if a.device.type != "cpu":
-                out.append(_changed_positions_torch(a, b))
+                out.append(_changes_torch(a, b, values))
+            elif not parts[i]:
+                out.append(_nothing(dtype_of(a).bits // 8, values))
+            elif len(parts[i]) == 1:
+                out.append(parts[i][0])
             else:
-                out.append(np.concatenate(parts[i]) if parts[i] else np.empty(0, dtype=np.int64))
+                cols = list(zip(*parts[i], strict=True))
+                out.append(tuple(np.concatenate(c) if c[0] is not None else None for c in cols))  # type: ignore[arg-type]
         return out
+
+
+def _nothing(esize: int, values: bool) -> _Found:
+    empty = np.empty(0, dtype=_uint_np(esize))
+    return np.empty(0, dtype=np.int64), empty if values else None, empty.copy() if values else None
 
 
 def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
@@ -160,31 +231,47 @@ def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
         raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
 
 
-def _span_positions(
-    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, scratch: np.ndarray
-) -> np.ndarray:
-    """Changed element indices in bytes [start, stop): whole words by the kernel, a short tail by numpy."""
+def _span_changes(
+    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
+) -> _Found:
+    """Changed elements in bytes [start, stop): whole words by the kernel, a short tail by numpy."""
     body = stop - (stop - start) % 8
-    head = _chunk_positions(a8, b8, start, body, esize, scratch) if body > start else np.empty(0, dtype=np.int64)
+    head = _chunk_changes(a8, b8, start, body, esize, buf, values) if body > start else _nothing(esize, values)
     if body == stop:
         return head
     dt = _uint_np(esize)
-    tail = np.flatnonzero(a8[body:stop].view(dt) != b8[body:stop].view(dt)).astype(np.int64) + body // esize
-    return np.concatenate([head, tail])
+    va, vb = a8[body:stop].view(dt), b8[body:stop].view(dt)
+    rel = np.flatnonzero(va != vb)
+    positions = np.concatenate([head[0], rel + body // esize])
+    if not values:
+        return positions, None, None
+    return positions, np.concatenate([head[1], va[rel]]), np.concatenate([head[2], vb[rel]])  # type: ignore[list-item]
 
 
 def _uint_np(esize: int) -> np.dtype:
     return np.dtype(f"<u{esize}")
 
 
-def _changed_positions_torch(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:
+def _changes_torch(old: torch.Tensor, new: torch.Tensor, values: bool) -> _Found:
     a, b = int_view(old), int_view(new)
-    parts = []
+    parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
     for s in range(0, a.numel(), _CUDA_CHUNK):
         e = min(s + _CUDA_CHUNK, a.numel())
         idx = torch.nonzero(a[s:e] != b[s:e]).reshape(-1)
-        parts.append(idx.cpu().numpy() + s)
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if values:
+            parts.append((idx.cpu().numpy() + s, a[s:e][idx].cpu().numpy(), b[s:e][idx].cpu().numpy()))
+        else:
+            parts.append((idx.cpu().numpy() + s, None, None))
+    esize = dtype_of(old).bits // 8
+    if not parts:
+        return _nothing(esize, values)
+    positions = np.concatenate([p for p, _, _ in parts]).astype(np.int64)
+    if not values:
+        return positions, None, None
+    dt = _uint_np(esize)
+    old_bits = np.concatenate([o for _, o, _ in parts]).view(dt)  # type: ignore[misc]
+    new_bits = np.concatenate([n for _, _, n in parts]).view(dt)  # type: ignore[misc]
+    return positions, old_bits, new_bits
 
 
 def changed_positions_reference(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:

@@ -13,7 +13,7 @@ A *view fingerprint* names a whole served view: a hash of every tensor's name, d
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,6 +97,15 @@ class Hasher:
             return xxhash.xxh3_128_hexdigest(raw)
         parts = self._pool.map(lambda se: xxhash.xxh3_128_digest(raw[se[0] : se[1]]), _chunks(raw.size, DIGEST_CHUNK))
         return xxhash.xxh3_128_hexdigest(b"".join(parts))
+
+    def digest_soon(self, t: torch.Tensor) -> Callable[[], str]:
+        """`digest` started on the pool; calling the result waits for it. The caller's thread goes on
+        meanwhile (the trainer diffs the next tensor while this one is hashed). ``t`` must not change."""
+        raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
+        if raw.size <= DIGEST_CHUNK:
+            return self._pool.submit(xxhash.xxh3_128_hexdigest, raw).result
+        parts = [self._pool.submit(xxhash.xxh3_128_digest, raw[s:e]) for s, e in _chunks(raw.size, DIGEST_CHUNK)]
+        return lambda: xxhash.xxh3_128_hexdigest(b"".join(f.result() for f in parts))
 
 
 @dataclass(frozen=True)

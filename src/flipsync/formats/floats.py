@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from flipsync.formats.base import ServedFormat, cast_checked, cast_master, check_master
+from flipsync.formats.base import ServedFormat, cast_checked, check_master
 
 
 class _CastFormat(ServedFormat):
@@ -19,12 +19,6 @@ class _CastFormat(ServedFormat):
 
     def encode(self, name: str, x: torch.Tensor, group_amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return {name: cast_checked(name, x, self.payload_dtype)}
-
-    def components(
-        self, name: str, master: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool = False
-    ) -> dict[str, torch.Tensor]:
-        # The same checks and bits as prepare + encode, with one finiteness pass over the cast.
-        return {name: cast_master(name, master, self.payload_dtype)}
 
     def dequantize(self, name: str, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return components[name].float()

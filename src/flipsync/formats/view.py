@@ -13,6 +13,8 @@ from flipsync.formats.base import ServedFormat, cast_master, tensor_amax
 from flipsync.formats.registry import get_format
 
 KeepFn = Callable[[str, torch.Tensor], bool]
+# (shape, dtype, device) -> a tensor for a plain cast to write into, or None to allocate a new one.
+Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
 FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
 
 # Fused shards an engine loads into one parameter (qkv_proj, gate_up_proj / w13), in engine order.
@@ -90,6 +92,7 @@ def served_view(
     from_fp32: bool = False,
     fused_groups: FusedGroups = "auto",
     keep: KeepFn | None = None,
+    alloc: Alloc | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint-format tensors an engine holds for `masters` under format `fmt`.
 
@@ -99,7 +102,8 @@ def served_view(
     as bf16 (fp16 under the fp16 format); non-floating tensors are returned as they are (not copied).
     Members of a fused group (``"auto"``: `fused_groups_auto`; or explicit lists of names) share one
     per-tensor fp8 scale / nvfp4 global scale; other formats ignore groups. Members the format does
-    not quantize are left out of their group.
+    not quantize are left out of their group. ``alloc``: where plain casts of fp32 masters write their
+    result (a publisher passes reused buffers); by default every output is newly allocated.
 
     Output keys: the master's name for the payload plus the format's scale names (e.g.
     ``X.weight_scale``), in master order. Each output lives on its master's device.
@@ -121,7 +125,7 @@ def served_view(
             raise FormatError(f"tensor {name!r} is complex ({tensor.dtype}); served views hold real tensors only")
         if not tensor.is_floating_point():
             parts = {name: tensor}
-        elif name in selected:
+        elif name in selected and f.quantized:
             amax = None
             if name in group_of:
                 gid = group_of[name]
@@ -135,8 +139,10 @@ def served_view(
                 parts = f.encode(name, prepared.pop(name), amax)
             else:
                 parts = f.components(name, tensor, amax, from_fp32=from_fp32)
-        else:
-            parts = {name: cast_master(name, tensor, f.unquantized_dtype)}
+        else:  # a plain cast: every float tensor of bf16/fp16 views, the kept ones of quantized views
+            dtype = f.payload_dtype if name in selected else f.unquantized_dtype
+            buf = alloc(tuple(tensor.shape), dtype, tensor.device) if alloc is not None else None
+            parts = {name: cast_master(name, tensor, dtype, out=buf)}
         for key, value in parts.items():
             if key in out:
                 raise ConfigError(

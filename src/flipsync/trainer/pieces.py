@@ -10,14 +10,13 @@ The values themselves are coded by the codec (`TensorChange`, `PatchBuilder`) ex
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, TensorChange, TensorId
-from flipsync.codec.bits import bits_numpy, dtype_named, to_key
-from flipsync.codec.build import gather_bits
+from flipsync.codec.bits import bits_numpy, dtype_named, key_steps
 from flipsync.codec.digest import fingerprint_of
 from flipsync.domain.patch import ViewRef
 from flipsync.trainer.view import Piece, PieceSpec
@@ -54,19 +53,22 @@ def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
 def diff_pieces(
     old: Mapping[str, Piece], new: Mapping[str, Piece], engine: DiffEngine, hasher: Hasher
 ) -> list[PieceChange]:
-    """Changed elements of every piece (same layout on both sides, checked by the caller)."""
-    out = []
+    """Changed elements of every piece (same layout on both sides, checked by the caller).
+
+    A changed whole tensor's content digest is hashed on the hasher's pool while the next piece is diffed.
+    """
+    found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None]] = []
     for name in sorted(new):
         a, b = old[name], new[name]
         ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
-        local = engine.changed_positions(ta, tb)
-        if not local.size:
+        changes = engine.changes(ta, tb)
+        if not changes.size:
             continue
-        old_bits, new_bits = gather_bits(ta, local), gather_bits(tb, local)
-        positions = local + b.offset
-        delta = (fingerprint_of(positions, new_bits) - fingerprint_of(positions, old_bits)) & MASK
-        out.append(PieceChange(name, positions, old_bits, new_bits, delta, hasher.digest(tb) if b.whole else None))
-    return out
+        positions = changes.positions + b.offset
+        delta = (fingerprint_of(positions, changes.new) - fingerprint_of(positions, changes.old)) & MASK
+        digest = hasher.digest_soon(tb) if b.whole else None
+        found.append((name, positions, changes.old, changes.new, delta, digest))
+    return [PieceChange(n, p, o, w, d, digest() if digest else None) for n, p, o, w, d, digest in found]
 
 
 def advance(table: FingerprintTable, deltas: Mapping[str, int]) -> FingerprintTable:
@@ -97,7 +99,7 @@ def build_part(
                 dtype=d,
                 shape=tid.shape,
                 positions=c.positions,
-                values=to_key(c.new_bits, d) - to_key(c.old_bits, d),
+                values=key_steps(c.old_bits, c.new_bits, d),
                 raw=None,
                 base_fp=tid.fp,
                 target_fp=(tid.fp + c.delta) & MASK,

@@ -380,8 +380,9 @@ class Publisher:
         if self.background:
             self.slot.drop_pending_view()  # about to be superseded: free it before computing the next
         try:
-            view = self.plan.compute(inputs)
-            check_layout(view, self._expected)
+            with self.stager.buffers() as alloc:
+                view = self.plan.compute(inputs, alloc)
+                check_layout(view, self._expected)
         except FlipsyncError as e:
             self._no_view(step, e)
             raise

@@ -4,7 +4,8 @@
 so the device holds no extra view and the copy overlaps the next training step; the background thread waits
 for the copy's event before it reads the buffer. Pinned buffers are expensive to allocate, so released views
 give theirs back to a pool that the next step reuses. ``keep_on="device"`` keeps the pieces where they were
-computed (the diff then runs on the device). CPU pieces are kept as they are either way.
+computed (the diff then runs on the device). CPU pieces are kept as they are either way; their casts write
+into buffers from the same pool (`Stager.buffers`).
 
 CUDA work may be issued from a thread other than the training thread (the deferred served view), whose
 current device and stream are not the training loop's: every call here names the pieces' own device, and
@@ -14,17 +15,19 @@ current device and stream are not the training loop's: every call here names the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from flipsync.errors import ConfigError
+from flipsync.formats.view import Alloc
 from flipsync.trainer.view import LocalView, Piece
 
 KeepOn = Literal["host", "device"]
+_Key = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned
 
 
 @dataclass
@@ -92,8 +95,8 @@ class Stager:
         if keep_on not in ("host", "device"):
             raise ConfigError(f"keep_on must be 'host' or 'device', not {keep_on!r}")
         self.keep_on = keep_on
-        self._pool: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
-        self._mine: set[int] = set()
+        self._pool: dict[_Key, list[torch.Tensor]] = {}
+        self._mine: dict[int, _Key] = {}  # data pointer -> pool key, for every buffer this stager made
         self._lock = threading.Lock()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -121,25 +124,50 @@ class Stager:
                     copied.add(d, stream)
         return Staged(out, copied.synchronize)
 
-    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    @contextmanager
+    def buffers(self) -> Iterator[Alloc]:
+        """An `Alloc` for one view's computation: reusable buffers for the casts it runs on the CPU (None
+        for other devices, whose casts stay where they ran). Fresh CPU tensors cost page faults on first
+        touch, as much as the cast itself. If the computation fails, the buffers it took go back to the pool.
+        """
+        taken: list[torch.Tensor] = []
+
+        def alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+            if device.type != "cpu":
+                return None
+            taken.append(self._buffer(shape, dtype, pinned=False))
+            return taken[-1]
+
+        try:
+            yield alloc
+        except BaseException:
+            self._give_back(taken)
+            raise
+
+    def _buffer(self, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool = True) -> torch.Tensor:
+        key = (shape, dtype, pinned)
         with self._lock:
-            free = self._pool.get((shape, dtype))
+            free = self._pool.get(key)
             if free:
                 return free.pop()
-        t = torch.empty(shape, dtype=dtype, pin_memory=True)
+        t = torch.empty(shape, dtype=dtype, pin_memory=pinned)
         with self._lock:
-            self._mine.add(t.data_ptr())
+            self._mine[t.data_ptr()] = key
         return t
 
     def release(self, view: LocalView | None) -> None:
-        """Give a view's pinned buffers back for reuse (called when the view is no longer needed)."""
-        if not view:
-            return
+        """Give a view's buffers back for reuse (called when the view is no longer needed)."""
+        if view:
+            self._give_back(p.tensor for p in view.values())
+
+    def _give_back(self, tensors: Iterable[torch.Tensor]) -> None:
         with self._lock:
-            for p in view.values():
-                t = p.tensor
-                if t.data_ptr() in self._mine:
-                    self._pool.setdefault((tuple(t.shape), t.dtype), []).append(t)
+            for t in tensors:
+                key = self._mine.get(t.data_ptr())
+                if key is not None and key[:2] == (tuple(t.shape), t.dtype):
+                    free = self._pool.setdefault(key, [])
+                    if all(f is not t for f in free):  # a view released twice must not hand it out twice
+                        free.append(t)
 
     def clear(self) -> None:
         with self._lock:

@@ -30,6 +30,7 @@ from flipsync.codec.bits import dtype_of
 from flipsync.errors import ConfigError, PatchError
 from flipsync.formats import fused_groups_auto, get_format, served_view
 from flipsync.formats.base import ServedFormat
+from flipsync.formats.view import Alloc
 
 KeepFn = Callable[[str, torch.Tensor], bool]
 StateSource = torch.nn.Module | Callable[[], Mapping[str, torch.Tensor]]
@@ -260,18 +261,24 @@ class ViewPlan:
             rows.append((name, local, _row_offset(name, t, local), tuple(t.shape)))
         return Inputs(whole, rows)
 
-    def compute(self, inputs: Inputs) -> LocalView:
-        """This rank's served pieces from `gather`'s inputs (torch ops on their devices; any thread)."""
+    def compute(self, inputs: Inputs, alloc: Alloc | None = None) -> LocalView:
+        """This rank's served pieces from `gather`'s inputs (torch ops on their devices; any thread);
+        ``alloc`` gives plain casts their output buffers (see `served_view`)."""
         out: LocalView = {}
         if inputs.whole:
             served = served_view(
-                inputs.whole, self.fmt, from_fp32=self.from_fp32, fused_groups=self.groups, keep=self.keep
+                inputs.whole,
+                self.fmt,
+                from_fp32=self.from_fp32,
+                fused_groups=self.groups,
+                keep=self.keep,
+                alloc=alloc,
             )
             held = _storages(inputs.whole.values())
             for key, t in served.items():
                 out[key] = Piece(_own(t, held), 0, tuple(t.shape))
         for name, local, offset, shape in inputs.rows:
-            cast = served_view({name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True)[name]
+            cast = served_view({name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True, alloc=alloc)[name]
             out[name] = Piece(_own(cast, _storages([local])), offset, shape)
         return out
 
