@@ -228,3 +228,17 @@ def test_resuming_with_another_model_is_refused_unless_new_weights(tmp_path: Pat
     replica = Replica(store, "r")
     replica.sync()
     assert_bitwise(expected_view(bigger), replica.tensors)
+
+
+def test_default_threads_share_the_node_among_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flipsync.trainer.publisher import default_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 112)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_threads() == 56
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # torchrun: 8 ranks on this node
+    assert default_threads() == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "256")
+    assert default_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
+    assert default_threads() == 56

@@ -9,7 +9,8 @@ The served view is bf16; what changes in it comes from real Adam absorption at t
 **Clock.** It starts when ``optimizer.step()`` returns, and stops when the last replica holds v1 with its
 fingerprint verified. For patches the step runs with the real trainer publisher attached
 (``flipsync.trainer.Publisher``, background mode: the post-step hook hands the masters to the view thread,
-then diff, encode and upload run on the worker); for full checkpoints the trainer casts the masters to bf16,
+then diff, encode and upload run on the worker), warmed by two versions of unchanged weights first so that
+the measured step is a steady-state one (pooled buffers); for full checkpoints the trainer casts the masters to bf16,
 fingerprints them and writes them as a snapshot (``board.Publisher.publish_snapshot``). Both therefore include
 the trainer's own work, the board write (a local directory), the replicas' polling, download, decode,
 apply and verification.
@@ -74,6 +75,7 @@ from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher as TrainerPublisher
 
 RUN = "bench"
+WARM_STEPS = 2  # versions a patch trainer publishes before the measured step (its buffers then get reused)
 FMT = "bf16"
 UNLIMITED = 1e12
 TARGET_BYTES = 500e9  # the extrapolation: a 500 GB served view
@@ -234,12 +236,12 @@ def _follow_to(replica: Replica, version: int, deadline: float, done: list[float
         time.sleep(0.002)
 
 
-def _boot(store: Store, engine: DictEngine, timeout_s: float) -> Replica:
+def _boot(store: Store, engine: DictEngine, head: int, timeout_s: float) -> Replica:
     replica = Replica(BoardReader(store, RUN), engine, config=ReplicaConfig(poll_interval_s=0.01, jitter=0.0))
     deadline = time.monotonic() + timeout_s
-    while replica.version != 0:
+    while replica.version != head:
         if time.monotonic() > deadline:
-            raise TimeoutError("a replica did not boot at v0")
+            raise TimeoutError(f"a replica did not boot at v{head}")
         replica.sync_once()
     return replica
 
@@ -255,11 +257,23 @@ class Outcome:
 Fire = Callable[[], tuple[float, float]]  # runs the step and the publication; returns (clock start, published)
 
 
-def _race(replicas: list[Replica], fire: Fire, v1: Mapping[str, torch.Tensor], timeout_s: float) -> Outcome:
+@dataclass
+class Trainer:
+    """A trainer ready to take the measured step: the board's HEAD holds v0's weights, as version ``head``."""
+
+    fire: Fire
+    close: Callable[[], None]
+    head: int
+
+
+def _race(
+    replicas: list[Replica], fire: Fire, target: int, v1: Mapping[str, torch.Tensor], timeout_s: float
+) -> Outcome:
     done = [0.0] * len(replicas)
     deadline = time.monotonic() + timeout_s
     threads = [
-        threading.Thread(target=_follow_to, args=(r, 1, deadline, done, i), daemon=True) for i, r in enumerate(replicas)
+        threading.Thread(target=_follow_to, args=(r, target, deadline, done, i), daemon=True)
+        for i, r in enumerate(replicas)
     ]
     for t in threads:
         t.start()
@@ -267,7 +281,7 @@ def _race(replicas: list[Replica], fire: Fire, v1: Mapping[str, torch.Tensor], t
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()) + 1)
     if not all(done):
-        raise TimeoutError(f"not every replica reached v1 within {timeout_s:g} s")
+        raise TimeoutError(f"not every replica reached v{target} within {timeout_s:g} s")
     ok = all(isinstance(r.engine, DictEngine) and same_bits(r.engine.tensors, v1) for r in replicas)
     return Outcome(max(done) - t0, published - t0, ok, 0)
 
@@ -292,12 +306,17 @@ class _ManifestClock(StoreWrapper):
         super().put(path, data, create_only=create_only)
 
 
-def _trainer_patch_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
-    """The real trainer publisher attached to Adam; v0 is published (snapshot) before this returns."""
+def _trainer_patch_fire(tr: Trained, root: str) -> Trainer:
+    """The real trainer publisher attached to Adam, in its steady state: v0 is published (a snapshot), then
+    WARM_STEPS versions of the same weights (empty patches), so that the measured step reuses the publisher's
+    buffers as every step of a training run does, instead of paying a first step's allocations."""
     params, opt = tr.fresh()
     store = _ManifestClock(open_store(root))
     pub = TrainerPublisher(_masters_of(params), store, format=FMT, run=RUN, optimizer=opt, publisher_id="bench-trainer")
     pub.flush()
+    for _ in range(WARM_STEPS):
+        pub.step()
+        pub.flush()
 
     def fire() -> tuple[float, float]:
         tr.step(params, opt)  # the publisher's post-step hook runs inside
@@ -305,10 +324,10 @@ def _trainer_patch_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None
         pub.flush()
         return t0, store.committed_at
 
-    return fire, pub.close
+    return Trainer(fire, pub.close, WARM_STEPS)
 
 
-def _trainer_full_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]]:
+def _trainer_full_fire(tr: Trained, root: str) -> Trainer:
     """A full-checkpoint trainer: v1 is the whole served view, written as a snapshot."""
     params, opt = tr.fresh()
     store = _ManifestClock(open_store(root))
@@ -322,20 +341,21 @@ def _trainer_full_fire(tr: Trained, root: str) -> tuple[Fire, Callable[[], None]
         board.publish_snapshot(view, version=1, view_fp=FingerprintTable.of(view).view_fp(), served_format=FMT)
         return t0, store.committed_at
 
-    return fire, lambda: None
+    return Trainer(fire, lambda: None, 0)
 
 
 def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) -> Outcome:
     """One run of ``method`` ("patch", "relay" or "full") with ``n`` replicas behind links of ``rate`` B/s."""
     with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        fire, close = (_trainer_full_fire if method == "full" else _trainer_patch_fire)(tr, root)
+        trainer = (_trainer_full_fire if method == "full" else _trainer_patch_fire)(tr, root)
+        head = trainer.head
         try:
             if method != "relay":
                 stores = [ThrottledStore(open_store(root), UNLIMITED) for _ in range(n)]
-                replicas = [_boot(s, DictEngine(tr.v0, tr.table0), timeout_s) for s in stores]
+                replicas = [_boot(s, DictEngine(tr.v0, tr.table0), head, timeout_s) for s in stores]
                 for s in stores:
                     s.bucket, s.bytes_read = TokenBucket(rate), 0
-                out = _race(replicas, fire, tr.v1, timeout_s)
+                out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
                 out.wan_bytes = sum(s.bytes_read for s in stores)
                 return out
             upstream = ThrottledStore(open_store(root), UNLIMITED)
@@ -345,9 +365,9 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
             try:
                 url = f"http://127.0.0.1:{server.port}"
                 https = [HttpStore(url, timeout_s=timeout_s) for _ in range(n)]
-                replicas = [_boot(h, DictEngine(tr.v0, tr.table0), timeout_s) for h in https]
+                replicas = [_boot(h, DictEngine(tr.v0, tr.table0), head, timeout_s) for h in https]
                 upstream.bucket, upstream.bytes_read = TokenBucket(rate), 0
-                out = _race(replicas, fire, tr.v1, timeout_s)
+                out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
                 out.wan_bytes = upstream.bytes_read
                 return out
             finally:
@@ -356,7 +376,7 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
                 server.stop()
                 cache.close()
         finally:
-            close()
+            trainer.close()
 
 
 def apply_seconds(tr: Trained, repeat: int = 3) -> float:
@@ -647,9 +667,11 @@ v0 -> v1; every replica's tensors are compared bit for bit with the expected v1 
 **Clock.** From `optimizer.step()` returning to the last replica holding v1 with its fingerprint verified.
 *patch* and *patch + relay*: the step runs with the real trainer publisher attached (`flipsync.trainer.Publisher`,
 background mode: the post-step hook hands the masters to the view thread; diff, encode and upload run on the
-worker). *full checkpoint*: the trainer casts the masters to BF16, fingerprints them and writes the whole view
-as a snapshot (`board.Publisher.publish_snapshot`). Both include the trainer's work, the board write (a local
-directory), the replicas' polling, download, decode, apply and verification.
+worker), after two versions of unchanged weights, so the measured step is a steady-state one (its buffers are
+reused, as in every step of a training run; the replicas start from that HEAD). *full checkpoint*: the trainer
+casts the masters to BF16, fingerprints them and writes the whole view as a snapshot
+(`board.Publisher.publish_snapshot`). Both include the trainer's work, the board write (a local directory), the
+replicas' polling, download, decode, apply and verification.
 
 **Replicas.** N real reconcile loops (`Replica` + `BoardReader`, polling every 10 ms) over a light in-memory
 engine (`DictEngine`: a dict of tensors kept current by `codec.stage`/`codec.commit`, fingerprint checked),

@@ -64,8 +64,13 @@ FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
 
 
 def default_threads() -> int:
-    """Threads for the background diff and hash pools: half the cores, leaving the rest to training."""
-    return max(1, (os.cpu_count() or 2) // 2)
+    """Threads for the background diff and hash pools: half of this rank's share of the cores, leaving the
+    rest to training. Ranks on one node (torchrun's ``LOCAL_WORLD_SIZE``) share its cores."""
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, (os.cpu_count() or 2) // local_ranks // 2)
 
 
 def new_run_name(prefix: str = "run") -> str:
