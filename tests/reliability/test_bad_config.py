@@ -303,6 +303,12 @@ CLI_ROWS = [
         2,
         ("--upstream", "vllm"),
     ),
+    CliRow(
+        "a relay told to check the board for waited-for objects without pause",
+        lambda e: ["relay", "--board", e("board"), "--listen", "127.0.0.1:0", "--watch-interval", "0"],
+        2,
+        ("watch interval", "above 0"),
+    ),
 ]
 
 

@@ -241,6 +241,7 @@ class FlakyStore:
         self.get_delay_s = get_delay_s
         self.gets: collections.Counter[str] = collections.Counter()
         self.heads: collections.Counter[str] = collections.Counter()
+        self.exist_checks: collections.Counter[str] = collections.Counter()
 
     def _check(self) -> None:
         if self.down:
@@ -267,6 +268,7 @@ class FlakyStore:
 
     def exists(self, path: str) -> bool:
         self._check()
+        self.exist_checks[path] += 1
         return self.inner.exists(path)
 
     def list(self, prefix: str) -> list[ObjectInfo]:

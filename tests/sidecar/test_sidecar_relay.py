@@ -21,7 +21,7 @@ from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
 from flipsync.sidecar.replica import Replica
 from flipsync.sidecar.server import ServerThread
 
-FAST_CONFIG = RelayConfig(hint_ttl_s=0.3, listing_ttl_s=0.3, negative_ttl_s=0.2)
+FAST_CONFIG = RelayConfig(hint_ttl_s=0.3, listing_ttl_s=0.3, negative_ttl_s=0.2, watch_interval_s=0.02)
 
 
 @dataclass
@@ -175,3 +175,69 @@ def test_open_board_picks_the_relay_for_plain_http() -> None:
     store = open_board("http://127.0.0.1:9")
     assert isinstance(store, HttpStore)
     store.close()
+
+
+def test_sidecars_waiting_for_a_version_share_one_poller_and_wake_when_it_lands(trainer: Trainer, relay: Relay) -> None:
+    path = RunLayout("run").version_manifest(1)
+    clients = [relay.client() for _ in range(8)]
+    assert not clients[0].exists(path)  # now remembered as missing for negative_ttl_s
+    woke: list[float] = []
+    threads = [
+        threading.Thread(target=lambda c=c: c.wait_exists(path, 10) and woke.append(time.monotonic())) for c in clients
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    checks = relay.upstream.exist_checks[path]
+    assert 5 <= checks <= 0.4 / FAST_CONFIG.watch_interval_s + 5  # one poller for the eight, every 20 ms
+    published = time.monotonic()
+    trainer.step()
+    for t in threads:
+        t.join(10)
+    assert len(woke) == 8 and max(woke) - published < 1.0  # not the 10 s timeout, nor a poll interval
+    assert clients[0].exists(path)  # the cached "missing" was dropped when it arrived
+    assert clients[1].wait_exists(path, 5) is True  # known: answered at once
+    for c in clients:
+        c.close()
+
+
+def test_a_wait_times_out_and_its_poller_stops(trainer: Trainer, relay: Relay) -> None:
+    client = relay.client()
+    path = RunLayout("run").version_manifest(7)
+    t0 = time.monotonic()
+    assert client.wait_exists(path, 0.3) is False
+    assert 0.25 <= time.monotonic() - t0 < 3
+    time.sleep(0.1)
+    checks = relay.upstream.exist_checks[path]
+    time.sleep(0.3)
+    assert relay.upstream.exist_checks[path] == checks  # nobody waits: nothing polls the board
+    with pytest.raises(StoreError, match="refused"):
+        client.wait_exists(path, FAST_CONFIG.max_wait_s + 1)
+    client.close()
+
+
+def test_a_replica_behind_a_relay_learns_of_a_version_before_its_next_poll(trainer: Trainer, relay: Relay) -> None:
+    replica = Replica(BoardReader(relay.client(), "run"), tiny_engine(), config=fast_replica(poll=30.0))
+    replica.start()
+    try:
+        assert wait_until(lambda: replica.version == 0, 10)
+        time.sleep(0.2)  # the loop is now waiting at the relay for v1
+        published = time.monotonic()
+        trainer.step()
+        assert wait_until(lambda: replica.version == 1, 10)
+        assert time.monotonic() - published < 3  # the poll interval is 30 s
+        assert same_bits(replica.engine.served, trainer.views[1])  # type: ignore[attr-defined]
+        stopping = time.monotonic()
+    finally:
+        replica.stop()
+    assert time.monotonic() - stopping < 3  # the wait is sliced: stop is seen within a second
+
+
+def test_a_relay_that_cannot_wait_is_polled_instead() -> None:
+    from fastapi import FastAPI
+
+    with ServerThread(FastAPI()) as server:  # answers 404 to every route, as a relay from before waiting
+        client = HttpStore(server.url, timeout_s=5, retry_timeout_s=1, max_retries=1)
+        assert client.wait_exists("runs/run/versions/000000000001/manifest.json", 5) is None
+        assert BoardReader(client, "run").wait_for_version(1, 5) is None  # remembered: no second request
+        client.close()

@@ -69,12 +69,13 @@ from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 from flipsync.formats import served_view
 from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.http_store import HttpStore
-from flipsync.sidecar.relay import RelayCache, create_relay_app
+from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher as TrainerPublisher
 
 RUN = "bench"
+RELAY_WATCH_S = 0.01  # the relay checks the board for a waited-for manifest this often (direct replicas: 2 ms)
 WARM_STEPS = 2  # versions a patch trainer publishes before the measured step (its buffers then get reused)
 FMT = "bf16"
 UNLIMITED = 1e12
@@ -233,7 +234,8 @@ def _follow_to(replica: Replica, version: int, deadline: float, done: list[float
         if replica.version == version:
             done[i] = time.perf_counter()
             return
-        time.sleep(0.002)
+        if replica.reader.wait_for_version(version, 0.5) is None:  # a relay waits; a directory is polled
+            time.sleep(0.002)
 
 
 def _boot(store: Store, engine: DictEngine, head: int, timeout_s: float) -> Replica:
@@ -359,7 +361,7 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
                 out.wan_bytes = sum(s.bytes_read for s in stores)
                 return out
             upstream = ThrottledStore(open_store(root), UNLIMITED)
-            cache = RelayCache(upstream)
+            cache = RelayCache(upstream, RelayConfig(watch_interval_s=RELAY_WATCH_S))
             server = ServerThread(create_relay_app(cache)).start()
             https: list[HttpStore] = []
             try:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import INDEX_NAME, tensors_from_files
 from flipsync.board.signing import Verifier
-from flipsync.board.store import Store
+from flipsync.board.store import Store, WaitingStore
 from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import BoardError, IntegrityError, NotFoundError
@@ -96,6 +96,13 @@ class BoardReader:
         self._max_head: int | None = None
 
     # -- HEAD -----------------------------------------------------------------------------------------
+
+    def wait_for_version(self, version: int, timeout_s: float) -> bool | None:
+        """Wait until ``version``'s manifest exists (True) or ``timeout_s`` passed (False); None at once when
+        the store cannot wait (poll instead). Only a hint that HEAD moved: nothing it saw is trusted."""
+        if not isinstance(self.store, WaitingStore):
+            return None
+        return self.store.wait_exists(self.catalog.layout.version_manifest(version), timeout_s)
 
     def head(self) -> int | None:
         """The board's newest version. Raises BoardError if it is older than one seen before."""

@@ -209,6 +209,17 @@ class Store(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class WaitingStore(Protocol):
+    """A Store that can wait for an object to appear (a relay): readers then learn of a new version as soon
+    as it lands, instead of polling for it."""
+
+    def wait_exists(self, path: str, timeout_s: float) -> bool | None:
+        """True once ``path`` exists, False when ``timeout_s`` passed first; None when this store cannot wait
+        after all (an older relay), so that the caller falls back to polling."""
+        ...
+
+
 class StoreWrapper:
     """A Store that passes every call to ``inner``: subclass it to change a few calls (limits, faults)."""
 

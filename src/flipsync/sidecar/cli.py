@@ -241,6 +241,9 @@ def relay(
     hint_ttl: Annotated[float, typer.Option(help="Seconds the HEAD hint (latest.json) is cached")] = 0.5,
     listing_ttl: Annotated[float, typer.Option(help="Seconds a listing is cached")] = 1.0,
     negative_ttl: Annotated[float, typer.Option(help="Seconds a missing object is remembered")] = 0.25,
+    watch_interval: Annotated[
+        float, typer.Option(help="Seconds between the relay's checks for an object sidecars wait for")
+    ] = 0.05,
     store_option: StoreOpt = None,
 ) -> None:
     """Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."""
@@ -259,6 +262,7 @@ def relay(
             hint_ttl_s=hint_ttl,
             listing_ttl_s=listing_ttl,
             negative_ttl_s=negative_ttl,
+            watch_interval_s=watch_interval,
         )
         app = create_relay_app(RelayCache(store, config))
         typer.echo(f"flipsync relay: {store.url} on {host}:{port}")

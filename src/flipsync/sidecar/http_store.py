@@ -29,6 +29,7 @@ from flipsync.errors import ConfigError, NotFoundError, StoreError
 log = logging.getLogger(__name__)
 
 OBJECT_PREFIX = "/board/o/"
+WAIT_PREFIX = "/board/wait/"
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 # Cloud endpoints that open_store serves itself over https; any other http(s) URL is a relay.
 _CLOUD_HOSTS = ("amazonaws.com", "r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net")
@@ -70,6 +71,8 @@ class HttpStore:
         self.retry_timeout_s = retry_timeout_s
         self.init_backoff_s = init_backoff_s
         self.max_backoff_s = max_backoff_s
+        self._can_wait = True
+        self._connect_s = connect_timeout_s
         self._client = httpx.Client(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
@@ -90,6 +93,7 @@ class HttpStore:
         *,
         params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
     ) -> httpx.Response:
         """One request, retried on transient failures within ``max_retries`` and ``retry_timeout_s``."""
         deadline = time.monotonic() + self.retry_timeout_s
@@ -98,7 +102,8 @@ class HttpStore:
         while True:
             problem: str
             try:
-                r = self._client.request(method, target, params=params, headers=headers)
+                extra = {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=self._connect_s)}
+                r = self._client.request(method, target, params=params, headers=headers, **extra)
             except httpx.HTTPError as e:
                 problem = f"{type(e).__name__}: {e}"
             else:
@@ -152,6 +157,29 @@ class HttpStore:
         except NotFoundError:
             return False
         return True
+
+    def wait_exists(self, path: str, timeout_s: float) -> bool | None:
+        """Wait (a long poll at the relay) until ``path`` exists: True, or False after ``timeout_s``; None
+        when the relay predates waiting (its answer is a 404 of the route), so the caller polls instead."""
+        if not self._can_wait:
+            return None
+        target = WAIT_PREFIX + quote(path, safe="/")
+        try:
+            r = self._request(
+                "GET",
+                target,
+                f"{path} (wait)",
+                params={"timeout": f"{max(0.0, timeout_s):.3f}"},
+                timeout_s=timeout_s + 10,
+            )
+        except NotFoundError:
+            self._can_wait = False
+            log.info("the relay at %s cannot wait for objects (an older version): polling instead", self.url)
+            return None
+        try:
+            return bool(r.json()["exists"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(f"the relay at {self.url} answered a wait for {path!r} with garbage: {e}") from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         r = self._request("GET", "/board/list", f"{prefix} (list)", params={"prefix": prefix.rstrip("/")})

@@ -8,7 +8,10 @@ once per island however many replicas read it:
   in per-attempt folders, so once an object exists its bytes never change;
 - **the HEAD hint** (``latest.json``) is cached for ``hint_ttl_s`` only, listings for ``listing_ttl_s``, and a
   missing object for ``negative_ttl_s`` (so a newly published version shows up within that time);
-- objects over ``max_object_bytes`` are fetched (still coalesced) but not kept.
+- objects over ``max_object_bytes`` are fetched (still coalesced) but not kept;
+- **waiting for an object** (``GET /board/wait/<path>``, a long poll): the relay alone polls the board for it,
+  every ``watch_interval_s``, however many sidecars wait, so they learn of a new version within that time
+  instead of each polling the board (or the relay) themselves.
 
 The relay holds no credentials for anything but the board it reads, and it is read-only. It trusts nothing
 it serves: sidecars verify every part's BLAKE3 hash and, with a public key, every manifest's signature.
@@ -17,6 +20,7 @@ it serves: sidecars verify every part's BLAKE3 hash and, with a public key, ever
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import re
 import time
@@ -34,9 +38,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from flipsync.board.layout import LATEST
 from flipsync.board.store import ObjectInfo, Store
-from flipsync.errors import FlipsyncError, NotFoundError
+from flipsync.errors import ConfigError, FlipsyncError, NotFoundError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _RANGE = re.compile(r"bytes=(\d*)-(\d*)")
 
 
@@ -48,6 +53,14 @@ class RelayConfig:
     listing_ttl_s: float = 1.0
     negative_ttl_s: float = 0.25
     upstream_concurrency: int = 16
+    watch_interval_s: float = 0.05  # one upstream existence check per waited-for object this often
+    max_wait_s: float = 60.0  # the longest a sidecar's wait request is held
+
+    def __post_init__(self) -> None:
+        if not self.watch_interval_s > 0:  # also refuses NaN
+            raise ConfigError(f"the relay's watch interval must be above 0 s, not {self.watch_interval_s!r}")
+        if not self.max_wait_s > 0:
+            raise ConfigError(f"the relay's longest wait must be above 0 s, not {self.max_wait_s!r}")
 
 
 class RelayMetrics:
@@ -85,6 +98,7 @@ class RelayCache:
         self.metrics = metrics or RelayMetrics()
         self._entries: OrderedDict[tuple[str, ...], _Entry] = OrderedDict()
         self._inflight: dict[tuple[str, ...], asyncio.Task[Any]] = {}
+        self._watches: dict[str, tuple[asyncio.Task[bool], list[int]]] = {}  # path -> (poller, [waiters])
         self._bytes = 0
         self._pool = ThreadPoolExecutor(self.config.upstream_concurrency, thread_name_prefix="flipsync-relay")
         self.stats = {"upstream": 0, "hits": 0, "coalesced": 0, "requests": 0}
@@ -203,6 +217,43 @@ class RelayCache:
             keep=False,
         )
 
+    async def wait_exists(self, path: str, timeout_s: float) -> bool:
+        """True once ``path`` exists upstream, False after ``timeout_s``. Every waiter for one path shares a
+        single poller, which stops when the last of them leaves."""
+        self.metrics.requests.labels(op="wait").inc()
+        e = self._entries.get(("head", path))
+        if e is not None and e.error is None:
+            return True  # known to exist (objects are immutable)
+        watch = self._watches.get(path)
+        if watch is None or watch[0].done():
+            watch = self._watches[path] = (asyncio.create_task(self._poll_until_exists(path)), [0])
+        task, waiters = watch
+        waiters[0] += 1
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            waiters[0] -= 1
+            if not waiters[0] and self._watches.get(path) is watch:
+                del self._watches[path]
+                task.cancel()
+
+    async def _poll_until_exists(self, path: str) -> bool:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.metrics.upstream.labels(op="wait").inc()
+            try:
+                found = await loop.run_in_executor(self._pool, self.store.exists, path)
+            except FlipsyncError as e:  # the board is unreachable for now: keep trying while anyone waits
+                self.metrics.upstream_errors.inc()
+                log.debug("waiting for %s: %s", path, e)
+                found = False
+            if found:
+                self._drop(("head", path))  # a cached "missing" must not outlive the object's arrival
+                return True
+            await asyncio.sleep(self.config.watch_interval_s)
+
     async def list(self, prefix: str) -> list[ObjectInfo]:
         return await self._lookup(
             ("list", prefix),
@@ -296,6 +347,15 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
             return Response(data, status_code=200, headers=headers, media_type="application/octet-stream")
         except FlipsyncError as e:
             return failure(e)
+
+    @app.get("/board/wait/{path:path}")
+    async def wait(path: str, timeout: float = 10.0) -> Response:
+        """Answers ``{"exists": true}`` once the object exists, ``false`` when ``timeout`` seconds passed first."""
+        if (why := _check_path(path)) is not None:
+            return JSONResponse({"detail": why}, status_code=400)
+        if not 0 <= timeout <= cache.config.max_wait_s:
+            return JSONResponse({"detail": f"timeout must be within 0..{cache.config.max_wait_s:g} s"}, status_code=400)
+        return JSONResponse({"exists": await cache.wait_exists(path, timeout)})
 
     @app.get("/board/list")
     async def listing(prefix: str = "") -> Response:

@@ -290,8 +290,27 @@ class Replica:
             failures = 0 if ok else failures + 1
             delay = cfg.poll_interval_s if ok else min(cfg.max_backoff_s, cfg.poll_interval_s * 2 ** min(failures, 20))
             delay *= 1 + cfg.jitter * (2 * self._rng.random() - 1)
-            self._wakeup.wait(delay)
+            if not (ok and self._wait_for_next(delay)):
+                self._wakeup.wait(delay)
             self._wakeup.clear()
+
+    def _wait_for_next(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` at the relay for the version after HEAD (True: waited, whatever the
+        outcome); False when the board's store cannot wait (a directory, object storage), so the loop sleeps.
+        Waits in slices of at most a second, so that ``stop`` and ``wake`` are seen."""
+        nxt = 0 if self._head is None else self._head + 1
+        end = time.monotonic() + timeout_s
+        while (left := end - time.monotonic()) > 0 and not (self._stop.is_set() or self._wakeup.is_set()):
+            try:
+                arrived = self.reader.wait_for_version(nxt, min(1.0, left))
+            except FlipsyncError as e:  # the next pass reports a relay that is really gone
+                log.debug("waiting for v%d at the relay failed: %s", nxt, e)
+                return False
+            if arrived is None:
+                return False
+            if arrived:
+                break
+        return True
 
     def sync_once(self) -> bool:
         """One reconcile pass: catch up to HEAD. Returns False (and records why) on failure."""
