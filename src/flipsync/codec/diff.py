@@ -3,7 +3,7 @@
 CPU: a single-pass numba kernel XORs 64-bit words, skips equal words and emits the lane indices of the
 differing elements; the tensor is cut into chunks processed by one thread per core with the GIL released.
 For the sparse changes of RL steps that runs near memory bandwidth, where ``np.flatnonzero(a != b)``
-allocates a full bool temporary; chunks that turn out dense (over 8% changed) use numpy instead.
+allocates a full bool temporary; chunks that turn out dense (over 8% changed) use a branch-free compaction.
 CUDA: the same answer from torch ops on the device, chunked to bound the temporary.
 """
 
@@ -110,12 +110,38 @@ class _Scratch:
     new: np.ndarray
 
 
+@numba.njit(nogil=True, cache=True)
+def _dense_lanes(a: np.ndarray, b: np.ndarray, out: np.ndarray, old: np.ndarray, new: np.ndarray, values: bool) -> int:
+    """The indices of differing elements of a, b (element-typed) into out, and with ``values`` their patterns:
+    branch-free compaction (every index is written, the count advances only on a change), which beats both the
+    word-skipping kernel and numpy's compare-then-nonzero once a tenth or more of the elements change."""
+    n = 0
+    for i in range(a.shape[0]):
+        x, y = a[i], b[i]
+        out[n] = i
+        if values:
+            old[n] = x
+            new[n] = y
+        n += x != y
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _widen(rel: np.ndarray, first: int) -> np.ndarray:
+    """Chunk-relative int32 indices -> absolute int64 positions, in one pass."""
+    out = np.empty(rel.shape[0], dtype=np.int64)
+    for i in range(rel.shape[0]):
+        out[i] = rel[i] + first
+    return out
+
+
 def _chunk_changes(
     a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
 ) -> _Found:
     """Changed elements inside bytes [start, stop) of two uint8 arrays; start, stop are 8-aligned.
 
-    A probe of the chunk's first words picks the method: the sparse kernel, or numpy on dense chunks.
+    A probe of the chunk's first words picks the method: the word-skipping kernel for sparse changes, the
+    branch-free one for dense chunks.
     """
     words_a = a8[start:stop].view(np.uint64)
     words_b = b8[start:stop].view(np.uint64)
@@ -126,18 +152,14 @@ def _chunk_changes(
     n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, pos, _BIT_INDEX, old, new, values)
     if n > DENSE_FRACTION * probe * lanes:
         dt = _uint_np(esize)
-        va, vb = a8[start + 8 * probe : stop].view(dt), b8[start + 8 * probe : stop].view(dt)
-        rest = np.flatnonzero(va != vb)
-        positions = np.concatenate([pos[:n].astype(np.int64), rest + probe * lanes]) + first
-        if not values:
-            return positions, None, None
-        return positions, np.concatenate([old[:n], va[rest]]), np.concatenate([new[:n], vb[rest]])
-    m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, pos[n:], _BIT_INDEX, old[n:], new[n:], values)
-    pos[n : n + m] += probe * lanes  # numbered from the probe's end
-    k = n + m
+        k = _dense_lanes(a8[start:stop].view(dt), b8[start:stop].view(dt), pos, old, new, values)
+    else:
+        m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, pos[n:], _BIT_INDEX, old[n:], new[n:], values)
+        pos[n : n + m] += probe * lanes  # numbered from the probe's end
+        k = n + m
     if not values:
-        return pos[:k].astype(np.int64) + first, None, None
-    return pos[:k].astype(np.int64) + first, old[:k].copy(), new[:k].copy()
+        return _widen(pos[:k], first), None, None
+    return _widen(pos[:k], first), old[:k].copy(), new[:k].copy()
 
 
 class DiffEngine:
