@@ -104,9 +104,7 @@ def ref_fp8_block(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
             amax = max(F32(np.max(np.abs(tile))), F32(1e-4))
             s = F32(amax / E4M3_MAX)
             sf[i, j] = s
-            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = e4m3_bits(
-                (tile * (F32(1.0) / s)).astype(F32)
-            )
+            q[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = e4m3_bits((tile * (F32(1.0) / s)).astype(F32))
     return {name: q, name + "_scale_inv": bits(sf)}
 
 

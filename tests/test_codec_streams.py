@@ -134,9 +134,7 @@ def test_garbage_positions_never_crash(blob: bytes, n: int, codec: str, k: int) 
     assert out.size == n and (n == 0 or (out[-1] < 1 << 20 and np.all(np.diff(out) > 0)))
 
 
-@given(
-    st.binary(max_size=300), st.integers(0, 3000), st.sampled_from(["ans", "zstd", "bits"]), st.integers(0, 300)
-)
+@given(st.binary(max_size=300), st.integers(0, 3000), st.sampled_from(["ans", "zstd", "bits"]), st.integers(0, 300))
 def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) -> None:
     params = {"codec": codec, "alphabet": a, "escapes": a % 7, "esc_width": 1, "bits": a % 70, "width": 2}
     try:

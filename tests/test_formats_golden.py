@@ -37,9 +37,7 @@ def f32_from_bits(b: int) -> float:
     return struct.unpack("<f", struct.pack("<I", b))[0]
 
 
-def serve(
-    fmt: str, rows: list[list[float]] | torch.Tensor, name: str = "w.weight"
-) -> dict[str, torch.Tensor]:
+def serve(fmt: str, rows: list[list[float]] | torch.Tensor, name: str = "w.weight") -> dict[str, torch.Tensor]:
     x = rows if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.float32)
     return served_view({name: x}, fmt)
 

@@ -91,9 +91,7 @@ def azurite_create_container(endpoint: str, name: str) -> None:
         "PUT" + "\n" * 12 + f"x-ms-date:{date}\nx-ms-version:{version}\n"
         f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
     )
-    sig = base64.b64encode(
-        hmac.new(base64.b64decode(AZURITE_KEY), to_sign.encode(), hashlib.sha256).digest()
-    ).decode()
+    sig = base64.b64encode(hmac.new(base64.b64decode(AZURITE_KEY), to_sign.encode(), hashlib.sha256).digest()).decode()
     req = urllib.request.Request(
         f"{endpoint}/{name}?restype=container",
         method="PUT",
@@ -117,8 +115,6 @@ def make_azure_store(endpoint: str, options: StoreOptions | None = None) -> Obst
 
 
 # -- the parametrised store ----------------------------------------------------------------------------------
-
-
 
 
 def backend_params(*names: str) -> list[object]:

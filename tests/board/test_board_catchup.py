@@ -162,9 +162,7 @@ def test_keyframe_cadence_bounds_catch_up_cost() -> None:
     for v, s in enumerate(sizes, start=1):
         arts.append(art("patch", v - 1, v, s))
         chain_bytes, since = chain_bytes + s, since + 1
-        due = should_write_keyframe(
-            chain_bytes=chain_bytes, keyframe_bytes=kf, versions_since=since, policy=policy
-        )
+        due = should_write_keyframe(chain_bytes=chain_bytes, keyframe_bytes=kf, versions_since=since, policy=policy)
         if due:
             arts.append(art("keyframe", None, v, kf))
             chain_bytes, since = 0, 0

@@ -85,7 +85,5 @@ def test_keygen_command(tmp_path: Path) -> None:
 
     store = open_store(tmp_path / "signed")
     build_run(store, 1, signer=Signer.from_pem(out))
-    res = runner.invoke(
-        board_app, ["show", str(tmp_path / "signed"), "--public-key", str(out) + ".pub"]
-    )
+    res = runner.invoke(board_app, ["show", str(tmp_path / "signed"), "--public-key", str(out) + ".pub"])
     assert res.exit_code == 0 and "verified" in res.output

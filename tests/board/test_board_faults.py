@@ -187,8 +187,12 @@ def test_nothing_on_the_board_is_overwritten(store: ObstoreStore) -> None:
     for v in (1, 2, 3):
         with pytest.raises(ConflictError):
             intruder.publish_patch(
-                [patch_bytes(99)], base_version=v - 1, target_version=v, base_view_fp=fp(v - 1),
-                target_view_fp=fp(v, "evil"), served_format="bf16",
+                [patch_bytes(99)],
+                base_version=v - 1,
+                target_version=v,
+                base_view_fp=fp(v - 1),
+                target_view_fp=fp(v, "evil"),
+                served_format="bf16",
             )
     with pytest.raises(ConflictError):
         store.put(L.version_manifest(2), b"{}", create_only=True)

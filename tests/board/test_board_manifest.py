@@ -146,7 +146,8 @@ _segment = st.from_regex(r"[a-z0-9_][a-z0-9._-]{0,10}", fullmatch=True).filter(l
 )
 def test_round_trip_property(version: int, sizes: list[int], seg: str, step: int) -> None:
     parts = tuple(Part(f"{seg}/p{i}", s, f"{i:064x}") for i, s in enumerate(sizes))
-    m = patch_manifest(version=version, target_version=version, base_version=version - 1, parts=parts,
-                       meta={"step": step, "note": seg})
+    m = patch_manifest(
+        version=version, target_version=version, base_version=version - 1, parts=parts, meta={"step": step, "note": seg}
+    )
     assert Manifest.from_json(m.to_json()) == m
     assert Manifest.from_json(m.to_json()).to_json() == m.to_json()

@@ -71,8 +71,12 @@ def test_time_window_widens_the_count_window(store: ObstoreStore) -> None:
     for v in range(1, 17):
         at(v)
         pub.publish_patch(
-            [patch_bytes(v)], base_version=v - 1, target_version=v, base_view_fp=fp(v - 1),
-            target_view_fp=fp(v), served_format="bf16",
+            [patch_bytes(v)],
+            base_version=v - 1,
+            target_version=v,
+            base_view_fp=fp(v - 1),
+            target_view_fp=fp(v),
+            served_format="bf16",
         )
         if v == 2:
             pub.publish_keyframe(small_view(2), version=2, view_fp=fp(2), served_format="bf16")

@@ -33,6 +33,4 @@ def get_format(name: str | ServedFormat) -> ServedFormat:
     try:
         return _FORMATS[name]
     except (KeyError, TypeError):
-        raise ConfigError(
-            f"unknown served format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}"
-        ) from None
+        raise ConfigError(f"unknown served format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}") from None
