@@ -108,6 +108,9 @@ def sidecar(
     drain_timeout: Annotated[
         float, typer.Option(help="Longest wait for in-flight requests before a commit (s)")
     ] = 30.0,
+    adopt_search: Annotated[
+        int, typer.Option(help="On boot, versions searched for the engine's current weights (0: always reload)")
+    ] = 64,
     public_key: Annotated[
         list[Path] | None, typer.Option("--public-key", help="Accept only manifests signed by this key (repeatable)")
     ] = None,
@@ -180,7 +183,11 @@ def sidecar(
         store = open_board(board, StoreOptions(config=store_config))
         run_name = run or find_run(store)
         replica_config = ReplicaConfig(
-            commit_mode=commit_mode, poll_interval_s=poll, max_backoff_s=max_backoff, drain_timeout_s=drain_timeout
+            commit_mode=commit_mode,
+            poll_interval_s=poll,
+            max_backoff_s=max_backoff,
+            drain_timeout_s=drain_timeout,
+            adopt_search=adopt_search,
         )
         fmt = served_format
         if engine == "torch" or served_format is not None:

@@ -12,18 +12,26 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from flipsync.codec import Patch, squash
+from flipsync.codec import FingerprintTable, Patch, squash
 from flipsync.domain.manifest import Manifest
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 
-def patch_from_parts(parts: Sequence[bytes], manifest: Manifest) -> Patch:
-    """One patch from ``manifest.base_view_fp`` to ``manifest.target_view_fp``; CorruptPatchError otherwise."""
+def patch_from_parts(parts: Sequence[bytes], manifest: Manifest, table: FingerprintTable | None = None) -> Patch:
+    """One patch from ``manifest.base_view_fp`` to ``manifest.target_view_fp``; CorruptPatchError otherwise.
+
+    ``table``: the engine's tensors. Every section must name one of them with its dtype and shape, checked
+    before anything is decoded: squashing a chain decodes every part, and only real shapes bound what the
+    counts a header declares would allocate.
+    """
     where = f"{manifest.kind.value} v{manifest.base_version}->v{manifest.target_version}"
     if not parts:
         raise CorruptPatchError(f"{where} has no parts")
     patches = [Patch.from_bytes(p) for p in parts]
+    if table is not None:
+        for patch in patches:
+            _check_layout(patch, table, where)
     if len(patches) == 1:
         patch = patches[0]
     elif all(a.header.target.view == b.header.base.view for a, b in itertools.pairwise(patches)):
@@ -45,6 +53,17 @@ def patch_from_parts(parts: Sequence[bytes], manifest: Manifest) -> Patch:
             f"{where}: the patch is {patch.header.served_format}, its manifest says {manifest.served_format}"
         )
     return patch
+
+
+def _check_layout(patch: Patch, table: FingerprintTable, where: str) -> None:
+    for s in patch.header.sections:
+        tid = table.get(s.name)
+        if tid is None or tid.dtype != s.dtype or tuple(tid.shape) != tuple(s.shape):
+            have = "no such tensor" if tid is None else f"{tid.dtype} {list(tid.shape)}"
+            raise CorruptPatchError(
+                f"{where}: a part changes tensor {s.name!r} as {s.dtype} {list(s.shape)}, but the engine holds "
+                f"{have} (a patch never changes layout: this one is for another model, or crafted)"
+            )
 
 
 def _merge_shards(patches: Sequence[Patch], manifest: Manifest, where: str) -> Patch:

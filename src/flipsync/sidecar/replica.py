@@ -560,7 +560,7 @@ class Replica:
         self._set_state(State.STAGING)
         t0 = time.perf_counter()
         try:
-            patch = patch_from_parts(step.parts, m)
+            patch = patch_from_parts(step.parts, m, self.engine.table)
             staged = self._engine_call("stage", lambda: self.engine.stage(patch))
         except (CorruptPatchError, VerificationError) as e:
             raise UnusableArtifactError(f"{where} is unusable: {e}", edge=m.edge, kind="corrupt_patch") from e
