@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Executor, ThreadPoolExecutor
+
 import pytest
 import torch
 from trainer_helpers import assert_bitwise
 
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, apply_patch, diff_views
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, apply_patch, diff_views
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, VerificationError
 from flipsync.trainer import apply_parts, join_parts, stage_parts
@@ -39,14 +41,16 @@ def shard(view: dict[str, torch.Tensor], world: int) -> list[dict[str, Piece]]:
     return out
 
 
-def parts_of(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int) -> tuple[list[bytes], str, str]:
+def parts_of(
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int, *, coder: Executor | None = None
+) -> tuple[list[bytes], str, str]:
     """What the engine does on each rank, done here rank by rank: the chain of parts of one version."""
     olds, news = shard(old, world), shard(new, world)
     with DiffEngine(1) as engine, Hasher(1) as hasher:
         specs = [{n: p.spec(n, r) for n, p in olds[r].items()} for r in range(world)]
         layout = check_tiling(specs)
         table = table_of_pieces(layout, [{n: piece_fingerprint(hasher, p) for n, p in v.items()} for v in olds])
-        changes = [diff_pieces(olds[r], news[r], engine, hasher) for r in range(world)]
+        changes = [diff_pieces(olds[r], news[r], engine, hasher, coder) for r in range(world)]
     deltas = [{c.name: c.delta for c in ch} for ch in changes]
     target = advance(table, merge_deltas(deltas))
     with_parts = [r for r in range(world) if deltas[r]]
@@ -83,6 +87,22 @@ def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
     apply_patch(other, joined, t2)
     assert_bitwise(new, other)
     assert (joined.header.base.view, joined.header.target.view) == (base_fp, target_fp)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_sections_coded_while_diffing_are_the_same_bytes(world: int) -> None:
+    """The worker codes each piece's section on its own thread, fingerprints blank until the deltas are known:
+    the parts must hold the same header and section bytes as when they are coded at the end. (Not the same
+    file bytes: safetensors writes its metadata map in no fixed order.)"""
+    old, new = views(2)
+    with ThreadPoolExecutor(1) as coder:
+        early, base_fp, target_fp = parts_of(old, new, world, coder=coder)
+    late, base_fp2, target_fp2 = parts_of(old, new, world)
+    assert (base_fp, target_fp) == (base_fp2, target_fp2) and len(early) == len(late) == world
+    for x, y in zip(early, late, strict=True):
+        px, py = Patch.from_bytes(x), Patch.from_bytes(y)
+        assert px.header == py.header
+        assert all(bytes(px._blobs[s.name]) == bytes(py._blobs[s.name]) for s in px.header.sections)
 
 
 def test_parts_out_of_order_are_refused_before_any_write() -> None:

@@ -190,11 +190,14 @@ class PatchBuilder:
         self._blobs: dict[str, bytes] = {}
 
     def add(self, change: TensorChange) -> None:
-        if not change.n:
-            return
-        if change.name in self._blobs or change.name in ("__metadata__", SMALL_SECTIONS):
-            raise PatchError(f"tensor name {change.name!r} is used twice or reserved")
-        section, self._blobs[change.name] = encode_change(change)
+        if change.n:
+            self.add_encoded(*encode_change(change))
+
+    def add_encoded(self, section: SectionHeader, blob: bytes) -> None:
+        """A section ``encode_change`` already coded (e.g. on another thread, its fingerprints filled in later)."""
+        if section.name in self._blobs or section.name in ("__metadata__", SMALL_SECTIONS):
+            raise PatchError(f"tensor name {section.name!r} is used twice or reserved")
+        self._blobs[section.name] = blob
         self._sections.append(section)
 
     def build(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,6 +167,7 @@ class Engine:
         self.fmt = served_format
         self.hasher = hasher
         self.differ = differ
+        self.coder: Executor | None = None  # codes sections while the next piece is diffed (the worker's)
         self._release = release
         self.meta = dict(meta)
         self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
@@ -219,7 +221,7 @@ class Engine:
         assert item.view is not None and self.base is not None and self.table is not None
         rank, world = self.group.rank, self.group.size
         try:
-            changes, failure = diff_pieces(self.base, item.view, self.differ, self.hasher), None
+            changes, failure = diff_pieces(self.base, item.view, self.differ, self.hasher, self.coder), None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
             changes, failure = [], f"rank {rank}: {_first_line(e)}"
         deltas = {c.name: c.delta for c in changes}

@@ -5,20 +5,25 @@ tensor, so here the changed positions of a piece are shifted by its offset into 
 fingerprint contribution is computed with those global positions. The codec's fingerprint is a sum over
 elements, so the full tensor's fingerprint is the sum of its pieces' and a change moves it by the sum of
 every rank's deltas: ranks exchange only those deltas (8 bytes per changed tensor), never tensor data.
-The values themselves are coded by the codec (`TensorChange`, `PatchBuilder`) exactly as `diff_views` does.
+The values themselves are coded by the codec (`TensorChange`, `PatchBuilder`) exactly as `diff_views` does,
+on a thread of their own while the next piece is diffed, when the caller gives one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, TensorChange, TensorId
 from flipsync.codec.bits import bits_numpy, dtype_named, key_steps
-from flipsync.codec.digest import fingerprint_of
-from flipsync.domain.patch import ViewRef
+from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.codec.patch import encode_change
+from flipsync.domain.patch import SectionHeader, ViewRef
+from flipsync.errors import PatchError
 from flipsync.trainer.view import Piece, PieceSpec
 
 MASK = (1 << 64) - 1
@@ -35,6 +40,15 @@ class PieceChange:
     new_bits: np.ndarray
     delta: int
     digest: str | None  # content digest of the whole tensor, when this piece is the whole tensor
+    coded: Future[tuple[SectionHeader, bytes]] | None = None  # its section, fingerprints left blank
+
+
+def _code(
+    name: str, shape: tuple[int, ...], positions: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: str
+) -> tuple[SectionHeader, bytes]:
+    """One piece's section as `build_part` would code it, with blank fingerprints (run on the coder)."""
+    d = dtype_named(dtype)
+    return encode_change(TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0))
 
 
 def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
@@ -51,13 +65,19 @@ def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
 
 
 def diff_pieces(
-    old: Mapping[str, Piece], new: Mapping[str, Piece], engine: DiffEngine, hasher: Hasher
+    old: Mapping[str, Piece],
+    new: Mapping[str, Piece],
+    engine: DiffEngine,
+    hasher: Hasher,
+    coder: Executor | None = None,
 ) -> list[PieceChange]:
     """Changed elements of every piece (same layout on both sides, checked by the caller).
 
-    A changed whole tensor's content digest is hashed on the hasher's pool while the next piece is diffed.
+    While the next piece is diffed, a changed whole tensor's content digest is hashed on the hasher's pool
+    and, with a ``coder``, each piece's section is coded on it (only its fingerprints wait for the other
+    ranks' deltas: `build_part` fills them in).
     """
-    found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None]] = []
+    found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None, Any]] = []
     for name in sorted(new):
         a, b = old[name], new[name]
         ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
@@ -67,8 +87,11 @@ def diff_pieces(
         positions = changes.positions + b.offset
         delta = (fingerprint_of(positions, changes.new) - fingerprint_of(positions, changes.old)) & MASK
         digest = hasher.digest_soon(tb) if b.whole else None
-        found.append((name, positions, changes.old, changes.new, delta, digest))
-    return [PieceChange(n, p, o, w, d, digest() if digest else None) for n, p, o, w, d, digest in found]
+        coded = None
+        if coder is not None:
+            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name)
+        found.append((name, positions, changes.old, changes.new, delta, digest, coded))
+    return [PieceChange(n, p, o, w, d, dg() if dg else None, c) for n, p, o, w, d, dg, c in found]
 
 
 def advance(table: FingerprintTable, deltas: Mapping[str, int]) -> FingerprintTable:
@@ -92,6 +115,13 @@ def build_part(
     builder = PatchBuilder()
     for c in changes:
         tid = before[c.name]
+        if c.coded is not None:
+            section, blob = c.coded.result()
+            if (section.dtype, tuple(section.shape)) != (tid.dtype, tuple(tid.shape)):
+                raise PatchError(f"piece {c.name!r} was coded as {section.dtype} {section.shape}, not {tid}")
+            fps = {"base_fp": fp_hex(tid.fp), "target_fp": fp_hex(tid.fp + c.delta)}
+            builder.add_encoded(replace(section, **fps, target_digest=c.digest), blob)
+            continue
         d = dtype_named(tid.dtype)
         builder.add(
             TensorChange(

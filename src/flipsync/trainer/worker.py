@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -96,6 +97,7 @@ class Worker:
         # Pools created here inherit the lowered priority.
         self.engine.differ = DiffEngine(self.threads)
         self.engine.hasher = Hasher(self.threads)
+        coder = self.engine.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
         try:
             if self.group.size == 1:
                 self._solo_loop()
@@ -109,6 +111,8 @@ class Worker:
             self.slot.clear()
             self.engine.differ.close()
             self.engine.hasher.close()
+            coder.shutdown()
+            self.engine.coder = None
 
     def _solo_loop(self) -> None:
         while (item := self.slot.take()) is not None:
