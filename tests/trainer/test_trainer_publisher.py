@@ -156,6 +156,18 @@ def test_manifest_meta_records_trainer_steps(tmp_path: Path) -> None:
     assert json.loads(store.get("runs/meta/latest.json"))["version"] == 3
 
 
+@pytest.mark.parametrize("background", [True, False])
+def test_a_published_patch_says_where_its_time_went(tmp_path: Path, background: bool) -> None:
+    model = tiny_llama()
+    opt = adam(model)
+    with Publisher(model, open_store(tmp_path), run="t", optimizer=opt, background=background) as pub:
+        train(model, opt, 1)
+        published = pub.flush()
+    assert published is not None and published.kind == "patch" and published.changed > 0
+    assert set(published.timings) == {"view", "diff", "code", "commit"}
+    assert all(0 < v < 60 for v in published.timings.values())
+
+
 def test_spans_and_keyframes_let_a_new_replica_catch_up_cheaply(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()

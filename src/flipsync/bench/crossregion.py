@@ -47,7 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -254,9 +254,19 @@ class Outcome:
     publish_s: float  # optimizer.step() returned -> the trainer's v1 on the board
     bitwise: bool
     wan_bytes: int
+    phases: Mapping[str, float] = field(default_factory=dict)  # the trainer publisher's, by phase (patches)
 
 
-Fire = Callable[[], tuple[float, float]]  # runs the step and the publication; returns (clock start, published)
+@dataclass(frozen=True)
+class Fired:
+    """One measured step: when the clock started, when the version was committed, the publisher's phases."""
+
+    start: float
+    published: float
+    phases: Mapping[str, float] = field(default_factory=dict)
+
+
+Fire = Callable[[], Fired]  # runs the step and the publication
 
 
 @dataclass
@@ -279,13 +289,13 @@ def _race(
     ]
     for t in threads:
         t.start()
-    t0, published = fire()
+    fired = fire()
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()) + 1)
     if not all(done):
         raise TimeoutError(f"not every replica reached v{target} within {timeout_s:g} s")
     ok = all(isinstance(r.engine, DictEngine) and same_bits(r.engine.tensors, v1) for r in replicas)
-    return Outcome(max(done) - t0, published - t0, ok, 0)
+    return Outcome(max(done) - fired.start, fired.published - fired.start, ok, 0, fired.phases)
 
 
 def _masters_of(params: Mapping[str, torch.nn.Parameter]) -> Callable[[], dict[str, torch.Tensor]]:
@@ -320,11 +330,11 @@ def _trainer_patch_fire(tr: Trained, root: str) -> Trainer:
         pub.step()
         pub.flush()
 
-    def fire() -> tuple[float, float]:
+    def fire() -> Fired:
         tr.step(params, opt)  # the publisher's post-step hook runs inside
         t0 = time.perf_counter()
-        pub.flush()
-        return t0, store.committed_at
+        published = pub.flush()
+        return Fired(t0, store.committed_at, dict(published.timings) if published is not None else {})
 
     return Trainer(fire, pub.close, WARM_STEPS)
 
@@ -336,12 +346,12 @@ def _trainer_full_fire(tr: Trained, root: str) -> Trainer:
     board = BoardPublisher(store, RUN, publisher_id="bench-trainer")
     board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
 
-    def fire() -> tuple[float, float]:
+    def fire() -> Fired:
         tr.step(params, opt)
         t0 = time.perf_counter()
         view = served_view(_masters_of(params)(), FMT)
         board.publish_snapshot(view, version=1, view_fp=FingerprintTable.of(view).view_fp(), served_format=FMT)
-        return t0, store.committed_at
+        return Fired(t0, store.committed_at)
 
     return Trainer(fire, lambda: None, 0)
 
@@ -581,12 +591,20 @@ def run(
             **{m: [o.publish_s for o in os_] for m, os_ in small_runs.items()},
         },
         "model": asdict(model),
+        "trainer_phases": _phases_per_byte(one, tr.view_bytes),
         "rows": rows,
         "extrapolations": [extrapolate(model, setup.bandwidths, frac, bpc, src) for src, frac, bpc in rates],
     }
     for t in tables(result):
         console.print(t)
     return result
+
+
+def _phases_per_byte(outcomes: Sequence[Outcome], view_bytes: int) -> dict[str, float]:
+    """The trainer publisher's own account of where a patch's time went (medians), in seconds per view byte."""
+    timed = [o.phases for o in outcomes if o.phases]
+    keys = timed[0].keys() if timed else ()
+    return {k: statistics.median(t[k] for t in timed) / view_bytes for k in keys}
 
 
 def extrapolate(
@@ -704,11 +722,14 @@ is the gap."""
 
 def _components(result: Mapping[str, Any]) -> str:
     m = result["model"]
+    phases = result.get("trainer_phases") or {}
+    split = ", ".join(f"{k} {v * 1e9:.2f}" for k, v in phases.items())
     rows = [
         (
             "trainer, patch",
             f"{fmt_s(m['trainer_patch_fixed_s'])} + {m['trainer_patch_s_per_byte'] * 1e9:.3f} ns/B",
-            "view, diff, encode, upload",
+            "view, diff, encode, upload"
+            + (f" (the publisher's own timings, ns/B of the view: {split}; the view is the CPU cast)" if split else ""),
         ),
         (
             "trainer, full checkpoint",

@@ -21,9 +21,10 @@ publishes the full view; extra keyframes, when the board's cadence asks, are pub
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -64,6 +65,10 @@ class Published:
     kind: str  # "snapshot" or "patch"
     part_bytes: int  # bytes this rank uploaded
     changed: int  # values this rank's part changes
+    # Seconds this rank spent on the version, by phase: "view" (served view, off the training thread), then
+    # for patches "diff" (diff, fingerprints, digests), "code" (waiting for the coded sections, assembling the
+    # part) and "commit" (upload, the collectives, the manifest).
+    timings: Mapping[str, float] = field(default_factory=dict)
 
 
 def _first_line(e: BaseException) -> str:
@@ -220,6 +225,7 @@ class Engine:
     def _patch(self, item: Item) -> Published:
         assert item.view is not None and self.base is not None and self.table is not None
         rank, world = self.group.rank, self.group.size
+        t0 = time.perf_counter()
         try:
             changes, failure = diff_pieces(self.base, item.view, self.differ, self.hasher, self.coder), None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
@@ -228,6 +234,7 @@ class Engine:
         proposal = (self._next_version(), new_attempt_id()) if self.board is not None else None
         said = self.group.all_gather((deltas, proposal, failure), "fingerprint deltas")
         version, attempt = said[0][1]
+        t1 = time.perf_counter()
         failures = [f for _, _, f in said if f]
         if failures:
             self._drop(item)
@@ -259,11 +266,13 @@ class Engine:
             )
         data = patch.to_bytes() if patch is not None else None
         meta = {**self.meta, **item.meta, "step": item.step, "steps": item.step - self.base_step, "ranks": world}
+        t2 = time.perf_counter()
         if world == 1:
             result = self._commit_solo(data, version, target_fp, meta)
             spans_input = [patch] if patch is not None else []
         else:
             result, spans_input = self._commit_sharded(data, version, attempt, target_fp, meta)
+        timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
         published = self._finish(
             result,
             item,
@@ -276,6 +285,7 @@ class Engine:
                 "patch",
                 len(data or b""),
                 sum(c.positions.size for c in changes),
+                timings,
             ),
         )
         if self.spans is not None:

@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import secrets
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -384,6 +385,7 @@ class Publisher:
         """This step's served view, checked and handed to the worker (any thread)."""
         if self.background:
             self.slot.drop_pending_view()  # about to be superseded: free it before computing the next
+        t0 = time.perf_counter()
         try:
             with self.stager.buffers() as alloc:
                 view = self.plan.compute(inputs, alloc)
@@ -393,7 +395,7 @@ class Publisher:
             raise
         staged = self.stager.stage(view)
         self.account.add(view_bytes(staged.view))
-        self._submit(Item(step, staged.view, staged.wait, meta=meta))
+        self._submit(Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0))
 
     def _no_view(self, step: int, e: FlipsyncError) -> None:
         if self.group.size > 1:  # the other ranks must learn that this step has no view here

@@ -47,6 +47,7 @@ class Item:
     first_step: int | None = None  # the earliest step folded into this item (squashed)
     error: str | None = None  # the view could not be computed on this rank (sharded runs report it)
     meta: dict[str, str | int] = field(default_factory=dict)  # extra manifest metadata for this step
+    view_s: float = 0.0  # seconds computing the view took (for `Published.timings`)
 
     def __post_init__(self) -> None:
         if self.first_step is None:
