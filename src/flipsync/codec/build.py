@@ -48,11 +48,11 @@ def check_same_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
 def _change(
     name: str,
     a: torch.Tensor,
+    b: torch.Tensor,
     found: Changes,
     base_fp: int,
     mode: str,
     hasher: Hasher | None,
-    b: torch.Tensor,
 ) -> TensorChange:
     """The coded-to-be change of one tensor: the diff's changed positions and patterns, fingerprints."""
     d = dtype_of(a)
@@ -106,7 +106,7 @@ def diff_views(
             found = engine.changes_many([(a, b) for _, a, b in batch])
             for (name, a, b), changes in zip(batch, found, strict=True):
                 if changes.size:
-                    change = _change(name, a, changes, table[name].fp, mode, hasher if digests else None, b)
+                    change = _change(name, a, b, changes, table[name].fp, mode, hasher if digests else None)
                     builder.add(change)
                     new_table[name] = TensorId(change.dtype.name, change.shape, change.target_fp)
                 if progress is not None:
