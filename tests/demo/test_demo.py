@@ -15,8 +15,10 @@ from flipsync.demo.run import DemoConfig, run_demo, write_outputs
 
 
 def test_short_demo_run(tmp_path: Path) -> None:
+    # 60 warm-start steps: a policy that gets digits right in most batches (after 20, a batch of 9 rollouts
+    # scored 0 often enough that all three did now and then, which made the reward check flaky).
     cfg = DemoConfig(
-        steps=3, islands=2, warm_start_steps=20, prompts_per_step=3, group_size=3, bandwidth="200mbit", out=tmp_path
+        steps=3, islands=2, warm_start_steps=60, prompts_per_step=3, group_size=3, bandwidth="200mbit", out=tmp_path
     )
     report = run_demo(cfg, Console(width=160, record=True))
     assert report.bitwise_equal == {"island-0": True, "island-1": True}
