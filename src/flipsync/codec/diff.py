@@ -217,13 +217,23 @@ class DiffEngine:
             a8, b8 = int_view(a).numpy().view(np.uint8), int_view(b).numpy().view(np.uint8)
             tasks += [(i, a8, b8, s, min(s + chunk, a8.shape[0]), esize) for s in range(0, a8.shape[0], chunk)]
 
-        def run(t: tuple[int, np.ndarray, np.ndarray, int, int, int]) -> _Found:
-            return _span_changes(*t[1:], self._scratch(chunk, t[5]), values)
+        def run(batch: list[tuple[int, np.ndarray, np.ndarray, int, int, int]]) -> list[_Found]:
+            return [_span_changes(*t[1:], self._scratch(chunk, t[5]), values) for t in batch]
 
-        done = self._pool.map(run, tasks) if len(tasks) > 1 else map(run, tasks)
+        # Small tensors go to the pool several to a job: a job costs tens of microseconds to hand over.
+        batches: list[list[tuple[int, np.ndarray, np.ndarray, int, int, int]]] = []
+        held = chunk
+        for t in tasks:
+            if held + (t[4] - t[3]) > chunk:
+                batches.append([])
+                held = 0
+            batches[-1].append(t)
+            held += t[4] - t[3]
+        done = self._pool.map(run, batches) if len(batches) > 1 else map(run, batches)
         parts: list[list[_Found]] = [[] for _ in pairs]
-        for task, found in zip(tasks, done, strict=True):
-            parts[task[0]].append(found)
+        for batch, found in zip(batches, done, strict=True):
+            for task, f in zip(batch, found, strict=True):
+                parts[task[0]].append(f)
         out: list[_Found] = []
         for i, (a, b) in enumerate(pairs):
             if a.device.type != "cpu":
