@@ -76,3 +76,15 @@ def test_signed_zero_and_nan_payloads_count_as_changes(engine: DiffEngine) -> No
 def test_layout_mismatch_is_an_error(engine: DiffEngine) -> None:
     with pytest.raises(PatchError, match="different layouts"):
         engine.changed_positions(torch.zeros(3), torch.zeros(4))
+
+
+def test_many_small_tensors_of_mixed_dtypes_share_jobs(engine: DiffEngine) -> None:
+    """Small tensors are packed several to a pool job; each result must still belong to its own pair."""
+    rng = np.random.default_rng(11)
+    dtypes = [torch.bfloat16, torch.float32, torch.uint8, torch.float16, torch.int64]
+    pairs = []
+    for i in range(60):
+        a = random_tensor(rng, dtypes[i % len(dtypes)], (int(rng.integers(0, 3000)),))
+        pairs.append((a, edit(rng, a, float(rng.choice([0.0, 0.01, 0.3])), style="ulp")))
+    for (a, b), found in zip(pairs, engine.changes_many(pairs), strict=True):
+        assert_changes_exact(found, a, b)
