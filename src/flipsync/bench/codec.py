@@ -25,7 +25,7 @@ import zstandard
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.bench.report import Figures, md_table, pyplot
+from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.bench.workload import (
     FULL,
     QUICK,
@@ -543,10 +543,7 @@ def plot(report: CodecReport, path: Path) -> Path:
                 ax.set_ylabel("bytes per changed value")
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(methods), fontsize=8)  # above the panels, off the bars
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / fig.get_figheight()))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, top=1 - 0.35 / fig.get_figheight())
 
 
 def as_dict(report: CodecReport) -> dict[str, Any]:

@@ -55,7 +55,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.bench.report import Figures, md_table, pyplot
+from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.board.publish import Publisher as BoardPublisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import Store, StoreWrapper, open_store
@@ -640,6 +640,16 @@ def extrapolate(
     }
 
 
+def full_over_patch(row: Mapping[str, Any]) -> float:
+    """A measured cell's full-checkpoint median over its patch median."""
+    return float(row["full"]["median"] / row["patch"]["median"])
+
+
+def _relay_wan_share(row: Mapping[str, Any], patch_bytes: int) -> float:
+    """The relay's upstream (WAN) bytes over what N direct readers would fetch: 1/N means once per island."""
+    return float(row["relay"]["wan_bytes"] / (row["replicas"] * patch_bytes))
+
+
 def tables(result: Mapping[str, Any]) -> list[Table]:
     t = Table(title="optimizer.step() returned -> last replica verified: median (min-max) | cost model")
     for col in ("link", "N", *(METHOD_LABEL[m] for m in METHODS), "full / patch", "relay WAN / (N x patch)", "ok"):
@@ -649,8 +659,8 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
             r["bandwidth"],
             str(r["replicas"]),
             *(f"{fmt_range(r[m])} | {fmt_s(r[m]['model'])}" for m in METHODS),
-            f"{r['full']['median'] / r['patch']['median']:.1f}x",
-            f"{r['relay']['wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f}",
+            f"{full_over_patch(r):.1f}x",
+            f"{_relay_wan_share(r, result['patch_bytes']):.2f}",
             "yes" if r["bitwise"] else "NO",
         )
     e = result["extrapolations"][0]
@@ -796,8 +806,8 @@ def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
                 r["bandwidth"],
                 str(r["replicas"]),
                 *(x for m in METHODS for x in (fmt_range(r[m]), fmt_s(r[m]["model"]))),
-                f"**{r['full']['median'] / r['patch']['median']:.1f}x**",
-                f"{r['relay']['wan_bytes'] / (r['replicas'] * result['patch_bytes']):.2f}",
+                f"**{full_over_patch(r):.1f}x**",
+                f"{_relay_wan_share(r, result['patch_bytes']):.2f}",
                 "yes" if r["bitwise"] else "**NO**",
             )
         )
@@ -852,7 +862,4 @@ def plot(result: Mapping[str, Any], path: Path) -> Path:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("step returned -> last replica verified (s)")
     axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -41,3 +41,11 @@ def pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig: Any, path: Path, *, top: float = 1.0) -> Path:
+    """Lay out, write (110 dpi) and close a figure; ``top`` keeps room above the panels (a shared legend)."""
+    fig.tight_layout(rect=(0, 0, 1, top))
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path

@@ -30,7 +30,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.bench.report import Figures, md_table, pyplot
+from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.codec import DiffEngine, FingerprintTable, Patch, diff_views
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
@@ -221,7 +221,4 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.set_ylim(bottom=0)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

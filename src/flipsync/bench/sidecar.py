@@ -32,7 +32,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.bench.report import Figures, md_table, pyplot
+from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
@@ -283,7 +283,4 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     ax.set_title("PyTorch engine: pause (requests gated) per commit", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -249,8 +249,8 @@ class DiffEngine:
 
 
 def _nothing(esize: int, values: bool) -> _Found:
-    empty = np.empty(0, dtype=_uint_np(esize))
-    return np.empty(0, dtype=np.int64), empty if values else None, empty.copy() if values else None
+    empty = np.empty(0, dtype=_uint_np(esize)) if values else None  # one zero-size array serves both sides
+    return np.empty(0, dtype=np.int64), empty, empty
 
 
 def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
