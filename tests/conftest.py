@@ -1,9 +1,11 @@
-"""Shared test settings: a bounded hypothesis profile so the suite fits CI's 2 cores."""
+"""Shared test settings: a bounded hypothesis profile so the suite fits CI's 2 cores, and shared fixtures."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -17,3 +19,12 @@ settings.register_profile(
 )
 settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No cloud credentials or endpoints from this machine's environment reach the store under test."""
+    for var in list(os.environ):
+        if var.startswith(("AWS_", "GOOGLE_", "AZURE_")):
+            monkeypatch.delenv(var)
+    yield

@@ -1,10 +1,16 @@
-"""Hypothesis strategies shared by the codec tests: served views and the edits a training step makes."""
+"""Builders shared by the tests: served views, the edits a training step makes, chains of patches between them
+(hypothesis strategies among them), and a valid patch manifest."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 from hypothesis import strategies as st
+
+from flipsync.codec import Patch, diff_views
+from flipsync.domain.manifest import Kind, Manifest, Part
 
 CODEC_DTYPES = [
     torch.bfloat16,
@@ -91,3 +97,43 @@ def view_pairs(draw: st.DrawFn, max_tensors: int = 4, max_numel: int = 3000) -> 
         style = draw(st.sampled_from(["ulp", "bits", "runs"]))
         new[name] = edit(rng, old[name], frac, style=style)
     return old, new
+
+
+def patch_chain(
+    rng: np.random.Generator, start: dict[str, torch.Tensor], steps: int
+) -> tuple[list[dict[str, torch.Tensor]], list[Patch]]:
+    """``steps`` edits of ``start`` (ulp, bits and runs in turn, 20% of the values each) and the patches between
+    consecutive views, each coded as steps or, three times in ten, as raw values; every patch read back from its
+    bytes. Returns the ``steps + 1`` views and the ``steps`` patches."""
+    views = [start]
+    for i in range(steps):
+        views.append({k: edit(rng, v, 0.2, style=["ulp", "bits", "runs"][i % 3]) for k, v in views[-1].items()})
+    patches, table = [], None
+    for i in range(steps):
+        mode = "raw" if rng.random() < 0.3 else "step"
+        p, table = diff_views(views[i], views[i + 1], mode=mode, old_table=table)  # type: ignore[arg-type]
+        patches.append(Patch.from_bytes(p.to_bytes()))
+    return views, patches
+
+
+PART_HASH = "ab" * 32
+
+
+def patch_manifest(**over: Any) -> Manifest:
+    """A valid manifest of patch v6 -> v7 of run ``run-1``; keyword arguments replace its fields."""
+    fields: dict[str, Any] = dict(
+        run="run-1",
+        version=7,
+        kind=Kind.PATCH,
+        base_version=6,
+        target_version=7,
+        base_view_fp="0f" * 8,
+        target_view_fp="1e" * 8,
+        served_format="bf16",
+        parts=(Part("a1b2/patch-00000.safetensors", 123, PART_HASH),),
+        created="2026-01-02T03:04:05.000006Z",
+        publisher="trainer-0",
+        meta={"origin": 0, "step": 700},
+    )
+    fields.update(over)
+    return Manifest(**fields)

@@ -35,26 +35,26 @@ def unchanged(work: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) ->
     return all(same_bits(work[k], before[k]) for k in before)
 
 
+def assert_refused_untouched(base: dict[str, torch.Tensor], patch: Patch, error: type, match: str) -> None:
+    """Applying ``patch`` to a copy of ``base`` raises ``error``, and neither the tensors nor the table moved."""
+    work = snapshot(base)
+    table = FingerprintTable.of(work)
+    with pytest.raises(error, match=match):
+        apply_patch(work, patch, table)
+    assert unchanged(work, base)
+    assert table == FingerprintTable.of(base)
+
+
 def test_wrong_base_is_refused_before_any_write(chain: list) -> None:
     p12, _ = diff_views(chain[1], chain[2])
-    work = snapshot(chain[0])
-    table = FingerprintTable.of(work)
-    with pytest.raises(BaseMismatchError, match="fetch the patches in between"):
-        apply_patch(work, p12, table)
-    assert unchanged(work, chain[0])
-    assert table == FingerprintTable.of(chain[0])
+    assert_refused_untouched(chain[0], p12, BaseMismatchError, "fetch the patches in between")
 
 
 def test_a_header_naming_another_target_view_is_refused_before_any_write(chain: list) -> None:
     # Every section reaching its own target is not enough: the view the header promises must result.
     p01, _ = diff_views(chain[0], chain[1])
     crafted = p01.with_refs(target=ViewRef(view=FingerprintTable.of(chain[2]).view_fp(), version=2))
-    work = snapshot(chain[0])
-    table = FingerprintTable.of(work)
-    with pytest.raises(VerificationError, match="target view"):
-        apply_patch(work, crafted, table)
-    assert unchanged(work, chain[0])
-    assert table == FingerprintTable.of(chain[0])
+    assert_refused_untouched(chain[0], crafted, VerificationError, "target view")
 
 
 def test_wrong_shape_is_refused(chain: list) -> None:

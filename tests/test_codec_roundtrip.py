@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import PatchError
-from tests.strategies import edit, same_bits, view_pairs
+from tests.strategies import edit, patch_chain, same_bits, view_pairs
 
 
 def clone(view: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -43,16 +43,7 @@ def test_round_trip_is_bitwise(pair: tuple[dict, dict], mode: str) -> None:
     st.integers(0, 2**31),
 )
 def test_squash_equals_sequential_apply(pairs: list, steps: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    views = [pairs[0][0]]
-    for i in range(steps):
-        style = ["ulp", "bits", "runs"][i % 3]
-        views.append({k: edit(rng, v, 0.2, style=style) for k, v in views[-1].items()})
-    patches, table = [], None
-    for i in range(steps):
-        mode = "raw" if rng.random() < 0.3 else "step"
-        p, table = diff_views(views[i], views[i + 1], mode=mode, old_table=table)  # type: ignore[arg-type]
-        patches.append(Patch.from_bytes(p.to_bytes()))
+    views, patches = patch_chain(np.random.default_rng(seed), pairs[0][0], steps)
     merged = Patch.from_bytes(squash(patches).to_bytes())
     work = clone(views[0])
     wt = FingerprintTable.of(work)

@@ -9,10 +9,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import Patch, diff_views, squash
+from flipsync.codec import squash
 from flipsync.codec.bits import dtype_named
 from flipsync.codec.patch import TensorChange
-from tests.strategies import edit, view_pairs
+from tests.strategies import patch_chain, view_pairs
 
 # The package re-exports the function ``squash`` under the submodule's name.
 squash_module = importlib.import_module("flipsync.codec.squash")
@@ -134,15 +134,7 @@ def test_merge_edge_cases() -> None:
     st.integers(0, 2**31),
 )
 def test_squash_bytes_match_the_numpy_definition(pairs: list, steps: int, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    views = [pairs[0][0]]
-    for i in range(steps):
-        views.append({k: edit(rng, v, 0.2, style=["ulp", "bits", "runs"][i % 3]) for k, v in views[-1].items()})
-    patches, table = [], None
-    for i in range(steps):
-        mode = "raw" if rng.random() < 0.3 else "step"
-        p, table = diff_views(views[i], views[i + 1], mode=mode, old_table=table)  # type: ignore[arg-type]
-        patches.append(Patch.from_bytes(p.to_bytes()))
+    _, patches = patch_chain(np.random.default_rng(seed), pairs[0][0], steps)
     got = squash(patches)
     with mock.patch.object(squash_module, "_merge", reference_merge):
         want = squash(patches)

@@ -11,27 +11,9 @@ from hypothesis import strategies as st
 
 from flipsync.domain.manifest import Kind, Manifest, Part, Signature, canonical_json
 from flipsync.errors import BoardError, IntegrityError
+from tests.strategies import PART_HASH, patch_manifest
 
-H = "ab" * 32
-
-
-def patch_manifest(**over: Any) -> Manifest:
-    fields: dict[str, Any] = dict(
-        run="run-1",
-        version=7,
-        kind=Kind.PATCH,
-        base_version=6,
-        target_version=7,
-        base_view_fp="0f" * 8,
-        target_view_fp="1e" * 8,
-        served_format="bf16",
-        parts=(Part("a1b2/patch-00000.safetensors", 123, H),),
-        created="2026-01-02T03:04:05.000006Z",
-        publisher="trainer-0",
-        meta={"origin": 0, "step": 700},
-    )
-    fields.update(over)
-    return Manifest(**fields)
+H = PART_HASH
 
 
 def as_dict(**over: Any) -> dict[str, Any]:

@@ -106,14 +106,6 @@ def test_local_urls(tmp_path: os.PathLike[str]) -> None:
         open_store("ftp://host/board")
 
 
-@pytest.fixture
-def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key in list(os.environ):
-        if key.startswith(("AWS_", "GOOGLE_", "AZURE_")):
-            monkeypatch.delenv(key)
-    yield
-
-
 def test_s3_and_r2_configuration(no_cloud_env: None) -> None:
     opts = fast_options(**S3_CREDS, endpoint="http://127.0.0.1:9")
     s = open_store("s3://bucket/some/prefix", opts)

@@ -19,10 +19,9 @@ from flipsync.board.signing import Signer
 from flipsync.codec import Patch, diff_views, squash
 from flipsync.codec.patch import encode_change
 from flipsync.domain.manifest import Kind, Manifest, Part
-from tests.strategies import edit
+from tests.strategies import PART_HASH, edit, patch_manifest
 
 SEPARATOR = b"\x00"  # splits a two-part fuzz input (JSON cannot hold a raw NUL byte)
-H = "ab" * 32
 
 
 @dataclass(frozen=True)
@@ -85,42 +84,26 @@ def split_sections(data: bytes) -> bytes:
 
 def manifests() -> list[Manifest]:
     signer = Signer(ed25519.Ed25519PrivateKey.generate())
-    common: dict[str, object] = dict(
-        run="run-1",
-        served_format="bf16",
-        created="2026-01-02T03:04:05.000006Z",
-        publisher="trainer-0",
-    )
-    patch = Manifest(
-        version=7,
-        kind=Kind.PATCH,
-        base_version=6,
-        target_version=7,
-        base_view_fp="0f" * 8,
-        target_view_fp="1e" * 8,
-        parts=(Part("a1b2/patch-00000.safetensors", 123, H),),
-        meta={"origin": 0, "step": 700, "loss": 0.5, "squashed": True},
-        **common,  # type: ignore[arg-type]
-    )
-    keyframe = Manifest(
+    patch = patch_manifest(meta={"origin": 0, "step": 700, "loss": 0.5, "squashed": True})
+    keyframe = patch_manifest(
         version=8,
         kind=Kind.KEYFRAME,
         base_version=None,
         target_version=8,
         base_view_fp=None,
         target_view_fp="2d" * 16,
-        parts=(Part("c3/model-00001-of-00001.safetensors", 4096, H), Part(f"c3/{INDEX_NAME}", 90, "cd" * 32)),
-        **common,  # type: ignore[arg-type]
+        parts=(Part("c3/model-00001-of-00001.safetensors", 4096, PART_HASH), Part(f"c3/{INDEX_NAME}", 90, "cd" * 32)),
+        meta={},
     )
-    span = Manifest(
+    span = patch_manifest(
         version=9,
         kind=Kind.SPAN,
         base_version=2,
         target_version=9,
         base_view_fp="0a",
         target_view_fp="0b",
-        parts=(Part("x/patch-00000.safetensors", 1, H), Part("x/patch-00001.safetensors", 2, H)),
-        **common,  # type: ignore[arg-type]
+        parts=(Part("x/patch-00000.safetensors", 1, PART_HASH), Part("x/patch-00001.safetensors", 2, PART_HASH)),
+        meta={},
     )
     return [patch, keyframe, span, signer.sign(patch), signer.sign(keyframe)]
 

@@ -10,7 +10,7 @@ board and a closed loopback port, so the whole matrix takes seconds.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -342,14 +342,6 @@ def test_a_patch_whose_header_names_another_target_writes_nothing(env: Env) -> N
 
 
 # -- the Python API and the sidecar's engine ------------------------------------------------------------------
-
-
-@pytest.fixture
-def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for var in list(os.environ):
-        if var.startswith(("AWS_", "GOOGLE_", "AZURE_")):
-            monkeypatch.delenv(var)
-    yield
 
 
 def _tiny_engine_and_view(engine_format: str, view_seed: int, view_layers: int = 1) -> tuple[object, dict]:

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from flipsync.codec import FingerprintTable, Patch, diff_views
-from flipsync.domain.manifest import Kind, Manifest, Part
+from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import CorruptPatchError
 from flipsync.sidecar.patches import patch_from_parts
+from tests.strategies import PART_HASH, patch_manifest
 
 
 def _views() -> list[dict[str, torch.Tensor]]:
@@ -38,18 +39,14 @@ def _chain() -> tuple[list[dict[str, torch.Tensor]], list[Patch], list[Fingerpri
 
 
 def _manifest(tables: list[FingerprintTable]) -> Manifest:
-    return Manifest(
-        run="r",
+    """Version 1, from the first view to the last, in two parts (their bytes are not read here)."""
+    return patch_manifest(
         version=1,
-        kind=Kind.PATCH,
         base_version=0,
         target_version=1,
         base_view_fp=tables[0].view_fp(),
         target_view_fp=tables[-1].view_fp(),
-        served_format="bf16",
-        parts=(Part("p0", 1, "0" * 64), Part("p1", 1, "0" * 64)),
-        created="2026-11-29T00:00:00Z",
-        publisher="test",
+        parts=(Part("p0", 1, PART_HASH), Part("p1", 1, PART_HASH)),
     )
 
 
