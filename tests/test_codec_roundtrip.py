@@ -131,3 +131,31 @@ def test_disjoint_shards_merge_into_one_patch() -> None:
     assert table.view_fp() == full_new.view_fp()
     with pytest.raises(PatchError, match="more than one shard"):
         Patch.merge_disjoint([parts[0], parts[0]], base=ViewRef(full_old.view_fp()), target=ViewRef(full_new.view_fp()))
+
+
+@given(view_pairs())
+def test_the_container_is_plain_safetensors_and_its_bytes_depend_only_on_the_patch(pair: tuple[dict, dict]) -> None:
+    import safetensors.numpy
+
+    patch, _ = diff_views(*pair)
+    data = patch.to_bytes()
+    assert Patch.from_bytes(data).to_bytes() == data  # same header and sections, same bytes (and BLAKE3)
+    (hlen,) = np.frombuffer(data[:8], dtype="<u8")
+    assert (8 + int(hlen)) % 8 == 0  # the data area starts 8-byte aligned, as safetensors writes it
+    tensors = safetensors.numpy.load(data)  # any safetensors reader lists the sections
+    for s in patch.sections:
+        if s.name in tensors:
+            assert tensors[s.name].tobytes() == bytes(patch.section_blob(s.name))
+
+
+def test_a_file_writer_refuses_a_header_that_lists_other_sections() -> None:
+    from flipsync.codec.patch import PatchFileWriter
+
+    old = {"a": torch.zeros(8, dtype=torch.bfloat16), "b": torch.zeros(8, dtype=torch.bfloat16)}
+    new = {k: v + 1 for k, v in old.items()}
+    patch, _ = diff_views(old, new)
+    writer = PatchFileWriter()
+    writer.add("b", patch.section_blob("b"))
+    writer.add("a", patch.section_blob("a"))
+    with pytest.raises(PatchError, match="does not list the sections that were laid out"):
+        writer.finish(patch.header)

@@ -71,6 +71,13 @@ def test_cost_model_adds_its_terms() -> None:
     assert m.predict("full", 1, 1e8, 1e9, 1e7, 1e7) == pytest.approx(0.25 + 2.0 + 0.01 + 10.0 + 1.0)
     sharded = m.predict("patch", 1, 1e8, 1e9, 1e7, 1e7, trainer_shards=10, receiver_cores=10)
     assert sharded == pytest.approx(0.5 + 0.1 + 0.01 + 0.1 + 0.1)
+    # Streamed: the transfer overlaps the trainer. Trainer-bound, the last chunk still crosses after it ...
+    streamed = m.predict("patch", 1, 1e8, 1e9, 1e7, 1e7, chunk_bytes=1e6)
+    assert streamed == pytest.approx(0.5 + (1.0 + 0.01) + 0.01 + 1.0)
+    # ... and wire-bound, the wire starts once the first chunk is coded (a tenth of the part: 0.1 s).
+    slow = m.predict("patch", 1, 1e6, 1e9, 1e7, 1e7, chunk_bytes=1e6)
+    assert slow == pytest.approx(0.5 + (0.1 + 10.0) + 0.01 + 1.0)
+    assert slow < m.predict("patch", 1, 1e6, 1e9, 1e7, 1e7)
     e = crossregion.extrapolate(m, ("1gbit",), 0.02, 1.1, "a test")
     row = e["rows"][0]
     assert row["parallel"]["ratio"] > row["single"]["ratio"] > 1

@@ -71,6 +71,19 @@ def test_invalid_fields_are_rejected(field: str, value: object, message: str) ->
         Manifest.from_json(json.dumps(as_dict(**{field: value})))
 
 
+def test_a_chunked_part_round_trips_and_a_plain_one_keeps_its_old_json() -> None:
+    chunked = {
+        "path": "a/p.0",
+        "size": 10,
+        "hash": H,
+        "chunks": [{"path": "a/p.1", "size": 4}, {"path": "a/p.2", "size": 3}],
+    }
+    m = Manifest.from_json(json.dumps(as_dict(parts=[chunked, {"path": "b", "size": 1, "hash": H}])))
+    assert m.parts[0].objects == (("a/p.0", 3), ("a/p.1", 4), ("a/p.2", 3))
+    assert m.parts[1].objects == (("b", 1),) and "chunks" not in m.parts[1].to_dict()
+    assert Manifest.from_json(m.to_json()) == m
+
+
 @pytest.mark.parametrize(
     ("part", "message"),
     [
@@ -84,8 +97,14 @@ def test_invalid_fields_are_rejected(field: str, value: object, message: str) ->
         ({"path": "p", "size": 1.5, "hash": H}, "must be an integer"),
         ({"path": "p", "size": 1, "hash": "ab" * 31}, "BLAKE3"),
         ({"path": "p", "size": 1, "hash": "AB" * 32}, "BLAKE3"),
-        ({"path": "p", "size": 1}, "exactly the keys"),
-        ({"path": "p", "size": 1, "hash": H, "extra": 1}, "exactly the keys"),
+        ({"path": "p", "size": 1}, "path, size, hash and optionally chunks"),
+        ({"path": "p", "size": 1, "hash": H, "extra": 1}, "path, size, hash and optionally chunks"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": []}, "non-empty list"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": {"path": "c", "size": 1}}, "non-empty list"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": [{"path": "c"}]}, "exactly the keys path and size"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": [{"path": "../c", "size": 1}]}, "escapes"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": [{"path": "c", "size": 0}]}, "must be >= 1"),
+        ({"path": "p", "size": 9, "hash": H, "chunks": [{"path": "c", "size": 9}]}, "none of its 9 bytes"),
     ],
 )
 def test_bad_parts_are_rejected(part: dict[str, Any], message: str) -> None:
@@ -97,6 +116,9 @@ def test_duplicate_parts_unknown_and_missing_fields() -> None:
     p = {"path": "p", "size": 1, "hash": H}
     with pytest.raises(IntegrityError, match="appears twice"):
         Manifest.from_json(json.dumps(as_dict(parts=[p, p])))
+    chunked = {"path": "q", "size": 9, "hash": H, "chunks": [{"path": "p", "size": 1}]}
+    with pytest.raises(IntegrityError, match="'p' appears twice"):
+        Manifest.from_json(json.dumps(as_dict(parts=[p, chunked])))
     with pytest.raises(IntegrityError, match="unknown fields"):
         Manifest.from_json(json.dumps(as_dict(surprise=1)))
     d = as_dict()

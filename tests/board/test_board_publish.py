@@ -390,7 +390,7 @@ def test_commit_uploaded_patch_refuses_missing_or_wrong_parts(store: ObstoreStor
     attempt = new_attempt_id()
     parts = upload(store, 2, attempt, [patch_bytes(20), patch_bytes(21)])
     lost = Part(path=f"{attempt}/patch-00002.safetensors", size=10, hash=content_hash(b"never uploaded"))
-    with pytest.raises(NotFoundError, match=r"1 of 3 parts are not on the board \(.*patch-00002"):
+    with pytest.raises(NotFoundError, match=r"1 of 3 part objects are not on the board \(.*patch-00002"):
         commit(pub, [*parts, lost], 2)
     short = Part(path=parts[1].path, size=parts[1].size + 1, hash=parts[1].hash)
     with pytest.raises(IntegrityError, match=r"patch-00001.safetensors is 2000 bytes on the board, not the 2001"):

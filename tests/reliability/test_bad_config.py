@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from obstore.store import MemoryStore
 from typer.testing import CliRunner
 
+from flipsync.board.ahead import FetchAhead
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
@@ -36,6 +37,7 @@ from flipsync.errors import (
     StoreError,
 )
 from flipsync.formats import served_view
+from flipsync.trainer.commit import PartStream
 
 runner = CliRunner(env={"COLUMNS": "400"})
 
@@ -309,6 +311,12 @@ CLI_ROWS = [
         2,
         ("watch interval", "above 0"),
     ),
+    CliRow(
+        "a sidecar told to list the next version's folder every -1 s",
+        lambda e: ["sidecar", "--board", e("board"), "--run", "r1", "--fetch-ahead", "-1"],
+        2,
+        ("--fetch-ahead", ">= 0", "0: off"),
+    ),
 ]
 
 
@@ -459,6 +467,18 @@ API_ROWS = [
         _apply_to_wrong_base,
         BaseMismatchError,
         ("this patch applies to view", "resync from a keyframe"),
+    ),
+    ApiRow(
+        "a reader told to list the next version's folder without pause",
+        lambda e: FetchAhead(open_store(e("board")), interval_s=0),  # type: ignore[func-returns-value]
+        ConfigError,
+        ("fetch-ahead interval", "above 0"),
+    ),
+    ApiRow(
+        "a part streamed in chunks of 100 bytes",
+        lambda e: PartStream(open_store(e("board")), "v", "a", 0, chunk_bytes=100),  # type: ignore[func-returns-value]
+        ConfigError,
+        ("stream chunks must be at least 4096 bytes", "100"),
     ),
     ApiRow(
         "reading a run that is not on the board",

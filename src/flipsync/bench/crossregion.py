@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flipsync.bench.report import Figures, md_table, pyplot, save_figure
+from flipsync.board.ahead import FetchAhead
 from flipsync.board.publish import Publisher as BoardPublisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import Store, StoreWrapper, open_store
@@ -73,9 +74,12 @@ from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher as TrainerPublisher
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES
 
 RUN = "bench"
 RELAY_WATCH_S = 0.01  # the relay checks the board for a waited-for manifest this often (direct replicas: 2 ms)
+FETCH_AHEAD_S = 0.01  # replicas list the next version's folder this often while they wait
+CHUNK_BYTES = 16 << 10  # the trainer streams its part in chunks of this size (the default 8 MiB is for GB patches)
 WARM_STEPS = 2  # versions a patch trainer publishes before the measured step (its buffers then get reused)
 FMT = "bf16"
 UNLIMITED = 1e12
@@ -234,8 +238,14 @@ def _follow_to(replica: Replica, version: int, deadline: float, done: list[float
         if replica.version == version:
             done[i] = time.perf_counter()
             return
-        if replica.reader.wait_for_version(version, 0.5) is None:  # a relay waits; a directory is polled
+        if not replica.wait_for_next(0.5):  # it watches the next version's folder (and a relay waits)
             time.sleep(0.002)
+
+
+def _ahead(store: Store) -> FetchAhead:
+    """A replica's store that watches the next version's folder, so it downloads a patch's chunks while the
+    trainer is still coding the rest (`flipsync.board.ahead`)."""
+    return FetchAhead(store, interval_s=FETCH_AHEAD_S)
 
 
 def _boot(store: Store, engine: DictEngine, head: int, timeout_s: float) -> Replica:
@@ -324,7 +334,15 @@ def _trainer_patch_fire(tr: Trained, root: str) -> Trainer:
     buffers as every step of a training run does, instead of paying a first step's allocations."""
     params, opt = tr.fresh()
     store = _ManifestClock(open_store(root))
-    pub = TrainerPublisher(_masters_of(params), store, format=FMT, run=RUN, optimizer=opt, publisher_id="bench-trainer")
+    pub = TrainerPublisher(
+        _masters_of(params),
+        store,
+        format=FMT,
+        run=RUN,
+        optimizer=opt,
+        publisher_id="bench-trainer",
+        chunk_bytes=CHUNK_BYTES,
+    )
     pub.flush()
     for _ in range(WARM_STEPS):
         pub.step()
@@ -364,7 +382,7 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
         try:
             if method != "relay":
                 stores = [ThrottledStore(open_store(root), UNLIMITED) for _ in range(n)]
-                replicas = [_boot(s, DictEngine(tr.v0, tr.table0), head, timeout_s) for s in stores]
+                replicas = [_boot(_ahead(s), DictEngine(tr.v0, tr.table0), head, timeout_s) for s in stores]
                 for s in stores:
                     s.bucket, s.bytes_read = TokenBucket(rate), 0
                 out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
@@ -377,7 +395,7 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
             try:
                 url = f"http://127.0.0.1:{server.port}"
                 https = [HttpStore(url, timeout_s=timeout_s) for _ in range(n)]
-                replicas = [_boot(h, DictEngine(tr.v0, tr.table0), head, timeout_s) for h in https]
+                replicas = [_boot(_ahead(h), DictEngine(tr.v0, tr.table0), head, timeout_s) for h in https]
                 upstream.bucket, upstream.bytes_read = TokenBucket(rate), 0
                 out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
                 out.wan_bytes = upstream.bytes_read
@@ -447,7 +465,10 @@ class CostModel:
         *,
         trainer_shards: int = 1,
         receiver_cores: int = 1,
+        chunk_bytes: float | None = None,
     ) -> float:
+        """Seconds for one update. ``chunk_bytes``: the patch is streamed in chunks of this size (each shard's
+        part), so its transfer overlaps the trainer's work; None: one after the other."""
         share = max(1.0, n / self.cores)  # replicas on this machine share its cores
         if method == "full":
             return (
@@ -457,11 +478,20 @@ class CostModel:
                 + view_bytes / rate
                 + self.receiver_full_s_per_byte * view_bytes * share / receiver_cores
             )
+        trainer = self.trainer_patch_s_per_byte * view_bytes / trainer_shards
+        wire = patch_bytes / rate
+        if chunk_bytes is None:
+            publish_and_send = trainer + wire
+        else:
+            # The first chunks leave once each shard has coded one; after the trainer's last section, every
+            # shard's last chunk (at most one each) and header still have to cross.
+            first = trainer * min(1.0, chunk_bytes * trainer_shards / patch_bytes) if patch_bytes else trainer
+            tail = min(patch_bytes, chunk_bytes * trainer_shards) / rate
+            publish_and_send = max(first + wire, trainer + tail)
         return (
             self.trainer_patch_fixed_s
-            + self.trainer_patch_s_per_byte * view_bytes / trainer_shards
+            + publish_and_send
             + (self.relay_fixed_s if method == "relay" else self.fixed_s)
-            + patch_bytes / rate
             + self.receiver_s_per_change * changed * share / receiver_cores
         )
 
@@ -570,7 +600,9 @@ def run(
                 os_ = runs[(bw, n, m)]
                 row[m] = _stats([o.seconds for o in os_])
                 row[m]["runs"] = [o.seconds for o in os_]
-                row[m]["model"] = model.predict(m, n, rate, tr.view_bytes, tr.changed, len(tr.patch))
+                row[m]["model"] = model.predict(
+                    m, n, rate, tr.view_bytes, tr.changed, len(tr.patch), chunk_bytes=CHUNK_BYTES
+                )
                 row[m]["wan_bytes"] = statistics.median(o.wan_bytes for o in os_)
                 row[m]["publish_s"] = statistics.median(o.publish_s for o in os_)
             row["bitwise"] = all(o.bitwise for m in METHODS for o in runs[(bw, n, m)])
@@ -619,7 +651,15 @@ def extrapolate(
         row: dict[str, Any] = {"bandwidth": bw}
         for label, shards, cores in (("single", 1, 1), ("parallel", TRAINER_SHARDS, RECEIVER_CORES)):
             p = model.predict(
-                "patch", 1, rate, TARGET_BYTES, changed, patch_bytes, trainer_shards=shards, receiver_cores=cores
+                "patch",
+                1,
+                rate,
+                TARGET_BYTES,
+                changed,
+                patch_bytes,
+                trainer_shards=shards,
+                receiver_cores=cores,
+                chunk_bytes=DEFAULT_CHUNK_BYTES,
             )
             f = model.predict(
                 "full", 1, rate, TARGET_BYTES, changed, patch_bytes, trainer_shards=shards, receiver_cores=cores

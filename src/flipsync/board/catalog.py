@@ -195,31 +195,42 @@ class Catalog:
 
     # -- parts ----------------------------------------------------------------------------------------
 
-    def fetch_part(self, artifact_dir: str, part: Part) -> bytes:
-        """Download one part and check its size and hash."""
-        path = self.layout.part_path(artifact_dir, part.path)
+    def _fetch_object(self, artifact_dir: str, rel: str, size: int) -> bytes:
+        """Download one object of a part and check its size."""
+        path = self.layout.part_path(artifact_dir, rel)
         where = f"{self.store.url}/{path}"
         try:
-            if part.size > _CHECK_SIZE_FIRST_BYTES:
-                # Large reads allocate the whole part up front: confirm the size before trusting it.
+            if size > _CHECK_SIZE_FIRST_BYTES:
+                # Large reads allocate the whole object up front: confirm the size before trusting it.
                 actual_size = self.store.head(path).size
-                if actual_size != part.size:
-                    raise IntegrityError(f"part {where} has {actual_size} bytes, its manifest says {part.size}")
-            data = self.store.get(path, size=part.size)
+                if actual_size != size:
+                    raise IntegrityError(f"part {where} has {actual_size} bytes, its manifest says {size}")
+            data = self.store.get(path, size=size)
         except NotFoundError:
             raise IntegrityError(f"part {where} is missing, though its manifest lists it") from None
-        if len(data) != part.size:
-            raise IntegrityError(f"part {where} has {len(data)} bytes, its manifest says {part.size}")
-        actual = content_hash(data)
-        if actual != part.hash:
-            raise IntegrityError(f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {part.hash[:16]}...")
+        if len(data) != size:
+            raise IntegrityError(f"part {where} has {len(data)} bytes, its manifest says {size}")
         return data
 
     def fetch_parts(self, m: Manifest, artifact_dir: str, parts: Sequence[Part] | None = None) -> list[bytes]:
-        """Download and verify parts (all of the manifest's by default) in parallel, in order."""
+        """Download and verify parts (all of the manifest's by default), their objects in parallel; in order."""
         todo = list(m.parts if parts is None else parts)
-        if len(todo) == 1:
-            return [self.fetch_part(artifact_dir, todo[0])]
-        workers = min(self.max_parallel, len(todo))
-        with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-part") as pool:
-            return list(pool.map(lambda p: self.fetch_part(artifact_dir, p), todo))
+        objects = [o for p in todo for o in p.objects]
+        if len(objects) == 1:
+            got = [self._fetch_object(artifact_dir, *objects[0])]
+        else:
+            with ThreadPoolExecutor(min(self.max_parallel, len(objects)), thread_name_prefix="flipsync-part") as pool:
+                got = list(pool.map(lambda o: self._fetch_object(artifact_dir, *o), objects))
+        out, i = [], 0
+        for p in todo:
+            pieces = got[i : i + len(p.objects)]
+            i += len(pieces)
+            data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            actual = content_hash(data)
+            if actual != p.hash:
+                where = f"{self.store.url}/{self.layout.part_path(artifact_dir, p.path)}"
+                raise IntegrityError(
+                    f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {p.hash[:16]}..."
+                )
+            out.append(data)
+        return out

@@ -244,7 +244,8 @@ def show(
         parts.add_column("size", justify="right")
         parts.add_column("blake3")
         for p in m.parts:
-            parts.add_row(p.path, _size(p.size), p.hash)
+            chunks = f" (+{len(p.chunks)} chunks)" if p.chunks else ""
+            parts.add_row(p.path + chunks, _size(p.size), p.hash)
         console.print(parts)
     except FlipsyncError as e:
         raise _fail(console, e) from None

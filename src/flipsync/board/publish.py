@@ -237,19 +237,20 @@ class Publisher:
         self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         folder = self.layout.version_dir(target_version)
         on_board = {o.path: o.size for o in self.store.list(folder)}
-        missing = [p.path for p in parts if f"{folder}/{p.path}" not in on_board]
+        objects = [o for p in parts for o in p.objects]
+        missing = [path for path, _ in objects if f"{folder}/{path}" not in on_board]
         if missing:
             raise NotFoundError(
-                f"cannot commit v{target_version} of run {self.run!r}: {len(missing)} of {len(parts)} parts are "
-                f"not on the board ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} under "
-                f"{self.store.url}/{folder}). Upload every part and make it durable before committing"
+                f"cannot commit v{target_version} of run {self.run!r}: {len(missing)} of {len(objects)} part "
+                f"objects are not on the board ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} "
+                f"under {self.store.url}/{folder}). Upload every part and make it durable before committing"
             )
-        for p in parts:
-            size = on_board[f"{folder}/{p.path}"]
-            if size != p.size:
+        for path, expected in objects:
+            size = on_board[f"{folder}/{path}"]
+            if size != expected:
                 raise IntegrityError(
-                    f"cannot commit v{target_version} of run {self.run!r}: part {p.path} is {size} bytes on "
-                    f"the board, not the {p.size} bytes reported for it"
+                    f"cannot commit v{target_version} of run {self.run!r}: part object {path} is {size} bytes on "
+                    f"the board, not the {expected} bytes reported for it"
                 )
         return self._commit_patch(
             parts, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
@@ -504,7 +505,7 @@ class Publisher:
         if self.signer is not None:
             m = self.signer.sign(m)
         payload = m.to_json().encode("ascii")
-        written = [f"{folder}/{p.path}" for p in parts]
+        written = [f"{folder}/{path}" for p in parts for path, _ in p.objects]
         self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=fence)
         log.info(
             "published %s v%d (%d parts, %d bytes) to %s/%s",

@@ -199,7 +199,7 @@ def _orphans(
             log.warning("gc keeps %s untouched: %s", folder, e)
             report.kept_unreadable.append(folder)
             return 0
-        referenced = {f"{folder}/{p.path}" for p in m.parts} | {manifest_path}
+        referenced = {f"{folder}/{path}" for p in m.parts for path, _ in p.objects} | {manifest_path}
     stale = [o for o in objs if o.path not in referenced and o.modified < grace]
     if stale:
         if not report.dry_run:

@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import safetensors.numpy
 import zstandard
 
 from flipsync.codec import streams
@@ -212,6 +211,51 @@ class PatchBuilder:
         return Patch(header, self._blobs)
 
 
+class PatchFileWriter:
+    """Lays out a patch file while its sections are still being coded.
+
+    A section large enough for its own tensor goes into the data area as soon as it is added (``add`` returns
+    its bytes, to be written or uploaded at once); small ones are held and go last, as the one small-sections
+    tensor. The container header, which names every tensor's offsets, is written last but goes first: the
+    file is ``head + every returned blob, in order + tail``. `Patch.to_bytes` uses the same layout, so a file
+    streamed out this way is byte for byte the one it would write (and the same header gives the same bytes).
+    """
+
+    def __init__(self) -> None:
+        self._names: list[str] = []
+        self._entries: dict[str, tuple[int, int]] = {}
+        self._small: list[bytes | memoryview] = []
+        self._offset = 0
+
+    def add(self, name: str, blob: bytes | memoryview) -> bytes | memoryview | None:
+        """Place one section (in header order); its bytes when they go into the data area now, else None."""
+        self._names.append(name)
+        if len(blob) < OWN_TENSOR_BYTES:
+            self._small.append(blob)
+            return None
+        self._entries[name] = (self._offset, self._offset + len(blob))
+        self._offset += len(blob)
+        return blob
+
+    def finish(self, header: PatchHeader) -> tuple[bytes, bytes]:
+        """(head, tail) of the file whose sections, in ``header``'s order, are the ones added."""
+        if [s.name for s in header.sections] != self._names:
+            raise PatchError("the patch header does not list the sections that were laid out, in their order")
+        entries = dict(self._entries)
+        tail = b"".join(self._small)
+        if tail:
+            entries[SMALL_SECTIONS] = (self._offset, self._offset + len(tail))
+        packed = zstandard.ZstdCompressor(level=19).compress(header.to_json().encode())
+        doc: dict[str, object] = {
+            "__metadata__": {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(packed).decode()}
+        }
+        for name, (a, b) in entries.items():
+            doc[name] = {"dtype": "U8", "shape": [b - a], "data_offsets": [a, b]}
+        text = json.dumps(doc, separators=(",", ":")).encode()
+        text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        return struct.pack("<Q", len(text)) + text, tail
+
+
 class Patch:
     """A patch: its header plus the coded section streams, decoded on demand."""
 
@@ -283,19 +327,10 @@ class Patch:
 
     # ---------------------------------------------------------------------------------- container
     def to_bytes(self) -> bytes:
-        arrays: dict[str, np.ndarray] = {}
-        small = []
-        for s in self.header.sections:
-            blob = bytes(self._blobs[s.name])
-            if len(blob) >= OWN_TENSOR_BYTES:
-                arrays[s.name] = np.frombuffer(blob, dtype=np.uint8)
-            else:
-                small.append(blob)
-        if small:
-            arrays[SMALL_SECTIONS] = np.frombuffer(b"".join(small), dtype=np.uint8)
-        header = zstandard.ZstdCompressor(level=19).compress(self.header.to_json().encode())
-        meta = {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(header).decode()}
-        return safetensors.numpy.save(arrays, metadata=meta)
+        writer = PatchFileWriter()
+        data = [writer.add(s.name, self._blobs[s.name]) for s in self.header.sections]
+        head, tail = writer.finish(self.header)
+        return b"".join([head, *(d for d in data if d is not None), tail])
 
     def save(self, path: str | Path) -> None:
         Path(path).write_bytes(self.to_bytes())

@@ -132,12 +132,29 @@ def parse_time(created: str) -> datetime:
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """One object holding a stretch of a part file's bytes, after the part's first object."""
+
+    path: str
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "size": self.size}
+
+
+@dataclass(frozen=True)
 class Part:
-    """One file of an artifact, relative to the artifact's folder."""
+    """One file of an artifact, relative to the artifact's folder.
+
+    A file streamed out while it was being written (a trainer rank's patch part, uploaded as its sections
+    were coded) is stored as several objects: ``path`` holds its first bytes and ``chunks`` the rest, in
+    order. ``size`` and ``hash`` are always the whole file's.
+    """
 
     path: str
     size: int
     hash: str  # BLAKE3-256 of the file's bytes, lowercase hex
+    chunks: tuple[Chunk, ...] = ()
 
     def __post_init__(self) -> None:
         check_part_path(self.path)
@@ -145,17 +162,46 @@ class Part:
         h = _str(self.hash, f"hash of part {self.path!r}")
         if not _HASH.fullmatch(h):
             raise _fail(f"hash of part {self.path!r} must be 64 lowercase hex characters (BLAKE3), got {h!r}")
+        if not isinstance(self.chunks, tuple):
+            object.__setattr__(self, "chunks", tuple(self.chunks))
+        for c in self.chunks:
+            if not isinstance(c, Chunk):
+                raise _fail(f"chunks of part {self.path!r} must be Chunk objects, got {type(c).__name__}")
+            check_part_path(c.path)
+            _int(c.size, f"size of chunk {c.path!r}", minimum=1)
+        if len(self.chunks) > MAX_PARTS:
+            raise _fail(f"part {self.path!r} has {len(self.chunks)} chunks, at most {MAX_PARTS} allowed")
+        if self.chunks and sum(c.size for c in self.chunks) >= self.size:
+            raise _fail(f"the chunks of part {self.path!r} leave none of its {self.size} bytes to its first object")
+
+    @property
+    def objects(self) -> tuple[tuple[str, int], ...]:
+        """(path, size) of every object holding this file, in file order."""
+        first = self.size - sum(c.size for c in self.chunks)
+        return ((self.path, first), *((c.path, c.size) for c in self.chunks))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size, "hash": self.hash}
+        d: dict[str, Any] = {"path": self.path, "size": self.size, "hash": self.hash}
+        if self.chunks:  # absent, not empty, so a one-object part reads as it always did (and signs the same)
+            d["chunks"] = [c.to_dict() for c in self.chunks]
+        return d
 
     @classmethod
     def from_dict(cls, d: object) -> Part:
         if not isinstance(d, dict):
             raise _fail(f"each part must be an object, got {type(d).__name__}")
-        if set(d) != {"path", "size", "hash"}:
-            raise _fail(f"a part has exactly the keys path, size, hash; got {sorted(d)}")
-        return cls(path=d["path"], size=d["size"], hash=d["hash"])
+        if set(d) - {"chunks"} != {"path", "size", "hash"}:
+            raise _fail(f"a part has the keys path, size, hash and optionally chunks; got {sorted(d)}")
+        chunks = d.get("chunks", [])
+        if not isinstance(chunks, list) or (not chunks and "chunks" in d):
+            raise _fail(f"chunks of part {d['path']!r} must be a non-empty list")
+        return cls(path=d["path"], size=d["size"], hash=d["hash"], chunks=tuple(_chunk(c) for c in chunks))
+
+
+def _chunk(d: object) -> Chunk:
+    if not isinstance(d, dict) or set(d) != {"path", "size"}:
+        raise _fail(f"a chunk is an object with exactly the keys path and size, got {d!r}")
+    return Chunk(path=d["path"], size=d["size"])
 
 
 @dataclass(frozen=True)
@@ -267,9 +313,10 @@ class Manifest:
         for p in self.parts:
             if not isinstance(p, Part):
                 raise _fail(f"parts must be Part objects, got {type(p).__name__}")
-            if p.path in seen:
-                raise _fail(f"part path {p.path!r} appears twice")
-            seen.add(p.path)
+            for path, _ in p.objects:
+                if path in seen:
+                    raise _fail(f"part path {path!r} appears twice")
+                seen.add(path)
         if self.signature is not None and not isinstance(self.signature, Signature):
             raise _fail("signature must be a Signature or null")
 

@@ -104,6 +104,13 @@ def sidecar(
         CommitMode.IN_PLACE
     ),
     poll: Annotated[float, typer.Option(help="Seconds between board polls")] = 1.0,
+    fetch_ahead: Annotated[
+        float,
+        typer.Option(
+            help="Seconds between listings of the next version's folder, to download its parts while the trainer "
+            "uploads them (0: off; each listing is one store request)"
+        ),
+    ] = 0.0,
     max_backoff: Annotated[float, typer.Option(help="Longest wait between retries after failures (s)")] = 30.0,
     drain_timeout: Annotated[
         float, typer.Option(help="Longest wait for in-flight requests before a commit (s)")
@@ -150,9 +157,12 @@ def sidecar(
         engine_config = _pairs(engine_option, "engine option")
         if wait_timeout is not None and not wait_timeout >= 0:
             raise ConfigError(f"--wait-timeout must be a number of seconds >= 0, not {wait_timeout}")
+        if not fetch_ahead >= 0:
+            raise ConfigError(f"--fetch-ahead must be a number of seconds >= 0 (0: off), not {fetch_ahead}")
     except FlipsyncError as e:
         raise _fail(e) from None
 
+    from flipsync.board.ahead import FetchAhead
     from flipsync.board.reader import BoardReader
     from flipsync.board.signing import Verifier
     from flipsync.board.store import StoreOptions
@@ -181,6 +191,8 @@ def sidecar(
             get_format(served_format)  # an unknown name is refused before waiting for the board
         verifier = Verifier.from_pem(*public_key) if public_key else None
         store = open_board(board, StoreOptions(config=store_config))
+        if fetch_ahead > 0:
+            store = FetchAhead(store, interval_s=fetch_ahead)
         run_name = run or find_run(store)
         replica_config = ReplicaConfig(
             commit_mode=commit_mode,

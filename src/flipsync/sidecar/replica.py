@@ -42,6 +42,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, TypeVar
 
+from flipsync.board.ahead import FetchAhead
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, Step, check_continuity
 from flipsync.domain.catchup import CatchupPlan, Edge
 from flipsync.domain.manifest import Manifest
@@ -290,25 +291,33 @@ class Replica:
             failures = 0 if ok else failures + 1
             delay = cfg.poll_interval_s if ok else min(cfg.max_backoff_s, cfg.poll_interval_s * 2 ** min(failures, 20))
             delay *= 1 + cfg.jitter * (2 * self._rng.random() - 1)
-            if not (ok and self._wait_for_next(delay)):
+            if not (ok and self.wait_for_next(delay)):
                 self._wakeup.wait(delay)
             self._wakeup.clear()
 
-    def _wait_for_next(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` at the relay for the version after HEAD (True: waited, whatever the
-        outcome); False when the board's store cannot wait (a directory, object storage), so the loop sleeps.
-        Waits in slices of at most a second, so that ``stop`` and ``wake`` are seen."""
+    def wait_for_next(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the version after HEAD (True: waited, whatever the outcome), at the
+        relay when the board is one, in slices of at most a second so that ``stop`` and ``wake`` are seen.
+        A `FetchAhead` store also watches that version's folder every ``interval_s``, downloading its parts
+        while the trainer is still uploading them. False when the store can do neither (the loop sleeps)."""
         nxt = 0 if self._head is None else self._head + 1
+        ahead = self.reader.store if isinstance(self.reader.store, FetchAhead) else None
+        folder = self.reader.catalog.layout.version_dir(nxt)
+        slice_s = 1.0 if ahead is None else ahead.interval_s
         end = time.monotonic() + timeout_s
         while (left := end - time.monotonic()) > 0 and not (self._stop.is_set() or self._wakeup.is_set()):
             try:
-                arrived = self.reader.wait_for_version(nxt, min(1.0, left))
-            except FlipsyncError as e:  # the next pass reports a relay that is really gone
-                log.debug("waiting for v%d at the relay failed: %s", nxt, e)
+                if ahead is not None and ahead.watch(folder):
+                    break
+                arrived = self.reader.wait_for_version(nxt, min(slice_s, left))
+            except FlipsyncError as e:  # the next pass reports a board or relay that is really gone
+                log.debug("waiting for v%d failed: %s", nxt, e)
                 return False
             if arrived is None:
-                return False
-            if arrived:
+                if ahead is None:
+                    return False
+                self._wakeup.wait(min(slice_s, left))
+            elif arrived:
                 break
         return True
 

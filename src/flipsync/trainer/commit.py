@@ -1,26 +1,156 @@
-"""One rank's half of publishing a sharded version: upload its part.
+"""One rank's half of publishing a version: upload its part, while it is still being coded.
 
-In a sharded trainer every rank uploads its own part of a version to the version's attempt folder (chosen by
-rank 0), makes it durable, and reports the part's manifest entry (path, size, BLAKE3). Rank 0 then commits
-the version with the board's ``Publisher.commit_uploaded_patch``, which checks that every part is there and
-creates the manifest with the same fences as ``publish_patch``.
+Every rank uploads its own part of a version to the version's attempt folder (chosen by rank 0 before the
+diff) and reports the part's manifest entry; rank 0 then commits the version with the board's
+``Publisher.commit_uploaded_patch``, which checks that every object is there and creates the manifest with
+the same fences as ``publish_patch``.
+
+A part is streamed: each section large enough for its own tensor is handed over as soon as the coder has
+coded it, and whenever ``chunk_bytes`` of them have gathered they go up as the next chunk object on the
+uploader threads, while the next pieces are still being diffed. The container header can only be written
+once every rank's fingerprint delta is known, so it goes up last, as the part's first object; readers join
+the objects in manifest order into the very file `Patch.to_bytes` writes. A reader watching the version's
+folder (`flipsync.board.ahead`) can download the chunks before the manifest exists. A part smaller than one
+chunk is uploaded as a single object, as it always was.
 """
 
 from __future__ import annotations
 
-from flipsync.board import content_hash
+import logging
+import threading
+from concurrent.futures import Executor, Future, wait
+
+import blake3
+
 from flipsync.board.store import Store
-from flipsync.domain.manifest import Part
+from flipsync.codec import Patch
+from flipsync.codec.patch import PatchFileWriter
+from flipsync.domain.manifest import Chunk, Part
+from flipsync.errors import ConfigError, FlipsyncError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+MIN_CHUNK_BYTES = 4096
 
 
 def part_name(rank: int) -> str:
     return f"patch-{rank:05d}.safetensors"
 
 
-def upload_part(store: Store, version_dir: str, attempt: str, rank: int, data: bytes) -> Part:
-    """Upload one rank's part of a version and make it durable; return its manifest entry."""
-    rel = f"{attempt}/{part_name(rank)}"
-    path = f"{version_dir}/{rel}"
-    store.put(path, data)
-    store.make_durable([path])
-    return Part(path=rel, size=len(data), hash=content_hash(data))
+class PartStream:
+    """Lays out and uploads one rank's part of one version.
+
+    ``add`` is called with each coded section in header order (on the coder thread); ``finish`` with the
+    built patch, once (on the publishing thread, after every section was added). Uploads run on
+    ``uploader`` (inline without one); each object is made durable before the part is reported.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        version_dir: str,
+        attempt: str,
+        rank: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        uploader: Executor | None = None,
+    ) -> None:
+        if chunk_bytes < MIN_CHUNK_BYTES:
+            raise ConfigError(f"stream chunks must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
+        self.store = store
+        self.version_dir = version_dir
+        self.name = f"{attempt}/{part_name(rank)}"
+        self.chunk_bytes = chunk_bytes
+        self._uploader = uploader
+        self._writer = PatchFileWriter()
+        self._added = 0
+        self._pending: list[bytes | memoryview] = []
+        self._pending_bytes = 0
+        self._chunks: list[tuple[str, bytes]] = []
+        self._uploads: list[Future[None]] = []
+        self._first = b""
+        self._kept = False
+        self._lock = threading.Lock()  # add() runs on the coder, abort() may run on the publishing thread
+
+    def add(self, name: str, blob: bytes | memoryview) -> None:
+        """One coded section, in the order the patch header will list it."""
+        with self._lock:
+            self._add(name, blob)
+
+    def _add(self, name: str, blob: bytes | memoryview) -> None:
+        self._added += 1
+        data = self._writer.add(name, blob)
+        if data is None:
+            return
+        self._pending.append(data)
+        self._pending_bytes += len(data)
+        if self._pending_bytes >= self.chunk_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        data = b"".join(self._pending)
+        self._pending, self._pending_bytes = [], 0
+        rel = f"{self.name}.{len(self._chunks) + 1:05d}"
+        self._chunks.append((rel, data))
+        if self._uploader is None:
+            self._put(rel, data)
+        else:
+            self._uploads.append(self._uploader.submit(self._put, rel, data))
+
+    def _put(self, rel: str, data: bytes) -> None:
+        path = f"{self.version_dir}/{rel}"
+        self.store.put(path, data)
+        self.store.make_durable([path])
+
+    def finish(self, patch: Patch) -> Part:
+        """Upload what is left (the header first of all), wait for every upload; the part's manifest entry."""
+        with self._lock:
+            for s in patch.sections[self._added :]:  # sections the coder did not stream (coded here, or no coder)
+                self._add(s.name, patch.section_blob(s.name))
+            head, tail = self._writer.finish(patch.header)
+            if self._chunks and (self._pending or tail):
+                self._pending.append(tail)
+                self._flush()
+            first = head + b"".join(self._pending) + tail if not self._chunks else head
+            self._first = first
+        self._put(self.name, first)
+        self._wait()
+        digest = blake3.blake3(first)
+        for _, data in self._chunks:
+            digest.update(data)
+        size = len(first) + sum(len(d) for _, d in self._chunks)
+        return Part(self.name, size, digest.hexdigest(), tuple(Chunk(rel, len(d)) for rel, d in self._chunks))
+
+    def file_bytes(self) -> bytes:
+        """The whole part file, after ``finish``."""
+        return b"".join([self._first, *(d for _, d in self._chunks)])
+
+    def _wait(self) -> None:
+        errors = []
+        for f in self._uploads:
+            try:
+                f.result()
+            except FlipsyncError as e:
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+    def keep(self) -> None:
+        """The version that references this part exists: ``abort`` must never delete it now."""
+        self._kept = True
+
+    def abort(self) -> None:
+        """Remove whatever was uploaded, unless kept (the version will not reference it); best effort."""
+        if self._kept:
+            return
+        with self._lock:
+            uploads, self._uploads = self._uploads, []
+        for f in uploads:
+            f.cancel()
+        wait(uploads)  # an upload still running would land after the delete
+        paths = [f"{self.version_dir}/{rel}" for rel in (self.name, *(r for r, _ in self._chunks))]
+        try:
+            self.store.delete(paths)
+        except FlipsyncError as e:  # unreferenced now; retention removes it later anyway
+            log.debug("could not remove an unpublished part: %s", e)

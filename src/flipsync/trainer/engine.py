@@ -37,7 +37,7 @@ from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.domain.patch import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
-from flipsync.trainer.commit import upload_part
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
 from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
 from flipsync.trainer.slot import Item
@@ -162,6 +162,7 @@ class Engine:
         release: Callable[[LocalView | None], None],
         spans: bool,
         meta: Mapping[str, str | int],
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     ) -> None:
         if (group.rank == 0) != (board is not None):
             raise ConfigError("exactly rank 0 holds the board publisher")
@@ -173,6 +174,8 @@ class Engine:
         self.hasher = hasher
         self.differ = differ
         self.coder: Executor | None = None  # codes sections while the next piece is diffed (the worker's)
+        self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (the worker's)
+        self.chunk_bytes = chunk_bytes
         self._release = release
         self.meta = dict(meta)
         self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
@@ -209,37 +212,51 @@ class Engine:
         """Publish ``item`` (every rank's item for step ``target``) as the next version."""
         if item.view is not None:
             item.wait()
-        hello = (item.step == target, item.snapshot, item.error)
+        # Rank 0 names the version and its attempt folder up front, so every rank can upload while it diffs.
+        proposal = (self._next_version(), new_attempt_id()) if self.board is not None else None
+        hello = (item.step == target, item.snapshot, item.error, proposal)
         said = self.group.all_gather(hello, f"which step to publish (step {target})")
-        if not all(ok for ok, _, _ in said):
+        if not all(ok for ok, _, _, _ in said):
             raise RoundSkipped("retry", f"the ranks held different steps around step {target}; trying again")
-        failed = [(r, e) for r, (_, _, e) in enumerate(said) if e]
+        failed = [(r, e) for r, (_, _, e, _) in enumerate(said) if e]
         if failed:
             self._drop(item)
             who = "; ".join(f"rank {r}: {e}" for r, e in failed)
             raise RoundSkipped("step", f"step {target} was not published because a rank could not serve it ({who})")
-        if any(snap for _, snap, _ in said) or self.base is None:
+        if any(snap for _, snap, _, _ in said) or self.base is None:
             return self._snapshot(item)
-        return self._patch(item)
+        version, attempt = said[0][3]
+        stream = PartStream(
+            self.store,
+            self.paths.version_dir(version),
+            attempt,
+            self.group.rank,
+            chunk_bytes=self.chunk_bytes,
+            uploader=self.uploader,
+        )
+        try:
+            return self._patch(item, version, stream)
+        except BaseException:
+            stream.abort()
+            raise
 
-    def _patch(self, item: Item) -> Published:
+    def _patch(self, item: Item, version: int, stream: PartStream) -> Published:
         assert item.view is not None and self.base is not None and self.table is not None
-        rank, world = self.group.rank, self.group.size
+        rank = self.group.rank
         t0 = time.perf_counter()
         try:
-            changes, failure = diff_pieces(self.base, item.view, self.differ, self.hasher, self.coder), None
+            changes = diff_pieces(self.base, item.view, self.differ, self.hasher, self.coder, stream.add)
+            failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
             changes, failure = [], f"rank {rank}: {_first_line(e)}"
         deltas = {c.name: c.delta for c in changes}
-        proposal = (self._next_version(), new_attempt_id()) if self.board is not None else None
-        said = self.group.all_gather((deltas, proposal, failure), "fingerprint deltas")
-        version, attempt = said[0][1]
+        said = self.group.all_gather((deltas, failure), "fingerprint deltas")
         t1 = time.perf_counter()
-        failures = [f for _, _, f in said if f]
+        failures = [f for _, f in said if f]
         if failures:
             self._drop(item)
             raise BoardError(f"v{version} was not published: diffing failed ({'; '.join(failures)})")
-        everyone = [d for d, _, _ in said]
+        everyone = [d for d, _ in said]
         before = advance(self.table, merge_deltas(everyone[:rank]))
         target_table = advance(self.table, merge_deltas(everyone))
         target_fp = target_table.view_fp()
@@ -264,14 +281,10 @@ class Engine:
                 target=ViewRef(target_fp, version),
                 served_format=self.fmt,
             )
-        data = patch.to_bytes() if patch is not None else None
-        meta = {**self.meta, **item.meta, "step": item.step, "steps": item.step - self.base_step, "ranks": world}
+        meta = {**self.meta, **item.meta, "step": item.step, "steps": item.step - self.base_step}
+        meta["ranks"] = self.group.size
         t2 = time.perf_counter()
-        if world == 1:
-            result = self._commit_solo(data, version, target_fp, meta)
-            spans_input = [patch] if patch is not None else []
-        else:
-            result, spans_input = self._commit_sharded(data, version, attempt, target_fp, meta)
+        result, spans_input, part_bytes = self._commit(stream, patch, version, target_fp, meta)
         timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
         published = self._finish(
             result,
@@ -283,7 +296,7 @@ class Engine:
                 item.step,
                 item.step - self.base_step,
                 "patch",
-                len(data or b""),
+                part_bytes,
                 sum(c.positions.size for c in changes),
                 timings,
             ),
@@ -297,22 +310,6 @@ class Engine:
     def _next_version(self) -> int:
         return 0 if self.head is None else self.head + 1
 
-    def _commit_solo(self, data: bytes | None, version: int, target_fp: str, meta: dict[str, Any]) -> tuple[str, Any]:
-        assert self.board is not None and data is not None and self.head_fp is not None
-        try:
-            self.board.publish_patch(
-                [data],
-                base_version=version - 1,
-                target_version=version,
-                base_view_fp=self.head_fp,
-                target_view_fp=target_fp,
-                served_format=self.fmt,
-                meta=meta,
-            )
-        except FlipsyncError as e:
-            return self._failure(e)
-        return "ok", self.board.keyframe_due()
-
     @staticmethod
     def _failure(e: FlipsyncError) -> tuple[str, Any]:
         if isinstance(e, StoreError):
@@ -321,18 +318,20 @@ class Engine:
             return "conflict", str(e)
         return "fatal", _first_line(e)
 
-    def _commit_sharded(
-        self, data: bytes | None, version: int, attempt: str, target_fp: str, meta: dict[str, Any]
-    ) -> tuple[tuple[str, Any], list[Patch]]:
-        rank = self.group.rank
-        version_dir = self.paths.version_dir(version)
-        info, err = None, None
-        if data is not None:
+    def _commit(
+        self, stream: PartStream, patch: Patch | None, version: int, target_fp: str, meta: dict[str, Any]
+    ) -> tuple[tuple[str, Any], list[Patch], int]:
+        """Finish uploading this rank's part; rank 0 commits the version once every rank reported.
+        (result, the parts for spans on rank 0, this rank's part size)."""
+        info, err, data = None, None, None
+        if patch is not None:
             try:
-                info = upload_part(self.store, version_dir, attempt, rank, data)
+                info = stream.finish(patch)
             except FlipsyncError as e:
-                err = f"rank {rank}: {_first_line(e)}"
-        reports = self.group.gather((err, info, data if self.want_spans else None), f"the parts of v{version}")
+                err = f"rank {self.group.rank}: {_first_line(e)}"
+            if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
+                data = patch if self.group.size == 1 else stream.file_bytes()
+        reports = self.group.gather((err, info, data), f"the parts of v{version}")
         result: tuple[str, Any] = ("fatal", "no result")
         spans_input: list[Patch] = []
         if self.board is not None:
@@ -353,16 +352,15 @@ class Engine:
                         meta=meta,
                     )
                     result = ("ok", self.board.keyframe_due())
-                    spans_input = [Patch.from_bytes(d) for _, _, d in reports if d is not None]
+                    spans_input = [d if isinstance(d, Patch) else Patch.from_bytes(d) for _, _, d in reports if d]
                 except FlipsyncError as e:
                     result = self._failure(e)
         result = self.group.broadcast(result, f"whether v{version} was published")
-        if result[0] != "ok" and info is not None:
-            try:  # unreferenced now; retention would remove it later anyway
-                self.store.delete([f"{version_dir}/{info.path}"])
-            except FlipsyncError as e:
-                log.debug("could not remove an unpublished part: %s", e)
-        return result, spans_input
+        if result[0] == "ok":
+            stream.keep()
+        else:
+            stream.abort()  # unreferenced now; retention would remove it later anyway
+        return result, spans_input, 0 if info is None else info.size
 
     def _finish(
         self,

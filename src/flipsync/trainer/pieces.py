@@ -43,12 +43,25 @@ class PieceChange:
     coded: Future[tuple[SectionHeader, bytes]] | None = None  # its section, fingerprints left blank
 
 
+Emit = Callable[[str, bytes], None]
+
+
 def _code(
-    name: str, shape: tuple[int, ...], positions: np.ndarray, old: np.ndarray, new: np.ndarray, dtype: str
+    name: str,
+    shape: tuple[int, ...],
+    positions: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    emit: Emit | None,
 ) -> tuple[SectionHeader, bytes]:
-    """One piece's section as `build_part` would code it, with blank fingerprints (run on the coder)."""
+    """One piece's section as `build_part` would code it, with blank fingerprints (run on the coder), handed
+    to ``emit`` as soon as it is coded."""
     d = dtype_named(dtype)
-    return encode_change(TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0))
+    section, blob = encode_change(TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0))
+    if emit is not None:
+        emit(name, blob)
+    return section, blob
 
 
 def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
@@ -70,12 +83,13 @@ def diff_pieces(
     engine: DiffEngine,
     hasher: Hasher,
     coder: Executor | None = None,
+    emit: Emit | None = None,
 ) -> list[PieceChange]:
     """Changed elements of every piece (same layout on both sides, checked by the caller).
 
     While the next piece is diffed, a changed whole tensor's content digest is hashed on the hasher's pool
     and, with a ``coder``, each piece's section is coded on it (only its fingerprints wait for the other
-    ranks' deltas: `build_part` fills them in).
+    ranks' deltas: `build_part` fills them in) and handed to ``emit`` (name, coded bytes), in piece order.
     """
     found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None, Any]] = []
     for name in sorted(new):
@@ -89,7 +103,7 @@ def diff_pieces(
         digest = hasher.digest_soon(tb) if b.whole else None
         coded = None
         if coder is not None:
-            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name)
+            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name, emit)
         found.append((name, positions, changes.old, changes.new, delta, digest, coded))
     return [PieceChange(n, p, o, w, d, dg() if dg else None, c) for n, p, o, w, d, dg, c in found]
 

@@ -37,6 +37,7 @@ from flipsync.codec.bits import dtype_named
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
 from flipsync.trainer.engine import Engine, Published
 from flipsync.trainer.group import Group, make_group
 from flipsync.trainer.slot import Item, MemoryAccount, Slot
@@ -116,6 +117,8 @@ class Publisher:
     Under torch.distributed every rank builds a Publisher (a collective) and calls ``step()`` for the same
     steps; each rank publishes its own shard of the view as one part of each version. ``group`` replaces
     torch.distributed by another implementation of the `Group` collectives (advanced; the tests use threads).
+    ``chunk_bytes``: a part is uploaded while it is coded, in objects of about this size, so that readers
+    watching the board (`flipsync.board.ahead`) download it while the trainer is still diffing.
     """
 
     def __init__(
@@ -144,6 +147,7 @@ class Publisher:
         timeout_s: float = 300.0,
         nice: int = 19,
         threads: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         store_options: StoreOptions | None = None,
         meta: Mapping[str, str | int] | None = None,
         group: Group | None = None,
@@ -152,6 +156,8 @@ class Publisher:
         threads = threads or default_threads()
         if max_store_failures < 1:
             raise ConfigError("max_store_failures must be at least 1")
+        if chunk_bytes < MIN_CHUNK_BYTES:
+            raise ConfigError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
         self.model = model
         self.format = format
         self.background = background
@@ -208,6 +214,7 @@ class Publisher:
             release=self._release_view,
             spans=spans,
             meta=run_meta,
+            chunk_bytes=chunk_bytes,
         )
         layout, table = self.engine.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.

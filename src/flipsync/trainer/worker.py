@@ -33,6 +33,8 @@ from flipsync.trainer.slot import Item, Slot
 
 log = logging.getLogger(__name__)
 
+UPLOADS = 4  # a part's chunks in flight at once (object stores take concurrent puts well)
+
 
 def lower_priority(nice: int) -> None:
     """Lower the calling thread's priority (Linux: per thread); a no-op where unsupported."""
@@ -98,6 +100,7 @@ class Worker:
         self.engine.differ = DiffEngine(self.threads)
         self.engine.hasher = Hasher(self.threads)
         coder = self.engine.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
+        uploader = self.engine.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
         try:
             if self.group.size == 1:
                 self._solo_loop()
@@ -112,7 +115,8 @@ class Worker:
             self.engine.differ.close()
             self.engine.hasher.close()
             coder.shutdown()
-            self.engine.coder = None
+            uploader.shutdown()
+            self.engine.coder = self.engine.uploader = None
 
     def _solo_loop(self) -> None:
         while (item := self.slot.take()) is not None:

@@ -1,0 +1,113 @@
+"""Fetch ahead: download a version's objects while it is still being published.
+
+A trainer uploads each part of a version in chunks as it codes them (`flipsync.trainer.commit`), and creates
+the version's manifest only once every part is up. A reader that waits for the manifest before it downloads
+anything pays the trainer's time and the transfer one after the other; a reader that watches the version's
+folder meanwhile overlaps them, and finds most of the version already local when the manifest lands.
+
+`FetchAhead` is that reader's store. ``watch(folder)`` lists the folder and starts downloading, on background
+threads, every object in it that it has not seen yet; a later ``get`` of one of them is answered from that
+download. It is safe because the objects in a version's attempt folders are written once and never changed
+(only the manifest decides which attempt counts), and because nothing here is trusted: the catalog checks
+every part's size and BLAKE3 from the signed manifest, as for any other read. Only the watched folder's
+objects are held, at most ``max_bytes`` of them; watching another folder drops the rest. Listing costs one
+request per ``interval_s`` while a reader waits, so it is for readers that want the lowest latency (or one
+relay per island), not for thousands of readers listing one bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from flipsync.board.layout import MANIFEST
+from flipsync.board.store import Store, StoreWrapper, WaitingStore
+from flipsync.errors import ConfigError, FlipsyncError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.05
+DEFAULT_MAX_BYTES = 8 << 30
+DOWNLOADS = 4
+
+
+class FetchAhead(StoreWrapper):
+    """A Store that can download the objects of a folder before anyone asks for them (see the module doc)."""
+
+    def __init__(
+        self, inner: Store, *, interval_s: float = DEFAULT_INTERVAL_S, max_bytes: int = DEFAULT_MAX_BYTES
+    ) -> None:
+        if not interval_s > 0:
+            raise ConfigError(f"the fetch-ahead interval must be above 0 seconds, got {interval_s}")
+        if max_bytes < 0:
+            raise ConfigError(f"the fetch-ahead limit must be at least 0 bytes, got {max_bytes}")
+        super().__init__(inner)
+        self.interval_s = interval_s
+        self.max_bytes = max_bytes
+        self._pool = ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="flipsync-ahead")
+        self._lock = threading.Lock()
+        self._folder: str | None = None
+        self._seen: set[str] = set()
+        self._held: dict[str, tuple[int, Future[bytes]]] = {}
+        self._held_bytes = 0
+        self.hits = 0  # reads answered by an early download
+
+    def watch(self, folder: str) -> bool:
+        """List ``folder`` and start downloading what is new in it; True once its manifest is there."""
+        listed = self.inner.list(folder)
+        manifest = f"{folder}/{MANIFEST}"
+        with self._lock:
+            if folder != self._folder:
+                self._forget()
+                self._folder = folder
+            for o in listed:
+                if o.path == manifest or o.path in self._seen:
+                    continue
+                if self._held_bytes + o.size > self.max_bytes:
+                    continue  # read on demand instead
+                self._seen.add(o.path)
+                self._held_bytes += o.size
+                self._held[o.path] = (o.size, self._pool.submit(self.inner.get, o.path, size=o.size))
+        return any(o.path == manifest for o in listed)
+
+    def _forget(self) -> None:
+        for _, fut in self._held.values():
+            fut.cancel()
+        self._held.clear()
+        self._seen.clear()
+        self._held_bytes = 0
+
+    @property
+    def held(self) -> int:
+        """Objects downloaded or downloading that nobody has read yet."""
+        with self._lock:
+            return len(self._held)
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        with self._lock:
+            held = self._held.pop(path, None)
+            if held is not None:
+                self._held_bytes -= held[0]
+        if held is not None:
+            try:
+                data = held[1].result()
+            except FlipsyncError as e:  # read it again below; a real problem shows there
+                log.debug("fetching %s ahead failed: %s", path, e)
+            else:
+                if size is None or len(data) == size:
+                    with self._lock:
+                        self.hits += 1
+                    return data
+        return self.inner.get(path, size=size)
+
+    def wait_exists(self, path: str, timeout_s: float) -> bool | None:
+        if isinstance(self.inner, WaitingStore):
+            return self.inner.wait_exists(path, timeout_s)
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            self._forget()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.inner.close()
