@@ -42,6 +42,11 @@ def test_every_method_ends_at_v1_bitwise(trained: crossregion.Trained, method: s
         assert out.wan_bytes >= n * trained.view_bytes
 
 
+def test_a_patch_uploaded_whole_and_read_after_its_manifest_ends_at_v1_too(trained: crossregion.Trained) -> None:
+    out = crossregion.run_method("patch", trained, 2, RATE, timeout_s=60, stream=False)
+    assert out.bitwise and out.wan_bytes >= 2 * len(trained.patch)
+
+
 def test_dict_engine_rolls_back(trained: crossregion.Trained) -> None:
     engine = crossregion.DictEngine(trained.v0)
     undo = engine.commit(engine.stage(crossregion.Patch.from_bytes(trained.patch)))
@@ -142,6 +147,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| target | result | figure |",
         "| workload | format | lr | changed % | bound B/chg | flipsync B/chg |",
         "| link | N | patch | model |",
+        "| part | measured | model | bitwise |",
         "| component | cost | covers |",
         "| changed values | of view | patch |",
         "| elements | bytes | changed |",

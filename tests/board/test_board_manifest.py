@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.domain.manifest import Kind, Manifest, Part, Signature, canonical_json
+from flipsync.domain.manifest import Chunk, Kind, Manifest, Part, Signature, canonical_json
 from flipsync.errors import BoardError, IntegrityError
 from tests.strategies import PART_HASH, patch_manifest
 
@@ -145,11 +145,16 @@ _segment = st.from_regex(r"[a-z0-9_][a-z0-9._-]{0,10}", fullmatch=True).filter(l
 @given(
     version=st.integers(1, 10**9),
     sizes=st.lists(st.integers(0, 2**40), min_size=1, max_size=5),
+    chunks=st.lists(st.integers(1, 2**30), max_size=4),
     seg=_segment,
     step=st.integers(-(2**31), 2**31),
 )
-def test_round_trip_property(version: int, sizes: list[int], seg: str, step: int) -> None:
-    parts = tuple(Part(f"{seg}/p{i}", s, f"{i:064x}") for i, s in enumerate(sizes))
+def test_round_trip_property(version: int, sizes: list[int], chunks: list[int], seg: str, step: int) -> None:
+    streamed = tuple(Chunk(f"{seg}/p0.{k:05d}", c) for k, c in enumerate(chunks, 1))
+    parts = tuple(
+        Part(f"{seg}/p{i}", s + (sum(chunks) + 1 if i == 0 and chunks else 0), f"{i:064x}", streamed if i == 0 else ())
+        for i, s in enumerate(sizes)
+    )
     m = patch_manifest(
         version=version, target_version=version, base_version=version - 1, parts=parts, meta={"step": step, "note": seg}
     )

@@ -241,3 +241,41 @@ def test_a_relay_that_cannot_wait_is_polled_instead() -> None:
         assert client.wait_exists("runs/run/versions/000000000001/manifest.json", 5) is None
         assert BoardReader(client, "run").wait_for_version(1, 5) is None  # remembered: no second request
         client.close()
+
+
+def test_while_sidecars_wait_the_relay_caches_what_is_already_in_the_versions_folder(
+    trainer: Trainer, relay: Relay, store: ObstoreStore
+) -> None:
+    layout = RunLayout("run")
+    chunk = f"{layout.version_dir(1)}/0123456789abcdef/patch-00000.safetensors.00001"
+    elsewhere = f"{layout.version_dir(2)}/0123456789abcdef/patch-00000.safetensors.00001"
+    store.put(chunk, b"coded sections" * 100)  # a trainer streaming v1's part, before v1's manifest
+    store.put(elsewhere, b"not waited for")
+    client = relay.client()
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(client.wait_exists(layout.version_manifest(1), 10)))
+    waiter.start()
+    assert wait_until(lambda: relay.upstream.gets.get(chunk) == 1, 5)  # fetched while the manifest is missing
+    trainer.step()
+    waiter.join(10)
+    assert woke == [True]
+    assert client.get(chunk) == b"coded sections" * 100
+    assert relay.upstream.gets[chunk] == 1 and elsewhere not in relay.upstream.gets  # served from the cache
+    assert (relay.cache.metrics.registry.get_sample_value("flipsync_relay_fetched_ahead_total") or 0) >= 1
+    client.close()
+
+
+def test_a_relay_told_not_to_fetch_ahead_only_waits(trainer: Trainer, store: ObstoreStore) -> None:
+    upstream = FlakyStore(store)
+    cache = RelayCache(upstream, RelayConfig(watch_interval_s=0.02, fetch_ahead=False))
+    server = ServerThread(create_relay_app(cache)).start()
+    try:
+        layout = RunLayout("run")
+        chunk = f"{layout.version_dir(1)}/0123456789abcdef/patch-00000.safetensors.00001"
+        store.put(chunk, b"x" * 100)
+        client = HttpStore(server.url, timeout_s=10)
+        assert client.wait_exists(layout.version_manifest(1), 0.3) is False
+        assert chunk not in upstream.gets
+        client.close()
+    finally:
+        server.stop()

@@ -227,6 +227,13 @@ def targets(run: Run) -> list[Target]:
             if measured:
                 m = measured[0]
                 figures.append(f"measured on the {xr['view_bytes'] / 1e6:.0f} MB view, N=1: {full_over_patch(m):.1f}x")
+            st = xr.get("streaming")
+            if st:
+                figures.append(
+                    f"streamed parts vs whole at {st['bandwidth']}: {st['streamed']['median'] * 1e3:.0f} vs "
+                    f"{st['whole']['median'] * 1e3:.0f} ms measured, {st['streamed']['model'] * 1e3:.0f} vs "
+                    f"{st['whole']['model'] * 1e3:.0f} ms modelled"
+                )
             out.append(
                 Target(
                     "update 100x faster than a full checkpoint at 1 Gbit/s (500 GB BF16 view, lr 1e-6; a model: met "

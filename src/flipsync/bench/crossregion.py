@@ -80,6 +80,8 @@ RUN = "bench"
 RELAY_WATCH_S = 0.01  # the relay checks the board for a waited-for manifest this often (direct replicas: 2 ms)
 FETCH_AHEAD_S = 0.01  # replicas list the next version's folder this often while they wait
 CHUNK_BYTES = 16 << 10  # the trainer streams its part in chunks of this size (the default 8 MiB is for GB patches)
+WHOLE = 1 << 62  # a chunk size no part fills: the part goes up whole, after the diff
+STREAM_CHECK = "20mbit"  # the link of the streaming on/off check: the wire outweighs the trainer there
 WARM_STEPS = 2  # versions a patch trainer publishes before the measured step (its buffers then get reused)
 FMT = "bf16"
 UNLIMITED = 1e12
@@ -328,7 +330,7 @@ class _ManifestClock(StoreWrapper):
         super().put(path, data, create_only=create_only)
 
 
-def _trainer_patch_fire(tr: Trained, root: str) -> Trainer:
+def _trainer_patch_fire(tr: Trained, root: str, chunk_bytes: int) -> Trainer:
     """The real trainer publisher attached to Adam, in its steady state: v0 is published (a snapshot), then
     WARM_STEPS versions of the same weights (empty patches), so that the measured step reuses the publisher's
     buffers as every step of a training run does, instead of paying a first step's allocations."""
@@ -341,7 +343,7 @@ def _trainer_patch_fire(tr: Trained, root: str) -> Trainer:
         run=RUN,
         optimizer=opt,
         publisher_id="bench-trainer",
-        chunk_bytes=CHUNK_BYTES,
+        chunk_bytes=chunk_bytes,
     )
     pub.flush()
     for _ in range(WARM_STEPS):
@@ -374,15 +376,20 @@ def _trainer_full_fire(tr: Trained, root: str) -> Trainer:
     return Trainer(fire, lambda: None, 0)
 
 
-def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) -> Outcome:
-    """One run of ``method`` ("patch", "relay" or "full") with ``n`` replicas behind links of ``rate`` B/s."""
+def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float, *, stream: bool = True) -> Outcome:
+    """One run of ``method`` ("patch", "relay" or "full") with ``n`` replicas behind links of ``rate`` B/s.
+    ``stream=False``: the trainer uploads its part whole and direct replicas do not fetch ahead."""
     with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        trainer = (_trainer_full_fire if method == "full" else _trainer_patch_fire)(tr, root)
+        if method == "full":
+            trainer = _trainer_full_fire(tr, root)
+        else:
+            trainer = _trainer_patch_fire(tr, root, CHUNK_BYTES if stream else WHOLE)
         head = trainer.head
         try:
             if method != "relay":
                 stores = [ThrottledStore(open_store(root), UNLIMITED) for _ in range(n)]
-                replicas = [_boot(_ahead(s), DictEngine(tr.v0, tr.table0), head, timeout_s) for s in stores]
+                readers = [_ahead(s) if stream else s for s in stores]
+                replicas = [_boot(r, DictEngine(tr.v0, tr.table0), head, timeout_s) for r in readers]
                 for s in stores:
                     s.bucket, s.bytes_read = TokenBucket(rate), 0
                 out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
@@ -395,7 +402,7 @@ def run_method(method: str, tr: Trained, n: int, rate: float, timeout_s: float) 
             try:
                 url = f"http://127.0.0.1:{server.port}"
                 https = [HttpStore(url, timeout_s=timeout_s) for _ in range(n)]
-                replicas = [_boot(_ahead(h), DictEngine(tr.v0, tr.table0), head, timeout_s) for h in https]
+                replicas = [_boot(h, DictEngine(tr.v0, tr.table0), head, timeout_s) for h in https]
                 upstream.bucket, upstream.bytes_read = TokenBucket(rate), 0
                 out = _race(replicas, trainer.fire, head + 1, tr.v1, timeout_s)
                 out.wan_bytes = upstream.bytes_read
@@ -561,6 +568,12 @@ def run(
         for _ in range(2):
             for m in small_runs:
                 small_runs[m].append(run_method(m, small, 1, UNLIMITED, setup.timeout_s))
+        status.update(f"crossregion bench: streaming on and off, N=1, {STREAM_CHECK}")
+        check_rate = parse_bandwidth(STREAM_CHECK)
+        check: dict[bool, list[Outcome]] = {True: [], False: []}
+        for _ in range(setup.repeats):
+            for on in (True, False):
+                check[on].append(run_method("patch", tr, 1, check_rate, setup.timeout_s, stream=on))
         for bw in setup.bandwidths:
             rate = parse_bandwidth(bw)
             for n in setup.replicas:
@@ -607,6 +620,13 @@ def run(
                 row[m]["publish_s"] = statistics.median(o.publish_s for o in os_)
             row["bitwise"] = all(o.bitwise for m in METHODS for o in runs[(bw, n, m)])
             rows.append(row)
+    streaming = {"bandwidth": STREAM_CHECK, "chunk_bytes": CHUNK_BYTES}
+    for on, label in ((True, "streamed"), (False, "whole")):
+        streaming[label] = _stats([o.seconds for o in check[on]])
+        streaming[label]["bitwise"] = all(o.bitwise for o in check[on])
+        streaming[label]["model"] = model.predict(
+            "patch", 1, check_rate, tr.view_bytes, tr.changed, len(tr.patch), chunk_bytes=CHUNK_BYTES if on else None
+        )
     rates = rates or [("this benchmark's own step", tr.changed / tr.elements, len(tr.patch) / tr.changed)]
     result: dict[str, Any] = {
         "setup": asdict(setup),
@@ -625,6 +645,7 @@ def run(
         "model": asdict(model),
         "trainer_phases": _phases_per_byte(one, tr.view_bytes),
         "rows": rows,
+        "streaming": streaming,
         "extrapolations": [extrapolate(model, setup.bandwidths, frac, bpc, src) for src, frac, bpc in rates],
     }
     for t in tables(result):
@@ -703,6 +724,12 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
             f"{_relay_wan_share(r, result['patch_bytes']):.2f}",
             "yes" if r["bitwise"] else "NO",
         )
+    st = result["streaming"]
+    y = Table(title=f"streaming on and off: N=1, {st['bandwidth']}, patch: median (min-max) | cost model")
+    for col in ("part", "measured", "model", "ok"):
+        y.add_column(col, justify="right")
+    for label, cells in _streaming_cells(st):
+        y.add_row(label, *cells)
     e = result["extrapolations"][0]
     x = Table(
         title=f"model: 500 GB bf16 view, {100 * e['changed_fraction']:.2f}% changed, "
@@ -712,7 +739,15 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
         x.add_column(col, justify="right")
     for r in e["rows"]:
         x.add_row(*_extrapolation_cells(r))
-    return [t, x]
+    return [t, y, x]
+
+
+def _streaming_cells(st: Mapping[str, Any]) -> list[tuple[str, tuple[str, str, str]]]:
+    labels = {"streamed": f"streamed in {st['chunk_bytes'] >> 10} KiB chunks, fetched ahead", "whole": "whole"}
+    return [
+        (labels[k], (fmt_range(st[k]), fmt_s(st[k]["model"]), "yes" if st[k]["bitwise"] else "NO"))
+        for k in ("streamed", "whole")
+    ]
 
 
 def _extrapolation_cells(r: Mapping[str, Any], bold: str = "") -> tuple[str, ...]:
@@ -743,7 +778,12 @@ casts the masters to BF16, fingerprints them and writes the whole view as a snap
 (`board.Publisher.publish_snapshot`). Both include the trainer's work, the board write (a local directory), the
 replicas' polling, download, decode, apply and verification.
 
-**Replicas.** N real reconcile loops (`Replica` + `BoardReader`, polling every 10 ms) over a light in-memory
+**Streaming.** The trainer uploads its part in {chunk_kib} KiB chunks while it codes it (`chunk_bytes`; the
+default, 8 MiB, is sized for GB patches), and commits the manifest once all are up. Each direct replica watches
+the next version's folder every 10 ms (`flipsync.board.ahead.FetchAhead`, `flipsync sidecar --fetch-ahead`) and
+downloads the chunks as they land; a relay does the same for its island while its sidecars wait.
+
+**Replicas.** N real reconcile loops (`Replica` + `BoardReader`) over a light in-memory
 engine (`DictEngine`: a dict of tensors kept current by `codec.stage`/`codec.commit`, fingerprint checked),
 all in this process and sharing this machine's {cores} cores, so above {cores} replicas their CPU work queues.
 
@@ -763,8 +803,11 @@ this view and of unlimited-link runs on a view 1/8 its size; the fixed part is n
 1/B per byte at link rate B; *receiver* seconds per changed value (stage + commit of the patch on one engine,
 best of 3) or, for a full checkpoint, per byte (read the snapshot from the local board, load it, fingerprint
 it); *fixed* seconds per update (polling, manifests: an unlimited-link N = 1 run minus its trainer and
-receiver parts, for direct reads and through a relay). A cell's prediction is trainer + fixed +
-bytes / B + receiver x max(1, N / cores) x (changed values, or view bytes). Left out: the relay's own CPU for
+receiver parts, for direct reads and through a relay). A full checkpoint's prediction is trainer + fixed +
+bytes / B + receiver x max(1, N / cores) x view bytes. A streamed patch's transfer overlaps the trainer:
+trainer + bytes / B becomes max(first + bytes / B, trainer + tail / B), where *first* is the trainer's time to
+code its first chunk (trainer x chunk x shards / patch bytes) and *tail* the chunks still to cross when it ends
+(at most one per shard); then + fixed + receiver x max(1, N / cores) x changed values. Left out: the relay's own CPU for
 serving N replicas over local HTTP, and the cost of N polling Python threads sharing two cores beyond their
 share of the decode and apply work; where the measured and model columns part (many replicas, the relay), that
 is the gap."""
@@ -868,15 +911,34 @@ def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
         cells,
     )
     parts = [
-        ABOUT.format(lr=setup["lr"], warmup=setup["warmup"], cores=result["model"]["cores"], repeats=setup["repeats"]),
+        ABOUT.format(
+            lr=setup["lr"],
+            warmup=setup["warmup"],
+            cores=result["model"]["cores"],
+            repeats=setup["repeats"],
+            chunk_kib=result["streaming"]["chunk_bytes"] >> 10,
+        ),
         head,
         table,
+        _streaming_md(result["streaming"]),
     ]
     if figures is not None:
         parts.append(figures.link(plot(result, figures.path("crossregion.png")).name, "update latency vs replicas"))
     parts += [MODEL_ABOUT, _components(result)]
     parts += [_extrapolation_md(e, first=i == 0) for i, e in enumerate(result["extrapolations"])]
     return "\n\n".join(parts)
+
+
+def _streaming_md(st: Mapping[str, Any]) -> str:
+    text = (
+        f"**Streaming on and off** (N = 1, {st['bandwidth']}, patch, methods interleaved): on a link slow enough "
+        "that the wire outweighs the trainer, the same step with the part streamed and fetched ahead, and with the "
+        "part uploaded whole after the diff and fetched after the manifest (as before streaming). The model's "
+        "overlap term is checked here, where the transfer hides the trainer's work, and in the cells above, "
+        "where the trainer's work hides the transfer."
+    )
+    rows = [(label, *cells) for label, cells in _streaming_cells(st)]
+    return "\n\n".join([text, md_table(("part", "measured", "model", "bitwise"), rows)])
 
 
 def plot(result: Mapping[str, Any], path: Path) -> Path:

@@ -108,7 +108,7 @@ def sidecar(
         float,
         typer.Option(
             help="Seconds between listings of the next version's folder, to download its parts while the trainer "
-            "uploads them (0: off; each listing is one store request)"
+            "uploads them (0: off; each listing is one store request; behind a relay, the relay does this)"
         ),
     ] = 0.0,
     max_backoff: Annotated[float, typer.Option(help="Longest wait between retries after failures (s)")] = 30.0,
@@ -263,6 +263,10 @@ def relay(
     watch_interval: Annotated[
         float, typer.Option(help="Seconds between the relay's checks for an object sidecars wait for")
     ] = 0.05,
+    fetch_ahead: Annotated[
+        bool,
+        typer.Option(help="While sidecars wait for a version, cache the parts already uploaded to its folder"),
+    ] = True,
     store_option: StoreOpt = None,
 ) -> None:
     """Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."""
@@ -282,6 +286,7 @@ def relay(
             listing_ttl_s=listing_ttl,
             negative_ttl_s=negative_ttl,
             watch_interval_s=watch_interval,
+            fetch_ahead=fetch_ahead,
         )
         app = create_relay_app(RelayCache(store, config))
         typer.echo(f"flipsync relay: {store.url} on {host}:{port}")

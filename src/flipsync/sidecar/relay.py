@@ -11,7 +11,11 @@ once per island however many replicas read it:
 - objects over ``max_object_bytes`` are fetched (still coalesced) but not kept;
 - **waiting for an object** (``GET /board/wait/<path>``, a long poll): the relay alone polls the board for it,
   every ``watch_interval_s``, however many sidecars wait, so they learn of a new version within that time
-  instead of each polling the board (or the relay) themselves.
+  instead of each polling the board (or the relay) themselves;
+- **fetching ahead** (``fetch_ahead``): while sidecars wait for a version's manifest, the relay also lists
+  that version's folder at each check and downloads every object already in it into the cache. A trainer
+  uploads its parts in chunks while it codes them (`flipsync.trainer.commit`), so the island's copy of a
+  version is mostly there by the time its manifest lands.
 
 The relay holds no credentials for anything but the board it reads, and it is read-only. It trusts nothing
 it serves: sidecars verify every part's BLAKE3 hash and, with a public key, every manifest's signature.
@@ -36,7 +40,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from flipsync.board.layout import LATEST
+from flipsync.board.layout import LATEST, MANIFEST, parse_version_name
 from flipsync.board.store import ObjectInfo, Store
 from flipsync.errors import ConfigError, FlipsyncError, NotFoundError
 
@@ -55,6 +59,7 @@ class RelayConfig:
     upstream_concurrency: int = 16
     watch_interval_s: float = 0.05  # one upstream existence check per waited-for object this often
     max_wait_s: float = 60.0  # the longest a sidecar's wait request is held
+    fetch_ahead: bool = True  # while waiting for a version's manifest, cache the objects already in its folder
 
     def __post_init__(self) -> None:
         if not self.watch_interval_s > 0:  # also refuses NaN
@@ -79,6 +84,9 @@ class RelayMetrics:
         )
         self.served_bytes = Counter("flipsync_relay_served_bytes", "Object bytes sent to sidecars", registry=r)
         self.cache_bytes = Gauge("flipsync_relay_cache_bytes", "Bytes held in the cache", registry=r)
+        self.ahead = Counter(
+            "flipsync_relay_fetched_ahead", "Objects fetched before their version's manifest existed", registry=r
+        )
 
 
 @dataclass
@@ -99,6 +107,7 @@ class RelayCache:
         self._entries: OrderedDict[tuple[str, ...], _Entry] = OrderedDict()
         self._inflight: dict[tuple[str, ...], asyncio.Task[Any]] = {}
         self._watches: dict[str, tuple[asyncio.Task[bool], list[int]]] = {}  # path -> (poller, [waiters])
+        self._ahead: set[asyncio.Task[Any]] = set()  # fetches started ahead (referenced until done)
         self._bytes = 0
         self._pool = ThreadPoolExecutor(self.config.upstream_concurrency, thread_name_prefix="flipsync-relay")
         self.stats = {"upstream": 0, "hits": 0, "coalesced": 0, "requests": 0}
@@ -241,6 +250,8 @@ class RelayCache:
 
     async def _poll_until_exists(self, path: str) -> bool:
         loop = asyncio.get_running_loop()
+        folder = _version_folder(path) if self.config.fetch_ahead else None
+        started: set[str] = set()
         while True:
             self.metrics.upstream.labels(op="wait").inc()
             try:
@@ -252,7 +263,32 @@ class RelayCache:
             if found:
                 self._drop(("head", path))  # a cached "missing" must not outlive the object's arrival
                 return True
+            if folder is not None:
+                await self._fetch_ahead(folder, path, started)
             await asyncio.sleep(self.config.watch_interval_s)
+
+    async def _fetch_ahead(self, folder: str, manifest: str, started: set[str]) -> None:
+        """Start caching every object in a version's folder that this watch has not started yet."""
+        loop = asyncio.get_running_loop()
+        self.metrics.upstream.labels(op="list").inc()
+        try:
+            listed = await loop.run_in_executor(self._pool, self.store.list, folder)
+        except FlipsyncError as e:
+            log.debug("fetching %s ahead: %s", folder, e)
+            return
+        for o in listed:
+            if o.path == manifest or o.path in started or o.size > self.config.max_object_bytes:
+                continue
+            started.add(o.path)
+            self.metrics.ahead.inc()
+            task = asyncio.create_task(self.get(o.path))
+            self._ahead.add(task)
+            task.add_done_callback(self._ahead_done)
+
+    def _ahead_done(self, task: asyncio.Task[Any]) -> None:
+        self._ahead.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a sidecar's own read retries it
+            log.debug("a fetch ahead failed: %s", task.exception())
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         return await self._lookup(
@@ -269,6 +305,15 @@ class RelayCache:
             ttl=self.config.listing_ttl_s,
             size_of=lambda v: 32 * len(v),
         )
+
+
+def _version_folder(path: str) -> str | None:
+    """The version folder whose manifest ``path`` is (``.../versions/<v>/manifest.json``), else None."""
+    folder, _, name = path.rpartition("/")
+    parent, _, version = folder.rpartition("/")
+    if name != MANIFEST or parse_version_name(version) is None or not parent.endswith("/versions"):
+        return None
+    return folder
 
 
 def _check_path(path: str, *, allow_empty: bool = False) -> str | None:
