@@ -136,6 +136,33 @@ def test_a_board_that_keeps_refusing_stops_the_publisher_with_the_store_error(tm
     assert not parts  # the refused part left nothing behind
 
 
+@pytest.mark.parametrize("background", [False, True])
+def test_a_last_step_whose_publication_failed_is_published_again_by_flush(tmp_path: Path, background: bool) -> None:
+    inner = open_store(tmp_path)
+    left = [1]
+
+    def refuse(path: str, create_only: bool, data: bytes) -> bool:
+        if "versions/000000000002/" in path and "patch-" in path and left[0]:
+            left[0] -= 1
+            return True
+        return False
+
+    store = RefusingStore(inner, refuse)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="last", optimizer=opt, background=background)
+    train(model, opt, 1)
+    pub.flush()
+    train(model, opt, 1)  # its publication fails, and no later step comes to cover it
+    published = pub.flush()
+    assert store.refused == 1 and published is not None and (published.version, published.step) == (2, 2)
+    assert pub.stats.store_failures == 0
+    pub.close()
+    replica = Replica(inner, "last")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+
+
 def test_a_fenced_off_background_publisher_raises_on_the_next_step(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()

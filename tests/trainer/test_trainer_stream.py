@@ -240,3 +240,37 @@ def test_a_sidecar_fetching_ahead_follows_a_streaming_trainer(tmp_path: Path) ->
         rep.stop()
         pub.close()
         ahead.close()
+
+
+def test_random_chunk_failures_lose_nothing_and_leave_no_stray_objects(tmp_path: Path) -> None:
+    inner = open_store(tmp_path)
+    rng = np.random.default_rng(7)
+
+    def refuse(path: str, create_only: bool, data: bytes) -> bool:
+        return "/versions/" in path and ".safetensors" in path and bool(rng.random() < 0.05)
+
+    store: Store = RefusingStore(inner, refuse)  # type: ignore[assignment]
+    model = chunked_model()
+    opt = adam(model)
+    pub = Publisher(
+        model, store, run="r", optimizer=opt, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, max_store_failures=50
+    )
+    train(model, opt, 12, vocab=256)
+    pub.close()
+    assert store.refused > 0  # type: ignore[attr-defined]
+    replica = Replica(inner, "r")
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+    assert sum(s.manifest.meta["steps"] for s in replica.patches) == 12  # every step is in some version
+    referenced = {
+        f"runs/r/versions/{s.manifest.version:012d}/{path}"
+        for s in replica.patches
+        for p in s.manifest.parts
+        for path, _ in p.objects
+    }
+    stray = {
+        o.path
+        for o in inner.list("runs/r/versions")
+        if ".safetensors" in o.path and "/versions/000000000000/" not in o.path
+    }
+    assert stray == referenced  # failed attempts removed their chunks

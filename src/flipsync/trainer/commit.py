@@ -104,7 +104,8 @@ class PartStream:
         self.store.make_durable([path])
 
     def finish(self, patch: Patch) -> Part:
-        """Upload what is left (the header first of all), wait for every upload; the part's manifest entry."""
+        """Upload what is left (the header, the part's first object, last of all) and wait for every upload;
+        the part's manifest entry."""
         with self._lock:
             for s in patch.sections[self._added :]:  # sections the coder did not stream (coded here, or no coder)
                 self._add(s.name, patch.section_blob(s.name))

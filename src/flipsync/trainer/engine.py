@@ -4,14 +4,18 @@ Every rank runs the same sequence of small exchanges per version (a single proce
 
 1. *agree*: each rank says which step it holds; all must hold the agreed step (else the round is retried),
    and any rank that failed to compute its view (non-finite weights, ...) makes every rank skip the step;
+   rank 0 names the version number and the attempt folder;
 2. *diff*: each rank diffs its own pieces against the view of the previous version and sends only the
-   fingerprint delta of each changed tensor; rank 0 adds the version number and the attempt folder;
+   fingerprint delta of each changed tensor. Meanwhile each changed piece's section is coded and, in
+   chunks, uploaded (`flipsync.trainer.commit.PartStream`);
 3. *encode*: with every delta known, each rank knows the fingerprint table at every part boundary, so it
-   codes its part as a complete flipsync patch from the view before its part to the view after it. Parts
-   are ordered by rank; a rank with no changes sends no part. The parts form a chain whose first base is
-   the previous version's view and whose last target is the new version's view;
-4. *upload*: each rank uploads its part and makes it durable; rank 0 creates the manifest only after
-   every rank reported success, so readers never see a half-published version;
+   completes its part as a flipsync patch from the view before its part to the view after it (the header:
+   the sections are already coded). Parts are ordered by rank; a rank with no changes sends no part. The
+   parts form a chain whose first base is the previous version's view and whose last target is the new
+   version's view;
+4. *upload*: each rank uploads the rest of its part (the header last of all) and makes it durable; rank 0
+   creates the manifest only after every rank reported success, so readers never see a half-published
+   version;
 5. *result*: rank 0 tells every rank whether the version exists, so all move their base together.
 
 Snapshots (the run's first version, a takeover, or a layout change) gather every piece to rank 0, which
@@ -281,8 +285,8 @@ class Engine:
                 target=ViewRef(target_fp, version),
                 served_format=self.fmt,
             )
-        meta = {**self.meta, **item.meta, "step": item.step, "steps": item.step - self.base_step}
-        meta["ranks"] = self.group.size
+        steps = item.step - self.base_step
+        meta = {**self.meta, **item.meta, "step": item.step, "steps": steps, "ranks": self.group.size}
         t2 = time.perf_counter()
         result, spans_input, part_bytes = self._commit(stream, patch, version, target_fp, meta)
         timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
@@ -352,7 +356,9 @@ class Engine:
                         meta=meta,
                     )
                     result = ("ok", self.board.keyframe_due())
-                    spans_input = [d if isinstance(d, Patch) else Patch.from_bytes(d) for _, _, d in reports if d]
+                    spans_input = [
+                        d if isinstance(d, Patch) else Patch.from_bytes(d) for _, _, d in reports if d is not None
+                    ]
                 except FlipsyncError as e:
                     result = self._failure(e)
         result = self.group.broadcast(result, f"whether v{version} was published")
@@ -371,10 +377,10 @@ class Engine:
         published: Published,
     ) -> Published:
         status, detail = result
+        if status == "store":  # the item is kept: the worker publishes it again unless a newer step covers it
+            raise RoundSkipped("store", str(detail))
         if status != "ok":
             self._drop(item)
-            if status == "store":
-                raise RoundSkipped("store", str(detail))
             if status == "conflict":
                 raise ConflictError(str(detail))
             raise BoardError(f"publishing v{published.version} failed: {detail}")

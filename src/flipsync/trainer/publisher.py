@@ -62,6 +62,9 @@ from flipsync.trainer.worker import Worker
 
 log = logging.getLogger(__name__)
 
+RETRY_DELAY_S = 0.05  # flush/close: the first wait before publishing a failed last step again (then doubled)
+MAX_RETRY_DELAY_S = 2.0
+
 FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
 
 
@@ -450,12 +453,27 @@ class Publisher:
     # -- waiting and closing ----------------------------------------------------------------------------
 
     def flush(self, timeout_s: float | None = None) -> Published | None:
-        """Wait until every step so far is published (or squashed into a published version)."""
+        """Wait until every step so far is published (or squashed into a published version). A last step
+        whose publication failed is published again, until it lands or ``max_store_failures`` is reached."""
         self._settle_view()
         if self.background and not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
             raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
+        self._publish_unpublished(timeout_s)
         self._raise_pending()
         return self.engine.last
+
+    def _publish_unpublished(self, timeout_s: float | None) -> None:
+        """Try again the newest step whose publication failed while no newer step came to cover it."""
+        delay = RETRY_DELAY_S
+        while self.worker.error is None and (item := self.worker.take_unpublished()) is not None:
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_RETRY_DELAY_S)
+            if not self.background:
+                self._submit(item)
+                continue
+            self.slot.push(item)
+            if not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
+                raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
 
     def close(self, timeout_s: float | None = None) -> None:
         """Publish what is pending, stop the background thread and release the held views.
@@ -473,6 +491,8 @@ class Publisher:
                 self._viewer.close()
             if self.background:
                 self.slot.wait_idle(timeout_s, lambda: self.worker.alive)
+            self._publish_unpublished(timeout_s)
+            if self.background:
                 self.slot.close()
                 self.worker.join(timeout_s)
             self._raise_pending(closing=True)
@@ -482,6 +502,8 @@ class Publisher:
     def _shutdown_resources(self) -> None:
         self.slot.close()
         self.slot.clear()
+        if hasattr(self, "worker") and (held := self.worker.take_unpublished()) is not None:
+            self._release_item(held)
         if hasattr(self, "engine"):
             self.engine.close()
             if not self.background:

@@ -3,8 +3,9 @@
 Error policy (all surfaced to the training thread by the next ``step()``, ``flush()`` or ``close()``):
 
 - a store failure (upload or manifest create refused, timed out) skips the version: nothing is visible to
-  readers, the base stays, and the next step's publication covers both steps. After
-  ``max_store_failures`` failures in a row the publisher stops with the store's error.
+  readers, the base stays, and the next step's publication covers both steps. The failed step is kept
+  (``unpublished``) until one does, so that ``flush()`` and ``close()`` can publish it again when no newer
+  step comes. After ``max_store_failures`` failures in a row the publisher stops with the store's error.
 - a conflict (another trainer published on this run) stops the publisher: it is fenced off.
 - a rank that could not serve a step (non-finite weights, a layout change) makes every rank skip that step;
   the failing rank raised it from ``step()``, the others raise it once from their next call.
@@ -73,6 +74,7 @@ class Worker:
         self.error: BaseException | None = None  # fatal: the worker stopped
         self.notice: BaseException | None = None  # raised once by the next call, then cleared
         self.store_failures = 0
+        self.unpublished: Item | None = None  # the newest step whose publication failed, kept for a retry
         self.published: list[Published] = []
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -158,7 +160,16 @@ class Worker:
         self.store_failures = 0
         with self._lock:
             self.published.append(published)
+            held, self.unpublished = self.unpublished, None
+        if held is not None and held is not item:  # covered by this version
+            self._release(held)
         return published
+
+    def take_unpublished(self) -> Item | None:
+        """The kept step whose publication failed, handed back for another try (None: nothing failed)."""
+        with self._lock:
+            item, self.unpublished = self.unpublished, None
+        return item
 
     def _skipped(self, item: Item, target: int, skip: RoundSkipped) -> None:
         if skip.reason == "retry":
@@ -173,6 +184,10 @@ class Worker:
             log.warning("%s", skip)
             return None
         self.store_failures += 1
+        with self._lock:
+            held, self.unpublished = self.unpublished, item
+        if held is not None and held is not item:  # the newer step covers it
+            self._release(held)
         if self.store_failures >= self.max_store_failures:
             raise StoreError(
                 f"{skip}; gave up after {self.store_failures} failed publications in a row. Nothing half-"
