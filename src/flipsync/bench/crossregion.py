@@ -82,6 +82,7 @@ FETCH_AHEAD_S = 0.01  # replicas list the next version's folder this often while
 CHUNK_BYTES = 16 << 10  # the trainer streams its part in chunks of this size (the default 8 MiB is for GB patches)
 WHOLE = 1 << 62  # a chunk size no part fills: the part goes up whole, after the diff
 STREAM_CHECK = "20mbit"  # the link of the streaming on/off check: the wire outweighs the trainer there
+CALIBRATION_RUNS = 3  # odd: each calibration median is one run's, so a single slow run cannot move it
 WARM_STEPS = 2  # versions a patch trainer publishes before the measured step (its buffers then get reused)
 FMT = "bf16"
 UNLIMITED = 1e12
@@ -558,14 +559,14 @@ def run(
         status.update("crossregion bench: calibration (unlimited link, N=1)")
         apply_s = apply_seconds(tr)
         load_s = load_seconds(tr)
-        for _ in range(2):
+        for _ in range(CALIBRATION_RUNS):
             for m in calibration:
                 calibration[m].append(run_method(m, tr, 1, UNLIMITED, setup.timeout_s))
         # A second, smaller view separates the trainer's per-publication cost from its per-byte cost.
         status.update("crossregion bench: calibration, a view 1/8 the size")
         small = Trained(max(1 << 16, setup.elements // 8), setup.lr, setup.warmup)
         small_runs: dict[str, list[Outcome]] = {m: [] for m in ("patch", "full")}
-        for _ in range(2):
+        for _ in range(CALIBRATION_RUNS):
             for m in small_runs:
                 small_runs[m].append(run_method(m, small, 1, UNLIMITED, setup.timeout_s))
         status.update(f"crossregion bench: streaming on and off, N=1, {STREAM_CHECK}")
