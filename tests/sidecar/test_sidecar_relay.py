@@ -261,6 +261,7 @@ def test_while_sidecars_wait_the_relay_caches_what_is_already_in_the_versions_fo
     assert woke == [True]
     assert client.get(chunk) == b"coded sections" * 100
     assert relay.upstream.gets[chunk] == 1 and elsewhere not in relay.upstream.gets  # served from the cache
+    assert chunk not in relay.upstream.heads  # its size came with the listing
     assert (relay.cache.metrics.registry.get_sample_value("flipsync_relay_fetched_ahead_total") or 0) >= 1
     client.close()
 

@@ -27,25 +27,6 @@ from flipsync.trainer import Publisher
 from flipsync.trainer.commit import PartStream
 
 
-class MemoryStore:
-    """Just enough of a Store for a PartStream: puts land in a dict."""
-
-    url = "memory://"
-
-    def __init__(self) -> None:
-        self.objects: dict[str, bytes] = {}
-
-    def put(self, path: str, data: Any, *, create_only: bool = False) -> None:
-        self.objects[path] = bytes(data)
-
-    def make_durable(self, paths: Any) -> None:
-        pass
-
-    def delete(self, paths: Any) -> None:
-        for p in paths:
-            self.objects.pop(p, None)
-
-
 def random_patch(sizes: list[int], seed: int) -> Patch:
     """A patch with one bf16 tensor per size, about that many changed values each."""
     g = torch.Generator().manual_seed(seed)
@@ -59,13 +40,17 @@ def random_patch(sizes: list[int], seed: int) -> Patch:
     return diff_views(old, new)[0]
 
 
-def joined(store: MemoryStore, folder: str, part: Any) -> bytes:
-    return b"".join(store.objects[f"{folder}/{path}"] for path, _ in part.objects)
+def joined(store: Store, folder: str, part: Any) -> bytes:
+    return b"".join(store.get(f"{folder}/{path}") for path, _ in part.objects)
 
 
-def stream_out(patch: Patch, chunk_bytes: int, *, uploader: Any = None) -> tuple[MemoryStore, Any]:
-    store = MemoryStore()
-    stream = PartStream(store, "v", "att", 3, chunk_bytes=chunk_bytes, uploader=uploader)  # type: ignore[arg-type]
+def on_board(store: Store) -> dict[str, int]:
+    return {o.path: o.size for o in store.list("v")}
+
+
+def stream_out(patch: Patch, chunk_bytes: int, *, uploader: Any = None) -> tuple[Store, Any]:
+    store = open_store("memory://")
+    stream = PartStream(store, "v", "att", 3, chunk_bytes=chunk_bytes, uploader=uploader)
     for s in patch.sections:
         stream.add(s.name, patch.section_blob(s.name))
     return store, stream
@@ -84,8 +69,7 @@ def test_a_streamed_part_joins_into_the_file_to_bytes_writes(sizes: list[int], c
     data = joined(store, "v", part)
     assert data == patch.to_bytes() == stream.file_bytes()
     assert part.size == len(data) and part.hash == blake3.blake3(data).hexdigest()
-    assert set(store.objects) == {f"v/{p}" for p, _ in part.objects}
-    assert [len(store.objects[f"v/{p}"]) for p, _ in part.objects] == [s for _, s in part.objects]
+    assert on_board(store) == {f"v/{p}": s for p, s in part.objects}
     big = sum(patch.section_bytes(s.name) for s in patch.sections if patch.section_bytes(s.name) >= OWN_TENSOR_BYTES)
     if big < chunk:
         assert not part.chunks  # nothing filled a chunk: one object, as before streaming
@@ -99,8 +83,8 @@ def test_a_streamed_part_joins_into_the_file_to_bytes_writes(sizes: list[int], c
 
 def test_a_part_whose_sections_were_not_streamed_is_laid_out_at_finish() -> None:
     patch = random_patch([9000, 10, 9000], seed=1)
-    store = MemoryStore()
-    part = PartStream(store, "v", "att", 0, chunk_bytes=4096).finish(patch)  # type: ignore[arg-type]
+    store = open_store("memory://")
+    part = PartStream(store, "v", "att", 0, chunk_bytes=4096).finish(patch)
     assert len(part.chunks) >= 1
     assert joined(store, "v", part) == patch.to_bytes()
 
@@ -109,14 +93,14 @@ def test_abort_removes_every_object_unless_the_version_kept_it() -> None:
     patch = random_patch([9000, 9000], seed=2)
     store, stream = stream_out(patch, 4096)
     stream.finish(patch)
-    assert len(store.objects) == 3
+    assert len(on_board(store)) == 3
     stream.keep()
     stream.abort()
-    assert len(store.objects) == 3
+    assert len(on_board(store)) == 3
     store, stream = stream_out(patch, 4096)
-    assert store.objects  # the first chunks went up while "coding"
+    assert on_board(store)  # the first chunks went up while "coding"
     stream.abort()
-    assert not store.objects
+    assert not on_board(store)
 
 
 def test_a_failed_chunk_upload_fails_finish(tmp_path: Path) -> None:

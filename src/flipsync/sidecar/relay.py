@@ -281,6 +281,8 @@ class RelayCache:
                 continue
             started.add(o.path)
             self.metrics.ahead.inc()
+            if ("head", o.path) not in self._entries:  # the listing already says what a HEAD would (immutable)
+                self._put(("head", o.path), _Entry(o, None, 64, self.ttl(o.path)))
             task = asyncio.create_task(self.get(o.path))
             self._ahead.add(task)
             task.add_done_callback(self._ahead_done)
