@@ -155,8 +155,9 @@ def test_sharded_ranks_stream_their_parts(tmp_path: Path) -> None:
     replica = Replica(store, "ss")
     replica.follow_each()
     assert_bitwise(expected_view(model), replica.tensors)
-    parts = [p for s in replica.patches for p in s.manifest.parts]
-    assert len(parts) == 4 and sum(len(p.chunks) for p in parts) >= 4
+    # A busy machine may fold step 1 into step 2's version (the publisher is in the background): count per version.
+    assert replica.patches and all(len(s.manifest.parts) == 2 for s in replica.patches)  # one part per rank
+    assert all(len(p.chunks) >= 2 for s in replica.patches for p in s.manifest.parts)  # each streamed in several
     # Nothing but the referenced objects and manifests is left in the versions' folders.
     listed = {o.path for o in store.list("runs/ss/versions") if not o.path.endswith("manifest.json")}
     folders = {s.manifest.version: f"runs/ss/versions/{s.manifest.version:012d}" for s in replica.patches}
@@ -239,6 +240,7 @@ def test_random_chunk_failures_lose_nothing_and_leave_no_stray_objects(tmp_path:
     pub = Publisher(
         model, store, run="r", optimizer=opt, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, max_store_failures=50
     )
+    pub.flush()  # v0 holds the initial weights (else a busy machine may fold step 1 into it)
     train(model, opt, 12, vocab=256)
     pub.close()
     assert store.refused > 0  # type: ignore[attr-defined]
