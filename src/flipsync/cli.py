@@ -16,7 +16,7 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from flipsync.board.cli import board_app, keygen
+from flipsync.board.cli import board_app, keygen, output_console
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
@@ -76,10 +76,6 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log pro
         format="%(message)s",
         handlers=[RichHandler(console=Console(stderr=True), show_path=False)],
     )
-
-
-def _console() -> Console:
-    return Console()
 
 
 def _is_master(tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -145,7 +141,7 @@ def view(
     def go() -> None:
         served = _served(master, fmt, InputKind.master, from_fp32=from_fp32)
         save_checkpoint(served, out, metadata={"flipsync_format": fmt})
-        _console().print(f"wrote the {fmt} served view of {master} to {out} ({_size(_view_bytes(served))})")
+        output_console().print(f"wrote the {fmt} served view of {master} to {out} ({_size(_view_bytes(served))})")
 
     _run(go)
 
@@ -193,7 +189,7 @@ def diff(
         n = patch.header.n_changed
         total = sum(t.numel() for t in b.values())
         full = _view_bytes(b)
-        _console().print(
+        output_console().print(
             f"{out}: {n:,} of {total:,} values changed ({100 * n / max(1, total):.3f}%), "
             f"{_size(len(data))} vs {_size(full)} served ({full / max(1, len(data)):.0f}x smaller), "
             f"{len(data) / max(1, n):.3f} bytes per changed value"
@@ -234,7 +230,7 @@ def apply(
                 "view, or the output of applying the patches before this one)"
             ) from None
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
-        _console().print(
+        output_console().print(
             f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "
             f"(verified by {verify.value})"
         )
@@ -259,7 +255,7 @@ def squash_cmd(
         data = merged.to_bytes()
         out.write_bytes(data)
         before = sum(len(p.to_bytes()) for p in loaded)
-        _console().print(f"{out}: {len(loaded)} patches, {_size(before)} -> {_size(len(data))}")
+        output_console().print(f"{out}: {len(loaded)} patches, {_size(before)} -> {_size(len(data))}")
 
     _run(go)
 
@@ -299,7 +295,7 @@ def inspect(
                 str(s.val.get("codec")),
                 s.mode,
             )
-        console = _console()
+        console = output_console()
         console.print(t)
         size = patch_path.stat().st_size
         console.print(
@@ -348,7 +344,7 @@ def demo(
             seed=seed,
             out=out,
         )
-        console = _console()
+        console = output_console()
         report = run_demo(cfg, console)
         paths = write_outputs(report, out)
         console.print()
@@ -387,7 +383,7 @@ def analyze(
     def go() -> None:
         fmts = [f.strip() for f in formats.split(",") if f.strip()]
         a = {k: v.float() for k, v in Checkpoint(checkpoint).items() if v.is_floating_point()}
-        console = _console()
+        console = output_console()
         with console.status("analysing"):
             if other is None:
                 result = an.simulate(a, fmts, lr=lr)
@@ -517,7 +513,7 @@ def bench_all(
         command = shlex.join(["flipsync", *args])
         text = run_all(Console(width=max(200, Console().width)), quick=quick, out=out, command=command)
         out.write_text(text)
-        _console().print(f"wrote {out} and its plots in {out.parent / out.stem}/")
+        output_console().print(f"wrote {out} and its plots in {out.parent / out.stem}/")
 
     _run(go)
 

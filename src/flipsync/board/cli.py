@@ -36,8 +36,11 @@ StoreOpt = Annotated[
 ]
 
 
-def _console() -> Console:
-    return Console()
+def output_console() -> Console:
+    """The console for a command's results: when piped, wide enough that tables keep their figures whole
+    (rich would assume 80 columns and cut them)."""
+    console = Console()
+    return console if console.is_terminal else Console(width=max(160, console.width))
 
 
 def _fail(console: Console, e: Exception) -> typer.Exit:
@@ -97,7 +100,7 @@ def ls(
     store_option: StoreOpt = None,
 ) -> None:
     """List the runs of a board, or the versions, keyframes and spans of one run."""
-    console = _console()
+    console = output_console()
     try:
         store = _open(url, store_option)
         if run is None and len(_runs(store)) != 1:
@@ -200,7 +203,7 @@ def show(
     store_option: StoreOpt = None,
 ) -> None:
     """Show one manifest: what it carries, every part with its size and hash."""
-    console = _console()
+    console = output_console()
     try:
         store = _open(url, store_option)
         run_name = _pick_run(store, run)
@@ -264,7 +267,7 @@ def gc(
     store_option: StoreOpt = None,
 ) -> None:
     """Delete old versions, keyframes and spans outside the retention window, and stale orphan parts."""
-    console = _console()
+    console = output_console()
     try:
         store = _open(url, store_option)
         run_name = _pick_run(store, run)
@@ -297,7 +300,7 @@ def keygen(
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing key files")] = False,
 ) -> None:
     """Create an Ed25519 key pair for signing manifests."""
-    console = _console()
+    console = output_console()
     try:
         private, public, kid = write_keypair(out, force=force)
     except FlipsyncError as e:

@@ -466,10 +466,10 @@ class Replica:
             match = max((m for m in found.values() if m.target_view_fp == held), key=lambda m: m.version, default=None)
             hi = lo - 1
         self._adopt_pending = False
-        if match is None:
-            log.warning(
-                "the %s engine holds view %s, which is none of v%d..v%d on the board (a commit cut short, or "
-                "other weights); loading a keyframe",
+        if match is None:  # the usual case for an engine started from its base weights: info, not a warning
+            log.info(
+                "the %s engine holds view %s, which is none of v%d..v%d on the board (other weights, or a commit "
+                "cut short); loading a keyframe",
                 name,
                 held[:16],
                 lowest,
