@@ -239,9 +239,11 @@ def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
     cnt_params, cnt_blob = fixed_encode(counts[used] - np.uint64(1))
     header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
-    esc_params, esc_blob = _shuffled_zstd(symbols[escaped] - np.uint64(alphabet))
-    params = {"alphabet": len(counts), "escapes": int(escaped.sum()), "esc_width": esc_params["width"]}
-    return params, header + sym_blob + cnt_blob + words + (esc_blob if escaped.any() else b"")
+    n_esc = int(escaped.sum())
+    # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
+    esc_params, esc_blob = _shuffled_zstd(symbols[escaped] - np.uint64(alphabet)) if n_esc else ({"width": 1}, b"")
+    params = {"alphabet": len(counts), "escapes": n_esc, "esc_width": esc_params["width"]}
+    return params, header + sym_blob + cnt_blob + words + esc_blob
 
 
 def ans_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
