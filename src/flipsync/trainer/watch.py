@@ -288,17 +288,20 @@ def watch(
     pub = CheckpointPublisher(store, run=run, format=format, resume=resume, on_event=on_event, **publisher_options)
     stop = stop or threading.Event()
     published = 0
-    started = time.monotonic()
+    first_scan: float | None = None
     try:
         while not stop.is_set():
+            scanned = time.monotonic()
+            first_scan = scanned if first_scan is None else first_scan
             ready = [c for c in scanner.ready() if pub.wants(c)]
             for ckpt in ready:  # oldest first: every checkpoint becomes a version
                 pub.publish(ckpt)
                 published += 1
                 if max_checkpoints is not None and published >= max_checkpoints:
                     return pub
-            if once and not ready and time.monotonic() - started > settle_s:
-                return pub  # everything that was complete when we started is published
+            # Timed from the scans, not from the start: a slow first scan must not use up the settle time.
+            if once and not ready and scanned - first_scan > settle_s:
+                return pub  # everything that was complete at the first scan is published
             if not ready:
                 on_event("waiting", {"dir": str(ckpt_dir), "published": published})
             stop.wait(poll_s)

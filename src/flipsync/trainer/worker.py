@@ -146,17 +146,25 @@ class Worker:
     # -- one item -------------------------------------------------------------------------------------
 
     def handle(self, item: Item, target: int) -> Published | None:
-        """Publish one item; classify failures by the policy in the module doc (fatal ones stick)."""
+        """Publish one item; classify failures by the policy in the module doc (fatal ones stick).
+
+        The slot hears that the item is done only after the bookkeeping below: ``flush()`` reads ``unpublished``
+        and the stats as soon as the slot is idle, and must not find a step this version covers.
+        """
         try:
-            try:
-                published = self.engine.run(item, target)
-            except RoundSkipped as skip:
-                return self._skipped(item, target, skip)
-            finally:
-                self.slot.done()
+            return self._handle(item, target)
         except BaseException as e:
             self.error = e
             raise
+        finally:
+            self.slot.done()
+
+    def _handle(self, item: Item, target: int) -> Published | None:
+        try:
+            published = self.engine.run(item, target)
+        except RoundSkipped as skip:
+            self._skipped(item, target, skip)
+            return None
         self.store_failures = 0
         with self._lock:
             self.published.append(published)
