@@ -202,3 +202,33 @@ def test_a_non_finite_view_computed_in_the_background_stops_the_next_optimizer_s
     replica = Replica(store, "nan-bg")
     replica.follow_each()
     assert_bitwise(expected_view(model), replica.tensors)
+
+
+def test_the_slot_hears_that_an_item_is_done_only_after_the_workers_bookkeeping(tmp_path: Path) -> None:
+    """flush() reads ``unpublished`` and the stats once the slot is idle: by then a version that covers a failed
+    step must have dropped it (else flush publishes that older step again, over the newer one)."""
+    left = [1]
+
+    def refuse(path: str, create_only: bool, data: bytes) -> bool:
+        if "versions/000000000002/" in path and "patch-" in path and left[0]:
+            left[0] -= 1
+            return True
+        return False
+
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, RefusingStore(open_store(tmp_path), refuse), run="order", background=False)
+    seen: list[tuple[int, bool, int]] = []
+    done = pub.slot.done
+
+    def spy() -> None:
+        seen.append((len(pub.worker.published), pub.worker.unpublished is not None, pub.worker.store_failures))
+        done()
+
+    pub.slot.done = spy  # type: ignore[method-assign]
+    for _ in range(3):  # v1; step 2's publication fails; v2 = step 3 covers it
+        train(model, opt, 1)
+        pub.step()
+    assert seen == [(2, False, 0), (2, True, 1), (3, False, 0)]
+    assert pub.flush() is not None and pub.stats.head == 2
+    pub.close()

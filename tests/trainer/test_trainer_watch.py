@@ -182,3 +182,18 @@ def test_scanner_needs_the_files_unchanged_for_the_settle_time(tmp_path: Path) -
     assert [c.name for c in scanner.ready()] == ["c"]
     with pytest.raises(Exception, match="does not exist"):
         CheckpointScanner(tmp_path / "nope", 1.0)
+
+
+def test_watch_once_gives_a_slow_first_scan_its_settle_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flipsync.trainer import watch as watch_module
+
+    write_slowly(tmp_path / "ckpts" / "checkpoint-0", checkpoints(1)[0], pause=0)
+    slow = watch_module.CheckpointScanner.ready
+
+    def ready(self: CheckpointScanner) -> list:  # type: ignore[type-arg]
+        time.sleep(0.2)  # a loaded machine: the scan itself outlasts the settle time
+        return slow(self)
+
+    monkeypatch.setattr(watch_module.CheckpointScanner, "ready", ready)
+    pub = watch(tmp_path / "ckpts", open_store(tmp_path / "board"), run="w", once=True, settle_s=0.05, poll_s=0.01)
+    assert pub.last is not None and pub.last.name == "checkpoint-0"
