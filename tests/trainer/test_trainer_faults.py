@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,19 @@ from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
 from flipsync.errors import ConflictError, FormatError, NonFiniteError, PatchError, StoreError
 from flipsync.trainer import Publisher
+
+
+def refuse_v2_parts_once() -> Callable[[str, bool, bytes], bool]:
+    """A RefusingStore rule: the first upload of a v2 part object fails."""
+    left = [1]
+
+    def refuse(path: str, create_only: bool, data: bytes) -> bool:
+        if "versions/000000000002/" in path and "patch-" in path and left[0]:
+            left[0] -= 1
+            return True
+        return False
+
+    return refuse
 
 
 def test_a_shape_change_is_refused_then_a_snapshot_continues(tmp_path: Path) -> None:
@@ -139,15 +153,7 @@ def test_a_board_that_keeps_refusing_stops_the_publisher_with_the_store_error(tm
 @pytest.mark.parametrize("background", [False, True])
 def test_a_last_step_whose_publication_failed_is_published_again_by_flush(tmp_path: Path, background: bool) -> None:
     inner = open_store(tmp_path)
-    left = [1]
-
-    def refuse(path: str, create_only: bool, data: bytes) -> bool:
-        if "versions/000000000002/" in path and "patch-" in path and left[0]:
-            left[0] -= 1
-            return True
-        return False
-
-    store = RefusingStore(inner, refuse)
+    store = RefusingStore(inner, refuse_v2_parts_once())
     model = tiny_llama()
     opt = adam(model)
     pub = Publisher(model, store, run="last", optimizer=opt, background=background)
@@ -207,17 +213,9 @@ def test_a_non_finite_view_computed_in_the_background_stops_the_next_optimizer_s
 def test_the_slot_hears_that_an_item_is_done_only_after_the_workers_bookkeeping(tmp_path: Path) -> None:
     """flush() reads ``unpublished`` and the stats once the slot is idle: by then a version that covers a failed
     step must have dropped it (else flush publishes that older step again, over the newer one)."""
-    left = [1]
-
-    def refuse(path: str, create_only: bool, data: bytes) -> bool:
-        if "versions/000000000002/" in path and "patch-" in path and left[0]:
-            left[0] -= 1
-            return True
-        return False
-
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, RefusingStore(open_store(tmp_path), refuse), run="order", background=False)
+    pub = Publisher(model, RefusingStore(open_store(tmp_path), refuse_v2_parts_once()), run="order", background=False)
     seen: list[tuple[int, bool, int]] = []
     done = pub.slot.done
 
