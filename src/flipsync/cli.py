@@ -223,7 +223,7 @@ def apply(
         tensors = {k: v.clone() for k, v in tensors.items()}
         table = FingerprintTable.of(tensors)
         try:
-            result = apply_patch(tensors, patch, table, verify=verify.value)  # type: ignore[arg-type]
+            result = apply_patch(tensors, patch, table, verify=verify.value)
         except BaseMismatchError as e:
             raise BaseMismatchError(
                 f"{e} ({base} is not the base {patch_path} was made from: pass that checkpoint, its served "

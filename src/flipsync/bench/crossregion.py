@@ -621,7 +621,7 @@ def run(
                 row[m]["publish_s"] = statistics.median(o.publish_s for o in os_)
             row["bitwise"] = all(o.bitwise for m in METHODS for o in runs[(bw, n, m)])
             rows.append(row)
-    streaming = {"bandwidth": STREAM_CHECK, "chunk_bytes": CHUNK_BYTES}
+    streaming: dict[str, Any] = {"bandwidth": STREAM_CHECK, "chunk_bytes": CHUNK_BYTES}
     for on, label in ((True, "streamed"), (False, "whole")):
         streaming[label] = _stats([o.seconds for o in check[on]])
         streaming[label]["bitwise"] = all(o.bitwise for o in check[on])

@@ -171,9 +171,10 @@ class BoardReader:
             snapshots = [m.version for m in ms if m.kind is Kind.KEYFRAME]
             lower = max([*snapshots, *([newest_kf] if newest_kf is not None else []), lowest])
         wanted_kf = [k for k in keyframes if k >= lower or k == newest_kf]
-        ms += self._read_many([lambda k=k: self.catalog.keyframe(k) for k in wanted_kf], problems)
+        # mypy cannot type a lambda with default arguments (they bind the loop variables here).
+        ms += self._read_many([lambda k=k: self.catalog.keyframe(k) for k in wanted_kf], problems)  # type: ignore[misc]
         spans = [(a, b) for a, b in self.catalog.list_spans() if a >= lower and b <= head]
-        ms += self._read_many([lambda a=a, b=b: self.catalog.span(a, b) for a, b in spans], problems)
+        ms += self._read_many([lambda a=a, b=b: self.catalog.span(a, b) for a, b in spans], problems)  # type: ignore[misc]
         return ms
 
     def plan(

@@ -9,6 +9,7 @@ are retried with exponential backoff inside a bounded total time; every failure 
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import os
@@ -194,7 +195,7 @@ class Store(Protocol):
         """Every object under ``prefix`` (a folder), recursively."""
         ...
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         """The names of the immediate sub-folders of ``prefix``."""
         ...
 
@@ -245,7 +246,7 @@ class StoreWrapper:
     def list(self, prefix: str) -> list[ObjectInfo]:
         return self.inner.list(prefix)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         return self.inner.list_dirs(prefix)
 
     def delete(self, paths: Sequence[str]) -> None:
@@ -271,7 +272,9 @@ class ObstoreStore:
         self.url = url.rstrip("/") or url
         self.options = options or StoreOptions()
         self._pool: ThreadPoolExecutor | None = None
-        self._local_root: Path | None = Path(inner.prefix) if isinstance(inner, LocalStore) else None
+        self._local_root: Path | None = None  # a local store's root, for fsync
+        if isinstance(inner, LocalStore):
+            self._local_root = Path(inner.prefix or "/")  # without a prefix, paths start at the filesystem root
 
     def __repr__(self) -> str:
         return f"ObstoreStore({self.url!r})"
@@ -419,7 +422,7 @@ class ObstoreStore:
 
         return self._call("list", prefix, run)
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         prefix = prefix.rstrip("/")
         res = self._call("list", prefix, lambda: obstore.list_with_delimiter(self._inner, prefix or None))
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
@@ -472,7 +475,7 @@ def parse_store_options(items: Sequence[str] | None) -> StoreOptions:
     return StoreOptions(config=config)
 
 
-def open_store(url: str | Path, options: StoreOptions | None = None) -> ObstoreStore:
+def open_store(url: str | os.PathLike[str], options: StoreOptions | None = None) -> ObstoreStore:
     """Open a board store from a URL or a local path.
 
     ``file:///abs/dir`` or a plain path: the local filesystem (created if missing). ``memory://``: a fresh

@@ -67,11 +67,11 @@ def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
 
 
 @intrinsic
-def _clz64(typingctx, x):  # type: ignore[no-untyped-def]
+def _clz64(typingctx, x):
     """Count leading zeros of a nonzero uint64 (one instruction; numba has no builtin for it)."""
     sig = types.uint64(types.uint64)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
 
     return sig, codegen
@@ -104,7 +104,7 @@ def _rice_decode(data: np.ndarray, k: int, out: np.ndarray, numel: int) -> int:
                 q += nbuf
                 nbuf = 0
                 continue
-            z = int(_clz64(buf))
+            z = int(_clz64(buf))  # type: ignore[call-arg]  # numba passes typingctx itself
             q += z
             buf = (buf << np.uint64(z)) << np.uint64(1)  # two shifts: a shift by 64 is undefined
             nbuf -= z + 1

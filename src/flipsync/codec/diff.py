@@ -277,7 +277,7 @@ def _span_changes(
     positions = np.concatenate([head[0], rel + body // esize])
     if not values:
         return positions, None, None
-    return positions, np.concatenate([head[1], va[rel]]), np.concatenate([head[2], vb[rel]])  # type: ignore[list-item]
+    return positions, np.concatenate([head[1], va[rel]]), np.concatenate([head[2], vb[rel]])
 
 
 def _uint_np(esize: int) -> np.dtype:
@@ -301,8 +301,8 @@ def _changes_torch(old: torch.Tensor, new: torch.Tensor, values: bool) -> _Found
     if not values:
         return positions, None, None
     dt = _uint_np(esize)
-    old_bits = np.concatenate([o for _, o, _ in parts]).view(dt)  # type: ignore[misc]
-    new_bits = np.concatenate([n for _, _, n in parts]).view(dt)  # type: ignore[misc]
+    old_bits = np.concatenate([o for _, o, _ in parts]).view(dt)
+    new_bits = np.concatenate([n for _, _, n in parts]).view(dt)
     return positions, old_bits, new_bits
 
 

@@ -90,12 +90,15 @@ class Hasher:
         )
         return sum(parts) & 0xFFFFFFFFFFFFFFFF
 
+    # The arg-type ignores below: numpy's stubs give ndarray a __buffer__ only on Python >= 3.12, so
+    # xxhash's Buffer parameters reject it on 3.11 (it is a buffer at runtime).
+
     def digest(self, t: torch.Tensor) -> str:
         """xxh3-128 of the bytes; tensors over one chunk hash the concatenated chunk digests."""
         raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
         if raw.size <= DIGEST_CHUNK:
-            return xxhash.xxh3_128_hexdigest(raw)
-        parts = self._pool.map(lambda se: xxhash.xxh3_128_digest(raw[se[0] : se[1]]), _chunks(raw.size, DIGEST_CHUNK))
+            return xxhash.xxh3_128_hexdigest(raw)  # type: ignore[arg-type]
+        parts = self._pool.map(lambda se: xxhash.xxh3_128_digest(raw[se[0] : se[1]]), _chunks(raw.size, DIGEST_CHUNK))  # type: ignore[arg-type]
         return xxhash.xxh3_128_hexdigest(b"".join(parts))
 
     def digest_soon(self, t: torch.Tensor) -> Callable[[], str]:
@@ -103,8 +106,8 @@ class Hasher:
         meanwhile (the trainer diffs the next tensor while this one is hashed). ``t`` must not change."""
         raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
         if raw.size <= DIGEST_CHUNK:
-            return self._pool.submit(xxhash.xxh3_128_hexdigest, raw).result
-        parts = [self._pool.submit(xxhash.xxh3_128_digest, raw[s:e]) for s, e in _chunks(raw.size, DIGEST_CHUNK)]
+            return self._pool.submit(xxhash.xxh3_128_hexdigest, raw).result  # type: ignore[arg-type]
+        parts = [self._pool.submit(xxhash.xxh3_128_digest, raw[s:e]) for s, e in _chunks(raw.size, DIGEST_CHUNK)]  # type: ignore[arg-type]
         return lambda: xxhash.xxh3_128_hexdigest(b"".join(f.result() for f in parts))
 
 

@@ -336,7 +336,7 @@ class Patch:
         Path(path).write_bytes(self.to_bytes())
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> Patch:
+    def from_bytes(cls, data: bytes | bytearray | memoryview) -> Patch:
         meta, tensors = _parse_safetensors(memoryview(data), require_meta="flipsync_header")
         if meta.get("flipsync_patch") != CONTAINER_VERSION:
             raise CorruptPatchError(f"unsupported patch container {meta.get('flipsync_patch')!r}")

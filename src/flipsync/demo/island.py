@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from flipsync.board.store import open_store
+from flipsync.board.store import Store, open_store
 from flipsync.board.throttle import ThrottledStore
 from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.sidecar.service import Sidecar, start_torch_engine
@@ -42,7 +42,7 @@ def island_main(spec: IslandSpec, conn: Connection) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
     torch.set_num_threads(1)  # two cores are shared by the trainer and every island
     logging.basicConfig(level=logging.WARNING)
-    store = open_store(spec.board)
+    store: Store = open_store(spec.board)
     if spec.bandwidth_bytes_per_s:
         store = ThrottledStore(store, spec.bandwidth_bytes_per_s)
     handle = start_torch_engine(spec.model, spec.served_format, seed=spec.seed, max_concurrency=spec.max_concurrency)

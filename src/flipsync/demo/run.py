@@ -356,7 +356,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     model = build_model(preset_config(cfg.model), seed=cfg.seed, dtype=torch.float32)
     model.requires_grad_(True)
     with console.status(f"warm start: {cfg.warm_start_steps} supervised steps on the task"):
-        loss = warm_start(model, tok, task, steps=cfg.warm_start_steps)
+        loss: float | torch.Tensor = warm_start(model, tok, task, steps=cfg.warm_start_steps)
     console.print(f"warm start done (loss {loss:.3f}); RL with Adam at lr={cfg.lr:g}, format {cfg.served_format}")
 
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)

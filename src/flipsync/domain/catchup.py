@@ -121,7 +121,7 @@ def plan_catchup(
             f"({len(best)} usable): the patch chain has a gap and no keyframe reaches v{goal}"
         )
     steps: list[Manifest] = []
-    node: int | None = goal
+    node = goal
     while node != start:
         parent, m = prev[node]
         steps.append(m)

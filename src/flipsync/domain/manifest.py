@@ -414,7 +414,7 @@ class Manifest:
 
 def _kind(value: object) -> Kind:
     try:
-        return Kind(value)
+        return Kind(value)  # type: ignore[arg-type]  # any non-member (str or not) raises ValueError
     except ValueError:
         raise _fail(f"unknown kind {value!r} (expected one of {[k.value for k in Kind]})") from None
 

@@ -14,11 +14,13 @@ count and time) and then raised as StoreError naming the object.
 
 from __future__ import annotations
 
+import builtins
 import email.utils
 import logging
 import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import quote, urlparse
 
 import httpx
@@ -102,7 +104,9 @@ class HttpStore:
         while True:
             problem: str
             try:
-                extra = {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=self._connect_s)}
+                extra: dict[str, Any] = (
+                    {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=self._connect_s)}
+                )
                 r = self._client.request(method, target, params=params, headers=headers, **extra)
             except httpx.HTTPError as e:
                 problem = f"{type(e).__name__}: {e}"
@@ -191,7 +195,7 @@ class HttpStore:
         except (ValueError, KeyError, TypeError) as e:
             raise StoreError(f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}") from None
 
-    def list_dirs(self, prefix: str) -> list[str]:
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
         r = self._request("GET", "/board/dirs", f"{prefix} (dirs)", params={"prefix": prefix.rstrip("/")})
         try:
             dirs = r.json()["dirs"]

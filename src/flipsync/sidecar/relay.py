@@ -24,6 +24,7 @@ it serves: sidecars verify every part's BLAKE3 hash and, with a public key, ever
 from __future__ import annotations
 
 import asyncio
+import builtins
 import logging
 import math
 import re
@@ -143,7 +144,7 @@ class RelayCache:
                 self.stats["hits"] += 1
                 if e.error is not None:
                     raise NotFoundError(str(e.error))
-                return e.value  # type: ignore[no-any-return]
+                return e.value
             self._drop(key)
         task = self._inflight.get(key)
         if task is None:
@@ -154,7 +155,7 @@ class RelayCache:
             self.metrics.coalesced.labels(op=op).inc()
             self.stats["coalesced"] += 1
         # shield: a client that goes away does not cancel the fetch the others are waiting for.
-        return await asyncio.shield(task)  # type: ignore[no-any-return]
+        return await asyncio.shield(task)
 
     def _done(self, key: tuple[str, ...], task: asyncio.Task[Any]) -> None:
         if self._inflight.get(key) is task:
@@ -300,7 +301,7 @@ class RelayCache:
             size_of=lambda v: 64 * len(v),
         )
 
-    async def list_dirs(self, prefix: str) -> list[str]:
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
         return await self._lookup(
             ("dirs", prefix),
             lambda: self.store.list_dirs(prefix),

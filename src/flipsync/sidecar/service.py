@@ -193,7 +193,8 @@ def start_torch_engine(
     model_name: str = "flipsync-torch",
 ) -> TorchEngineHandle:
     """Build the torch engine (architecture from a preset or config.json; weights come from the board)."""
-    model = build_model(load_config(model_spec), seed=seed).to(device)
+    # transformers types its to() as functools.wraps(nn.Module.to), whose signature keeps `self`.
+    model = build_model(load_config(model_spec), seed=seed).to(device)  # type: ignore[arg-type]
     engine = TorchEngine(model, served_format=served_format, model_name=model_name)
     server = ServerThread(create_engine_app(engine, max_concurrency=max_concurrency), host, port).start()
     log.info("torch engine (%s, %s, %s) serves on %s", model_spec, served_format, device, server.url)

@@ -131,7 +131,8 @@ class TorchEngine(Engine):
         self.tokenizer = tokenizer or ByteTokenizer()
         if not self.format.quantized:
             # The parameters become the served tensors, so they take the served dtype.
-            model = model.to(self.format.payload_dtype)
+            # transformers types its to() as functools.wraps(nn.Module.to), whose signature keeps `self`.
+            model = model.to(self.format.payload_dtype)  # type: ignore[arg-type]
         self.model = model.eval().requires_grad_(False)
         self.device = next(model.parameters()).device
         self.max_positions = int(getattr(model.config, "max_position_embeddings", 2048))

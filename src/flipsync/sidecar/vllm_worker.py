@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from numpy.typing import DTypeLike
 
 from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.digest import fingerprint_of, fp_hex
@@ -83,7 +84,7 @@ def b64(a: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
 
 
-def unb64(s: str, dtype: np.dtype | str) -> np.ndarray:
+def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
     raw = base64.b64decode(s, validate=True)
     dt = np.dtype(dtype)
     if len(raw) % dt.itemsize:
@@ -371,7 +372,7 @@ class WorkerCore:
                 else:
                     s = _tripwire(p, mod)
                 for _m, omod, opname in owners.get(id(p), [(_mname, mod, pname)]):
-                    saved.append((omod, opname, omod._parameters[opname]))
+                    saved.append((omod, opname, omod._parameters[opname]))  # type: ignore[arg-type]  # the slot holds p: never None
                     omod._parameters[opname] = s  # type: ignore[assignment]
             yield scratch
         finally:
@@ -420,6 +421,7 @@ class WorkerCore:
             (exact_int_base(p.dtype) for _, _, _, p in live.values() if p.dtype.is_floating_point), default=1 << 30
         )
         groups: dict[str, list[str]] = {}
+        names: list[str] | set[str]  # the group's names here, the tensors fed into a parameter below
         for name in sorted(self.specs):
             groups.setdefault(group_key(name), []).append(name)
         maps: dict[str, list[tuple[str, np.ndarray]]] = {}

@@ -133,8 +133,8 @@ def build_part(
             section, blob = c.coded.result()
             if (section.dtype, tuple(section.shape)) != (tid.dtype, tuple(tid.shape)):
                 raise PatchError(f"piece {c.name!r} was coded as {section.dtype} {section.shape}, not {tid}")
-            fps = {"base_fp": fp_hex(tid.fp), "target_fp": fp_hex(tid.fp + c.delta)}
-            builder.add_encoded(replace(section, **fps, target_digest=c.digest), blob)
+            base_fp, target_fp = fp_hex(tid.fp), fp_hex(tid.fp + c.delta)
+            builder.add_encoded(replace(section, base_fp=base_fp, target_fp=target_fp, target_digest=c.digest), blob)
             continue
         d = dtype_named(tid.dtype)
         builder.add(
