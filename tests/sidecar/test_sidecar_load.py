@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 from sidecar_helpers import StackFactory, Trainer
 
 REQUESTS = int(os.environ.get("FLIPSYNC_LOAD_REQUESTS", "240"))
@@ -65,7 +66,9 @@ async def _load(url: str, trainer: Trainer) -> list[dict[str, Any]]:
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)
 
 
-def test_proxy_under_load_while_versions_land(trainer: Trainer, make_stack: StackFactory) -> None:
+def test_proxy_under_load_while_versions_land(
+    trainer: Trainer, make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
     s = make_stack(poll=0.05)
     assert s.replica.wait_version(0, 10)
     stop = threading.Event()
@@ -101,7 +104,10 @@ def test_proxy_under_load_while_versions_land(trainer: Trainer, make_stack: Stac
         assert start <= end
         assert start >= c.get("min_version", 0)
         if "exact_version" in c:
-            assert start == end == c["exact_version"]
+            assert start == c["exact_version"]
+            # A pinned request ends on its version, unless a drain ran out of time and the commit went ahead
+            # under it (a loaded machine): then it reports both versions, as the gate's warning says.
+            assert end == start or any("committing anyway" in rec.getMessage() for rec in caplog.records), r
         tokens = r["tokens"]
         # [start, end] bounds every token's version (start is the version the request was admitted at; an
         # upstream that queues it may begin later, on a newer version), and constraints hold for every token
