@@ -34,6 +34,11 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 MIN_CHUNK_BYTES = 4096
 
 
+def check_chunk_bytes(chunk_bytes: int) -> None:
+    if chunk_bytes < MIN_CHUNK_BYTES:
+        raise ConfigError(f"chunk_bytes: stream chunks must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
+
+
 def part_name(rank: int) -> str:
     return f"patch-{rank:05d}.safetensors"
 
@@ -56,8 +61,7 @@ class PartStream:
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         uploader: Executor | None = None,
     ) -> None:
-        if chunk_bytes < MIN_CHUNK_BYTES:
-            raise ConfigError(f"stream chunks must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
+        check_chunk_bytes(chunk_bytes)
         self.store = store
         self.version_dir = version_dir
         self.name = f"{attempt}/{part_name(rank)}"

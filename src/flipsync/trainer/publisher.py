@@ -37,7 +37,7 @@ from flipsync.codec.bits import dtype_named
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, MIN_CHUNK_BYTES
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from flipsync.trainer.engine import Engine, Published
 from flipsync.trainer.group import Group, make_group
 from flipsync.trainer.slot import Item, MemoryAccount, Slot
@@ -159,8 +159,7 @@ class Publisher:
         threads = threads or default_threads()
         if max_store_failures < 1:
             raise ConfigError("max_store_failures must be at least 1")
-        if chunk_bytes < MIN_CHUNK_BYTES:
-            raise ConfigError(f"chunk_bytes must be at least {MIN_CHUNK_BYTES}, got {chunk_bytes}")
+        check_chunk_bytes(chunk_bytes)  # here, not at the first publication on the worker
         self.model = model
         self.format = format
         self.background = background
