@@ -122,6 +122,20 @@ def chunked_model() -> Any:
     return tiny_llama(tie=False, hidden=128, layers=2, vocab=256)
 
 
+def publish_three_steps(pub: Publisher, model: Any, opt: Any, board: Store, run: str) -> Replica:
+    """v0, then three trained steps published by hand, then close; a replica that followed every version,
+    checked bitwise against the model's final view."""
+    pub.flush()
+    for _ in range(3):
+        train(model, opt, 1, vocab=256)
+        pub.step()
+    pub.close()
+    replica = Replica(board, run)
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+    return replica
+
+
 @pytest.mark.parametrize("background", [True, False])
 def test_a_publisher_streams_its_parts_and_replicas_read_them_bitwise(tmp_path: Path, background: bool) -> None:
     store = open_store(tmp_path)
@@ -130,14 +144,7 @@ def test_a_publisher_streams_its_parts_and_replicas_read_them_bitwise(tmp_path: 
     pub = Publisher(
         model, store, run="s", background=background, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=2
     )
-    pub.flush()
-    for _ in range(3):
-        train(model, opt, 1, vocab=256)
-        pub.step()
-    pub.close()
-    replica = Replica(store, "s")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = publish_three_steps(pub, model, opt, store, "s")
     parts = [p for s in replica.patches for p in s.manifest.parts]
     assert parts and all(len(p.chunks) >= 2 for p in parts)  # streamed in several objects
 
@@ -184,14 +191,7 @@ def test_a_version_whose_chunk_upload_failed_leaves_no_chunks_behind(tmp_path: P
     opt = adam(model)
     store: Store = RefusingStore(inner, refuse)  # type: ignore[assignment]
     pub = Publisher(model, store, run="f", background=False, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES)
-    pub.flush()
-    for _ in range(3):
-        train(model, opt, 1, vocab=256)
-        pub.step()
-    pub.close()
-    replica = Replica(inner, "f")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = publish_three_steps(pub, model, opt, inner, "f")
     assert [s.manifest.meta["steps"] for s in replica.patches] == [1, 2]  # step 2 waited for step 3
     # The failed attempt's chunks were removed; only the committed attempt's objects remain in v2.
     v2 = replica.patches[1].manifest
