@@ -22,7 +22,7 @@ from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import dtype_of
 from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
-from flipsync.domain.patch import ViewRef
+from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view
 from flipsync.sidecar.cli import relay, sidecar

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from flipsync.codec.bits import int_view
-from flipsync.sidecar.vllm_worker import WorkerCore, expand_blocks
+from flipsync.engines.vllm.worker import WorkerCore, expand_blocks
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -228,7 +228,7 @@ def make_reloader(model: FakeLlama):
 
 def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
     """Model-format scratch for dropped weights (vLLM rebuilds it from recorded metadata)."""
-    from flipsync.sidecar.vllm_worker import _copy_attrs, default_scratch
+    from flipsync.engines.vllm.worker import _copy_attrs, default_scratch
 
     if live.numel() == 0 and getattr(module, "packed_copy", None) is not None:
         shape = tuple(module.packed_copy.t().shape)

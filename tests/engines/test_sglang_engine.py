@@ -13,8 +13,8 @@ from fake_sglang import FakeSglang, serve
 
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.codec.bits import int_view
+from flipsync.engines.sglang import DiskMirror, SglangEngine
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError
-from flipsync.sidecar.sglang_engine import DiskMirror, SglangEngine
 
 
 def view0() -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ from fake_vllm import DIMS, FakeLlama, bits_equal, checkpoint, fake_policy, held
 from fastapi import FastAPI, HTTPException, Request
 
 from flipsync.codec import FingerprintTable, diff_views
+from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.worker import RPC_METHOD, WorkerCore
 from flipsync.errors import ConfigError, EngineUnavailableError
-from flipsync.sidecar.vllm_engine import HttpTransport, VllmEngine, specs_of
-from flipsync.sidecar.vllm_worker import RPC_METHOD, WorkerCore
 
 
 def fake_vllm_server(cores: list[WorkerCore], seen: list[dict]) -> FastAPI:

@@ -73,7 +73,7 @@ def generate(llm, sp):
 def start(model_dir: Path):
     from vllm import LLM
 
-    from flipsync.sidecar.vllm_worker import EXTENSION_CLS
+    from flipsync.engines.vllm.worker import EXTENSION_CLS
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -95,7 +95,7 @@ def main(workdir: Path) -> dict:
 
     from flipsync.checkpoint import save_checkpoint
     from flipsync.codec import FingerprintTable, diff_views
-    from flipsync.sidecar.vllm_engine import LLMTransport, VllmEngine, specs_from_checkpoint
+    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir = build_tiny_llama(workdir / "v0")
@@ -192,8 +192,8 @@ def server(workdir: Path) -> dict:
     from tiny_llama import build_tiny_llama
 
     from flipsync.codec import FingerprintTable, diff_views
-    from flipsync.sidecar.vllm_engine import HttpTransport, VllmEngine, specs_from_checkpoint
-    from flipsync.sidecar.vllm_worker import EXTENSION_CLS
+    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
+    from flipsync.engines.vllm.worker import EXTENSION_CLS
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir = build_tiny_llama(workdir / "v0")

@@ -39,15 +39,15 @@ from safetensors.torch import save
 from flipsync.board.reader import BoardReader, Step
 from flipsync.board.store import open_store
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
-from flipsync.sidecar.engine import Engine
+from flipsync.engines.base import Engine
+from flipsync.engines.torch.engine import TorchEngine
+from flipsync.engines.torch.models import build_model, preset_config
+from flipsync.engines.torch.openai_server import create_engine_app
+from flipsync.engines.vllm.engine import HttpTransport, TensorSpec, VllmEngine
 from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.models import build_model, preset_config
-from flipsync.sidecar.openai_server import create_engine_app
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
-from flipsync.sidecar.torch_engine import TorchEngine
-from flipsync.sidecar.vllm_engine import HttpTransport, TensorSpec, VllmEngine
 
 log = logging.getLogger("kill_sidecar")
 

@@ -353,8 +353,8 @@ def test_a_patch_whose_header_names_another_target_writes_nothing(env: Env) -> N
 
 
 def _tiny_engine_and_view(engine_format: str, view_seed: int, view_layers: int = 1) -> tuple[object, dict]:
-    from flipsync.sidecar.models import build_model, preset_config
-    from flipsync.sidecar.torch_engine import TorchEngine
+    from flipsync.engines.torch.engine import TorchEngine
+    from flipsync.engines.torch.models import build_model, preset_config
 
     engine = TorchEngine(build_model(preset_config("tiny", max_positions=64), seed=1), served_format=engine_format)
     config = preset_config("tiny", max_positions=64)

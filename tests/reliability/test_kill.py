@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from flipsync.board.parts import patch_from_parts
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
 from flipsync.board.store import open_store
 from flipsync.codec import FingerprintTable, apply_patch
-from flipsync.sidecar.patches import patch_from_parts
 from tests.reliability.kill_publisher import view_of
 from tests.sidecar.sidecar_helpers import same_bits
 

@@ -39,7 +39,7 @@ from safetensors.torch import load
 from flipsync.board.publish import Publisher
 from flipsync.board.store import open_store
 from flipsync.codec import FingerprintTable, diff_views
-from flipsync.sidecar.vllm_engine import specs_of
+from flipsync.engines.vllm.engine import specs_of
 from tests.engines.fake_vllm import checkpoint, step
 from tests.sidecar.sidecar_helpers import Trainer, same_bits
 

@@ -13,16 +13,16 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import torch
-from sidecar_helpers import FAST, Stack, StackFactory, Trainer, fast_replica, tiny_engine
 
 from flipsync.board.store import ObstoreStore, open_store
-from flipsync.sidecar.engine import Engine
+from flipsync.engines.base import Engine
+from flipsync.engines.torch.engine import TorchEngine
+from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.openai_server import create_engine_app
 from flipsync.sidecar.proxy import ProxyConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.service import Sidecar
-from flipsync.sidecar.torch_engine import TorchEngine
+from tests.sidecar.sidecar_helpers import FAST, Stack, StackFactory, Trainer, fast_replica, tiny_engine
 
 
 @pytest.fixture(autouse=True)

@@ -19,15 +19,15 @@ from flipsync.board.store import ObjectInfo, Store, StoreOptions
 from flipsync.codec import FingerprintTable, Patch, diff_views
 from flipsync.codec.bits import int_view
 from flipsync.domain.manifest import Manifest
+from flipsync.engines.base import Engine
+from flipsync.engines.torch.engine import TorchEngine
+from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.errors import EngineError, EngineUnavailableError, StoreError
 from flipsync.formats import served_view
-from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.models import build_model, preset_config
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.service import Sidecar
-from flipsync.sidecar.torch_engine import TorchEngine
 
 TINY = preset_config("tiny", max_positions=256)
 

@@ -11,18 +11,18 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from sidecar_helpers import FaultyEngine, Trainer, fast_replica, same_bits, tiny_engine
 
 from flipsync.board import BoardReader, Publisher
 from flipsync.board.store import ObstoreStore
 from flipsync.codec import FingerprintTable, diff_views
+from flipsync.engines.base import Engine
+from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.worker import PROTOCOL
 from flipsync.errors import BaseMismatchError
-from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.vllm_engine import LocalTransport, VllmEngine, specs_of
-from flipsync.sidecar.vllm_worker import PROTOCOL
 from tests.engines.fake_vllm import boot, checkpoint, held_view, step
+from tests.sidecar.sidecar_helpers import FaultyEngine, Trainer, fast_replica, same_bits, tiny_engine
 
 
 def make_replica(store: ObstoreStore, engine: Engine, config: ReplicaConfig | None = None) -> Replica:

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 from rich.console import Console
-from sidecar_helpers import Trainer
 from typer.testing import CliRunner
 
 from flipsync.bench import sidecar as bench
 from flipsync.board.store import ObstoreStore
 from flipsync.sidecar.cli import sidecar_app
+from tests.sidecar.sidecar_helpers import Trainer
 
 
 def _free_port() -> int:

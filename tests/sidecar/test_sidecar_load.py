@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_helpers import StackFactory, Trainer
+
+from tests.sidecar.sidecar_helpers import StackFactory, Trainer
 
 REQUESTS = int(os.environ.get("FLIPSYNC_LOAD_REQUESTS", "240"))
 

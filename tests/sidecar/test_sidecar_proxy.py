@@ -11,10 +11,10 @@ from typing import Any
 
 import httpx
 import pytest
-from sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
 
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import VersionConstraint, parse_constraint
+from tests.sidecar.sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
 
 
 def events(lines: Iterator[str]) -> list[Any]:

@@ -6,7 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
-from sidecar_helpers import (
+
+from flipsync.board import BoardReader, Publisher, Signer, Verifier, generate_keypair, open_store
+from flipsync.board.layout import RunLayout
+from flipsync.board.store import ObstoreStore
+from flipsync.engines.base import Engine
+from flipsync.sidecar.gate import CommitMode
+from flipsync.sidecar.metrics import SidecarMetrics
+from flipsync.sidecar.replica import Replica, State
+from tests.sidecar.sidecar_helpers import (
     FAST,
     FaultyEngine,
     FlakyStore,
@@ -16,14 +24,6 @@ from sidecar_helpers import (
     tiny_engine,
     wait_until,
 )
-
-from flipsync.board import BoardReader, Publisher, Signer, Verifier, generate_keypair, open_store
-from flipsync.board.layout import RunLayout
-from flipsync.board.store import ObstoreStore
-from flipsync.sidecar.engine import Engine
-from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.metrics import SidecarMetrics
-from flipsync.sidecar.replica import Replica, State
 
 
 def make_replica(store: object, engine: Engine | None = None, **kw: object) -> Replica:

@@ -9,7 +9,7 @@ import torch
 from trainer_helpers import assert_bitwise
 
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, apply_patch, diff_views
-from flipsync.domain.patch import ViewRef
+from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, VerificationError
 from flipsync.trainer import apply_parts, join_parts, stage_parts
 from flipsync.trainer.engine import assemble, check_tiling, merge_deltas

@@ -66,11 +66,11 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite
 from flipsync.codec.bits import int_view
+from flipsync.engines.base import Engine
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 from flipsync.formats import served_view
-from flipsync.sidecar.engine import Engine
-from flipsync.sidecar.http_store import HttpStore
-from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
+from flipsync.relay.client import HttpStore
+from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher as TrainerPublisher

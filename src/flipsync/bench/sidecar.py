@@ -38,12 +38,12 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
 from flipsync.codec import FingerprintTable, apply_patch, diff_views
 from flipsync.codec.bits import int_view
+from flipsync.engines.torch.engine import TorchEngine
+from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.formats import served_view
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.metrics import SidecarMetrics
-from flipsync.sidecar.models import build_model, preset_config
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.torch_engine import TorchEngine
 
 RUN = "bench"
 
@@ -218,7 +218,7 @@ ABOUT = (
     "quantized formats, the parameter elements that staging found changed); *stage* is decoding and "
     "preparing the writes while the engine keeps serving. The first version is a keyframe (a full load); "
     "*pause / full load* compares each patch with it. vLLM needs a GPU: on this CPU-only machine only the "
-    "PyTorch engine is measured (`flipsync.sidecar.vllm_engine` has the vLLM path)."
+    "PyTorch engine is measured (`flipsync.engines.vllm.engine` has the vLLM path)."
 )
 
 

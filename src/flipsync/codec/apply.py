@@ -32,7 +32,7 @@ from flipsync.codec.bits import DType, bits_numpy, dtype_of, int_view
 from flipsync.codec.build import gather_bits
 from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, _fmix64, fp_hex
 from flipsync.codec.patch import Patch, decode_streams
-from flipsync.domain.patch import SectionHeader
+from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 
 Verify = Literal["fingerprint", "digest"]

@@ -12,7 +12,7 @@ from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_ke
 from flipsync.codec.diff import Changes, DiffEngine
 from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
-from flipsync.domain.patch import ViewRef
+from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes processed)

@@ -3,7 +3,7 @@
 A patch file is a plain safetensors file:
 
 - ``__metadata__["flipsync_patch"]`` is the container version and ``__metadata__["flipsync_header"]`` the
-  JSON :class:`~flipsync.domain.patch.PatchHeader` (per-tensor codec parameters, fingerprints and
+  JSON :class:`~flipsync.domain.headers.PatchHeader` (per-tensor codec parameters, fingerprints and
   digests), zstd-compressed and base64-encoded: uncompressed it would cost more than the coded changes of
   a small tensor (``flipsync inspect --json`` prints it).
 - A changed tensor whose coded streams reach ``OWN_TENSOR_BYTES`` is a uint8 tensor of the same name holding
@@ -28,7 +28,7 @@ import zstandard
 from flipsync.codec import streams
 from flipsync.codec.bits import DType, dtype_named, from_key, to_key, unzigzag, zigzag
 from flipsync.codec.digest import fp_hex
-from flipsync.domain.patch import PatchHeader, SectionHeader, ViewRef
+from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 MAX_HEADER_BYTES = 64 << 20

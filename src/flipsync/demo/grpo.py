@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flipsync.demo.task import Problem, ReverseDigits
-from flipsync.sidecar.tokenizer import ByteTokenizer
+from flipsync.engines.torch.tokenizer import ByteTokenizer
 
 
 @dataclass(frozen=True)

@@ -44,10 +44,10 @@ from flipsync.demo.grpo import Rollout, policy_loss, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url
 from flipsync.demo.task import Problem, ReverseDigits
 from flipsync.domain.manifest import Kind
+from flipsync.engines.torch.models import build_model, preset_config
+from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import served_view
-from flipsync.sidecar.models import build_model, preset_config
-from flipsync.sidecar.tokenizer import ByteTokenizer
 from flipsync.trainer import Publisher
 from flipsync.trainer.publisher import new_run_name
 

@@ -23,7 +23,7 @@ from flipsync.sidecar.gate import CommitMode
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from flipsync.sidecar.engine import Engine
+    from flipsync.engines.base import Engine
 
 # Everything heavy (torch, transformers, uvicorn, the board) is imported inside the commands, so that
 # mounting them keeps ``flipsync --help`` and the other commands fast.
@@ -167,7 +167,7 @@ def sidecar(
     from flipsync.board.signing import Verifier
     from flipsync.board.store import StoreOptions
     from flipsync.formats import get_format
-    from flipsync.sidecar.http_store import open_board
+    from flipsync.relay.client import open_board
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
     from flipsync.sidecar.service import (
@@ -271,8 +271,8 @@ def relay(
 ) -> None:
     """Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."""
     from flipsync.board.store import StoreOptions
-    from flipsync.sidecar.http_store import open_board
-    from flipsync.sidecar.relay import RelayCache, RelayConfig, create_relay_app
+    from flipsync.relay.client import open_board
+    from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
     from flipsync.sidecar.server import parse_listen
 
     store = None

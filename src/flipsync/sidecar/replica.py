@@ -43,9 +43,11 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 from flipsync.board.ahead import FetchAhead
+from flipsync.board.parts import patch_from_parts
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, Step, check_continuity
 from flipsync.domain.catchup import CatchupPlan, Edge
 from flipsync.domain.manifest import Manifest
+from flipsync.engines.base import Engine
 from flipsync.errors import (
     BaseMismatchError,
     BoardError,
@@ -60,11 +62,9 @@ from flipsync.errors import (
     UnusableArtifactError,
     VerificationError,
 )
-from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.gate import CommitMode, Pause, RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.notify import Notifier
-from flipsync.sidecar.patches import patch_from_parts
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -2,7 +2,7 @@
 
 ``Sidecar`` wires the pieces for any engine and upstream URL; ``start_torch_engine`` builds the in-process
 torch engine and serves its OpenAI-compatible API on a loopback port for the proxy to forward to.
-``load_engine`` builds the vLLM and SGLang engines (``flipsync.sidecar.vllm_engine`` / ``sglang_engine``)
+``load_engine`` builds the vLLM and SGLang engines (``flipsync.engines.vllm.engine`` / ``sglang_engine``)
 for the command line.
 """
 
@@ -19,18 +19,18 @@ from fastapi import FastAPI
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
 from flipsync.board.store import Store
+from flipsync.engines.base import Engine
+from flipsync.engines.torch.engine import TorchEngine
+from flipsync.engines.torch.models import build_model, load_config
+from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.errors import ConfigError
 from flipsync.formats import get_format
 from flipsync.sidecar import ENGINE_KINDS
-from flipsync.sidecar.engine import Engine
 from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
-from flipsync.sidecar.models import build_model, load_config
-from flipsync.sidecar.openai_server import create_engine_app
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
-from flipsync.sidecar.torch_engine import TorchEngine
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class EngineOptions:
 def load_engine(kind: str, options: EngineOptions) -> Engine:
     """A vLLM or SGLang engine for the sidecar CLI.
 
-    A ``flipsync.sidecar.<kind>_engine`` module may provide ``create_engine(options)``; otherwise the engine is
+    A ``flipsync.engines.<kind>`` module may provide ``create_engine(options)``; otherwise the engine is
     built from its documented constructor and these ``--engine-option`` keys:
 
     - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
@@ -59,7 +59,7 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     if kind not in ENGINE_KINDS or kind == "torch":
         raise ConfigError(f"unknown engine {kind!r}; engines: {', '.join(ENGINE_KINDS)}")
     try:
-        module = importlib.import_module(f"flipsync.sidecar.{kind}_engine")
+        module = importlib.import_module(f"flipsync.engines.{kind}")
     except ImportError as e:
         raise ConfigError(f"the {kind} engine is not available: {e}") from None
     factory = getattr(module, "create_engine", None)

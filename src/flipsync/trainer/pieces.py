@@ -22,7 +22,7 @@ from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBui
 from flipsync.codec.bits import bits_numpy, dtype_named, key_steps
 from flipsync.codec.digest import fingerprint_of, fp_hex
 from flipsync.codec.patch import encode_change
-from flipsync.domain.patch import SectionHeader, ViewRef
+from flipsync.domain.headers import SectionHeader, ViewRef
 from flipsync.errors import PatchError
 from flipsync.trainer.view import Piece, PieceSpec
 

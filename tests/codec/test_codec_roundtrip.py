@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
-from flipsync.domain.patch import ViewRef
+from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
 from tests.strategies import edit, patch_chain, same_bits, view_pairs
 

@@ -355,7 +355,7 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
 
 
 def create_relay_app(cache: RelayCache) -> FastAPI:
-    """The relay's HTTP API (see ``flipsync.sidecar.http_store`` for the client side)."""
+    """The relay's HTTP API (see ``flipsync.relay.client`` for the client side)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -27,9 +27,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from flipsync.engines.torch.engine import Generation, SamplingParams, TorchEngine
+from flipsync.engines.torch.tokenizer import StreamDecoder
 from flipsync.errors import ConfigError, EngineUnavailableError
-from flipsync.sidecar.tokenizer import StreamDecoder
-from flipsync.sidecar.torch_engine import Generation, SamplingParams, TorchEngine
 
 log = logging.getLogger(__name__)
 

@@ -53,8 +53,8 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite, scatter
 from flipsync.codec.bits import DType, dtype_named, dtype_of
+from flipsync.engines.base import Engine
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
-from flipsync.sidecar.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
+from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import ConfigError
-from flipsync.sidecar.tokenizer import ByteTokenizer
 
 BYTE_VOCAB = ByteTokenizer().vocab_size
 

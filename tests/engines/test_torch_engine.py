@@ -6,15 +6,15 @@ import threading
 
 import pytest
 import torch
-from sidecar_helpers import TINY, Trainer, same_bits, tiny_engine, tiny_masters
 
 from flipsync.codec import FingerprintTable
 from flipsync.codec.bits import int_view
+from flipsync.engines.torch.engine import SamplingParams, TorchEngine
+from flipsync.engines.torch.models import build_model
+from flipsync.engines.torch.openai_server import ChoiceText
 from flipsync.errors import BaseMismatchError, EngineError
 from flipsync.formats import dequantize_view, served_view
-from flipsync.sidecar.models import build_model
-from flipsync.sidecar.openai_server import ChoiceText
-from flipsync.sidecar.torch_engine import SamplingParams, TorchEngine
+from tests.sidecar.sidecar_helpers import TINY, Trainer, same_bits, tiny_engine, tiny_masters
 
 
 def test_bf16_parameters_are_the_served_tensors(store: object) -> None:

@@ -1,7 +1,7 @@
 """The part of the ``vllm`` engine that runs inside vLLM's workers.
 
 vLLM loads :class:`FlipsyncWorkerExtension` into every worker (``--worker-extension-cls
-flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension``, or ``LLM(worker_extension_cls=...)``); the sidecar
+flipsync.engines.vllm.worker.FlipsyncWorkerExtension``, or ``LLM(worker_extension_cls=...)``); the sidecar
 reaches it through ``collective_rpc("flipsync_call", args=(json,))``, in process (``LLM.collective_rpc``) or
 over HTTP (``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). Requests and answers are JSON strings
 (the HTTP route passes string arguments only); arrays travel as base64 of their little-endian bytes.
@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 
 PROTOCOL = 1
 RPC_METHOD = "flipsync_call"
-EXTENSION_CLS = "flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension"
+EXTENSION_CLS = "flipsync.engines.vllm.worker.FlipsyncWorkerExtension"
 INPLACE, RELOAD = "inplace", "reload"
 DEFAULT_MAX_UNDO = 2
 

@@ -1,16 +1,16 @@
 """The ``vllm`` engine: keeps a vLLM engine's weights at a board version from a sidecar.
 
 The sidecar side (this module) speaks checkpoint coordinates; the worker side
-(:mod:`flipsync.sidecar.vllm_worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
+(:mod:`flipsync.engines.vllm.worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
 parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of three transports:
 
 - :class:`LLMTransport`: an offline ``vllm.LLM`` in this process (``LLM(..., worker_extension_cls=EXTENSION_CLS)``).
-- :class:`HttpTransport`: ``vllm serve ... --worker-extension-cls flipsync.sidecar.vllm_worker.FlipsyncWorkerExtension``
+- :class:`HttpTransport`: ``vllm serve ... --worker-extension-cls flipsync.engines.vllm.worker.FlipsyncWorkerExtension``
   with ``VLLM_SERVER_DEV_MODE=1`` (which mounts ``POST /collective_rpc``), on the same host.
-- :class:`LocalTransport`: :class:`~flipsync.sidecar.vllm_worker.WorkerCore` objects in this process (tests).
+- :class:`LocalTransport`: :class:`~flipsync.engines.vllm.worker.WorkerCore` objects in this process (tests).
 
 At start-up every worker learns where each checkpoint element lives among its parameters (probe tensors
-pushed through vLLM's own weight loaders, see :mod:`flipsync.sidecar.vllm_worker`) and sends its map here.
+pushed through vLLM's own weight loaders, see :mod:`flipsync.engines.vllm.worker`) and sends its map here.
 Then, per patch:
 
 - ``stage`` (while serving): decode each section, look its changed positions up in the maps (per worker:
@@ -46,9 +46,8 @@ import torch
 from flipsync.codec import FingerprintTable, Patch, TensorId
 from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
 from flipsync.codec.digest import fingerprint_of, fp_hex
-from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
-from flipsync.sidecar.engine import Engine
-from flipsync.sidecar.vllm_worker import (
+from flipsync.engines.base import Engine
+from flipsync.engines.vllm.worker import (
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
     PROTOCOL,
@@ -61,6 +60,7 @@ from flipsync.sidecar.vllm_worker import (
     uint_dtype,
     unb64,
 )
+from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
 
 log = logging.getLogger(__name__)
 

@@ -40,11 +40,11 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite, scatter
 from flipsync.codec.bits import int_view
+from flipsync.engines.base import Engine
+from flipsync.engines.torch.steplock import StepLock
+from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
 from flipsync.formats import get_format, served_view
-from flipsync.sidecar.engine import Engine
-from flipsync.sidecar.steplock import StepLock
-from flipsync.sidecar.tokenizer import ByteTokenizer
 
 log = logging.getLogger(__name__)
 

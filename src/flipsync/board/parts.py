@@ -13,8 +13,8 @@ import itertools
 from collections.abc import Sequence
 
 from flipsync.codec import FingerprintTable, Patch, squash
+from flipsync.domain.headers import ViewRef
 from flipsync.domain.manifest import Manifest
-from flipsync.domain.patch import ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 

@@ -8,7 +8,7 @@ import torch
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
-from flipsync.domain.patch import ViewRef
+from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 from tests.strategies import edit, same_bits
 

@@ -11,12 +11,12 @@ import re
 import numpy as np
 import pytest
 import torch
+from formats_reference import RefOverflow, bits, engine_input, reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flipsync.errors import FormatError, NonFiniteError
 from flipsync.formats import FORMAT_NAMES, dequantize_view, get_format, served_view
-from formats_reference import RefOverflow, bits, engine_input, reference
 
 # The reference comparisons are cheap: run 3x the active hypothesis profile's example count
 # (tests/conftest.py: "ci" by default, HYPOTHESIS_PROFILE=thorough for a deep search).

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from flipsync.board.parts import patch_from_parts
 from flipsync.codec import FingerprintTable, Patch, diff_views
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import CorruptPatchError
-from flipsync.sidecar.patches import patch_from_parts
 from tests.strategies import PART_HASH, patch_manifest
 
 
