@@ -16,9 +16,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import Step
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
+from flipsync.board.writer import BoardWriter
 
 AZURITE_ACCOUNT = "devstoreaccount1"
 # The well-known Azurite development key (public, documented by Microsoft).
@@ -155,10 +155,10 @@ def build_run(
     patch_size: int = 2000,
     publisher_id: str = "trainer-0",
     **publisher_kw: object,
-) -> Publisher:
+) -> BoardWriter:
     """Publish a snapshot v0 and patches v1..vn (two parts each), extra keyframes and, optionally, the
     power-of-two spans the cadence asks for. Views are ``fp(v)``; keyframe tensors ``small_view(v)``."""
-    pub = Publisher(store, run, publisher_id=publisher_id, **publisher_kw)  # type: ignore[arg-type]
+    pub = BoardWriter(store, run, publisher_id=publisher_id, **publisher_kw)  # type: ignore[arg-type]
     pub.publish_snapshot(small_view(0), version=0, view_fp=fp(0), served_format="bf16")
     for v in range(1, n + 1):
         pub.publish_patch(

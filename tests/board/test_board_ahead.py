@@ -12,10 +12,10 @@ from board_helpers import backend_params, build_run, fp
 
 from flipsync.board.ahead import FetchAhead
 from flipsync.board.layout import RunLayout
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, PatchStep
 from flipsync.board.retention import RetentionPolicy, collect_garbage
 from flipsync.board.store import ObstoreStore, StoreWrapper
+from flipsync.board.writer import BoardWriter
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import IntegrityError, StoreError
 
@@ -123,7 +123,7 @@ def test_fetch_ahead_downloads_a_folder_once_and_answers_reads_from_it(store: Ob
     assert ahead.watch(folder) is False
     paths = [f"{folder}/{p}" for p, _ in part.objects]
     reader = BoardReader(ahead, "run")
-    Publisher(store, "run").commit_uploaded_patch(
+    BoardWriter(store, "run").commit_uploaded_patch(
         [part], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2), served_format="bf16"
     )
     assert ahead.watch(folder) is True

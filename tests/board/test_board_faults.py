@@ -179,10 +179,10 @@ def test_store_timing_out_keeps_last_good_version(black_hole: int) -> None:
 def test_nothing_on_the_board_is_overwritten(store: ObstoreStore) -> None:
     pub = build_run(store, 3)
     before = snapshot_of_board(store)
-    from flipsync.board.publish import Publisher
+    from flipsync.board.writer import BoardWriter
     from flipsync.errors import ConflictError
 
-    intruder = Publisher(store, "run", publisher_id="intruder")
+    intruder = BoardWriter(store, "run", publisher_id="intruder")
     intruder.resume()
     for v in (1, 2, 3):
         with pytest.raises(ConflictError):

@@ -13,9 +13,9 @@ from board_helpers import backend_params, fp, small_view
 from safetensors.torch import load_file
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files, plan_shards, tensors_from_files
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, load_keyframe
 from flipsync.board.store import ObstoreStore
+from flipsync.board.writer import BoardWriter
 from flipsync.errors import ConfigError, IntegrityError
 
 
@@ -77,7 +77,7 @@ def test_damaged_keyframe_files_are_refused() -> None:
 @pytest.mark.parametrize("store_factory", backend_params("file", "s3", "azure"), indirect=True)
 def test_keyframe_round_trip_on_a_board(store: ObstoreStore) -> None:
     t = view()
-    pub = Publisher(store, "run", publisher_id="t", max_shard_bytes=6000)
+    pub = BoardWriter(store, "run", publisher_id="t", max_shard_bytes=6000)
     snap = pub.publish_snapshot(t, version=0, view_fp=fp(0), served_format="fp8")
     assert len(snap.parts) >= 3 and snap.meta["tensors"] == len(t)
     back = load_keyframe(store, "run")
@@ -88,7 +88,7 @@ def test_keyframe_round_trip_on_a_board(store: ObstoreStore) -> None:
 def test_keyframe_folder_loads_as_a_checkpoint(store: ObstoreStore) -> None:
     """An engine reads the index, then each shard with a plain safetensors loader."""
     t = small_view(3)
-    pub = Publisher(store, "run", publisher_id="t", max_shard_bytes=4096)
+    pub = BoardWriter(store, "run", publisher_id="t", max_shard_bytes=4096)
     pub.publish_snapshot(small_view(0), version=0, view_fp=fp(0), served_format="bf16")
     pub.publish_patch(
         [b"p"], base_version=0, target_version=1, base_view_fp=fp(0), target_view_fp=fp(1), served_format="bf16"

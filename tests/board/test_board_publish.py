@@ -11,17 +11,17 @@ from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, 
 
 from flipsync.board.catalog import content_hash
 from flipsync.board.layout import RunLayout, new_attempt_id
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep
 from flipsync.board.signing import Signer, Verifier, generate_keypair
 from flipsync.board.store import ObstoreStore, StoreWrapper
+from flipsync.board.writer import BoardWriter
 from flipsync.domain.manifest import Kind, Manifest, Part
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
 
 ALL = backend_params()
 
 
-def patch(pub: Publisher, v: int, lineage: str = "a", size: int = 2000) -> None:
+def patch(pub: BoardWriter, v: int, lineage: str = "a", size: int = 2000) -> None:
     pub.publish_patch(
         [patch_bytes(v, size)],
         base_version=v - 1,
@@ -68,7 +68,7 @@ def test_publish_then_catch_up_from_anywhere(store: ObstoreStore) -> None:
 @pytest.mark.parametrize("store_factory", ALL, indirect=True)
 def test_racing_publishers_exactly_one_creates_the_version(store: ObstoreStore) -> None:
     build_run(store, 1)
-    pubs = [Publisher(store, "run", publisher_id=f"trainer-{i}") for i in range(6)]
+    pubs = [BoardWriter(store, "run", publisher_id=f"trainer-{i}") for i in range(6)]
     for p in pubs:
         p.resume()
     results: dict[int, object] = {}
@@ -113,7 +113,7 @@ def test_racing_publishers_exactly_one_creates_the_version(store: ObstoreStore) 
 @pytest.mark.parametrize("store_factory", backend_params("file", "s3"), indirect=True)
 def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
     a = build_run(store, 2, publisher_id="trainer-a")
-    b = Publisher(store, "run", publisher_id="trainer-b")
+    b = BoardWriter(store, "run", publisher_id="trainer-b")
     assert b.resume() is not None and b.head is not None and b.head.version == 2
     patch(a, 3)  # a moves on; b still believes HEAD is v2
     with pytest.raises(ConflictError, match=r"v3 of run 'run' was already published by trainer-a"):
@@ -126,7 +126,7 @@ def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
             served_format="bf16",
         )
     # A trainer restarted from an older checkpoint (its base is v1) is fenced with a clear message.
-    c = Publisher(store, "run", publisher_id="trainer-c")
+    c = BoardWriter(store, "run", publisher_id="trainer-c")
     with pytest.raises(ConflictError, match=r"its base is v1 .* board's HEAD is v3"):
         patch(c, 2)
     # Same version number but a different view (a second trainer in lock step) is fenced too.
@@ -153,7 +153,7 @@ def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
 
 
 def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
-    pub = Publisher(store, "run", publisher_id="t")
+    pub = BoardWriter(store, "run", publisher_id="t")
     with pytest.raises(ConflictError, match="no version yet"):
         patch(pub, 1)
     with pytest.raises(ConflictError, match="must be v0"):
@@ -193,7 +193,7 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
         pub.publish_keyframe(small_view(1), version=5, view_fp=fp(5), served_format="bf16")
     # Keyframes and spans are idempotent: a second publisher doing the same work gets the same answer.
     k1 = pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16")
-    other = Publisher(store, "run", publisher_id="t2")
+    other = BoardWriter(store, "run", publisher_id="t2")
     assert other.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16") == k1
     s1 = pub.publish_span(
         [span_bytes(0, 1)],
@@ -245,7 +245,7 @@ class CrashingStore(StoreWrapper):
 @pytest.mark.parametrize("crash_on", ["part", "manifest", "hint"])
 def test_crash_at_any_step_leaves_a_usable_board(store: ObstoreStore, crash_on: str) -> None:
     build_run(store, 3)
-    crashing = Publisher(CrashingStore(store, crash_on=crash_on), "run", publisher_id="trainer-0")
+    crashing = BoardWriter(CrashingStore(store, crash_on=crash_on), "run", publisher_id="trainer-0")
     crashing.resume()
     with pytest.raises(KeyboardInterrupt):
         crashing.publish_patch(
@@ -262,7 +262,7 @@ def test_crash_at_any_step_leaves_a_usable_board(store: ObstoreStore, crash_on: 
     rec = Recorder()
     assert Follower(reader, version=1, view_fp=fp(1)).sync(rec) == (4 if published else 3)
     # The restarted publisher resumes from the newest manifest and carries on.
-    restarted = Publisher(store, "run", publisher_id="trainer-0")
+    restarted = BoardWriter(store, "run", publisher_id="trainer-0")
     head = restarted.resume()
     assert head is not None and head.version == (4 if published else 3)
     for v in range(head.version + 1, 6):
@@ -274,7 +274,7 @@ def test_crash_at_any_step_leaves_a_usable_board(store: ObstoreStore, crash_on: 
 def test_ambiguous_manifest_write_is_resolved_by_reading_back(store: ObstoreStore) -> None:
     build_run(store, 1)
     crashing = CrashingStore(store, crash_on="manifest", land_first=True)
-    pub = Publisher(crashing, "run", publisher_id="trainer-0")
+    pub = BoardWriter(crashing, "run", publisher_id="trainer-0")
     m = pub.publish_patch(
         [patch_bytes(2)],
         base_version=1,
@@ -288,7 +288,7 @@ def test_ambiguous_manifest_write_is_resolved_by_reading_back(store: ObstoreStor
 
 def test_restarted_publisher_restores_cadence(store: ObstoreStore) -> None:
     build_run(store, 5, keyframes=(2,), patch_size=1000)
-    pub = Publisher(store, "run", publisher_id="trainer-0")
+    pub = BoardWriter(store, "run", publisher_id="trainer-0")
     pub.resume()
     c = pub.cadence
     assert c.keyframe_version == 2 and c.versions_since == 3
@@ -324,7 +324,7 @@ def upload(store: ObstoreStore, version: int, attempt: str, parts: list[bytes]) 
     return out
 
 
-def commit(pub: Publisher, parts: list[Part], v: int, lineage: str = "a") -> Manifest:
+def commit(pub: BoardWriter, parts: list[Part], v: int, lineage: str = "a") -> Manifest:
     return pub.commit_uploaded_patch(
         parts,
         base_version=v - 1,
@@ -357,7 +357,7 @@ def test_commit_uploaded_patch_publishes_parts_uploaded_by_others(store: Obstore
 @pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
 def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore) -> None:
     a = build_run(store, 2, publisher_id="trainer-a")
-    b = Publisher(store, "run", publisher_id="trainer-b")
+    b = BoardWriter(store, "run", publisher_id="trainer-b")
     b.resume()
     patch(a, 3)  # a moves on; b still believes HEAD is v2
     folder = RunLayout("run").version_dir(3)
@@ -369,7 +369,7 @@ def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore)
     assert not any(f"{folder}/{p.path}" in left for p in stale)
     assert all(f"{folder}/{p.path}" in left for p in BoardReader(store, "run").catalog.version(3).parts)
     # A committer whose base is older than HEAD is refused before anything is written.
-    c = Publisher(store, "run", publisher_id="trainer-c")
+    c = BoardWriter(store, "run", publisher_id="trainer-c")
     with pytest.raises(ConflictError, match=r"its base is v2 .* board's HEAD is v3"):
         commit(c, upload(store, 3, new_attempt_id(), [patch_bytes(-32)]), 3, lineage="c")
     with pytest.raises(BoardError, match="served format"):

@@ -8,10 +8,10 @@ import pytest
 from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, small_view
 
 from flipsync.board.layout import RunLayout
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, Follower
 from flipsync.board.retention import RetentionPolicy, collect_garbage
 from flipsync.board.store import ObstoreStore
+from flipsync.board.writer import BoardWriter
 from flipsync.errors import ConfigError
 
 L = RunLayout("run")
@@ -65,7 +65,7 @@ def test_time_window_widens_the_count_window(store: ObstoreStore) -> None:
     def at(v: int) -> None:  # version v is created (20 - v) hours before `now`
         current[0] = now - timedelta(hours=20 - v)
 
-    pub = Publisher(store, "run", publisher_id="trainer-0", clock=clock)
+    pub = BoardWriter(store, "run", publisher_id="trainer-0", clock=clock)
     at(0)
     pub.publish_snapshot(small_view(0), version=0, view_fp=fp(0), served_format="bf16")
     for v in range(1, 17):

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from flipsync.board.publish import Publisher
 from flipsync.board.store import open_store
+from flipsync.board.writer import BoardWriter
 from flipsync.codec import FingerprintTable, diff_views
 
 
@@ -25,7 +25,7 @@ def view_of(k: int) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     board, run, last = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    pub = Publisher(open_store(board), run, publisher_id="killable")
+    pub = BoardWriter(open_store(board), run, publisher_id="killable")
     head = pub.resume()
     if head is None:
         v0 = view_of(0)

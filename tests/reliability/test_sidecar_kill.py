@@ -36,8 +36,8 @@ import pytest
 import torch
 from safetensors.torch import load
 
-from flipsync.board.publish import Publisher
 from flipsync.board.store import open_store
+from flipsync.board.writer import BoardWriter
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.engines.vllm.engine import specs_of
 from tests.engines.fake_vllm import checkpoint, step
@@ -70,7 +70,7 @@ class Board:
 
     def __init__(self, root: Path, run: str = "run") -> None:
         self.root, self.run = root, run
-        self.pub = Publisher(open_store(str(root)), run, publisher_id="trainer")
+        self.pub = BoardWriter(open_store(str(root)), run, publisher_id="trainer")
         v0 = checkpoint(0)
         self.views = {0: v0}
         self.tables = {0: FingerprintTable.of(v0)}

@@ -13,9 +13,9 @@ from typing import Any
 import httpx
 import torch
 
-from flipsync.board.publish import Publisher
 from flipsync.board.signing import Signer
 from flipsync.board.store import ObjectInfo, Store, StoreOptions
+from flipsync.board.writer import BoardWriter
 from flipsync.codec import FingerprintTable, Patch, diff_views
 from flipsync.codec.bits import int_view
 from flipsync.domain.manifest import Manifest
@@ -109,7 +109,7 @@ class Trainer:
         self.table = FingerprintTable.of(self.view)
         self.views: dict[int, dict[str, torch.Tensor]] = {0: self.view}
         self.fps: dict[int, str] = {0: self.table.view_fp()}
-        self.pub = Publisher(store, run, publisher_id=publisher_id, signer=signer)
+        self.pub = BoardWriter(store, run, publisher_id=publisher_id, signer=signer)
         self.pub.publish_snapshot(self.view, version=0, view_fp=self.fps[0], served_format=fmt)
         self.version = 0
         self.patches: dict[int, bytes] = {}

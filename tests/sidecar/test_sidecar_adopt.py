@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from flipsync.board import BoardReader, Publisher
+from flipsync.board import BoardReader, BoardWriter
 from flipsync.board.store import ObstoreStore
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.engines.base import Engine
@@ -106,7 +106,7 @@ class FakeBoard:
     def __init__(self, store: ObstoreStore, n: int) -> None:
         self.views = [checkpoint(0)]
         tables = [FingerprintTable.of(self.views[0])]
-        pub = Publisher(store, "run", publisher_id="fake")
+        pub = BoardWriter(store, "run", publisher_id="fake")
         pub.publish_snapshot(self.views[0], version=0, view_fp=tables[0].view_fp(), served_format="bf16")
         for k in range(n):
             new = step(self.views[k], k + 1)

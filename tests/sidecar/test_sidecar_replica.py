@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flipsync.board import BoardReader, Publisher, Signer, Verifier, generate_keypair, open_store
+from flipsync.board import BoardReader, BoardWriter, Signer, Verifier, generate_keypair, open_store
 from flipsync.board.layout import RunLayout
 from flipsync.board.store import ObstoreStore
 from flipsync.engines.base import Engine
@@ -157,7 +157,7 @@ def test_unsigned_manifests_are_refused_with_a_verifier(store: ObstoreStore) -> 
     trainer.step()
     assert rep.sync_once() and rep.version == 1
     signed_pub = trainer.pub
-    trainer.pub = Publisher(store, "run", publisher_id="intruder")  # no key
+    trainer.pub = BoardWriter(store, "run", publisher_id="intruder")  # no key
     trainer.step()
     assert not rep.sync_once()
     assert rep.version == 1

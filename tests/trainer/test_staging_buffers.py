@@ -8,8 +8,8 @@ import torch
 
 from flipsync.errors import NonFiniteError
 from flipsync.formats import served_view
+from flipsync.trainer.pieces import Piece
 from flipsync.trainer.staging import Stager
-from flipsync.trainer.view import Piece
 
 
 def _view(stager: Stager, masters: dict[str, torch.Tensor]) -> dict[str, Piece]:

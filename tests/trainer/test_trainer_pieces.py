@@ -12,9 +12,9 @@ from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, apply_pa
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, VerificationError
 from flipsync.trainer import apply_parts, join_parts, stage_parts
-from flipsync.trainer.engine import assemble, check_tiling, merge_deltas
-from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
-from flipsync.trainer.view import Piece, dedupe_tied
+from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.trainer.pieces import Piece, dedupe_tied
+from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas
 
 
 def views(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -32,9 +32,9 @@ from rich.table import Table
 from flipsync.bench.report import md_table
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.catalog import content_hash
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader, Follower, Step
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
+from flipsync.board.writer import BoardWriter
 from flipsync.domain.catchup import plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
 
@@ -110,7 +110,7 @@ def _throughput(store: ObstoreStore, setup: Setup) -> dict[str, float]:
     import torch
 
     size = int(setup.patch_mib * MiB)
-    pub = Publisher(store, "bench", publisher_id="bench")
+    pub = BoardWriter(store, "bench", publisher_id="bench")
     pub.publish_snapshot({"w": torch.zeros(16)}, version=0, view_fp=_fp(0), served_format="bf16")
     payloads = [[os.urandom(size // 2), os.urandom(size - size // 2)] for _ in range(setup.patches)]
     t0 = time.perf_counter()
@@ -154,7 +154,7 @@ def _catchup_model(setup: Setup) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="flipsync-bench-") as tmp:
         store = open_store(tmp)
-        pub = Publisher(
+        pub = BoardWriter(
             store,
             "model",
             publisher_id="bench",

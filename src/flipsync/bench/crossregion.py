@@ -57,10 +57,10 @@ from rich.table import Table
 
 from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.board.ahead import FetchAhead
-from flipsync.board.publish import Publisher as BoardPublisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import Store, StoreWrapper, open_store
 from flipsync.board.throttle import ThrottledStore, TokenBucket, parse_bandwidth
+from flipsync.board.writer import BoardWriter
 from flipsync.codec import FingerprintTable, Patch, UndoRecord, diff_views
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
@@ -364,7 +364,7 @@ def _trainer_full_fire(tr: Trained, root: str) -> Trainer:
     """A full-checkpoint trainer: v1 is the whole served view, written as a snapshot."""
     params, opt = tr.fresh()
     store = _ManifestClock(open_store(root))
-    board = BoardPublisher(store, RUN, publisher_id="bench-trainer")
+    board = BoardWriter(store, RUN, publisher_id="bench-trainer")
     board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
 
     def fire() -> Fired:
@@ -434,7 +434,7 @@ def load_seconds(tr: Trained, repeat: int = 2) -> float:
     """Read a full v1 snapshot from a local board, load it into an engine and fingerprint it (a replica's CPU
     for a full checkpoint); best of ``repeat``."""
     with tempfile.TemporaryDirectory(prefix="flipsync-xr-") as root:
-        board = BoardPublisher(open_store(root), RUN, publisher_id="bench-trainer")
+        board = BoardWriter(open_store(root), RUN, publisher_id="bench-trainer")
         board.publish_snapshot(tr.v0, version=0, view_fp=tr.fp0, served_format=FMT)
         board.publish_snapshot(tr.v1, version=1, view_fp=tr.fp1, served_format=FMT)
         engine = DictEngine(tr.v0)

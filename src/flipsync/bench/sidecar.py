@@ -33,9 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from flipsync.bench.report import Figures, md_table, pyplot, save_figure
-from flipsync.board.publish import Publisher
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
+from flipsync.board.writer import BoardWriter
 from flipsync.codec import FingerprintTable, apply_patch, diff_views
 from flipsync.codec.bits import int_view
 from flipsync.engines.torch.engine import TorchEngine
@@ -89,7 +89,7 @@ def _measure(setup: Setup, fmt: str, console: Console) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="flipsync-bench-sidecar-") as tmp:
         store = open_store(tmp)
-        pub = Publisher(store, RUN, publisher_id="bench")
+        pub = BoardWriter(store, RUN, publisher_id="bench")
         pub.publish_snapshot(prev, version=0, view_fp=table.view_fp(), served_format=fmt)
         engine = TorchEngine(build_model(config, seed=1), served_format=fmt)
         replica = Replica(

@@ -1,165 +1,431 @@
-"""Diff served *pieces* and build the patch part of one rank.
+"""What each rank serves: its model's masters -> checkpoint-format *pieces* of the served view.
 
-`flipsync.codec.diff_views` diffs whole tensors. A rank of a sharded trainer holds only some rows of a
-tensor, so here the changed positions of a piece are shifted by its offset into the full tensor, and its
-fingerprint contribution is computed with those global positions. The codec's fingerprint is a sum over
-elements, so the full tensor's fingerprint is the sum of its pieces' and a change moves it by the sum of
-every rank's deltas: ranks exchange only those deltas (8 bytes per changed tensor), never tensor data.
-The values themselves are coded by the codec (`TensorChange`, `PatchBuilder`) exactly as `diff_views` does,
-on a thread of their own while the next piece is diffed, when the caller gives one.
+A piece is a contiguous run of one served tensor's flat elements, held by one rank: a whole tensor (offset
+0), or the rows an FSDP2 / DTensor ``Shard(0)`` shard holds. Names are the model's ``state_dict()`` keys
+(the Hugging Face checkpoint names), so served names are the checkpoint names of ``flipsync.formats``.
+
+Which rank serves what is planned once, from every rank's master list (`plan_view`):
+
+- a ``Shard(0)`` DTensor on a 1-D mesh whose recipe is an element-wise cast (bf16 / fp16, or any tensor a
+  quantized format leaves unquantized) is served where it lies: every rank casts its own rows, with no
+  parameter communication;
+- every other master is served whole by one rank: a plain tensor by the rank that holds it (balanced by
+  bytes when several do, as under DDP), a ``Replicate`` DTensor likewise, and any other DTensor is gathered
+  with ``full_tensor()`` each step (a collective on the training group, in the training thread) and served
+  by one rank. Members of a fused group (shared fp8 / nvfp4 scale) stay on one rank.
+- tied weights (one tensor under two names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) are
+  served once, under the name a Hugging Face checkpoint keeps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
-from dataclasses import dataclass, replace
-from typing import Any
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-import numpy as np
+import torch
 
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, TensorChange, TensorId
-from flipsync.codec.bits import bits_numpy, dtype_named, key_steps
-from flipsync.codec.digest import fingerprint_of, fp_hex
-from flipsync.codec.patch import encode_change
-from flipsync.domain.headers import SectionHeader, ViewRef
-from flipsync.errors import PatchError
-from flipsync.trainer.view import Piece, PieceSpec
+from flipsync.codec.bits import dtype_of
+from flipsync.errors import ConfigError, PatchError
+from flipsync.formats import fused_groups_auto, get_format, served_view
+from flipsync.formats.base import ServedFormat
+from flipsync.formats.view import Alloc
 
-MASK = (1 << 64) - 1
-_FP_CHUNK = 1 << 22  # elements per fingerprint call when positions must be materialised
+KeepFn = Callable[[str, torch.Tensor], bool]
+StateSource = torch.nn.Module | Callable[[], Mapping[str, torch.Tensor]]
+MasterKind = Literal["plain", "piece", "gather"]
 
 
-@dataclass
-class PieceChange:
-    """The changed elements of one piece, with global positions, and its fingerprint delta."""
+@dataclass(frozen=True)
+class Piece:
+    """Elements ``offset .. offset + tensor.numel()`` of the flattened served tensor of full ``shape``."""
+
+    tensor: torch.Tensor
+    offset: int
+    shape: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        return self.offset == 0 and self.tensor.numel() == math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_of(self.tensor).name
+
+    def spec(self, name: str, rank: int) -> PieceSpec:
+        return PieceSpec(name, self.dtype_name, self.shape, self.offset, self.tensor.numel(), rank)
+
+
+LocalView = dict[str, Piece]
+
+
+def view_bytes(view: Mapping[str, Piece]) -> int:
+    return sum(p.nbytes for p in view.values())
+
+
+@dataclass(frozen=True)
+class PieceSpec:
+    """Where one piece lives: the layout every rank agrees on at the start."""
 
     name: str
-    positions: np.ndarray
-    old_bits: np.ndarray
-    new_bits: np.ndarray
-    delta: int
-    digest: str | None  # content digest of the whole tensor, when this piece is the whole tensor
-    coded: Future[tuple[SectionHeader, bytes]] | None = None  # its section, fingerprints left blank
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+    rank: int
 
 
-Emit = Callable[[str, bytes], None]
+@dataclass(frozen=True)
+class MasterInfo:
+    """What one rank holds of one master, sent to every rank to plan who serves what."""
+
+    kind: MasterKind
+    shape: tuple[int, ...]
+    nbytes: int
 
 
-def _code(
-    name: str,
-    shape: tuple[int, ...],
-    positions: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-    dtype: str,
-    emit: Emit | None,
-) -> tuple[SectionHeader, bytes]:
-    """One piece's section as `build_part` would code it, with blank fingerprints (run on the coder), handed
-    to ``emit`` as soon as it is coded."""
-    d = dtype_named(dtype)
-    section, blob = encode_change(TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0))
-    if emit is not None:
-        emit(name, blob)
-    return section, blob
+def _is_dtensor(t: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(t, DTensor)
 
 
-def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
-    """This piece's share of its tensor's fingerprint (global positions)."""
-    t = piece.tensor.detach().contiguous()
-    if piece.offset == 0:
-        return hasher.fingerprint(t)
-    bits = bits_numpy(t.cpu())
-    acc = 0
-    for s in range(0, bits.size, _FP_CHUNK):
-        e = min(bits.size, s + _FP_CHUNK)
-        acc += fingerprint_of(np.arange(piece.offset + s, piece.offset + e, dtype=np.int64), bits[s:e])
-    return acc & MASK
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
-def diff_pieces(
-    old: Mapping[str, Piece],
-    new: Mapping[str, Piece],
-    engine: DiffEngine,
-    hasher: Hasher,
-    coder: Executor | None = None,
-    emit: Emit | None = None,
-) -> list[PieceChange]:
-    """Changed elements of every piece (same layout on both sides, checked by the caller).
+def _alias_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    local = _local(t)
+    if local.device.type == "meta" or local.numel() == 0:
+        return None
+    return (
+        local.device,
+        local.untyped_storage().data_ptr(),
+        local.storage_offset(),
+        tuple(local.shape),
+        local.stride(),
+        local.dtype,
+    )
 
-    While the next piece is diffed, a changed whole tensor's content digest is hashed on the hasher's pool
-    and, with a ``coder``, each piece's section is coded on it (only its fingerprints wait for the other
-    ranks' deltas: `build_part` fills them in) and handed to ``emit`` (name, coded bytes), in piece order.
-    """
-    found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None, Any]] = []
-    for name in sorted(new):
-        a, b = old[name], new[name]
-        ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
-        changes = engine.changes(ta, tb)
-        if not changes.size:
+
+def state_of(source: StateSource) -> Mapping[str, torch.Tensor]:
+    """The named masters of a model (``state_dict()``) or of any callable returning them."""
+    return source.state_dict() if isinstance(source, torch.nn.Module) else source()
+
+
+def tied_targets(model: StateSource) -> set[str]:
+    """State-dict names Hugging Face drops from checkpoints because they alias another tensor."""
+    out: set[str] = set()
+    if not isinstance(model, torch.nn.Module):
+        return out
+    for prefix, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None)
+        if not keys:
             continue
-        positions = changes.positions + b.offset
-        delta = (fingerprint_of(positions, changes.new) - fingerprint_of(positions, changes.old)) & MASK
-        digest = hasher.digest_soon(tb) if b.whole else None
-        coded = None
-        if coder is not None:
-            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name, emit)
-        found.append((name, positions, changes.old, changes.new, delta, digest, coded))
-    return [PieceChange(n, p, o, w, d, dg() if dg else None, c) for n, p, o, w, d, dg, c in found]
-
-
-def advance(table: FingerprintTable, deltas: Mapping[str, int]) -> FingerprintTable:
-    """The table after adding fingerprint deltas to the named tensors."""
-    out = table.copy()
-    for name, d in deltas.items():
-        tid = out[name]
-        out[name] = TensorId(tid.dtype, tid.shape, (tid.fp + d) & MASK)
+        names = keys.keys() if isinstance(keys, Mapping) else keys  # transformers 5: {target: source}
+        for key in names:
+            if isinstance(key, str):
+                out.add(f"{prefix}.{key}" if prefix else key)
     return out
 
 
-def build_part(
-    changes: list[PieceChange],
-    before: FingerprintTable,
-    *,
-    base: ViewRef,
-    target: ViewRef,
-    served_format: str,
-) -> Patch:
-    """One rank's part: a complete flipsync patch from the view ``base`` to ``target``."""
-    builder = PatchBuilder()
-    for c in changes:
-        tid = before[c.name]
-        if c.coded is not None:
-            section, blob = c.coded.result()
-            if (section.dtype, tuple(section.shape)) != (tid.dtype, tuple(tid.shape)):
-                raise PatchError(f"piece {c.name!r} was coded as {section.dtype} {section.shape}, not {tid}")
-            base_fp, target_fp = fp_hex(tid.fp), fp_hex(tid.fp + c.delta)
-            builder.add_encoded(replace(section, base_fp=base_fp, target_fp=target_fp, target_digest=c.digest), blob)
-            continue
-        d = dtype_named(tid.dtype)
-        builder.add(
-            TensorChange(
-                name=c.name,
-                dtype=d,
-                shape=tid.shape,
-                positions=c.positions,
-                values=key_steps(c.old_bits, c.new_bits, d),
-                raw=None,
-                base_fp=tid.fp,
-                target_fp=(tid.fp + c.delta) & MASK,
-                target_digest=c.digest,
-            )
-        )
-    return builder.build(base=base, target=target, served_format=served_format)
+def dedupe_tied(
+    state: Mapping[str, torch.Tensor], drop_first: set[str] | frozenset[str] = frozenset()
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(masters without aliases, {alias: kept name}).
 
-
-def table_of_pieces(layout: Mapping[str, PieceSpec], partials: list[dict[str, int]]) -> FingerprintTable:
-    """The view's fingerprint table from every rank's piece fingerprints (summed per tensor).
-
-    ``layout`` gives each tensor's dtype and full shape (any of its pieces' specs).
+    Of names that share one tensor the first in ``state`` order is kept, unless it is one that Hugging Face
+    drops (``drop_first``) and another is not: so ``model.embed_tokens.weight`` is served and
+    ``lm_head.weight`` is recorded as its alias, as in a checkpoint of a tied model.
     """
-    fps: dict[str, int] = {}
-    for part in partials:
-        for name, fp in part.items():
-            fps[name] = (fps.get(name, 0) + fp) & MASK
-    return FingerprintTable({name: TensorId(s.dtype, s.shape, fps.get(name, 0)) for name, s in layout.items()})
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    order: list[str] = []
+    for name, t in state.items():
+        key = _alias_key(t)
+        if key is None:
+            order.append(name)
+            continue
+        if key not in groups:
+            order.append(name)
+        groups.setdefault(key, []).append(name)
+    aliases: dict[str, str] = {}
+    rename: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        kept = next((n for n in names if n not in drop_first), names[0])
+        for n in names:
+            if n != kept:
+                aliases[n] = kept
+        rename[names[0]] = kept
+    masters = {rename.get(n, n): state[rename.get(n, n)] for n in order}
+    return masters, aliases
+
+
+def _castable(f: ServedFormat, name: str, t: torch.Tensor, keep: KeepFn | None) -> bool:
+    """True when the recipe for this tensor is an element-wise cast, so a row shard serves its own rows."""
+    if not t.is_floating_point():
+        return False
+    if not f.quantized:
+        return True
+    return not f.selects(name, t) or (keep is not None and keep(name, t))
+
+
+def _row_shard(t: torch.Tensor) -> int | None:
+    """The shard index of a DTensor ``Shard(0)`` on a 1-D mesh, else None."""
+    from torch.distributed.tensor import Shard
+
+    placements = t.placements  # type: ignore[attr-defined]
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    if mesh.ndim != 1 or len(placements) != 1 or placements[0] != Shard(0) or t.dim() == 0:
+        return None
+    coord = mesh.get_coordinate()
+    return None if coord is None else int(coord[0])
+
+
+def _is_replicated(t: torch.Tensor) -> bool:
+    return all(p.is_replicate() for p in t.placements)  # type: ignore[attr-defined]
+
+
+def master_infos(masters: Mapping[str, torch.Tensor], fmt: str, keep: KeepFn | None) -> dict[str, MasterInfo]:
+    """How this rank holds each master (see the module doc)."""
+    f = get_format(fmt)
+    out: dict[str, MasterInfo] = {}
+    for name, t in masters.items():
+        kind: MasterKind = "plain"
+        if _is_dtensor(t) and not _is_replicated(t):
+            piece = _row_shard(t) is not None and _castable(f, name, t, keep)
+            kind = "piece" if piece else "gather"
+        out[name] = MasterInfo(kind, tuple(t.shape), t.numel() * t.element_size())
+    return out
+
+
+@dataclass
+class ViewPlan:
+    """This rank's part of serving the model; the same plan is derived on every rank."""
+
+    fmt: str
+    from_fp32: bool
+    keep: KeepFn | None
+    order: list[str]  # every master name, in state-dict order (without aliases)
+    aliases: dict[str, str]
+    drop_first: set[str]
+    owned: list[str]  # masters this rank serves whole
+    pieces: list[str]  # masters this rank serves as its own row shard
+    gathered: list[str]  # DTensor masters every rank gathers each step (owned by one)
+    groups: list[list[str]] | None  # fused groups among `owned` (formats with a shared scale)
+    owners: dict[str, int] = field(default_factory=dict)
+
+    def masters(self, model: StateSource) -> dict[str, torch.Tensor]:
+        """The model's current masters by name, checked against the plan (no tensor added or removed)."""
+        state = state_of(model)
+        masters, aliases = dedupe_tied(state, self.drop_first)
+        if list(masters) != self.order or aliases != self.aliases:
+            added = sorted(set(masters) - set(self.order))
+            gone = sorted(set(self.order) - set(masters))
+            raise PatchError(
+                f"the model's tensors changed since the publisher started (added: {added[:5]}, removed: "
+                f"{gone[:5]}, tied: {sorted(aliases.items())[:3]} vs {sorted(self.aliases.items())[:3]}); "
+                "a patch cannot add or remove tensors: call publisher.snapshot() to publish a full view, "
+                "or start a new run"
+            )
+        return masters
+
+    def gather(self, masters: Mapping[str, torch.Tensor]) -> Inputs:
+        """What this rank serves from, as tensor references (training thread: may run collectives).
+
+        Gathered DTensors are materialised here (``full_tensor()`` is a collective on the training group);
+        everything else is a reference to the live master, so the inputs are only valid until the masters
+        change again (the next optimizer step).
+        """
+        whole: dict[str, torch.Tensor] = {}
+        owned = set(self.owned)
+        for name in self.gathered:  # every rank takes part, in the same order
+            full = masters[name].full_tensor()  # type: ignore[attr-defined]
+            if name in owned:
+                whole[name] = full
+        for name in self.owned:
+            if name not in whole:
+                whole[name] = _local(masters[name])
+        rows = []
+        for name in self.pieces:
+            t = masters[name]
+            local = _local(t)
+            rows.append((name, local, _row_offset(name, t, local), tuple(t.shape)))
+        return Inputs(whole, rows)
+
+    def compute(self, inputs: Inputs, alloc: Alloc | None = None) -> LocalView:
+        """This rank's served pieces from `gather`'s inputs (torch ops on their devices; any thread);
+        ``alloc`` gives plain casts their output buffers (see `served_view`)."""
+        out: LocalView = {}
+        if inputs.whole:
+            served = served_view(
+                inputs.whole,
+                self.fmt,
+                from_fp32=self.from_fp32,
+                fused_groups=self.groups,
+                keep=self.keep,
+                alloc=alloc,
+            )
+            held = _storages(inputs.whole.values())
+            for key, t in served.items():
+                out[key] = Piece(_own(t, held), 0, tuple(t.shape))
+        for name, local, offset, shape in inputs.rows:
+            cast = served_view({name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True, alloc=alloc)[name]
+            out[name] = Piece(_own(cast, _storages([local])), offset, shape)
+        return out
+
+    def serve(self, masters: Mapping[str, torch.Tensor]) -> LocalView:
+        return self.compute(self.gather(masters))
+
+
+@dataclass
+class Inputs:
+    """The tensors one step's served view is computed from (see `ViewPlan.gather`)."""
+
+    whole: dict[str, torch.Tensor]  # masters this rank serves whole
+    rows: list[tuple[str, torch.Tensor, int, tuple[int, ...]]]  # (name, local rows, flat offset, full shape)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.whole.values(), *(local for _, local, _, _ in self.rows)]
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+def _own(t: torch.Tensor, held: set[int]) -> torch.Tensor:
+    """A tensor the optimizer cannot change later: served_view returns non-float masters as they are."""
+    t = t.contiguous()
+    return t.clone() if t.numel() and t.untyped_storage().data_ptr() in held else t
+
+
+def _row_offset(name: str, t: torch.Tensor, local: torch.Tensor) -> int:
+    """Flat offset of this rank's rows (torch.chunk rule: ceil(N / W) rows per shard, the last ones short)."""
+    index = _row_shard(t)
+    assert index is not None
+    n = t.shape[0]
+    chunk = -(-n // t.device_mesh.size())  # type: ignore[attr-defined]
+    start = min(index * chunk, n)
+    rows = max(0, min(chunk, n - start))
+    if tuple(local.shape) != (rows, *t.shape[1:]):
+        raise ConfigError(
+            f"DTensor {name!r} (shape {tuple(t.shape)}) holds local rows {tuple(local.shape)} on shard {index}, "
+            f"not the torch.chunk split ({rows} rows); uneven custom sharding is not supported"
+        )
+    return start * math.prod(t.shape[1:])
+
+
+def _units(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
+    grouped = {m for g in groups for m in g}
+    return [*groups, *([n] for n in names if n not in grouped)]
+
+
+def resolve_groups(
+    fmt: str, fused_groups: Literal["auto"] | Sequence[Sequence[str]] | None, names: Sequence[str]
+) -> list[list[str]]:
+    """Fused groups (lists of master names) that must be served by one rank; empty when scales are local."""
+    if not get_format(fmt).uses_group_amax or fused_groups is None:
+        return []
+    if isinstance(fused_groups, str):
+        if fused_groups != "auto":
+            raise ConfigError(f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}")
+        return fused_groups_auto(names)
+    known = set(names)
+    out = []
+    for group in fused_groups:
+        if isinstance(group, str):
+            raise ConfigError(f"fused_groups must be a list of name lists, but got the bare name {group!r}")
+        missing = [m for m in group if m not in known]
+        if missing:
+            raise ConfigError(f"fused group members {missing} are not tensors of the model")
+        out.append(list(group))
+    return out
+
+
+def plan_view(
+    *,
+    rank: int,
+    infos: Sequence[Mapping[str, MasterInfo]],
+    order: list[str],
+    aliases: dict[str, str],
+    drop_first: set[str],
+    fmt: str,
+    from_fp32: bool,
+    keep: KeepFn | None,
+    fused_groups: Literal["auto"] | Sequence[Sequence[str]] | None,
+) -> ViewPlan:
+    """Decide who serves what from every rank's `master_infos` (identical inputs give identical plans)."""
+    world = len(infos)
+    kinds: dict[str, MasterKind] = {}
+    holders: dict[str, list[int]] = {}
+    for r, info in enumerate(infos):
+        for name, mi in info.items():
+            if name in kinds and kinds[name] != mi.kind:
+                raise ConfigError(
+                    f"master {name!r} is a {kinds[name]} tensor on one rank and a {mi.kind} tensor on rank {r}; "
+                    "every rank must hold a tensor the same way"
+                )
+            kinds[name] = mi.kind
+            holders.setdefault(name, []).append(r)
+    sizes = {name: mi.nbytes for info in infos for name, mi in info.items()}
+    for name, kind in kinds.items():
+        if kind in ("piece", "gather") and len(holders[name]) != world:
+            raise ConfigError(f"DTensor {name!r} is not held by every rank; the publisher spans the whole world")
+    whole_names = [n for info in infos for n in info if kinds[n] != "piece"]
+    whole_names = list(dict.fromkeys(whole_names))
+    # Row-shard members are cast, not quantized: served_view leaves them out of their group too.
+    groups = [[m for m in g if kinds[m] != "piece"] for g in resolve_groups(fmt, fused_groups, list(kinds))]
+    groups = [g for g in groups if len(g) >= 2]
+    owners: dict[str, int] = {}
+    load = [0] * world
+    for unit in sorted(_units(whole_names, groups), key=lambda u: (-sum(sizes[m] for m in u), u[0])):
+        candidates = [r for r in range(world) if all(r in holders[m] for m in unit)]
+        if not candidates:
+            raise ConfigError(
+                f"the fused group {unit} is split across ranks; its shared scale needs every member on one rank"
+            )
+        owner = min(candidates, key=lambda r: (load[r], r))
+        load[owner] += sum(sizes[m] for m in unit)
+        for m in unit:
+            owners[m] = owner
+    owned = [n for n in order if owners.get(n) == rank]
+    mine = set(owned)
+    return ViewPlan(
+        fmt=fmt,
+        from_fp32=from_fp32,
+        keep=keep,
+        order=order,
+        aliases=aliases,
+        drop_first=drop_first,
+        owned=owned,
+        pieces=[n for n in order if kinds.get(n) == "piece"],
+        gathered=[n for n in order if kinds.get(n) == "gather"],
+        groups=[g for g in groups if g[0] in mine] if get_format(fmt).uses_group_amax else None,
+        owners=owners,
+    )
+
+
+def check_layout(view: Mapping[str, Piece], expected: Mapping[str, PieceSpec]) -> None:
+    """A patch changes values, never layout: refuse a piece whose dtype, shape or place moved."""
+    if set(view) != set(expected):
+        added, gone = sorted(set(view) - set(expected)), sorted(set(expected) - set(view))
+        raise PatchError(
+            f"the served view's tensors changed (added: {added[:5]}, removed: {gone[:5]}); a patch cannot add "
+            "or remove tensors: call publisher.snapshot() to publish a full view, or start a new run"
+        )
+    for name, p in view.items():
+        e = expected[name]
+        if (p.dtype_name, p.shape, p.offset, p.tensor.numel()) != (e.dtype, e.shape, e.offset, e.numel):
+            raise PatchError(
+                f"served tensor {name!r} changed layout from {e.shape} {e.dtype} to {p.shape} {p.dtype_name} "
+                f"(a parameter changed shape or dtype); a patch cannot change layout: call "
+                "publisher.snapshot() to publish a full view at the next version, or start a new run"
+            )

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from flipsync.board import Publisher as BoardPublisher
+from flipsync.board import BoardWriter
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store, StoreOptions, open_store
@@ -38,11 +38,8 @@ from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, check_chunk_bytes
-from flipsync.trainer.engine import Engine, Published
 from flipsync.trainer.group import Group, make_group
-from flipsync.trainer.slot import Item, MemoryAccount, Slot
-from flipsync.trainer.staging import KeepOn, Stager, StreamFence, cuda_devices, on_devices
-from flipsync.trainer.view import (
+from flipsync.trainer.pieces import (
     Inputs,
     KeepFn,
     LocalView,
@@ -57,7 +54,10 @@ from flipsync.trainer.view import (
     tied_targets,
     view_bytes,
 )
-from flipsync.trainer.viewer import ViewThread
+from flipsync.trainer.rounds import Published, VersionRounds
+from flipsync.trainer.slot import Item, MemoryAccount, Slot
+from flipsync.trainer.staging import KeepOn, Stager, StreamFence, cuda_devices, on_devices
+from flipsync.trainer.view_thread import ViewThread
 from flipsync.trainer.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -189,8 +189,8 @@ class Publisher:
         self._expected: dict[str, PieceSpec] = {n: p.spec(n, self.group.rank) for n, p in view.items()}
 
         rank0 = self.group.rank == 0
-        self.board: BoardPublisher | None = (
-            BoardPublisher(
+        self.board: BoardWriter | None = (
+            BoardWriter(
                 self.store,
                 self.run,
                 publisher_id=publisher_id,
@@ -205,7 +205,7 @@ class Publisher:
         run_meta: dict[str, str | int] = {"format": format}
         if self.plan.aliases:  # served once, under the name a checkpoint keeps
             run_meta["tied"] = ";".join(f"{a}={k}" for a, k in sorted(self.plan.aliases.items()))[:4096]
-        self.engine = Engine(
+        self.rounds = VersionRounds(
             group=self.group,
             run=self.run,
             store=self.store,
@@ -218,10 +218,10 @@ class Publisher:
             meta=run_meta,
             chunk_bytes=chunk_bytes,
         )
-        layout, table = self.engine.survey(view)
+        layout, table = self.rounds.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
-        self.engine.meta["layout"] = layout_fp
+        self.rounds.meta["layout"] = layout_fp
         decision = self.group.broadcast(
             self._decide(table.view_fp(), layout_fp, resume, new_weights) if rank0 else None,
             "how to start",
@@ -233,7 +233,7 @@ class Publisher:
             self._shutdown_resources()
             raise ConflictError(message) if kind == "refuse" else ConfigError(message)
         self.worker = Worker(
-            self.engine,
+            self.rounds,
             self.slot,
             self.group,
             release=self._release_item,
@@ -243,12 +243,12 @@ class Publisher:
             threads=threads,
         )
         if kind == "adopt":
-            self.engine.adopt(view, 0, layout, table, head)
+            self.rounds.adopt(view, 0, layout, table, head)
             log.info("resumed run %s at v%d: HEAD holds this model's view", self.run, head)
         if background:
             # The worker builds its own (lower-priority) pools.
-            self.engine.hasher.close()
-            self.engine.differ.close()
+            self.rounds.hasher.close()
+            self.rounds.differ.close()
             self.worker.start()
         if kind != "adopt":
             self._submit(Item(0, view, snapshot=True, meta=dict(meta or {})))
@@ -329,7 +329,7 @@ class Publisher:
 
         With ``background=True`` the hook only collects the masters; the served view is computed on a
         background thread while the next forward and backward run, and a pre-step hook makes the next
-        ``optimizer.step()`` wait until it is done (see `flipsync.trainer.viewer`). Nothing else may change
+        ``optimizer.step()`` wait until it is done (see `flipsync.trainer.view_thread`). Nothing else may change
         the parameters in place between two optimizer steps.
         """
         if self._hooks:
@@ -459,7 +459,7 @@ class Publisher:
             raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
         self._publish_unpublished(timeout_s)
         self._raise_pending()
-        return self.engine.last
+        return self.rounds.last
 
     def _publish_unpublished(self, timeout_s: float | None) -> None:
         """Try again the newest step whose publication failed while no newer step came to cover it."""
@@ -503,11 +503,11 @@ class Publisher:
         self.slot.clear()
         if hasattr(self, "worker") and (held := self.worker.take_unpublished()) is not None:
             self._release_item(held)
-        if hasattr(self, "engine"):
-            self.engine.close()
+        if hasattr(self, "rounds"):
+            self.rounds.close()
             if not self.background:
-                self.engine.hasher.close()
-                self.engine.differ.close()
+                self.rounds.hasher.close()
+                self.rounds.differ.close()
         self.stager.clear()
         self.group.close()
 
@@ -563,5 +563,5 @@ class Publisher:
             store_failures=self.worker.store_failures,
             view_bytes=sum(s.numel * dtype_named(s.dtype).bits // 8 for s in self._expected.values()),
             peak_view_bytes=self.account.peak,
-            head=self.engine.head,
+            head=self.rounds.head,
         )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flipsync.errors import BoardError
-from flipsync.trainer.view import LocalView, view_bytes
+from flipsync.trainer.pieces import LocalView, view_bytes
 
 
 class MemoryAccount:

@@ -24,7 +24,7 @@ import torch
 
 from flipsync.errors import ConfigError
 from flipsync.formats.view import Alloc
-from flipsync.trainer.view import LocalView, Piece
+from flipsync.trainer.pieces import LocalView, Piece
 
 KeepOn = Literal["host", "device"]
 _Key = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned

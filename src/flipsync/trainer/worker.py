@@ -28,8 +28,8 @@ import torch
 
 from flipsync.codec import DiffEngine, Hasher
 from flipsync.errors import BoardError, StoreError
-from flipsync.trainer.engine import Engine, Published, RoundSkipped
 from flipsync.trainer.group import Group
+from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds
 from flipsync.trainer.slot import Item, Slot
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,11 @@ def lower_priority(nice: int) -> None:
 
 
 class Worker:
-    """Runs the engine on items from the slot, in a thread or inline."""
+    """Runs the version rounds on items from the slot, in a thread or inline."""
 
     def __init__(
         self,
-        engine: Engine,
+        rounds: VersionRounds,
         slot: Slot,
         group: Group,
         *,
@@ -63,7 +63,7 @@ class Worker:
         nice: int,
         threads: int | None,
     ) -> None:
-        self.engine = engine
+        self.rounds = rounds
         self.slot = slot
         self.group = group
         self._release = release
@@ -99,10 +99,10 @@ class Worker:
         lower_priority(self.nice)
         torch.set_num_threads(self.threads or 1)  # per thread (an OpenMP setting): training keeps its own
         # Pools created here inherit the lowered priority.
-        self.engine.differ = DiffEngine(self.threads)
-        self.engine.hasher = Hasher(self.threads)
-        coder = self.engine.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
-        uploader = self.engine.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
+        self.rounds.differ = DiffEngine(self.threads)
+        self.rounds.hasher = Hasher(self.threads)
+        coder = self.rounds.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
+        uploader = self.rounds.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
         try:
             if self.group.size == 1:
                 self._solo_loop()
@@ -114,11 +114,11 @@ class Worker:
         finally:
             self.slot.close()
             self.slot.clear()
-            self.engine.differ.close()
-            self.engine.hasher.close()
+            self.rounds.differ.close()
+            self.rounds.hasher.close()
             coder.shutdown()
             uploader.shutdown()
-            self.engine.coder = self.engine.uploader = None
+            self.rounds.coder = self.rounds.uploader = None
 
     def _solo_loop(self) -> None:
         while (item := self.slot.take()) is not None:
@@ -161,7 +161,7 @@ class Worker:
 
     def _handle(self, item: Item, target: int) -> Published | None:
         try:
-            published = self.engine.run(item, target)
+            published = self.rounds.run(item, target)
         except RoundSkipped as skip:
             self._skipped(item, target, skip)
             return None

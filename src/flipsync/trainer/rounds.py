@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.board import Publisher as BoardPublisher
+from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch
@@ -43,10 +43,10 @@ from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
 from flipsync.trainer.group import Group
-from flipsync.trainer.pieces import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.trainer.pieces import LocalView, PieceSpec
 from flipsync.trainer.slot import Item
 from flipsync.trainer.spans import SpanMaker
-from flipsync.trainer.view import LocalView, PieceSpec
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def from_wire(
     }
 
 
-class Engine:
+class VersionRounds:
     """Publishes versions of one run; holds the view of the last published version (this rank's pieces)."""
 
     def __init__(
@@ -159,7 +159,7 @@ class Engine:
         group: Group,
         run: str,
         store: Store,
-        board: BoardPublisher | None,
+        board: BoardWriter | None,
         served_format: str,
         hasher: Hasher,
         differ: DiffEngine,

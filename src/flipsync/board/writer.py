@@ -17,7 +17,7 @@ landed before it reports a failure. A restarted publisher resumes from the newes
 base is not the board's HEAD (a second trainer, or one restarted from an older checkpoint) is fenced off with
 ConflictError; it may take over explicitly by publishing a snapshot on top of HEAD.
 
-A Publisher is meant to be used from one thread.
+A BoardWriter is meant to be used from one thread.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CadenceState:
     versions_since: int
 
 
-class Publisher:
+class BoardWriter:
     """Publishes one run's versions, keyframes and spans to a board."""
 
     def __init__(
