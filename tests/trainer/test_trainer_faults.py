@@ -22,7 +22,7 @@ from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
 from flipsync.errors import ConflictError, FormatError, NonFiniteError, PatchError, StoreError
-from flipsync.trainer import Publisher
+from flipsync.trainer import Publisher, PublisherConfig
 
 
 def refuse_v2_parts_once() -> Callable[[str, bool, bytes], bool]:
@@ -42,7 +42,7 @@ def test_a_shape_change_is_refused_then_a_snapshot_continues(tmp_path: Path) -> 
     store = open_store(tmp_path)
     model = tiny_llama(tie=False)
     opt = adam(model)
-    pub = Publisher(model, store, run="resize", optimizer=opt, background=False)
+    pub = Publisher(model, store, run="resize", optimizer=opt, config=PublisherConfig(background=False))
     train(model, opt, 1)
     model.resize_token_embeddings(72)
     with pytest.raises(PatchError, match=r"changed layout.*publisher\.snapshot\(\)"):
@@ -61,7 +61,7 @@ def test_dtype_changes_are_refused_by_name(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()
     model.model.register_buffer("counter", torch.zeros(3, dtype=torch.int64))
-    with Publisher(model, store, run="dtypes", background=False) as pub:
+    with Publisher(model, store, run="dtypes", config=PublisherConfig(background=False)) as pub:
         model.double()
         with pytest.raises(FormatError, match="float64"):
             pub.step()
@@ -82,7 +82,7 @@ def test_non_finite_weights_are_refused_and_nothing_is_published(tmp_path: Path,
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, store, run="nan", optimizer=opt, background=background)
+    pub = Publisher(model, store, run="nan", optimizer=opt, config=PublisherConfig(background=background))
     train(model, opt, 1)
     pub.flush()
     head = pub.stats.head
@@ -119,7 +119,11 @@ def test_a_refused_write_skips_the_version_and_the_next_one_covers_it(tmp_path: 
     model = tiny_llama()
     opt = adam(model)
     with Publisher(
-        model, store, run="flaky", optimizer=opt, background=False, max_store_failures=3, manifest_retry_s=0.05
+        model,
+        store,
+        run="flaky",
+        optimizer=opt,
+        config=PublisherConfig(background=False, max_store_failures=3, manifest_retry_s=0.05),
     ) as pub:
         train(model, opt, 4)
     assert store.refused >= 2 and pub.stats.store_failures == 0
@@ -137,7 +141,9 @@ def test_a_board_that_keeps_refusing_stops_the_publisher_with_the_store_error(tm
     store = RefusingStore(inner, lambda path, create_only, data: "patch-" in path)
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, store, run="down", optimizer=opt, background=background, max_store_failures=2)
+    pub = Publisher(
+        model, store, run="down", optimizer=opt, config=PublisherConfig(background=background, max_store_failures=2)
+    )
     with pytest.raises(StoreError, match=r"gave up after 2 failed publications.*resume the run"):
         for _ in range(6):
             train(model, opt, 1)
@@ -156,7 +162,7 @@ def test_a_last_step_whose_publication_failed_is_published_again_by_flush(tmp_pa
     store = RefusingStore(inner, refuse_v2_parts_once())
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, store, run="last", optimizer=opt, background=background)
+    pub = Publisher(model, store, run="last", optimizer=opt, config=PublisherConfig(background=background))
     pub.flush()  # v0 holds the initial weights (else a busy machine may fold step 1 into it)
     train(model, opt, 1)
     pub.flush()
@@ -176,7 +182,7 @@ def test_a_fenced_off_background_publisher_raises_on_the_next_step(tmp_path: Pat
     opt = adam(model)
     pub = Publisher(model, store, run="fence", optimizer=opt)
     pub.flush()
-    with Publisher(tiny_llama(seed=5), store, run="fence", resume=True, background=False):
+    with Publisher(tiny_llama(seed=5), store, run="fence", resume=True, config=PublisherConfig(background=False)):
         pass
     train(model, opt, 1)
     with pytest.raises(ConflictError, match="fenced off"):
@@ -215,7 +221,12 @@ def test_the_slot_hears_that_an_item_is_done_only_after_the_workers_bookkeeping(
     step must have dropped it (else flush publishes that older step again, over the newer one)."""
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, RefusingStore(open_store(tmp_path), refuse_v2_parts_once()), run="order", background=False)
+    pub = Publisher(
+        model,
+        RefusingStore(open_store(tmp_path), refuse_v2_parts_once()),
+        run="order",
+        config=PublisherConfig(background=False),
+    )
     seen: list[tuple[int, bool, int]] = []
     done = pub.slot.done
 

@@ -14,7 +14,7 @@ from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
 from flipsync.errors import ConfigError, ConflictError
-from flipsync.trainer import Publisher, new_run_name
+from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)
 
@@ -33,9 +33,7 @@ def test_replica_follows_every_version_bitwise(tmp_path: Path, fmt: str, backgro
         run="r",
         format=fmt,
         optimizer=opt,
-        background=background,
-        keep_on=keep_on,  # type: ignore[arg-type]
-        keyframe_policy=NO_KEYFRAMES,
+        config=PublisherConfig(background=background, keep_on=keep_on, keyframe_policy=NO_KEYFRAMES),
     ) as pub:
         train(model, opt, 4)
         last = pub.flush()
@@ -51,7 +49,7 @@ def test_replica_follows_every_version_bitwise(tmp_path: Path, fmt: str, backgro
 def test_names_are_checkpoint_names_and_tied_weights_are_served_once(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama(tie=True)
-    with Publisher(model, store, run="tied", background=False) as pub:
+    with Publisher(model, store, run="tied", config=PublisherConfig(background=False)) as pub:
         pub.step()
     m0 = Catalog(store, "tied").version(0)
     assert m0.meta["tied"] == "lm_head.weight=model.embed_tokens.weight"
@@ -64,7 +62,7 @@ def test_names_are_checkpoint_names_and_tied_weights_are_served_once(tmp_path: P
 def test_untied_model_serves_every_state_dict_key(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama(tie=False)
-    with Publisher(model, store, run="untied", background=False):
+    with Publisher(model, store, run="untied", config=PublisherConfig(background=False)):
         pass
     replica = Replica(store, "untied")
     replica.sync()
@@ -74,14 +72,14 @@ def test_untied_model_serves_every_state_dict_key(tmp_path: Path) -> None:
 def test_runs_are_named_and_never_mix(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()
-    with Publisher(model, store, background=False) as a:
+    with Publisher(model, store, config=PublisherConfig(background=False)) as a:
         pass
     assert a.run != new_run_name()  # a fresh unique name by default
     with pytest.raises(ConflictError, match="already exists"):
-        Publisher(model, store, run=a.run, background=False)
+        Publisher(model, store, run=a.run, config=PublisherConfig(background=False))
     # resume=True with the same weights continues the run without a new version
     opt = adam(model)
-    with Publisher(model, store, run=a.run, resume=True, optimizer=opt, background=False) as b:
+    with Publisher(model, store, run=a.run, resume=True, optimizer=opt, config=PublisherConfig(background=False)) as b:
         assert b.started == "adopt" and b.stats.head == 0
         train(model, opt, 1)
     assert b.stats.head == 1
@@ -94,10 +92,10 @@ def test_a_second_trainer_fences_off_the_first(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model)
-    first = Publisher(model, store, run="race", optimizer=opt, background=False)
+    first = Publisher(model, store, run="race", optimizer=opt, config=PublisherConfig(background=False))
     train(model, opt, 1)
     other = tiny_llama(seed=1)  # another trainer (other weights) takes the run over
-    with Publisher(other, store, run="race", resume=True, background=False) as second:
+    with Publisher(other, store, run="race", resume=True, config=PublisherConfig(background=False)) as second:
         assert second.started == "takeover"
     with pytest.raises(ConflictError, match="fenced off"):
         train(model, opt, 1)
@@ -125,7 +123,7 @@ def test_step_returns_while_uploads_are_slow_and_versions_are_squashed(tmp_path:
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, SlowStore(store), run="slow", optimizer=opt, spans=False)  # type: ignore[arg-type]
+    pub = Publisher(model, SlowStore(store), run="slow", optimizer=opt, config=PublisherConfig(spans=False))  # type: ignore[arg-type]
     t = time.perf_counter()
     train(model, opt, 8)
     stepping = time.perf_counter() - t
@@ -146,7 +144,9 @@ def test_manifest_meta_records_trainer_steps(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model)
-    with Publisher(model, store, run="meta", optimizer=opt, background=False, meta={"source": "init"}) as pub:
+    with Publisher(
+        model, store, run="meta", optimizer=opt, config=PublisherConfig(background=False, meta={"source": "init"})
+    ) as pub:
         train(model, opt, 2)
         pub.step(meta={"source": "extra"})
     cat = Catalog(store, "meta")
@@ -160,7 +160,9 @@ def test_manifest_meta_records_trainer_steps(tmp_path: Path) -> None:
 def test_a_published_patch_says_where_its_time_went(tmp_path: Path, background: bool) -> None:
     model = tiny_llama()
     opt = adam(model)
-    with Publisher(model, open_store(tmp_path), run="t", optimizer=opt, background=background) as pub:
+    with Publisher(
+        model, open_store(tmp_path), run="t", optimizer=opt, config=PublisherConfig(background=background)
+    ) as pub:
         pub.flush()  # v0 holds the initial weights (else a busy machine may fold step 1 into it)
         train(model, opt, 1)
         published = pub.flush()
@@ -173,7 +175,9 @@ def test_spans_and_keyframes_let_a_new_replica_catch_up_cheaply(tmp_path: Path) 
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model, lr=1e-4)
-    with Publisher(model, store, run="spans", optimizer=opt, background=False, keyframe_policy=NO_KEYFRAMES):
+    with Publisher(
+        model, store, run="spans", optimizer=opt, config=PublisherConfig(background=False, keyframe_policy=NO_KEYFRAMES)
+    ):
         train(model, opt, 4)
     cat = Catalog(store, "spans")
     assert set(cat.list_spans()) == {(0, 2), (2, 4), (0, 4)}
@@ -183,7 +187,10 @@ def test_spans_and_keyframes_let_a_new_replica_catch_up_cheaply(tmp_path: Path) 
     assert [s.manifest.kind for s in replica.steps] == [Kind.KEYFRAME, Kind.SPAN]
     assert_bitwise(expected_view(model), replica.tensors)
     with Publisher(
-        tiny_llama(seed=3), store, run="kf", background=False, keyframe_policy=KeyframePolicy(max_interval=2)
+        tiny_llama(seed=3),
+        store,
+        run="kf",
+        config=PublisherConfig(background=False, keyframe_policy=KeyframePolicy(max_interval=2)),
     ) as pub:
         pub.step()
         pub.step()
@@ -195,13 +202,13 @@ def test_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown served format"):
         Publisher(model, tmp_path, format="int3")
     with pytest.raises(ConfigError, match="keep_on"):
-        Publisher(model, tmp_path, keep_on="disk")  # type: ignore[arg-type]
-    pub = Publisher(model, tmp_path, background=False)
+        Publisher(model, tmp_path, config=PublisherConfig(keep_on="disk"))  # type: ignore[arg-type]
+    pub = Publisher(model, tmp_path, config=PublisherConfig(background=False))
     pub.close()
     with pytest.raises(ConfigError, match="closed"):
         pub.step()
     with pytest.raises(ConfigError, match="already attached"):
-        p = Publisher(model, tmp_path, background=False, optimizer=adam(model))
+        p = Publisher(model, tmp_path, optimizer=adam(model), config=PublisherConfig(background=False))
         try:
             p.attach(adam(model))
         finally:
@@ -212,7 +219,7 @@ def test_bf16_masters_are_snapshotted_not_aliased(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama().to(torch.bfloat16)
     opt = adam(model)
-    with Publisher(model, store, run="b", optimizer=opt, background=False):
+    with Publisher(model, store, run="b", optimizer=opt, config=PublisherConfig(background=False)):
         train(model, opt, 2)
     replica = Replica(store, "b")
     replica.follow_each()
@@ -223,18 +230,22 @@ def test_resuming_with_another_model_is_refused_unless_new_weights(tmp_path: Pat
     """Other weights of the same model take the run over (a snapshot); another model's view would strand
     the run's replicas (built for HEAD's tensors), so it needs new_weights=True."""
     store = open_store(tmp_path)
-    with Publisher(tiny_llama(), store, run="r", background=False):
+    with Publisher(tiny_llama(), store, run="r", config=PublisherConfig(background=False)):
         pass
     bigger = tiny_llama(layers=2)
     with pytest.raises(ConfigError, match=r"tensors \(names, dtypes or shapes\) that differ from HEAD's") as info:
-        Publisher(bigger, store, run="r", resume=True, background=False)
+        Publisher(bigger, store, run="r", resume=True, config=PublisherConfig(background=False))
     assert "another --run name" in str(info.value) and "--resume --new-weights" in str(info.value)
     with pytest.raises(ConfigError, match="served format fp16, HEAD's is bf16"):
-        Publisher(tiny_llama(), store, run="r", resume=True, format="fp16", background=False)
+        Publisher(tiny_llama(), store, run="r", resume=True, format="fp16", config=PublisherConfig(background=False))
     assert Catalog(store, "r").discover_head(None) == 0  # nothing was published by the refused ones
-    with Publisher(tiny_llama(seed=3), store, run="r", resume=True, background=False) as same_model:
+    with Publisher(
+        tiny_llama(seed=3), store, run="r", resume=True, config=PublisherConfig(background=False)
+    ) as same_model:
         assert same_model.started == "takeover"  # same tensors, other values: a snapshot, as before
-    with Publisher(bigger, store, run="r", resume=True, new_weights=True, background=False) as replaced:
+    with Publisher(
+        bigger, store, run="r", resume=True, new_weights=True, config=PublisherConfig(background=False)
+    ) as replaced:
         assert replaced.started == "takeover"
     head = Catalog(store, "r").version(2)
     assert head.kind is Kind.KEYFRAME and isinstance(head.meta["layout"], str)
@@ -244,7 +255,7 @@ def test_resuming_with_another_model_is_refused_unless_new_weights(tmp_path: Pat
 
 
 def test_default_threads_share_the_node_among_local_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flipsync.trainer.publisher import default_threads
+    from flipsync.trainer.config import default_threads
 
     monkeypatch.setattr("os.cpu_count", lambda: 112)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

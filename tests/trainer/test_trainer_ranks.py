@@ -28,7 +28,7 @@ from trainer_helpers import (
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.errors import BoardError, NonFiniteError
-from flipsync.trainer import Publisher
+from flipsync.trainer import Publisher, PublisherConfig
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)
 
@@ -39,13 +39,18 @@ def partitions(model: torch.nn.Module, world: int) -> list[Callable[[], Mapping[
     return [lambda mine=set(c): {k: v for k, v in model.state_dict().items() if k in mine} for c in cut]
 
 
-def start(sources: list[Any], store: Any, run: str, **kw: Any) -> list[Publisher]:
+def start(sources: list[Any], store: Any, run: str, format: str = "bf16", **kw: Any) -> list[Publisher]:
     ranks = ThreadRanks(len(sources))
     stores = store if isinstance(store, list) else [store] * len(sources)
     made = run_threads(
         [
             lambda r=r: Publisher(
-                sources[r], stores[r], run=run, group=ranks.group(r), keyframe_policy=NO_KEYFRAMES, **kw
+                sources[r],
+                stores[r],
+                format=format,
+                run=run,
+                group=ranks.group(r),
+                config=PublisherConfig(keyframe_policy=NO_KEYFRAMES, **kw),
             )
             for r in range(len(sources))
         ]
@@ -170,7 +175,9 @@ def test_a_rank_that_leaves_mid_version_leaves_no_half_version(tmp_path: Path) -
     stores = [inner, Dying(inner, lambda *a: False)]
     pubs = run_threads(
         [
-            lambda r=r: Publisher(sources[r], stores[r], run="dies", group=ranks.group(r), background=False)
+            lambda r=r: Publisher(
+                sources[r], stores[r], run="dies", group=ranks.group(r), config=PublisherConfig(background=False)
+            )
             for r in (0, 1)
         ]
     )

@@ -23,7 +23,7 @@ from flipsync.codec.patch import OWN_TENSOR_BYTES
 from flipsync.errors import StoreError
 from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
-from flipsync.trainer import Publisher
+from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.commit import PartStream
 
 
@@ -142,7 +142,10 @@ def test_a_publisher_streams_its_parts_and_replicas_read_them_bitwise(tmp_path: 
     model = chunked_model()
     opt = adam(model)
     pub = Publisher(
-        model, store, run="s", background=background, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=2
+        model,
+        store,
+        run="s",
+        config=PublisherConfig(background=background, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=2),
     )
     replica = publish_three_steps(pub, model, opt, store, "s")
     parts = [p for s in replica.patches for p in s.manifest.parts]
@@ -190,7 +193,9 @@ def test_a_version_whose_chunk_upload_failed_leaves_no_chunks_behind(tmp_path: P
     model = chunked_model()
     opt = adam(model)
     store: Store = RefusingStore(inner, refuse)  # type: ignore[assignment]
-    pub = Publisher(model, store, run="f", background=False, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES)
+    pub = Publisher(
+        model, store, run="f", config=PublisherConfig(background=False, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES)
+    )
     replica = publish_three_steps(pub, model, opt, inner, "f")
     assert [s.manifest.meta["steps"] for s in replica.patches] == [1, 2]  # step 2 waited for step 3
     # The failed attempt's chunks were removed; only the committed attempt's objects remain in v2.
@@ -206,7 +211,9 @@ def test_a_sidecar_fetching_ahead_follows_a_streaming_trainer(tmp_path: Path) ->
     model = chunked_model()
     opt = adam(model)
     engine = DictEngine(expected_view(model))
-    pub = Publisher(model, store, run="live", chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=1)
+    pub = Publisher(
+        model, store, run="live", config=PublisherConfig(chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=1)
+    )
     pub.flush()
     ahead = FetchAhead(open_store(tmp_path), interval_s=0.005)
     rep = Sidecar(BoardReader(ahead, "live"), engine, config=ReplicaConfig(poll_interval_s=0.05, jitter=0.0))
@@ -238,7 +245,11 @@ def test_random_chunk_failures_lose_nothing_and_leave_no_stray_objects(tmp_path:
     model = chunked_model()
     opt = adam(model)
     pub = Publisher(
-        model, store, run="r", optimizer=opt, chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, max_store_failures=50
+        model,
+        store,
+        run="r",
+        optimizer=opt,
+        config=PublisherConfig(chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, max_store_failures=50),
     )
     pub.flush()  # v0 holds the initial weights (else a busy machine may fold step 1 into it)
     train(model, opt, 12, vocab=256)

@@ -95,7 +95,7 @@ def fsdp_and_ddp(rank: int, out_dir: str, board: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from flipsync.errors import BoardError, NonFiniteError
-    from flipsync.trainer import Publisher
+    from flipsync.trainer import Publisher, PublisherConfig
 
     for fmt, run in (("bf16", "fsdp-bf16"), ("fp8-tensor", "fsdp-fp8")):
         model = tiny_llama()
@@ -104,7 +104,12 @@ def fsdp_and_ddp(rank: int, out_dir: str, board: str) -> None:
         fully_shard(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         with Publisher(
-            model, board, run=run, format=fmt, optimizer=opt, timeout_s=TIMEOUT_S, keyframe_policy=_no_keyframes()
+            model,
+            board,
+            run=run,
+            format=fmt,
+            optimizer=opt,
+            config=PublisherConfig(timeout_s=TIMEOUT_S, keyframe_policy=_no_keyframes()),
         ) as pub:
             for step in range(3):
                 train_step(model, opt, step)
@@ -146,8 +151,7 @@ def fsdp_and_ddp(rank: int, out_dir: str, board: str) -> None:
         run="ddp-nvfp4",
         format="nvfp4",
         optimizer=opt,
-        timeout_s=TIMEOUT_S,
-        keyframe_policy=_no_keyframes(),
+        config=PublisherConfig(timeout_s=TIMEOUT_S, keyframe_policy=_no_keyframes()),
     ) as pub:
         for step in range(3):
             g = torch.Generator().manual_seed(step * 2 + rank)
@@ -184,7 +188,7 @@ def dying_rank(rank: int, out_dir: str, board: str) -> None:
     from flipsync.board import open_store
     from flipsync.board.store import Store
     from flipsync.errors import BoardError
-    from flipsync.trainer import Publisher
+    from flipsync.trainer import Publisher, PublisherConfig
 
     model = tiny_llama()
     for layer in model.model.layers:
@@ -194,7 +198,7 @@ def dying_rank(rank: int, out_dir: str, board: str) -> None:
     store: Store = open_store(board)
     if rank == 1:
         store = DyingStore(store, 3)  # type: ignore[assignment]
-    pub = Publisher(model, store, run="dying", optimizer=opt, timeout_s=8.0, background=False)
+    pub = Publisher(model, store, run="dying", optimizer=opt, config=PublisherConfig(timeout_s=8.0, background=False))
     try:
         for step in range(4):
             train_step(model, opt, step)

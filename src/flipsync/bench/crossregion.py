@@ -74,6 +74,7 @@ from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher as TrainerPublisher
+from flipsync.trainer import PublisherConfig
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES
 
 RUN = "bench"
@@ -343,8 +344,7 @@ def _trainer_patch_fire(tr: Trained, root: str, chunk_bytes: int) -> Trainer:
         format=FMT,
         run=RUN,
         optimizer=opt,
-        publisher_id="bench-trainer",
-        chunk_bytes=chunk_bytes,
+        config=PublisherConfig(publisher_id="bench-trainer", chunk_bytes=chunk_bytes),
     )
     pub.flush()
     for _ in range(WARM_STEPS):

@@ -4,10 +4,10 @@ A small Llama (transformers ``LlamaForCausalLM`` from a config with a fixed seed
 with Adam on the CPU, four times over from the same weights and batches:
 
 - *bare*: no publisher;
-- *background*: ``Publisher(background=True)``: the step computes the served view (bf16 cast + checks) and
+- *background*: ``PublisherConfig(background=True)``: the step computes the served view (bf16 cast + checks) and
   hands it over; diff, encode and upload run on a lower-priority thread during the next steps;
 - *background, no spans*: the same without squashed catch-up spans (``spans=False``);
-- *inline*: ``Publisher(background=False)``: the step waits for diff, encode and upload.
+- *inline*: ``PublisherConfig(background=False)``: the step waits for diff, encode and upload.
 
 The three run in interleaved blocks of a few steps (so that load from elsewhere on the machine hits all of
 them alike), each publisher flushed after its block (untimed). *Added wall* is the median over rounds of
@@ -32,7 +32,7 @@ from rich.table import Table
 
 from flipsync.bench.report import md_table
 from flipsync.board import Store, open_store
-from flipsync.trainer import Publisher
+from flipsync.trainer import Publisher, PublisherConfig
 
 
 @dataclass(frozen=True)
@@ -73,18 +73,18 @@ def make_model(s: Setup, seed: int = 0) -> torch.nn.Module:
 class Trainer:
     """One model + Adam (+ publisher), stepping through the same batches as the others."""
 
-    def __init__(self, name: str, s: Setup, board: Store | None, **publisher: Any) -> None:
+    def __init__(self, name: str, s: Setup, board: Store | None, config: PublisherConfig | None = None) -> None:
         self.name = name
         self.model = make_model(s)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=s.lr)
-        self.inline = board is not None and publisher.get("background") is False
+        self.inline = board is not None and config is not None and not config.background
         self.pub = (
             Publisher(
                 self.model,
                 board,
                 run=f"bench-{name.replace(', ', '-').replace(' ', '-')}",
                 optimizer=None if self.inline else self.opt,  # inline: step() by hand, timed on its own
-                **publisher,
+                config=config,
             )
             if board is not None
             else None
@@ -146,9 +146,9 @@ def run(console: Console, quick: bool = False, setup: Setup | None = None) -> di
             with console.status("trainer bench: building four copies of the model") as status:
                 trainers = [
                     Trainer("bare", s, None),
-                    Trainer("background", s, board, background=True),
-                    Trainer("background, no spans", s, board, background=True, spans=False),
-                    Trainer("inline", s, board, background=False),
+                    Trainer("background", s, board, PublisherConfig(background=True)),
+                    Trainer("background, no spans", s, board, PublisherConfig(background=True, spans=False)),
+                    Trainer("inline", s, board, PublisherConfig(background=False)),
                 ]
                 for t in trainers:
                     t.block(WARMUP, record=False)
@@ -238,8 +238,8 @@ def markdown(result: dict[str, Any], *, quick: bool = False) -> str:
             f"layers; transformers `LlamaForCausalLM` from a config, no download) trained with Adam (lr {s.lr:g}) on "
             f"{s.batch}x{s.seq}-token batches with {result['torch_threads']} torch threads, four times from the same "
             "weights and batches, in interleaved blocks: *bare* (no publisher), *background* "
-            "(`Publisher(background=True)`: the step hands the masters over; view, diff, encode and upload run on "
-            "lower-priority threads), *background, no spans* and *inline* (the step waits for the publication). "
+            "(`PublisherConfig(background=True)`: the step hands the masters over; view, diff, encode and upload run "
+            "on lower-priority threads), *background, no spans* and *inline* (the step waits for the publication). "
             "*added* is the median over rounds of the block's mean step time over the bare block's, minus one; "
             "*peak views* the most served-view bytes a publisher held at once, as a multiple of one view; *flush* "
             "the wait for the last upload at the end of a block (not part of the step).",

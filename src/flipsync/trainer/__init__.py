@@ -1,18 +1,22 @@
 """The trainer side: publish a model's served view to a board after every optimizer step.
 
-``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed);
+``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed), tuned by a
+``PublisherConfig``;
 ``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
 not control; ``apply_parts`` / ``stage_parts`` / ``join_parts`` let a replica apply a version made of several
 parts (one per trainer rank).
 """
 
+from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.group import Group, SoloGroup, TorchGroup
 from flipsync.trainer.parts import apply_parts, join_parts, stage_parts
-from flipsync.trainer.publisher import Publisher, PublisherStats, new_run_name
+from flipsync.trainer.publisher import Publisher, PublisherStats
+from flipsync.trainer.startup import new_run_name
 
 __all__ = [
     "Group",
     "Publisher",
+    "PublisherConfig",
     "PublisherStats",
     "SoloGroup",
     "TorchGroup",

@@ -21,6 +21,7 @@ from flipsync.board.store import open_store, parse_store_options
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import FORMAT_NAMES
 from flipsync.trainer import watch as watching
+from flipsync.trainer.config import PublisherConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ def _options(key: Path | None, keyframe_every: int, resume: bool, new_weights: b
     if new_weights and not resume:
         raise ConfigError("--new-weights replaces an existing run's weights: it needs --resume")
     return {
-        "signer": Signer.from_pem(key) if key else None,
-        "keyframe_policy": KeyframePolicy(max_interval=keyframe_every),
         "new_weights": new_weights,
+        "config": PublisherConfig(
+            signer=Signer.from_pem(key) if key else None, keyframe_policy=KeyframePolicy(max_interval=keyframe_every)
+        ),
     }
 
 

@@ -26,7 +26,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from flipsync.board import BoardReader
 from flipsync.board.store import Store
 from flipsync.checkpoint import INDEX_NAME, load_checkpoint
 from flipsync.errors import ConfigError, NotFoundError
+from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.publisher import Publisher
 
 log = logging.getLogger(__name__)
@@ -190,15 +191,17 @@ class CheckpointPublisher:
         run: str | None = None,
         format: str = "bf16",
         resume: bool = False,
+        new_weights: bool = False,
         on_event: Event = _quiet,
-        **publisher_options: Any,
+        config: PublisherConfig | None = None,
     ) -> None:
         self.store = store
         self.run = run
         self.format = format
         self.resume = resume
         self.on_event = on_event
-        self.options = publisher_options
+        self.new_weights = new_weights
+        self.config = config or PublisherConfig()
         self._state: Mapping[str, torch.Tensor] = {}
         self.publisher: Publisher | None = None
         self.last: CheckpointDir | None = None
@@ -237,9 +240,8 @@ class CheckpointPublisher:
                 run=self.run,
                 format=self.format,
                 resume=self.resume or self.after is not None,
-                background=False,
-                meta=meta,
-                **self.options,
+                new_weights=self.new_weights,
+                config=replace(self.config, background=False, meta=meta),
             )
             self.run = self.publisher.run
             if self.publisher.started == "adopt":
@@ -275,8 +277,9 @@ def watch(
     once: bool = False,
     max_checkpoints: int | None = None,
     stop: threading.Event | None = None,
+    new_weights: bool = False,
     on_event: Event = _quiet,
-    **publisher_options: Any,
+    config: PublisherConfig | None = None,
 ) -> CheckpointPublisher:
     """Publish every new complete checkpoint under ``ckpt_dir`` until stopped.
 
@@ -285,7 +288,9 @@ def watch(
     ``stop``: an event that ends the loop. Returns the CheckpointPublisher (its ``run`` and ``last``).
     """
     scanner = CheckpointScanner(Path(ckpt_dir), settle_s)
-    pub = CheckpointPublisher(store, run=run, format=format, resume=resume, on_event=on_event, **publisher_options)
+    pub = CheckpointPublisher(
+        store, run=run, format=format, resume=resume, new_weights=new_weights, on_event=on_event, config=config
+    )
     stop = stop or threading.Event()
     published = 0
     first_scan: float | None = None

@@ -1,0 +1,181 @@
+"""`ViewFeed`: each step's served view, from the model's masters to an `Item` for the publisher's worker.
+
+The training thread gathers references to the masters (collectives may run there); the view is computed
+(cast or quantized, checked against the run's layout, staged where it is kept) on the calling thread, or,
+after an optimizer step, on a `ViewThread` while the next forward and backward run. ``settle()`` waits for
+such a view before the masters change again. The feed also owns the memory the views take: the stager's
+buffers and the account of bytes held.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from flipsync.errors import FlipsyncError
+from flipsync.trainer.config import PublisherConfig
+from flipsync.trainer.group import Group
+from flipsync.trainer.pieces import (
+    Inputs,
+    LocalView,
+    PieceSpec,
+    StateSource,
+    ViewPlan,
+    check_layout,
+    dedupe_tied,
+    master_infos,
+    plan_view,
+    state_of,
+    tied_targets,
+    view_bytes,
+)
+from flipsync.trainer.slot import Item, MemoryAccount
+from flipsync.trainer.staging import Stager, StreamFence, cuda_devices, on_devices
+from flipsync.trainer.view_thread import ViewThread
+
+
+class ViewFeed:
+    """Computes, checks and stages the served views of one rank and hands them to ``submit``.
+
+    ``drop_pending``: called before a view is computed, to free a pending view it is about to supersede
+    (background publishing), or None.
+    """
+
+    def __init__(
+        self,
+        model: StateSource,
+        group: Group,
+        fmt: str,
+        config: PublisherConfig,
+        *,
+        submit: Callable[[Item], None],
+        drop_pending: Callable[[], None] | None,
+    ) -> None:
+        self.model = model
+        self.group = group
+        self.format = fmt
+        self.config = config
+        self._submit = submit
+        self._drop_pending = drop_pending
+        self.account = MemoryAccount()
+        self.stager = Stager(config.keep_on)
+        self.viewer: ViewThread | None = None
+        self._read: StreamFence | None = None  # GPU: the deferred view's reads of the masters
+        self.plan = self._make_plan()
+        self.expected: dict[str, PieceSpec] = {}
+
+    def _make_plan(self) -> ViewPlan:
+        drop_first = tied_targets(self.model)
+        masters, aliases = dedupe_tied(state_of(self.model), drop_first)
+        infos = self.group.all_gather(master_infos(masters, self.format, self.config.keep), "the model's tensors")
+        return plan_view(
+            rank=self.group.rank,
+            infos=infos,
+            order=list(masters),
+            aliases=aliases,
+            drop_first=drop_first,
+            fmt=self.format,
+            from_fp32=self.config.from_fp32,
+            keep=self.config.keep,
+            fused_groups=self.config.fused_groups,
+        )
+
+    # -- full views ---------------------------------------------------------------------------------------
+
+    def first_view(self) -> LocalView:
+        """The served view at start-up, staged and held (the layout every later step must keep)."""
+        staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
+        staged.wait()
+        view = staged.view
+        self.account.add(view_bytes(view))
+        self.expected = {n: p.spec(n, self.group.rank) for n, p in view.items()}
+        return view
+
+    def snapshot(self, step: int) -> Item:
+        """A new plan and full view after a layout change (single process): the item of a snapshot."""
+        self.plan = self._make_plan()
+        staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
+        self.account.add(view_bytes(staged.view))
+        self.expected = {n: p.spec(n, 0) for n, p in staged.view.items()}
+        return Item(step, staged.view, staged.wait, snapshot=True)
+
+    # -- per step -----------------------------------------------------------------------------------------
+
+    def defer(self) -> None:
+        """Compute the views of ``after_optimizer_step`` on a background thread from now on."""
+        if self.viewer is None:
+            self.viewer = ViewThread(nice=self.config.nice, threads=self.config.pool_threads)
+
+    def gather(self, step: int) -> Inputs:
+        """References to this step's masters (the training thread: may run collectives)."""
+        try:
+            return self.plan.gather(self.plan.masters(self.model))
+        except FlipsyncError as e:
+            self._no_view(step, e)
+            raise
+
+    def compute(self, inputs: Inputs, step: int, meta: dict[str, str | int]) -> None:
+        """This step's served view, checked and handed to the worker (any thread)."""
+        if self._drop_pending is not None:
+            self._drop_pending()  # about to be superseded: free it before computing the next
+        t0 = time.perf_counter()
+        try:
+            with self.stager.buffers() as alloc:
+                view = self.plan.compute(inputs, alloc)
+                check_layout(view, self.expected)
+        except FlipsyncError as e:
+            self._no_view(step, e)
+            raise
+        staged = self.stager.stage(view)
+        self.account.add(view_bytes(staged.view))
+        self._submit(Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0))
+
+    def after_optimizer_step(self, step: int) -> None:
+        """The post-step hook's work: gather here, compute here or on the view thread."""
+        inputs = self.gather(step)
+        if self.viewer is None:
+            self.compute(inputs, step, {})
+            return
+        devices = cuda_devices(inputs.tensors())
+        # GPU: the view's kernels start after the optimizer's (issued on the training thread's stream) ...
+        updated = StreamFence(devices).record()
+
+        def job() -> None:
+            with on_devices(devices):
+                updated.wait()
+                self.compute(inputs, step, {})
+                # ... and the next optimizer step starts after the view's kernels read the masters.
+                self._read = StreamFence(devices).record()
+
+        self.viewer.submit(job)
+
+    def _no_view(self, step: int, e: FlipsyncError) -> None:
+        if self.group.size > 1:  # the other ranks must learn that this step has no view here
+            self._submit(Item(step, None, error=f"{type(e).__name__}: {e}"))
+
+    def settle(self) -> None:
+        """Wait for a served view being computed in the background (the masters are about to change)."""
+        if self.viewer is not None:
+            self.viewer.wait_idle()
+            read, self._read = self._read, None
+            if read is not None:
+                read.wait()
+
+    def take_error(self) -> BaseException | None:
+        """Why the last deferred view could not be computed (once), or None."""
+        return self.viewer.take_error() if self.viewer is not None else None
+
+    def close_viewer(self) -> None:
+        if self.viewer is not None:
+            self.viewer.close()
+
+    # -- memory -------------------------------------------------------------------------------------------
+
+    def release_view(self, view: LocalView | None) -> None:
+        if view:
+            self.stager.release(view)
+            self.account.sub(view_bytes(view))
+
+    def release_item(self, item: Item) -> None:
+        self.release_view(item.view)
+        item.view = None
