@@ -17,7 +17,9 @@ landed before it reports a failure. A restarted publisher resumes from the newes
 base is not the board's HEAD (a second trainer, or one restarted from an older checkpoint) is fenced off with
 ConflictError; it may take over explicitly by publishing a snapshot on top of HEAD.
 
-A BoardWriter is meant to be used from one thread.
+A BoardWriter is meant to be used from one thread. It decides what is published and checks the fences;
+`flipsync.board.protocol` does steps 1-2 for one artifact, and `flipsync.board.cadence_state` keeps the
+keyframe and span cadence's numbers (the policies themselves are in `flipsync.board.cadence`).
 """
 
 from __future__ import annotations
@@ -26,15 +28,14 @@ import json
 import logging
 import os
 import socket
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish
-from flipsync.board.catalog import Catalog, content_hash
+from flipsync.board.cadence import KeyframePolicy, SpanPolicy
+from flipsync.board.cadence_state import CadenceState, CadenceTracker
+from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import DEFAULT_MAX_SHARD_BYTES, iter_keyframe_files
-from flipsync.board.layout import MANIFEST, new_attempt_id
+from flipsync.board.protocol import ArtifactWriter, Meta
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part, check_name, utc_now_iso
@@ -45,22 +46,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Meta = Mapping[str, str | int | float | bool]
-
 
 def default_publisher_id() -> str:
     host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:80] or "host"
     return f"{host}-{os.getpid()}"
-
-
-@dataclass(frozen=True)
-class CadenceState:
-    """What the keyframe policy looks at, as the publisher last saw the board."""
-
-    keyframe_version: int | None
-    keyframe_bytes: int | None
-    chain_bytes: int
-    versions_since: int
 
 
 class BoardWriter:
@@ -84,16 +73,15 @@ class BoardWriter:
         self.layout = self.catalog.layout
         self.run = run
         self.publisher_id = check_name(publisher_id or default_publisher_id(), "publisher id")
-        self.signer = signer
         self.keyframe_policy = keyframe_policy or KeyframePolicy()
         self.span_policy = span_policy or SpanPolicy()
         self.max_shard_bytes = max_shard_bytes
-        self.manifest_retry_s = manifest_retry_s
-        self._clock = clock
+        self._cadence = CadenceTracker(self.catalog, self.keyframe_policy, self.span_policy)
+        self._artifacts = ArtifactWriter(
+            store, run, self.publisher_id, signer=signer, manifest_retry_s=manifest_retry_s, clock=clock
+        )
         self._head: Manifest | None = None
         self._resumed = False
-        self._origin: int | None = None
-        self._cadence = CadenceState(None, None, 0, 0)
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -104,7 +92,8 @@ class BoardWriter:
 
     @property
     def cadence(self) -> CadenceState:
-        return self._cadence
+        """What the keyframe policy looks at now (`flipsync.board.cadence_state`)."""
+        return self._cadence.state
 
     def resume(self) -> Manifest | None:
         """Read the board's HEAD and the keyframe cadence state; return the HEAD manifest (None: empty run).
@@ -115,58 +104,21 @@ class BoardWriter:
         known = self._head.version if self._head is not None else None
         v = self.catalog.discover_head(known)
         self._resumed = True
-        if v is None:
-            self._head, self._origin = None, None
-            self._cadence = CadenceState(None, None, 0, 0)
-            return None
-        head = self.catalog.version(v)
+        head = self.catalog.version(v) if v is not None else None
         self._head = head
-        self._origin = _origin_of(head)
-        self._cadence = self._scan_cadence(head)
-        log.info("publisher %s resumed run %s at v%d", self.publisher_id, self.run, v)
+        self._cadence.resume(head)
+        if head is None:
+            return None
+        log.info("publisher %s resumed run %s at v%d", self.publisher_id, self.run, head.version)
         return head
 
     def _ensure_resumed(self) -> None:
         if not self._resumed:
             self.resume()
 
-    def _scan_cadence(self, head: Manifest) -> CadenceState:
-        """Walk back from HEAD to the newest keyframe, summing the chain's bytes (bounded, batched reads)."""
-        keyframes = set(self.catalog.list_keyframes())
-        chain = 0
-        since = 0
-        limit = self.keyframe_policy.max_interval
-        hi = head.version
-        while since <= limit and hi >= 0:
-            lo = max(0, hi - 31)
-            batch = self.catalog.read_versions(range(lo, hi + 1))
-            for v in range(hi, lo - 1, -1):
-                if v in keyframes:
-                    try:
-                        kf = self.catalog.keyframe(v)
-                        return CadenceState(v, kf.total_size, chain, since)
-                    except (NotFoundError, IntegrityError) as e:
-                        log.warning("ignoring unreadable keyframe v%d: %s", v, e)
-                m = batch.get(v)
-                if m is None:
-                    # Retention removed it, or it is damaged: no keyframe in reach.
-                    return CadenceState(None, None, chain, since)
-                if m.kind is Kind.KEYFRAME:
-                    return CadenceState(v, m.total_size, chain, since)
-                chain += m.total_size
-                since += 1
-            hi = lo - 1
-        return CadenceState(None, None, chain, since)
-
     def keyframe_due(self) -> bool:
         """Whether the policy asks for a keyframe of the current HEAD now."""
-        c = self._cadence
-        return should_write_keyframe(
-            chain_bytes=c.chain_bytes,
-            keyframe_bytes=c.keyframe_bytes,
-            versions_since=c.versions_since,
-            policy=self.keyframe_policy,
-        )
+        return self._cadence.keyframe_due()
 
     def spans_due(self, version: int | None = None) -> list[tuple[int, int]]:
         """The (base, target) spans the policy asks to squash after ``version`` (default: HEAD)."""
@@ -174,8 +126,7 @@ class BoardWriter:
             if self._head is None:
                 return []
             version = self._head.version
-        origin = self._origin if self._origin is not None else 0
-        return spans_to_publish(version, origin=origin, policy=self.span_policy)
+        return self._cadence.spans_due(version)
 
     # -- publishing ------------------------------------------------------------------------------------
 
@@ -198,14 +149,11 @@ class BoardWriter:
         self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         if self.catalog.has_version(target_version):
             # Cheap early fence: do not upload parts for a version that already exists.
-            other = _describe(self._read_existing(self.layout.version_manifest(target_version)))
-            raise ConflictError(
-                f"publisher {self.publisher_id} is fenced off: v{target_version} of run {self.run!r} was "
-                f"already published{other}. This publisher's view is stale: resume() from the board's "
-                "HEAD, or take over with publish_snapshot on top of it"
+            raise self._artifacts.fenced_off(
+                target_version, self._artifacts.read_existing(self.layout.version_manifest(target_version))
             )
         files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        uploaded = self._upload(self.layout.version_dir(target_version), files)
+        uploaded = self._artifacts.upload(self.layout.version_dir(target_version), files)
         return self._commit_patch(
             uploaded, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
         )
@@ -297,7 +245,7 @@ class BoardWriter:
         meta: Meta | None,
     ) -> Manifest:
         """Create a checked patch version's manifest; HEAD moves to it, lengthening the chain since the keyframe."""
-        m = self._commit(
+        m = self._artifacts.commit(
             self.layout.version_dir(target_version),
             parts,
             kind=Kind.PATCH,
@@ -305,14 +253,11 @@ class BoardWriter:
             base=(base_version, base_view_fp),
             target_view_fp=target_view_fp,
             served_format=served_format,
-            meta={**(meta or {}), "origin": self._origin if self._origin is not None else 0},
+            meta={**(meta or {}), "origin": self._cadence.lineage_origin},
             fence=True,
         )
         self._advance(m)
-        c = self._cadence
-        self._cadence = CadenceState(
-            c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
-        )
+        self._cadence.patch_published(m)
         return m
 
     def publish_snapshot(
@@ -338,9 +283,9 @@ class BoardWriter:
                 f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
         folder = self.layout.version_dir(version)
-        m = self._commit(
+        m = self._artifacts.commit(
             folder,
-            self._upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
+            self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
             kind=Kind.KEYFRAME,
             version=version,
             base=None,
@@ -350,8 +295,7 @@ class BoardWriter:
             fence=True,
         )
         self._advance(m)
-        self._origin = version
-        self._cadence = CadenceState(version, m.total_size, 0, 0)
+        self._cadence.snapshot_published(m)
         return m
 
     def publish_keyframe(
@@ -377,9 +321,9 @@ class BoardWriter:
             return vm  # the version is a snapshot: it is its own keyframe
         folder = self.layout.keyframe_dir(version)
         try:
-            m = self._commit(
+            m = self._artifacts.commit(
                 folder,
-                self._upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
+                self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
                 kind=Kind.KEYFRAME,
                 version=version,
                 base=None,
@@ -393,7 +337,7 @@ class BoardWriter:
             if existing.target_view_fp != view_fp:
                 raise
             m = existing
-        self._note_keyframe(m)
+        self._cadence.keyframe_published(m, self._head.version if self._head is not None else m.version)
         return m
 
     def publish_span(
@@ -421,9 +365,9 @@ class BoardWriter:
         folder = self.layout.span_dir(base_version, target_version)
         files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
         try:
-            return self._commit(
+            return self._artifacts.commit(
                 folder,
-                self._upload(folder, files),
+                self._artifacts.upload(folder, files),
                 kind=Kind.SPAN,
                 version=target_version,
                 base=(base_version, base_view_fp),
@@ -447,143 +391,3 @@ class BoardWriter:
             self.store.put(self.layout.latest, hint.encode())
         except StoreError as e:  # only a hint: readers find HEAD without it
             log.warning("could not update the HEAD hint to v%d: %s", m.version, e)
-
-    def _note_keyframe(self, m: Manifest) -> None:
-        c = self._cadence
-        if c.keyframe_version is not None and m.version < c.keyframe_version:
-            return
-        head_v = self._head.version if self._head is not None else m.version
-        chain, since = 0, 0
-        for v in range(m.version + 1, head_v + 1):
-            chain += self.catalog.version(v).total_size
-            since += 1
-        self._cadence = CadenceState(m.version, m.total_size, chain, since)
-
-    def _upload(self, folder: str, files: Iterable[tuple[str, bytes]]) -> list[Part]:
-        """Put ``files`` in a fresh attempt folder under ``folder`` and make them durable."""
-        attempt = new_attempt_id()
-        written: list[str] = []
-        parts: list[Part] = []
-        for name, data in files:
-            rel = f"{attempt}/{name}"
-            self.store.put(f"{folder}/{rel}", data)
-            written.append(f"{folder}/{rel}")
-            parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
-        self.store.make_durable(written)
-        return parts
-
-    def _commit(
-        self,
-        folder: str,
-        parts: Sequence[Part],
-        *,
-        kind: Kind,
-        version: int,
-        base: tuple[int, str] | None,
-        target_view_fp: str,
-        served_format: str,
-        meta: Meta,
-        fence: bool,
-    ) -> Manifest:
-        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only."""
-        if not parts:
-            raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
-        m = Manifest(
-            run=self.run,
-            version=version,
-            kind=kind,
-            base_version=base[0] if base else None,
-            target_version=version,
-            base_view_fp=base[1] if base else None,
-            target_view_fp=target_view_fp,
-            served_format=served_format,
-            parts=tuple(parts),
-            created=self._clock(),
-            publisher=self.publisher_id,
-            meta=dict(meta),
-        )
-        if self.signer is not None:
-            m = self.signer.sign(m)
-        payload = m.to_json().encode("ascii")
-        written = [f"{folder}/{path}" for p in parts for path, _ in p.objects]
-        self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=fence)
-        log.info(
-            "published %s v%d (%d parts, %d bytes) to %s/%s",
-            kind.value,
-            version,
-            len(parts),
-            m.total_size,
-            self.store.url,
-            folder,
-        )
-        return m
-
-    def _create_manifest(self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool) -> None:
-        deadline = time.monotonic() + self.manifest_retry_s
-        delay = 0.1
-        while True:
-            try:
-                self.store.put(path, payload, create_only=True)
-                return
-            except ConflictError:
-                existing = self._read_existing(path)
-                if existing == payload:
-                    return  # an earlier try of ours landed after all
-                # Someone else's manifest: our parts are unreferenced, so removing them is safe.
-                self._cleanup(written)
-                if not fence:
-                    raise ConflictError(f"{self.store.url}/{path} already exists") from None
-                other = _describe(existing)
-                raise ConflictError(
-                    f"publisher {self.publisher_id} is fenced off: v{version} of run {self.run!r} was "
-                    f"already published{other}. This publisher's view is stale: resume() from the board's "
-                    "HEAD, or take over with publish_snapshot on top of it"
-                ) from None
-            except StoreError as e:
-                # The create may or may not have landed. Never delete parts here: a late-landing manifest
-                # would then point at nothing. Check, and retry within the bound.
-                existing = self._read_existing(path)
-                if existing == payload:
-                    return
-                if existing is not None:
-                    continue  # someone else's: handled as a conflict on the next try
-                if time.monotonic() + delay > deadline:
-                    raise StoreError(
-                        f"could not create {self.store.url}/{path} within {self.manifest_retry_s:g} s: {e}. "
-                        "The version is not published; its parts stay until retention removes them"
-                    ) from e
-                log.warning("creating %s failed, retrying in %.1f s: %s", path, delay, e)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
-    def _read_existing(self, path: str) -> bytes | None:
-        try:
-            return self.store.get(path)
-        except NotFoundError:
-            return None
-        except StoreError as e:
-            log.warning("cannot read back %s: %s", path, e)
-            return None
-
-    def _cleanup(self, written: list[str]) -> None:
-        try:
-            self.store.delete(written)
-        except StoreError as e:  # retention removes unreferenced parts later
-            log.warning("could not remove %d unreferenced parts: %s", len(written), e)
-
-
-def _origin_of(m: Manifest) -> int:
-    if m.kind is Kind.KEYFRAME:
-        return m.version
-    origin = m.meta.get("origin")
-    return origin if isinstance(origin, int) and not isinstance(origin, bool) else 0
-
-
-def _describe(raw: bytes | None) -> str:
-    if raw is None:
-        return ""
-    try:
-        m = Manifest.from_json(raw)
-    except IntegrityError:
-        return " (its manifest is unreadable)"
-    return f" by {m.publisher} at {m.created} (view {m.target_view_fp[:16]})"

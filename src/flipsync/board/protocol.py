@@ -1,0 +1,172 @@
+"""The publish protocol's mechanics for one artifact: durable parts first, then a create-only manifest.
+
+`ArtifactWriter` puts an artifact's files in a fresh attempt folder and makes them durable (``upload``), then
+creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``commit``). A conflict means
+someone else's manifest is there: our parts are unreferenced and removed. A failed or timed-out create may
+still have landed: it is read back, and retried within ``manifest_retry_s``, never followed by deleting
+parts. `flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+from flipsync.board.catalog import content_hash
+from flipsync.board.layout import MANIFEST, new_attempt_id
+from flipsync.board.signing import Signer
+from flipsync.board.store import Store
+from flipsync.domain.manifest import Kind, Manifest, Part, utc_now_iso
+from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+
+log = logging.getLogger(__name__)
+
+Meta = Mapping[str, str | int | float | bool]
+
+
+class ArtifactWriter:
+    """Uploads and commits artifacts (versions, keyframes, spans) of one run as one publisher."""
+
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        publisher_id: str,
+        *,
+        signer: Signer | None = None,
+        manifest_retry_s: float = 30.0,
+        clock: Callable[[], str] = utc_now_iso,
+    ) -> None:
+        self.store = store
+        self.run = run
+        self.publisher_id = publisher_id
+        self.signer = signer
+        self.manifest_retry_s = manifest_retry_s
+        self._clock = clock
+
+    def fenced_off(self, version: int, existing: bytes | None) -> ConflictError:
+        """The error for a version someone else published first (``existing``: its manifest, if read)."""
+        return ConflictError(
+            f"publisher {self.publisher_id} is fenced off: v{version} of run {self.run!r} was "
+            f"already published{describe(existing)}. This publisher's view is stale: resume() from the board's "
+            "HEAD, or take over with publish_snapshot on top of it"
+        )
+
+    def upload(self, folder: str, files: Iterable[tuple[str, bytes]]) -> list[Part]:
+        """Put ``files`` in a fresh attempt folder under ``folder`` and make them durable."""
+        attempt = new_attempt_id()
+        written: list[str] = []
+        parts: list[Part] = []
+        for name, data in files:
+            rel = f"{attempt}/{name}"
+            self.store.put(f"{folder}/{rel}", data)
+            written.append(f"{folder}/{rel}")
+            parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
+        self.store.make_durable(written)
+        return parts
+
+    def commit(
+        self,
+        folder: str,
+        parts: Sequence[Part],
+        *,
+        kind: Kind,
+        version: int,
+        base: tuple[int, str] | None,
+        target_view_fp: str,
+        served_format: str,
+        meta: Meta,
+        fence: bool,
+    ) -> Manifest:
+        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only."""
+        if not parts:
+            raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
+        m = Manifest(
+            run=self.run,
+            version=version,
+            kind=kind,
+            base_version=base[0] if base else None,
+            target_version=version,
+            base_view_fp=base[1] if base else None,
+            target_view_fp=target_view_fp,
+            served_format=served_format,
+            parts=tuple(parts),
+            created=self._clock(),
+            publisher=self.publisher_id,
+            meta=dict(meta),
+        )
+        if self.signer is not None:
+            m = self.signer.sign(m)
+        payload = m.to_json().encode("ascii")
+        written = [f"{folder}/{path}" for p in parts for path, _ in p.objects]
+        self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=fence)
+        log.info(
+            "published %s v%d (%d parts, %d bytes) to %s/%s",
+            kind.value,
+            version,
+            len(parts),
+            m.total_size,
+            self.store.url,
+            folder,
+        )
+        return m
+
+    def _create_manifest(self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool) -> None:
+        deadline = time.monotonic() + self.manifest_retry_s
+        delay = 0.1
+        while True:
+            try:
+                self.store.put(path, payload, create_only=True)
+                return
+            except ConflictError:
+                existing = self.read_existing(path)
+                if existing == payload:
+                    return  # an earlier try of ours landed after all
+                # Someone else's manifest: our parts are unreferenced, so removing them is safe.
+                self._cleanup(written)
+                if not fence:
+                    raise ConflictError(f"{self.store.url}/{path} already exists") from None
+                raise self.fenced_off(version, existing) from None
+            except StoreError as e:
+                # The create may or may not have landed. Never delete parts here: a late-landing manifest
+                # would then point at nothing. Check, and retry within the bound.
+                existing = self.read_existing(path)
+                if existing == payload:
+                    return
+                if existing is not None:
+                    continue  # someone else's: handled as a conflict on the next try
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(
+                        f"could not create {self.store.url}/{path} within {self.manifest_retry_s:g} s: {e}. "
+                        "The version is not published; its parts stay until retention removes them"
+                    ) from e
+                log.warning("creating %s failed, retrying in %.1f s: %s", path, delay, e)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def read_existing(self, path: str) -> bytes | None:
+        try:
+            return self.store.get(path)
+        except NotFoundError:
+            return None
+        except StoreError as e:
+            log.warning("cannot read back %s: %s", path, e)
+            return None
+
+    def _cleanup(self, written: list[str]) -> None:
+        try:
+            self.store.delete(written)
+        except StoreError as e:  # retention removes unreferenced parts later
+            log.warning("could not remove %d unreferenced parts: %s", len(written), e)
+
+
+def describe(raw: bytes | None) -> str:
+    """Who published the manifest ``raw`` (empty when there is none), for a fenced-off message."""
+    if raw is None:
+        return ""
+    try:
+        m = Manifest.from_json(raw)
+    except IntegrityError:
+        return " (its manifest is unreadable)"
+    return f" by {m.publisher} at {m.created} (view {m.target_view_fp[:16]})"
