@@ -7,31 +7,35 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.bench import board, codec, crossregion, scaling, sidecar, trainer
+from flipsync.bench import board, codec, scaling, sidecar, trainer
 from flipsync.bench.all import machine, versions
-from flipsync.bench.workload import Shape
+from flipsync.bench.crossregion import measure, race
+from flipsync.bench.crossregion.costs import CostModel, extrapolate, fit_line
+from flipsync.bench.crossregion.trained import FMT, Trained, same_bits
 from flipsync.cli import app
+from flipsync.formats import served_view
+from flipsync.synthetic import Shape
 
 RATE = 50e6  # bytes/s: fast enough that the test takes milliseconds per transfer
 
 
 @pytest.fixture(scope="module")
-def trained() -> crossregion.Trained:
-    return crossregion.Trained(1 << 18, 1e-6, warmup=2)
+def trained() -> Trained:
+    return Trained(1 << 18, 1e-6, warmup=2)
 
 
-def test_trained_step_is_the_same_every_time(trained: crossregion.Trained) -> None:
+def test_trained_step_is_the_same_every_time(trained: Trained) -> None:
     params, opt = trained.fresh()
     trained.step(params, opt)
-    view = crossregion.served_view({k: p.detach() for k, p in params.items()}, crossregion.FMT)
-    assert crossregion.same_bits(view, trained.v1)
+    view = served_view({k: p.detach() for k, p in params.items()}, FMT)
+    assert same_bits(view, trained.v1)
     assert 0 < trained.changed < trained.elements
 
 
-@pytest.mark.parametrize("method", crossregion.METHODS)
+@pytest.mark.parametrize("method", race.METHODS)
 @pytest.mark.parametrize("n", [1, 3])
-def test_every_method_ends_at_v1_bitwise(trained: crossregion.Trained, method: str, n: int) -> None:
-    out = crossregion.run_method(method, trained, n, RATE, timeout_s=60)
+def test_every_method_ends_at_v1_bitwise(trained: Trained, method: str, n: int) -> None:
+    out = race.run_method(method, trained, n, RATE, timeout_s=60)
     assert out.bitwise
     assert 0 <= out.publish_s <= out.seconds
     if method == "patch":
@@ -42,23 +46,13 @@ def test_every_method_ends_at_v1_bitwise(trained: crossregion.Trained, method: s
         assert out.wan_bytes >= n * trained.view_bytes
 
 
-def test_a_patch_uploaded_whole_and_read_after_its_manifest_ends_at_v1_too(trained: crossregion.Trained) -> None:
-    out = crossregion.run_method("patch", trained, 2, RATE, timeout_s=60, stream=False)
+def test_a_patch_uploaded_whole_and_read_after_its_manifest_ends_at_v1_too(trained: Trained) -> None:
+    out = race.run_method("patch", trained, 2, RATE, timeout_s=60, stream=False)
     assert out.bitwise and out.wan_bytes >= 2 * len(trained.patch)
 
 
-def test_dict_engine_rolls_back(trained: crossregion.Trained) -> None:
-    engine = crossregion.DictEngine(trained.v0)
-    undo = engine.commit(engine.stage(crossregion.Patch.from_bytes(trained.patch)))
-    assert engine.table.view_fp() == trained.fp1
-    engine.rollback(undo)
-    assert engine.table.view_fp() == trained.fp0
-    assert crossregion.same_bits(engine.tensors, trained.v0)
-    assert engine.recompute_table().view_fp() == trained.fp0
-
-
 def test_cost_model_adds_its_terms() -> None:
-    m = crossregion.CostModel(
+    m = CostModel(
         trainer_patch_s_per_byte=1e-9,
         trainer_full_s_per_byte=2e-9,
         trainer_patch_fixed_s=0.5,
@@ -83,16 +77,16 @@ def test_cost_model_adds_its_terms() -> None:
     slow = m.predict("patch", 1, 1e6, 1e9, 1e7, 1e7, chunk_bytes=1e6)
     assert slow == pytest.approx(0.5 + (0.1 + 10.0) + 0.01 + 1.0)
     assert slow < m.predict("patch", 1, 1e6, 1e9, 1e7, 1e7)
-    e = crossregion.extrapolate(m, ("1gbit",), 0.02, 1.1, "a test")
+    e = extrapolate(m, ("1gbit",), 0.02, 1.1, "a test")
     row = e["rows"][0]
     assert row["parallel"]["ratio"] > row["single"]["ratio"] > 1
     assert row["wire_ratio"] == pytest.approx(500e9 / (1.1 * 0.02 * 250e9))
 
 
 def test_line_through_two_points() -> None:
-    assert crossregion._line((1.0, 3.0), (3.0, 7.0)) == pytest.approx((1.0, 2.0))
-    assert crossregion._line((1.0, 3.0), (3.0, 2.0)) == pytest.approx((2.0, 0.0))  # noise: no negative slope
-    assert crossregion._line((1.0, 3.0), (2.0, 8.0)) == pytest.approx((0.0, 4.0))  # no negative fixed part
+    assert fit_line((1.0, 3.0), (3.0, 7.0)) == pytest.approx((1.0, 2.0))
+    assert fit_line((1.0, 3.0), (3.0, 2.0)) == pytest.approx((2.0, 0.0))  # noise: no negative slope
+    assert fit_line((1.0, 3.0), (2.0, 8.0)) == pytest.approx((0.0, 4.0))  # no negative fixed part
 
 
 def test_scaling_measure_verifies() -> None:
@@ -111,7 +105,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(codec, "QUICK", Shape(hidden=64, intermediate=128, layers=1, vocab=256))
     monkeypatch.setattr(codec, "QUICK_REAL_PARAMS", 0)
     monkeypatch.setattr(codec, "BENCH_FORMATS", ("bf16", "nvfp4"))
-    monkeypatch.setattr(crossregion, "QUICK", crossregion.Setup(1 << 16, (1, 2), ("1gbit",), repeats=1))
+    monkeypatch.setattr(measure, "QUICK", measure.Setup(1 << 16, (1, 2), ("1gbit",), repeats=1))
     monkeypatch.setattr(sidecar, "QUICK", sidecar.Setup("tiny", (1e-3, 1e-2), repeat=1, formats=("bf16",)))
     monkeypatch.setattr(scaling, "QUICK", scaling.Setup((200_000, 400_000), repeat=1))
     monkeypatch.setattr(

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from test_trainer_ranks import NO_KEYFRAMES, partitions, start, step_all
 from trainer_helpers import RefusingStore, Replica, adam, assert_bitwise, expected_view, tiny_llama, train
 
-from flipsync.bench.crossregion import DictEngine
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
 from flipsync.board.store import Store
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.patch import OWN_TENSOR_BYTES
+from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import StoreError
 from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
@@ -210,7 +210,7 @@ def test_a_sidecar_fetching_ahead_follows_a_streaming_trainer(tmp_path: Path) ->
     store = open_store(tmp_path)
     model = chunked_model()
     opt = adam(model)
-    engine = DictEngine(expected_view(model))
+    engine = MemoryEngine(expected_view(model), served_format="bf16")
     pub = Publisher(
         model, store, run="live", config=PublisherConfig(chunk_bytes=4096, keyframe_policy=NO_KEYFRAMES, threads=1)
     )
