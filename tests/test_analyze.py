@@ -10,9 +10,9 @@ import torch
 from typer.testing import CliRunner
 
 from flipsync.analyze import compare, grid_spacing, simulate
-from flipsync.bench.workload import Shape, llm_like_masters
 from flipsync.checkpoint import save_checkpoint
 from flipsync.cli import app
+from flipsync.synthetic import Shape, llm_like_masters
 
 SMALL = Shape(hidden=128, intermediate=256, layers=1, vocab=512)
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
 import torch
-from rich.console import Console
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from flipsync.bench import codec as codec_bench
 from flipsync.checkpoint import load_checkpoint, save_checkpoint
 from flipsync.cli import app
 from tests.strategies import same_bits
@@ -107,12 +104,3 @@ def test_errors_are_one_actionable_line(ckpts: dict[str, Path], tmp_path: Path) 
     garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     bad_patch = runner.invoke(app, ["inspect", str(garbage)])
     assert bad_patch.exit_code == 1 and "error" in bad_patch.output
-
-
-def test_codec_bench_runs_side_by_side() -> None:
-    """A smoke run of the benchmark (no timing is asserted: speed is measured by the bench itself)."""
-    report = codec_bench.run(Console(file=io.StringIO()), quick=True, formats=("bf16",), lrs=(1e-6,), real=False)
-    (row,) = report.rows
-    assert row.changed > 0 and row.ours_bpc < row.xor_zstd_bpc < row.int32_bpc < row.int64_bpc
-    assert row.ours_bpc >= row.bound_bpc * 0.99  # the bound is a bound
-    assert "| llm-like (quick) | bf16 |" in codec_bench.markdown(report)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import signal
@@ -15,10 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from rich.console import Console
 from typer.testing import CliRunner
 
-from flipsync.bench import sidecar as bench
 from flipsync.board.store import ObstoreStore
 from flipsync.sidecar.cli import sidecar_app
 from tests.sidecar.sidecar_helpers import Trainer
@@ -120,16 +117,6 @@ def test_cli_refuses_bad_settings(board_dir: str, store: ObstoreStore) -> None:
     assert r.exit_code == 2 and "model_dir" in r.output
     r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "sglang", *up])
     assert r.exit_code == 2 and "mirror" in r.output
-
-
-def test_bench_measures_pause_against_patch_size() -> None:
-    setup = bench.Setup("tiny", (1e-3, 3e-2), repeat=1, formats=("bf16",))
-    res = bench.run(Console(file=io.StringIO()), setup=setup)
-    rows = res["formats"]["bf16"]["rows"]
-    assert [r["fraction"] for r in rows] == [1e-3, 3e-2]
-    assert rows[0]["changed"] < rows[1]["changed"] and rows[0]["patch_bytes"] < rows[1]["patch_bytes"]
-    assert all(r["pause_s"] > 0 and r["stage_s"] > 0 for r in rows)
-    assert res["bf16_scaling"]["changed_ratio"] > 10
 
 
 def test_arguments_are_checked_before_the_heavy_imports(board_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,19 @@
+"""``flipsync bench sidecar``: the engine pause measured against the patch size (no timing is asserted)."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from flipsync.bench import sidecar as bench
+
+
+def test_bench_measures_pause_against_patch_size() -> None:
+    setup = bench.Setup("tiny", (1e-3, 3e-2), repeat=1, formats=("bf16",))
+    res = bench.run(Console(file=io.StringIO()), setup=setup)
+    rows = res["formats"]["bf16"]["rows"]
+    assert [r["fraction"] for r in rows] == [1e-3, 3e-2]
+    assert rows[0]["changed"] < rows[1]["changed"] and rows[0]["patch_bytes"] < rows[1]["patch_bytes"]
+    assert all(r["pause_s"] > 0 and r["stage_s"] > 0 for r in rows)
+    assert res["bf16_scaling"]["changed_ratio"] > 10
