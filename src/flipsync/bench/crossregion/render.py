@@ -41,14 +41,7 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
     for col in ("link", "N", *(METHOD_LABEL[m] for m in METHODS), "full / patch", "relay WAN / (N x patch)", "ok"):
         t.add_column(col, justify="right")
     for r in result["rows"]:
-        t.add_row(
-            r["bandwidth"],
-            str(r["replicas"]),
-            *(f"{fmt_range(r[m])} | {fmt_s(r[m]['model'])}" for m in METHODS),
-            f"{full_over_patch(r):.1f}x",
-            f"{_relay_wan_share(r, result['patch_bytes']):.2f}",
-            "yes" if r["bitwise"] else "NO",
-        )
+        t.add_row(*_measured_cells(r, result["patch_bytes"]))
     st = result["streaming"]
     y = Table(title=f"streaming on and off: N=1, {st['bandwidth']}, patch: median (min-max) | cost model")
     for col in ("part", "measured", "model", "ok"):
@@ -65,6 +58,24 @@ def tables(result: Mapping[str, Any]) -> list[Table]:
     for r in e["rows"]:
         x.add_row(*_extrapolation_cells(r))
     return [t, y, x]
+
+
+def _measured_cells(r: Mapping[str, Any], patch_bytes: int, *, markdown: bool = False) -> tuple[str, ...]:
+    """One measured (link, N) row: per method the measured range and the model (one cell on the console, two
+    in markdown), full / patch, the relay's WAN share and whether every replica ended bitwise at v1."""
+    bold = "**" if markdown else ""
+    if markdown:
+        methods = [x for m in METHODS for x in (fmt_range(r[m]), fmt_s(r[m]["model"]))]
+    else:
+        methods = [f"{fmt_range(r[m])} | {fmt_s(r[m]['model'])}" for m in METHODS]
+    return (
+        r["bandwidth"],
+        str(r["replicas"]),
+        *methods,
+        f"{bold}{full_over_patch(r):.1f}x{bold}",
+        f"{_relay_wan_share(r, patch_bytes):.2f}",
+        "yes" if r["bitwise"] else f"{bold}NO{bold}",
+    )
 
 
 def _streaming_cells(st: Mapping[str, Any]) -> list[tuple[str, tuple[str, str, str]]]:
@@ -212,18 +223,7 @@ def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
         f"{result['patch_bytes'] / 1e3:.1f} kB ({result['bytes_per_changed']:.3f} B per change); stage + commit on "
         f"one engine {result['apply_s'] * 1e3:.1f} ms; full snapshot read + load {result['load_s'] * 1e3:.0f} ms."
     )
-    cells = []
-    for r in result["rows"]:
-        cells.append(
-            (
-                r["bandwidth"],
-                str(r["replicas"]),
-                *(x for m in METHODS for x in (fmt_range(r[m]), fmt_s(r[m]["model"]))),
-                f"**{full_over_patch(r):.1f}x**",
-                f"{_relay_wan_share(r, result['patch_bytes']):.2f}",
-                "yes" if r["bitwise"] else "**NO**",
-            )
-        )
+    cells = [_measured_cells(r, result["patch_bytes"], markdown=True) for r in result["rows"]]
     table = md_table(
         (
             "link",
