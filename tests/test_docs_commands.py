@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_FENCES = {"", "bash", "sh", "shell", "console", "zsh"}
-COMMAND_SEPARATORS = {"&&", "||", ";", "|"}
+COMMAND_SEPARATORS = {"&&", "||", ";", "|", "&"}
 
 
 @dataclass(frozen=True)
