@@ -80,6 +80,15 @@ def test_keygen_command(tmp_path: Path) -> None:
     res = runner.invoke(app, [str(out)])
     assert res.exit_code == 1 and "already exists" in res.output
     assert runner.invoke(app, [str(out), "--force"]).exit_code == 0
+    # -o/--output says the same (the README's form); no file, or two different ones, is a usage error.
+    other = tmp_path / "keys" / "other.key"
+    res = runner.invoke(app, ["-o", str(other)])
+    assert res.exit_code == 0, res.output
+    assert other.exists() and Path(str(other) + ".pub").exists()
+    assert runner.invoke(app, ["--output", str(other), "--force"]).exit_code == 0
+    res = runner.invoke(app, [])
+    assert res.exit_code == 2 and "-o KEY" in res.output
+    assert runner.invoke(app, [str(out), "-o", str(other)]).exit_code == 2
     # The public key verifies a signed board through `show --public-key`.
     from flipsync.board.signing import Signer
 

@@ -125,3 +125,36 @@ def test_not_a_patch() -> None:
         Patch.from_bytes(
             save({"x": torch.zeros(3, dtype=torch.uint8)}, metadata={"flipsync_patch": "1", "flipsync_header": "!!"})
         )
+
+
+def _empty_patch() -> bytes:
+    same = {"x": torch.zeros(8, dtype=torch.bfloat16)}
+    return diff_views(same, {"x": same["x"].clone()})[0].to_bytes()
+
+
+@given(st.binary(min_size=1, max_size=3000), st.sampled_from(["valid", "empty"]))
+def test_bytes_past_the_end_of_the_container_are_refused(extra: bytes, which: str) -> None:
+    """A file that continues past its container is a truncated or spliced upload, not a patch to apply."""
+    data = VALID if which == "valid" else _empty_patch()
+    Patch.from_bytes(data)  # whole: fine
+    with pytest.raises(CorruptPatchError, match=f"{len(extra):,} extra bytes past the end of its container"):
+        Patch.from_bytes(data + extra)
+
+
+def test_a_patch_spliced_onto_another_is_refused() -> None:
+    with pytest.raises(CorruptPatchError, match=f"{len(VALID):,} extra bytes"):
+        Patch.from_bytes(VALID + VALID)
+
+
+def test_bytes_no_stream_claims_inside_the_data_area_are_refused() -> None:
+    """Every stream moved 16 bytes into the data area: the offsets still lie inside the file, yet the first 16
+    bytes belong to nothing (a spliced file again)."""
+    hlen = struct.unpack_from("<Q", VALID)[0]
+    outer = json.loads(VALID[8 : 8 + hlen])
+    for name, entry in outer.items():
+        if name != "__metadata__":
+            entry["data_offsets"] = [entry["data_offsets"][0] + 16, entry["data_offsets"][1] + 16]
+    head = json.dumps(outer).encode()
+    data = struct.pack("<Q", len(head)) + head + bytes(16) + VALID[8 + hlen :]
+    with pytest.raises(CorruptPatchError, match="bytes 0-16 of its data area belong to no stream"):
+        Patch.from_bytes(data)

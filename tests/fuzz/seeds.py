@@ -75,6 +75,11 @@ def patch_cases() -> list[PatchCase]:
     return cases
 
 
+def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
+    """Files that continue past their container (refused): two uploads joined, a stray chunk, padding."""
+    return [cases[0].data + cases[-1].data, cases[1].data + cases[1].data[-4096:], cases[-1].data + bytes(8)]
+
+
 def split_sections(data: bytes) -> bytes:
     """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
     patch = Patch.from_bytes(data)

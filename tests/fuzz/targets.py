@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import sys
 import tempfile
 from collections.abc import Callable, Iterable
@@ -90,6 +91,7 @@ class PatchTarget:
             changes = list(patch.changes())
         except CorruptPatchError:  # the decoder's whole contract: this, or a patch that decodes
             return
+        assert container_end(data) == len(data), "a patch file with bytes past its container was accepted"
         for s, c in zip(patch.sections, changes, strict=True):
             assert c.positions.dtype == np.int64 and c.positions.size == c.values.size == s.n, s.name
             assert c.raw is None or c.raw.size == s.n, s.name
@@ -126,6 +128,13 @@ class PatchTarget:
         apply_patch(work, patch, table, verify="digest")
         expected = self._views.get(patch.header.target.view)
         assert expected is None or _same(work, expected), "an apply reached the target fingerprint with other bits"
+
+
+def container_end(data: bytes) -> int:
+    """Where a (parsed) patch file's safetensors container ends: its header, then its last tensor's bytes."""
+    hlen = int.from_bytes(data[:8], "little")
+    doc = json.loads(data[8 : 8 + hlen])
+    return 8 + hlen + max((e["data_offsets"][1] for k, e in doc.items() if k != "__metadata__"), default=0)
 
 
 def wrap_sections(data: bytes) -> bytes:
@@ -203,7 +212,7 @@ def build(name: str) -> tuple[Target, list[bytes]]:
         cases = seeds.patch_cases()
         pairs = [(c.old, c.new) for c in cases]
         if name == "patch":
-            return PatchTarget(pairs), [c.data for c in cases]
+            return PatchTarget(pairs), [c.data for c in cases] + seeds.spliced_patches(cases)
         inputs = [seeds.split_sections(c.data) for c in cases]
         return SectionsTarget(pairs), inputs
     if name == "manifest":

@@ -21,7 +21,7 @@ from flipsync.board.signing import Signer, Verifier
 from flipsync.board.store import ObstoreStore
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Manifest
-from flipsync.errors import ConfigError, IntegrityError
+from flipsync.errors import ConfigError, CorruptPatchError, IntegrityError
 from tests.fuzz import seeds, targets
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +45,17 @@ def test_seeds_decode_and_pass_their_targets(cases: list[seeds.PatchCase]) -> No
         assert inputs
         for data in inputs:
             target(data)
+
+
+def test_bytes_past_the_container_are_refused(cases: list[seeds.PatchCase]) -> None:
+    """F6: a patch file that continued past its container (a truncated or spliced upload) was accepted."""
+    target, _ = targets.build("patch")
+    for data in seeds.spliced_patches(cases):
+        with pytest.raises(CorruptPatchError, match="extra bytes past the end of its container"):
+            Patch.from_bytes(data)
+        target(data)
+    for c in cases:
+        assert targets.container_end(c.data) == len(c.data)
 
 
 def test_the_sections_wrapper_rebuilds_each_seed_patch(cases: list[seeds.PatchCase]) -> None:

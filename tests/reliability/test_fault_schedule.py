@@ -7,20 +7,36 @@ The trainer publishes real patches of a tiny model through one faulty store (fai
 delays); a sidecar replica with a real torch engine follows through another (failed, delayed, corrupted
 and stale reads). ``FLIPSYNC_FAULT_ITERATIONS`` sets the length (CI runs a few dozen per seed; the slow
 marker runs hundreds).
+
+A second schedule, ``run_startup_schedule``, races a background trainer `Publisher`'s start-up against its first
+steps (the initial snapshot is taken on the publisher's thread while training goes on) under CPU contention:
+busy neighbour processes, store delays, steps right away or a moment later, through ``step()`` or the
+optimizer hook. Every version must hold exactly the weights its manifest's ``meta.step`` names, and v0 must
+be step 0, the initial weights, in every run.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
+from flipsync.codec import FingerprintTable
 from flipsync.errors import FlipsyncError
+from flipsync.formats import served_view
 from flipsync.sidecar.replica import Replica
+from flipsync.trainer import Publisher as TrainerPublisher
+from flipsync.trainer import PublisherConfig
 from tests.reliability.faults import FaultRates, FaultyStore
 from tests.sidecar.sidecar_helpers import Trainer, fast_replica, same_bits, tiny_engine
 
@@ -95,3 +111,97 @@ def test_fault_schedule(tmp_path: Path, seed: int) -> None:
 def test_long_fault_schedule(tmp_path: Path) -> None:
     stats = run_schedule(tmp_path, 99, 400)
     print(f"seed 99: {stats}")
+
+
+# -- publisher start-up racing the first steps ------------------------------------------------------------
+
+STARTUP_DELAYS = FaultRates(delay=0.3, delay_s=0.005)
+
+
+@contextmanager
+def busy_neighbours(n: int) -> Iterator[None]:
+    """``n`` CPU-bound processes at the lowest priority: they starve the publisher's niced threads (as other
+    background work on a trainer's node would), not the training thread."""
+    spin = "import os\nos.nice(19)\nwhile True: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def view_fp(model: torch.nn.Module) -> str:
+    return FingerprintTable.of(served_view(model.state_dict(), "bf16")).view_fp()
+
+
+def startup_run(board: Path, rng: random.Random, seed: int) -> tuple[list[str], int]:
+    """One run: a publisher starts and the trainer steps at once (or nearly); the problems found, versions."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hook = rng.random() < 0.25  # the optimizer hook (view computed on its own thread) or explicit step()
+    steps = rng.randint(1, 3)
+    pause = rng.choice([0.0, 0.0, 0.0, 0.0, 0.001])  # most runs step at once, the tightest race
+    store = FaultyStore(open_store(board), STARTUP_DELAYS, seed)
+    fps = {0: view_fp(model)}
+    pub = TrainerPublisher(
+        model, store, run="startup", optimizer=opt if hook else None, config=PublisherConfig(spans=False)
+    )
+    try:
+        if pause:  # (even sleep(0) would hand the publisher's thread the core)
+            time.sleep(pause)
+        for step in range(1, steps + 1):
+            model(torch.ones(2, 32)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if not hook:
+                pub.step()
+            fps[step] = view_fp(model)
+    finally:
+        pub.close()
+    reader = BoardReader(open_store(board), "startup")
+    head = reader.head()
+    assert head is not None
+    problems: list[str] = []
+    covered = 0
+    for v in range(head + 1):
+        m = reader.catalog.version(v)
+        step = int(m.meta["step"])
+        covered += int(m.meta.get("steps", 1))
+        if v == 0 and step != 0:
+            problems.append(f"v0 holds step {step}, not the initial weights")
+        if m.target_view_fp != fps.get(step):
+            problems.append(f"v{v} says step {step} but holds other weights")
+    if covered != steps + 1:
+        problems.append(f"versions cover {covered} steps of {steps + 1}")
+    return problems, head + 1
+
+
+def run_startup_schedule(tmp_path: Path, seed: int, runs: int, neighbours: int = 2) -> dict[str, int]:
+    rng = random.Random(seed)
+    stats = {"runs": 0, "versions": 0, "bad_runs": 0}
+    problems: list[str] = []
+    with busy_neighbours(neighbours):
+        for i in range(runs):
+            found, versions = startup_run(tmp_path / f"board-{i}", rng, seed * 1000 + i)
+            stats["runs"] += 1
+            stats["versions"] += versions
+            stats["bad_runs"] += bool(found)
+            problems += [f"run {i}: {p}" for p in found]
+    print(f"start-up seed {seed}: {stats}")
+    assert not problems, problems
+    return stats
+
+
+STARTUP_RUNS = int(os.environ.get("FLIPSYNC_STARTUP_RUNS", "12"))
+
+
+def test_publisher_start_up_racing_the_first_steps(tmp_path: Path) -> None:
+    run_startup_schedule(tmp_path, 7, STARTUP_RUNS)
+
+
+@pytest.mark.slow
+def test_long_publisher_start_up_schedule(tmp_path: Path) -> None:
+    run_startup_schedule(tmp_path, 99, 200)

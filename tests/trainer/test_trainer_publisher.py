@@ -136,8 +136,8 @@ def test_step_returns_while_uploads_are_slow_and_versions_are_squashed(tmp_path:
     replica.follow_each()
     assert_bitwise(expected_view(model), replica.tensors)
     steps = [s.manifest.meta["steps"] for s in replica.patches]
-    folded_into_v0 = replica.steps[0].manifest.meta["step"]  # a busy machine may fold early steps into v0
-    assert folded_into_v0 + sum(steps) == 8 and max(steps) > 1  # every step is in exactly one version
+    assert replica.steps[0].manifest.meta["step"] == 0  # v0 is the initial weights, never folded with step 1
+    assert sum(steps) == 8 and max(steps) > 1  # every step is in exactly one version
 
 
 def test_manifest_meta_records_trainer_steps(tmp_path: Path) -> None:

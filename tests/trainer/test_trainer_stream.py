@@ -20,7 +20,7 @@ from flipsync.board.store import Store
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.patch import OWN_TENSOR_BYTES
 from flipsync.engines.memory import MemoryEngine
-from flipsync.errors import StoreError
+from flipsync.errors import CorruptPatchError, StoreError
 from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.trainer import Publisher, PublisherConfig
@@ -54,6 +54,22 @@ def stream_out(patch: Patch, chunk_bytes: int, *, uploader: Any = None) -> tuple
     for s in patch.sections:
         stream.add(s.name, patch.section_blob(s.name))
     return store, stream
+
+
+def test_a_streamed_part_with_a_chunk_too_many_is_refused() -> None:
+    """Chunks joined with a stray one (a retried upload's chunk listed twice, another attempt's chunk): the
+    file runs past its container, and the reader says so instead of applying what the container holds."""
+    patch = random_patch([12_000, 9_000, 50], 5)
+    store, stream = stream_out(patch, 4096)
+    part = stream.finish(patch)
+    assert len(part.objects) > 2
+    chunks = [store.get(f"v/{path}") for path, _ in part.objects]
+    whole = b"".join(chunks)
+    assert Patch.from_bytes(whole).header == patch.header
+    for spliced in (chunks + chunks[-1:], chunks[:-1] + chunks[-2:]):
+        data = b"".join(spliced)
+        with pytest.raises(CorruptPatchError, match=f"{len(data) - len(whole):,} extra bytes past the end"):
+            Patch.from_bytes(data)
 
 
 @settings(max_examples=40, deadline=None)

@@ -296,10 +296,23 @@ def gc(
 
 
 def keygen(
-    out: Annotated[Path, typer.Argument(help="Private key file to write; the public key goes to OUT.pub")],
+    out: Annotated[
+        Path | None,
+        typer.Argument(
+            help="Private key file to write; the public key goes to OUT.pub (or use -o)", show_default=False
+        ),
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Private key file to write (same as OUT)", show_default=False)
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing key files")] = False,
 ) -> None:
-    """Create an Ed25519 key pair for signing manifests."""
+    """Create an Ed25519 key pair for signing manifests: `flipsync keygen -o KEY` (or `flipsync keygen KEY`)."""
+    if out is not None and output is not None and out != output:
+        raise typer.BadParameter(f"two key files given ({out} and -o {output}); give one", param_hint="OUT / -o")
+    out = out or output
+    if out is None:
+        raise typer.BadParameter("say where to write the private key: flipsync keygen -o KEY", param_hint="-o")
     console = output_console()
     try:
         private, public, kid = write_keypair(out, force=force)

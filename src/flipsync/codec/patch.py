@@ -432,6 +432,7 @@ def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, st
         raise CorruptPatchError(f"this safetensors file is not a flipsync patch (no {require_meta!r} metadata)")
     data = buf[8 + hlen :]
     blobs: dict[str, memoryview] = {}
+    spans: list[tuple[int, int]] = []
     for name, entry in doc.items():
         if not isinstance(entry, dict) or entry.get("dtype") != "U8":
             raise CorruptPatchError(f"patch stream {name!r} is not a uint8 tensor")
@@ -445,4 +446,24 @@ def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, st
         ):
             raise CorruptPatchError(f"patch stream {name!r} has offsets outside the file (truncated?)")
         blobs[name] = data[offsets[0] : offsets[1]]
+        spans.append((offsets[0], offsets[1]))
+    _check_data_covered(len(data), spans)
     return meta, blobs
+
+
+def _check_data_covered(size: int, spans: list[tuple[int, int]]) -> None:
+    """The streams must tile the data area: bytes no stream claims mean the file is not the container it says."""
+    cursor = 0
+    for start, end in sorted(spans):
+        if start > cursor:
+            raise CorruptPatchError(
+                f"patch is corrupt: bytes {cursor}-{start} of its data area belong to no stream (a damaged or "
+                "crafted file); fetch it again"
+            )
+        cursor = max(cursor, end)
+    if size > cursor:
+        raise CorruptPatchError(
+            f"patch file has {size - cursor:,} extra bytes past the end of its container: a truncated or "
+            "spliced upload (e.g. another object's or a stale attempt's bytes appended); refused, fetch it again "
+            "or publish it again"
+        )

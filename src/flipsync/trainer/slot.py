@@ -5,6 +5,11 @@ kept it from computing one). The slot holds at most one item: a newer item repla
 uploads fall behind, the steps in between are never diffed at all; the next publication goes straight from
 the last published view to the newest one. That is the squash: bitwise the same result as squashing the
 skipped patches, for less work and bounded memory.
+
+A snapshot item (the run's first version, or a new layout) is *held* apart instead: it is never replaced or
+merged with the steps after it, so the version it becomes holds exactly the weights it was taken from (v0 is
+step 0 even when the first step arrives before the background thread took the initial snapshot). Steps
+pushed meanwhile go to the pending item behind it and squash as usual.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ class Slot:
 
     def __init__(self, release: Callable[[Item], None]) -> None:
         self._cond = threading.Condition()
+        self._held: Item | None = None  # a snapshot waiting for the worker: taken first, never merged
         self._pending: Item | None = None
         self._busy = False  # the worker holds an item
         self._closing = False
@@ -79,18 +85,24 @@ class Slot:
         self.squashed_steps += 1
         self._release(old)
 
+    def _place(self, item: Item) -> None:
+        self._merge_into(item)  # a snapshot still covers older pending steps: nothing older is held back
+        if item.snapshot and self._held is None:
+            self._held, self._pending = item, None
+        else:
+            self._pending = item
+
     def push(self, item: Item) -> None:
         with self._cond:
-            self._merge_into(item)
-            self._pending = item
+            self._place(item)
             self._cond.notify_all()
 
     def push_back(self, item: Item) -> None:
         """Return an item the worker took but could not use, unless something newer arrived meanwhile."""
         with self._cond:
-            if self._pending is None or self._pending.step < item.step:
-                self._merge_into(item)
-                self._pending = item
+            newest = self._pending or self._held
+            if newest is None or newest.step < item.step:
+                self._place(item)
             else:
                 self._release(item)
             self._busy = False
@@ -108,19 +120,30 @@ class Slot:
         with self._cond:
             while not self._ready() and not self._closing:
                 self._cond.wait()
-            return self._pending.step if self._ready() and self._pending is not None else None
+            item = self._next()
+            return item.step if item is not None else None
+
+    def _next(self) -> Item | None:
+        """The item the worker takes next: a held snapshot before the pending steps that came after it."""
+        if self._held is not None:
+            return self._held
+        p = self._pending
+        return p if p is not None and (p.view is not None or p.error is not None) else None
 
     def _ready(self) -> bool:
-        p = self._pending
-        return p is not None and (p.view is not None or p.error is not None)
+        return self._next() is not None
 
     def take(self, at_least: int | None = None, timeout_s: float | None = None) -> Item | None:
         """The pending item (with step >= ``at_least``), waiting for it; None when the slot closed empty."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while True:
-                if self._ready() and self._pending is not None and (at_least is None or self._pending.step >= at_least):
-                    item, self._pending = self._pending, None
+                item = self._next()
+                if item is not None and (at_least is None or item.step >= at_least):
+                    if item is self._held:
+                        self._held = None
+                    else:
+                        self._pending = None
                     self._busy = True
                     return item
                 if self._closing and (at_least is None or not self._ready()):
@@ -160,6 +183,7 @@ class Slot:
 
     def clear(self) -> None:
         with self._cond:
-            if self._pending is not None:
-                self._release(self._pending)
-                self._pending = None
+            for item in (self._held, self._pending):
+                if item is not None:
+                    self._release(item)
+            self._held = self._pending = None
