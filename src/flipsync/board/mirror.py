@@ -48,6 +48,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
 from flipsync.board.layout import LATEST, MANIFEST
 from flipsync.board.store import ObjectInfo, Store, StoreWrapper
 from flipsync.domain.manifest import Manifest, parse_time
@@ -298,15 +301,13 @@ def find_mirror(store: Store) -> MirrorStore | None:
     return None
 
 
-class MirrorCollector:
+class MirrorCollector(Collector):
     """Prometheus collector of a MirrorStore's stats: ``registry.register(MirrorCollector(store))``."""
 
     def __init__(self, store: MirrorStore) -> None:
         self.store = store
 
-    def collect(self) -> Iterator[object]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
+    def collect(self) -> Iterator[Metric]:
         s = self.store.stats
         yield GaugeMetricFamily(
             "flipsync_mirror_lag_seconds",
