@@ -217,3 +217,31 @@ def test_unwrap_and_refused_sharding() -> None:
         check_shardable(fsdp1)
     with pytest.raises(ConfigError, match="do not pass it"):
         FlipsyncCallback("memory://", model=model)
+
+
+def test_ddp_two_ranks_publish_one_run(tmp_path: Path) -> None:
+    """Two CPU ranks under DDP (gloo, set up by accelerate from the torchrun environment): each rank's callback
+    builds the publisher on the unwrapped model, the ranks publish every version in parts, one version per
+    optimizer step, and a replica ends bitwise on the trained view."""
+    import json
+    import socket
+
+    from hf_ddp_worker import ddp_trainer
+    from safetensors.torch import load_file
+    from trainer_dist_workers import run_ranks
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        (tmp_path / "init").write_text(str(s.getsockname()[1]))
+    assert run_ranks(ddp_trainer, 2, tmp_path, timeout_s=240) == [0, 0]
+    notes = [json.loads((tmp_path / f"hf-{r}.json").read_text()) for r in (0, 1)]
+    assert notes[0]["wrapped"] == "DistributedDataParallel"  # the Trainer trained a DDP-wrapped model
+    assert notes[0]["version"] == notes[1]["version"] == 3
+    versions = board_versions(tmp_path / "board", "ddp")
+    check_coverage(versions, 3, inline=True)
+    assert all(versions[v].meta["ranks"] == 2 for v in versions if v > 0)
+    store = open_store(tmp_path / "board")
+    replica = Replica(store, "ddp")
+    assert replica.follow_each() == 3
+    assert_bitwise(load_file(tmp_path / "ddp.st"), replica.tensors)
+    store.close()
