@@ -188,25 +188,32 @@ def test_replica_follows_a_live_mirror_bitwise_and_measures_lag(buckets: tuple[O
     store = MirrorStore(reopen(mirror), policy=MirrorPolicy(wait_s=30.0, poll_s=0.02))
     replica = Replica(store)
     steps = 6
-    try:
+
+    def train() -> None:
         for _ in range(steps):
             trainer.step()
-            time.sleep(0.05)
+            time.sleep(0.1)
+
+    training = threading.Thread(target=train)
+    training.start()
+    try:
         deadline = time.monotonic() + 60
         while replica.follower.version != steps:
-            assert time.monotonic() < deadline, f"the replica is at v{replica.follower.version}, HEAD is v{steps}"
+            assert time.monotonic() < deadline, f"the replica is at v{replica.follower.version}"
             head = replica.reader.head()
             if head is not None:
                 replica.follow_each(head)
             time.sleep(0.02)
     finally:
+        training.join(60)
         rep.close()
         trainer.pub.close()
     assert same_bits(replica.tensors, trainer.views[steps])
     s = store.stats
     assert s.origin_reads == 0 and s.unavailable == 0
-    assert s.manifests == steps + 1  # one lag sample per version manifest
-    # Every manifest reached the mirror at least 0.2 s after the publisher created it on the origin.
+    # A lag sample per version manifest the reader saw appear (it polls every 20 ms, the replicator holds
+    # each manifest back 0.2 s or more): every one reached the mirror at least 0.2 s after it was created.
+    assert 1 <= s.manifests <= steps + 1
     assert s.lag_sum_s / s.manifests >= 0.2 and s.lag_max_s >= 0.2
     store.close()
 
@@ -287,6 +294,7 @@ def test_an_object_never_replicated(buckets: tuple[ObstoreStore, ObstoreStore]) 
             replica.sync()  # keeps refusing while the object is missing ...
         assert replica.follower.version == 2 and same_bits(replica.tensors, trainer.views[2])
         assert strict.stats.unavailable >= 2 and strict.stats.origin_reads == 0
+        assert strict.stats.manifests == 0  # it booted on a full copy: catching up is not replication lag
 
         fallback = MirrorStore(reopen(mirror), reopen(origin), MirrorPolicy(wait_s=0.3, poll_s=0.05))
         other = Replica(fallback)

@@ -30,8 +30,9 @@ What it does with an object the mirror does not have yet:
 HEAD is the mirror's: a replica follows the copy at the copy's pace, and its parts come from the nearby
 bucket unless one is late past ``wait_s``. The store is read-only (publish to the origin).
 
-**Replication lag** (`MirrorStats`): for each version manifest, the time this reader first saw it on the
-mirror minus its ``created`` time (stamped by the publisher when it wrote the manifest to the origin). It
+**Replication lag** (`MirrorStats`): for each version manifest this reader saw appear on the mirror (absent
+at one look, there at a later one), the time it first saw it minus its ``created`` time (stamped by the
+publisher when it wrote the manifest to the origin); a replica's catch-up at boot is not counted. It
 includes up to one poll interval of the reader and any clock skew between trainer and reader. Also counted:
 reads that had to wait and for how long, objects and bytes read from the origin, reads that gave up.
 ``MirrorCollector`` exposes them to Prometheus (the sidecar's ``/metrics`` with ``--origin`` /
@@ -85,7 +86,7 @@ class MirrorPolicy:
 class MirrorStats:
     """What the mirror store saw so far."""
 
-    manifests: int  # version manifests read from the mirror (with a lag sample each)
+    manifests: int  # version manifests seen to appear on the mirror (one lag sample each)
     lag_last_s: float | None  # replication lag of the newest of them
     lag_max_s: float  # the largest lag seen
     lag_sum_s: float  # sum of the lags (mean = lag_sum_s / manifests)
@@ -117,8 +118,10 @@ class MirrorStore(StoreWrapper):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._newest: dict[str, int] = {}  # run root -> newest version manifest seen on the mirror
-        self._first_seen: dict[str, float] = {}  # version manifest path -> when this reader first saw it
-        self._lagged: set[str] = set()  # manifests with a lag sample
+        # Lag samples come only from manifests this reader saw appear: absent at one look, present at a later
+        # one (a replica that boots late would otherwise count its whole catch-up as lag).
+        self._missed: set[str] = set()  # version manifests looked for and not there (yet)
+        self._appeared: dict[str, float] = {}  # missed manifests now seen: when they were first seen
         self._manifests = 0
         self._lag_last: float | None = None
         self._lag_max = 0.0
@@ -152,6 +155,8 @@ class MirrorStore(StoreWrapper):
         found = self.inner.exists(path)
         if found:
             self._seen(path)
+        else:
+            self._miss(path)
         return found
 
     def head(self, path: str) -> ObjectInfo:
@@ -178,7 +183,7 @@ class MirrorStore(StoreWrapper):
         try:
             out = call(self.inner)
         except NotFoundError:
-            pass
+            self._miss(path)
         else:
             self._seen(path)
             return out
@@ -243,31 +248,35 @@ class MirrorStore(StoreWrapper):
 
     # -- lag -----------------------------------------------------------------------------------------
 
+    def _miss(self, path: str) -> None:
+        if _VERSION_MANIFEST.match(path):
+            with self._lock:
+                self._missed.add(path)
+
     def _seen(self, path: str) -> None:
         m = _VERSION_MANIFEST.match(path)
         if m is None:
             return
         now = self._clock()
         with self._lock:
-            self._first_seen.setdefault(path, now)
+            if path in self._missed:
+                self._missed.discard(path)
+                self._appeared[path] = now
             run, v = m.group("run"), int(m.group("v"))
             if v > self._newest.get(run, -1):
                 self._newest[run] = v
 
     def _sample_lag(self, path: str, data: bytes) -> None:
         with self._lock:
-            if path in self._lagged or path not in self._first_seen:
-                return  # read from the origin, or sampled already
-            seen = self._first_seen[path]
+            seen = self._appeared.pop(path, None)
+        if seen is None:
+            return  # there at the first look, read from the origin, or sampled already
         try:
             created = parse_time(Manifest.from_json(data).created).timestamp()
         except (IntegrityError, ValueError):
             return  # the catalog reports an unusable manifest itself
         lag = max(0.0, seen - created)
         with self._lock:
-            if path in self._lagged:
-                return
-            self._lagged.add(path)
             self._manifests += 1
             self._lag_last = lag
             self._lag_max = max(self._lag_max, lag)
@@ -316,7 +325,7 @@ class MirrorCollector(Collector):
         )
         yield GaugeMetricFamily("flipsync_mirror_lag_max_seconds", "Largest replication lag seen", value=s.lag_max_s)
         yield CounterMetricFamily(
-            "flipsync_mirror_manifests", "Version manifests read from the mirror (lag samples)", value=s.manifests
+            "flipsync_mirror_manifests", "Version manifests seen to appear (lag samples)", value=s.manifests
         )
         yield CounterMetricFamily(
             "flipsync_mirror_waits", "Reads that waited for an object the mirror did not have yet", value=s.waits
