@@ -238,7 +238,7 @@ class MirrorStore(StoreWrapper):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("mirror %s: %s missing after %.1f s", self.url, path, self.policy.wait_s)
+                    log.debug("mirror %s: %s missing after %.1f s", self.url, path, self.policy.wait_s)
                     return False
                 self._stop.wait(min(self.policy.poll_s, left))
             return False
