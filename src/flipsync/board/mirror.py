@@ -99,7 +99,8 @@ class MirrorStats:
 
 class MirrorStore(StoreWrapper):
     """A read-only Store over a mirror of a board, waiting for late objects or reading them from the origin
-    (see the module doc). ``mirror`` and ``origin`` are Stores rooted at the same board."""
+    (see the module doc). ``mirror`` and ``origin`` are Stores rooted at the same board; ``close()`` closes
+    both."""
 
     def __init__(
         self,
