@@ -215,6 +215,12 @@ def test_unwrap_and_refused_sharding() -> None:
     fsdp1.add_module("inner", model)
     with pytest.raises(ConfigError, match="FSDP1"):
         check_shardable(fsdp1)
+    from transformers import TrainingArguments
+
+    fsdp_args = TrainingArguments(output_dir="unused", fsdp="full_shard", fsdp_config={"version": 1}, use_cpu=True)
+    with pytest.raises(ConfigError, match="FSDP1"):
+        check_shardable(model, fsdp_args)
+    check_shardable(model, TrainingArguments(output_dir="unused", use_cpu=True))  # no FSDP
     with pytest.raises(ConfigError, match="do not pass it"):
         FlipsyncCallback("memory://", model=model)
 

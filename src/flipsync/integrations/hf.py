@@ -73,8 +73,26 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def check_shardable(model: torch.nn.Module) -> None:
+def fsdp_version(args: TrainingArguments | None) -> int | None:
+    """The FSDP version a Trainer was configured with (its arguments, or accelerate's environment); None
+    without FSDP. Transformers and accelerate default to FSDP2 when no version is given."""
+    if args is not None and getattr(args, "fsdp", None):
+        config = getattr(args, "fsdp_config", None) or {}
+        return int(config.get("version", config.get("fsdp_version", 2)))
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):
+        return int(os.environ.get("FSDP_VERSION", "2") or 2)
+    return None
+
+
+def check_shardable(model: torch.nn.Module, args: TrainingArguments | None = None) -> None:
     """Refuse the sharded setups the publisher cannot read from a callback (FSDP1, DeepSpeed ZeRO-3)."""
+    if fsdp_version(args) == 1:
+        raise ConfigError(
+            "FlipsyncCallback cannot publish a model trained with FSDP1 (fsdp_config version 1): its "
+            "state_dict() is a collective whose result depends on the trainer's state-dict type. Train with "
+            "FSDP2 (fsdp_config version 2, accelerate fsdp_version: 2), whose DTensor parameters the publisher "
+            "shards natively, or publish the trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
+        )
     for sub in model.modules():
         if type(sub).__name__ == "FullyShardedDataParallel":
             raise ConfigError(
@@ -152,7 +170,7 @@ class FlipsyncCallback(TrainerCallback):
         if model is None:
             raise ConfigError("FlipsyncCallback needs the Trainer's model (the Trainer passes it to callbacks)")
         model = unwrap_model(model)
-        check_shardable(model)
+        check_shardable(model, args)
         self.publisher = Publisher(
             model,
             self.board,
