@@ -139,6 +139,23 @@ def sidecar(
             help="Give up (exit 2) when the run has no version after this many seconds (default: wait for it)"
         ),
     ] = None,
+    origin: Annotated[
+        str | None,
+        typer.Option(
+            help="--board is a replicated copy of this origin board: objects the copy lacks after --mirror-wait "
+            "are read from the origin (docs/integrations/mirrors.md)"
+        ),
+    ] = None,
+    origin_option: Annotated[
+        list[str] | None, typer.Option("--origin-option", help="Origin store setting key=value (endpoint, region)")
+    ] = None,
+    mirror_wait: Annotated[
+        float | None,
+        typer.Option(
+            help="--board is a replicated copy: wait this many seconds for an object it lacks yet (default 30 with "
+            "--origin; without --origin, objects still missing then fail the pass and are retried)"
+        ),
+    ] = None,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
     from flipsync.sidecar import ENGINE_KINDS
@@ -159,6 +176,9 @@ def sidecar(
             raise ConfigError(f"--wait-timeout must be a number of seconds >= 0, not {wait_timeout}")
         if not fetch_ahead >= 0:
             raise ConfigError(f"--fetch-ahead must be a number of seconds >= 0 (0: off), not {fetch_ahead}")
+        if mirror_wait is not None and not mirror_wait >= 0:
+            raise ConfigError(f"--mirror-wait must be a number of seconds >= 0, not {mirror_wait}")
+        origin_config = _pairs(origin_option, "origin option")
     except FlipsyncError as e:
         raise _fail(e) from None
 
@@ -191,6 +211,11 @@ def sidecar(
             get_format(served_format)  # an unknown name is refused before waiting for the board
         verifier = Verifier.from_pem(*public_key) if public_key else None
         store = open_board(board, StoreOptions(config=store_config))
+        if origin is not None or mirror_wait is not None:
+            from flipsync.board.mirror import MirrorPolicy, MirrorStore
+
+            origin_store = open_board(origin, StoreOptions(config=origin_config)) if origin is not None else None
+            store = MirrorStore(store, origin_store, MirrorPolicy(wait_s=30.0 if mirror_wait is None else mirror_wait))
         if fetch_ahead > 0:
             store = FetchAhead(store, interval_s=fetch_ahead)
         run_name = run or find_run(store)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
 from flipsync.board.store import Store
@@ -217,6 +218,8 @@ class Sidecar:
     ) -> None:
         self.store = store
         self.metrics = SidecarMetrics()
+        if (mirror := find_mirror(store)) is not None:  # a replicated board: its lag on /metrics too
+            self.metrics.registry.register(MirrorCollector(mirror))
         self.gate = RequestGate()
         self.reader = BoardReader(store, run, verifier=verifier)
         self.replica = Replica(self.reader, engine, config=replica_config, gate=self.gate, metrics=self.metrics)

@@ -1,0 +1,345 @@
+"""Following a board through a regional copy that the cloud replicates asynchronously.
+
+S3 replication, GCS dual-region buckets, Azure object replication or an ``rclone sync`` copy a board's
+objects one by one, late and in any order: a version's manifest may show up on the mirror before its parts,
+version 7's manifest before version 6's. `MirrorStore` is the reader's store over such a copy:
+
+```python
+from flipsync.board import BoardReader, open_store
+from flipsync.board.mirror import MirrorPolicy, MirrorStore
+
+store = MirrorStore(open_store("s3://board-eu/board"), origin=open_store("s3://board-us/board"),
+                    policy=MirrorPolicy(wait_s=30.0, fallback=True))
+reader = BoardReader(store, "grpo-0412")        # or: flipsync sidecar --board s3://board-eu/board --origin ...
+```
+
+What it does with an object the mirror does not have yet:
+
+- a **part** (any object other than a manifest or the HEAD hint) is only ever read because a manifest the
+  reader holds lists it, so its absence is replication lag: the read waits for it on the mirror, polling
+  every ``poll_s``, up to ``wait_s``; then reads it from the origin (``fallback`` and an origin given), or
+  raises ``StoreError`` saying which object the mirror lacks. The reader verifies every part's BLAKE3
+  before anything is applied, and a version is applied only once all its parts are in, so an object that
+  never arrives leaves the replica on its last whole version: it tries again at its next poll (the mirror
+  may still deliver it) and never applies part of a version;
+- a **version manifest** below one the mirror already showed (replicated out of order) is waited for the
+  same way; any other missing manifest is "not published yet" (keyframe and span folders fill before their
+  manifests), read from the origin only with ``fallback``, else reported missing at once, as on any board;
+- the HEAD hint ``latest.json`` is the mirror's, whatever it says (readers never trust it alone).
+
+HEAD is the mirror's: a replica follows the copy at the copy's pace, and its parts come from the nearby
+bucket unless one is late past ``wait_s``. The store is read-only (publish to the origin).
+
+**Replication lag** (`MirrorStats`): for each version manifest this reader saw appear on the mirror (absent
+at one look, there at a later one), the time it first saw it minus its ``created`` time (stamped by the
+publisher when it wrote the manifest to the origin); a replica's catch-up at boot is not counted. It
+includes up to one poll interval of the reader and any clock skew between trainer and reader. Also counted:
+reads that had to wait and for how long, objects and bytes read from the origin, reads that gave up.
+``MirrorCollector`` exposes them to Prometheus (the sidecar's ``/metrics`` with ``--origin`` /
+``--mirror-wait``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from flipsync.board.layout import LATEST, MANIFEST
+from flipsync.board.store import ObjectInfo, Store, StoreWrapper
+from flipsync.domain.manifest import Manifest, parse_time
+from flipsync.errors import ConfigError, IntegrityError, NotFoundError, StoreError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_VERSION_MANIFEST = re.compile(rf"^(?P<run>(?:.*/)?runs/[^/]+)/versions/(?P<v>\d+)/{re.escape(MANIFEST)}$")
+
+
+@dataclass(frozen=True)
+class MirrorPolicy:
+    """How a reader treats objects the mirror does not have yet.
+
+    ``wait_s``: how long one read waits for a missing object to appear on the mirror (0: not at all).
+    ``poll_s``: how often it looks meanwhile. ``fallback``: after ``wait_s``, read the object from the origin
+    board (needs an origin); without it the read fails with ``StoreError`` and the replica stays on its last
+    whole version until the mirror has the object.
+    """
+
+    wait_s: float = 30.0
+    poll_s: float = 0.2
+    fallback: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.wait_s >= 0 or not self.poll_s > 0:
+            raise ConfigError(f"mirror wait must be >= 0 s and its poll > 0 s, got {self.wait_s}, {self.poll_s}")
+
+
+@dataclass(frozen=True)
+class MirrorStats:
+    """What the mirror store saw so far."""
+
+    manifests: int  # version manifests seen to appear on the mirror (one lag sample each)
+    lag_last_s: float | None  # replication lag of the newest of them
+    lag_max_s: float  # the largest lag seen
+    lag_sum_s: float  # sum of the lags (mean = lag_sum_s / manifests)
+    waits: int  # reads that found the object missing on the mirror and waited for it
+    waited_s: float  # total time those reads waited
+    origin_reads: int  # objects read from the origin instead of the mirror
+    origin_bytes: int
+    unavailable: int  # reads that gave up: neither the mirror (within wait_s) nor the origin had the object
+
+
+class MirrorStore(StoreWrapper):
+    """A read-only Store over a mirror of a board, waiting for late objects or reading them from the origin
+    (see the module doc). ``mirror`` and ``origin`` are Stores rooted at the same board; ``close()`` closes
+    both."""
+
+    def __init__(
+        self,
+        mirror: Store,
+        origin: Store | None = None,
+        policy: MirrorPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__(mirror)
+        self.origin = origin
+        self.policy = policy or MirrorPolicy()
+        if self.policy.fallback and origin is None:
+            self.policy = MirrorPolicy(self.policy.wait_s, self.policy.poll_s, fallback=False)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._newest: dict[str, int] = {}  # run root -> newest version manifest seen on the mirror
+        # Lag samples come only from manifests this reader saw appear: absent at one look, present at a later
+        # one (a replica that boots late would otherwise count its whole catch-up as lag).
+        self._missed: set[str] = set()  # version manifests looked for and not there (yet)
+        self._appeared: dict[str, float] = {}  # missed manifests now seen: when they were first seen
+        self._manifests = 0
+        self._lag_last: float | None = None
+        self._lag_max = 0.0
+        self._lag_sum = 0.0
+        self._waits = 0
+        self._waited = 0.0
+        self._origin_reads = 0
+        self._origin_bytes = 0
+        self._unavailable = 0
+
+    def __repr__(self) -> str:
+        return f"MirrorStore({self.url!r}, origin={self.origin.url if self.origin else None!r})"
+
+    # -- writes: refused -----------------------------------------------------------------------------
+
+    def _read_only(self, what: str) -> ConfigError:
+        return ConfigError(f"{self.url} is a mirror, read-only here: {what} the origin board instead")
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        raise self._read_only("publish to")
+
+    def delete(self, paths: Sequence[str]) -> None:
+        raise self._read_only("prune")
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        raise self._read_only("publish to")
+
+    # -- reads ---------------------------------------------------------------------------------------
+
+    def exists(self, path: str) -> bool:
+        found = self.inner.exists(path)
+        if found:
+            self._seen(path)
+        else:
+            self._miss(path)
+        return found
+
+    def head(self, path: str) -> ObjectInfo:
+        return self._read(path, "head", lambda s: s.head(path), size_of=lambda info: 0)
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        data = self._read(path, "get", lambda s: s.get(path, size=size), size_of=len)
+        if _VERSION_MANIFEST.match(path):
+            self._sample_lag(path, data)
+        return data
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return self._read(path, "get_range", lambda s: s.get_range(path, start, end), size_of=len)
+
+    def close(self) -> None:
+        self._stop.set()  # a read waiting for a late object gives up now
+        self.inner.close()
+        if self.origin is not None:
+            self.origin.close()
+
+    # -- the policy ----------------------------------------------------------------------------------
+
+    def _read(self, path: str, op: str, call: Callable[[Store], T], *, size_of: Callable[[T], int]) -> T:
+        try:
+            out = call(self.inner)
+        except NotFoundError:
+            self._miss(path)
+        else:
+            self._seen(path)
+            return out
+        expected = self._expected(path)
+        if expected and self.policy.wait_s > 0 and self._wait_on_mirror(path):
+            out = call(self.inner)
+            self._seen(path)
+            return out
+        if self.policy.fallback and self.origin is not None and (expected or path.endswith(MANIFEST)):
+            try:
+                out = call(self.origin)
+            except NotFoundError:
+                if not expected:
+                    raise
+            else:
+                with self._lock:
+                    self._origin_reads += 1
+                    self._origin_bytes += size_of(out)
+                log.info("mirror %s lacks %s; read it from the origin %s", self.url, path, self.origin.url)
+                return out
+        if not expected:
+            raise NotFoundError(f"{self.url}/{path} does not exist")
+        with self._lock:
+            self._unavailable += 1
+        where = "nor on the origin" if self.policy.fallback else "(origin fallback is off)"
+        raise StoreError(
+            f"{op} {self.url}/{path}: the mirror still lacks this object after {self.policy.wait_s:g} s {where}; "
+            "its replication is behind or dropped it. The replica stays on its last whole version and tries "
+            "again; raise the wait (--mirror-wait) or read late objects from the origin (--origin URL)"
+        )
+
+    def _expected(self, path: str) -> bool:
+        """Whether a missing object must exist on the board (replication lag), not merely "not yet published"."""
+        if path.endswith("/" + LATEST) or path == LATEST:
+            return False
+        m = _VERSION_MANIFEST.match(path)
+        if m is not None:
+            with self._lock:
+                newest = self._newest.get(m.group("run"))
+            return newest is not None and int(m.group("v")) < newest
+        return not path.endswith(MANIFEST)  # parts are read only because a manifest lists them
+
+    def _wait_on_mirror(self, path: str) -> bool:
+        t0 = time.monotonic()
+        deadline = t0 + self.policy.wait_s
+        with self._lock:
+            self._waits += 1
+        try:
+            while not self._stop.is_set():
+                if self.inner.exists(path):
+                    log.debug("mirror %s: %s arrived after %.2f s", self.url, path, time.monotonic() - t0)
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.debug("mirror %s: %s missing after %.1f s", self.url, path, self.policy.wait_s)
+                    return False
+                self._stop.wait(min(self.policy.poll_s, left))
+            return False
+        finally:
+            with self._lock:
+                self._waited += time.monotonic() - t0
+
+    # -- lag -----------------------------------------------------------------------------------------
+
+    def _miss(self, path: str) -> None:
+        if _VERSION_MANIFEST.match(path):
+            with self._lock:
+                self._missed.add(path)
+
+    def _seen(self, path: str) -> None:
+        m = _VERSION_MANIFEST.match(path)
+        if m is None:
+            return
+        now = self._clock()
+        with self._lock:
+            if path in self._missed:
+                self._missed.discard(path)
+                self._appeared[path] = now
+            run, v = m.group("run"), int(m.group("v"))
+            if v > self._newest.get(run, -1):
+                self._newest[run] = v
+
+    def _sample_lag(self, path: str, data: bytes) -> None:
+        with self._lock:
+            seen = self._appeared.pop(path, None)
+        if seen is None:
+            return  # there at the first look, read from the origin, or sampled already
+        try:
+            created = parse_time(Manifest.from_json(data).created).timestamp()
+        except (IntegrityError, ValueError):
+            return  # the catalog reports an unusable manifest itself
+        lag = max(0.0, seen - created)
+        with self._lock:
+            self._manifests += 1
+            self._lag_last = lag
+            self._lag_max = max(self._lag_max, lag)
+            self._lag_sum += lag
+
+    @property
+    def stats(self) -> MirrorStats:
+        with self._lock:
+            return MirrorStats(
+                manifests=self._manifests,
+                lag_last_s=self._lag_last,
+                lag_max_s=self._lag_max,
+                lag_sum_s=self._lag_sum,
+                waits=self._waits,
+                waited_s=self._waited,
+                origin_reads=self._origin_reads,
+                origin_bytes=self._origin_bytes,
+                unavailable=self._unavailable,
+            )
+
+
+def find_mirror(store: Store) -> MirrorStore | None:
+    """The MirrorStore inside a chain of store wrappers (fetch-ahead, ...), if any."""
+    seen = 0
+    s: object = store
+    while s is not None and seen < 16:
+        if isinstance(s, MirrorStore):
+            return s
+        s = getattr(s, "inner", None)
+        seen += 1
+    return None
+
+
+class MirrorCollector(Collector):
+    """Prometheus collector of a MirrorStore's stats: ``registry.register(MirrorCollector(store))``."""
+
+    def __init__(self, store: MirrorStore) -> None:
+        self.store = store
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.store.stats
+        yield GaugeMetricFamily(
+            "flipsync_mirror_lag_seconds",
+            "Replication lag of the newest version manifest: first seen on the mirror minus its created time",
+            value=-1.0 if s.lag_last_s is None else s.lag_last_s,
+        )
+        yield GaugeMetricFamily("flipsync_mirror_lag_max_seconds", "Largest replication lag seen", value=s.lag_max_s)
+        yield CounterMetricFamily(
+            "flipsync_mirror_manifests", "Version manifests seen to appear (lag samples)", value=s.manifests
+        )
+        yield CounterMetricFamily(
+            "flipsync_mirror_waits", "Reads that waited for an object the mirror did not have yet", value=s.waits
+        )
+        yield CounterMetricFamily(
+            "flipsync_mirror_wait_seconds", "Time reads waited for late objects", value=s.waited_s
+        )
+        yield CounterMetricFamily(
+            "flipsync_mirror_origin_reads", "Objects read from the origin board instead", value=s.origin_reads
+        )
+        yield CounterMetricFamily(
+            "flipsync_mirror_origin_bytes", "Bytes read from the origin board instead", value=s.origin_bytes
+        )
+        yield CounterMetricFamily(
+            "flipsync_mirror_unavailable", "Reads that gave up on an object (the replica retries)", value=s.unavailable
+        )

@@ -1,0 +1,9 @@
+"""Glue between flipsync and the stacks RL teams already run; nothing here is needed by the core.
+
+Its one job: connect flipsync's trainer ``Publisher`` and board readers to other people's training loops,
+clients and storage setups, without changing them. ``hf``: a ``transformers.TrainerCallback`` that publishes
+every optimizer step of any ``Trainer`` (TRL's ``GRPOTrainer`` included; needs the ``hf`` extra).
+``rollouts``: an async rollout loop over island proxies with the ``openai`` client, version constraints and
+a staleness bound. Mirrored boards (a reader following a regional copy) are a board concern and live in
+``flipsync.board.mirror``.
+"""

@@ -1,0 +1,217 @@
+"""`FlipsyncCallback`: publish every optimizer step of a Hugging Face ``Trainer`` (TRL's trainers included).
+
+```python
+from trl import GRPOConfig, GRPOTrainer
+from flipsync.integrations.hf import FlipsyncCallback
+
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=data,
+                      callbacks=[FlipsyncCallback("s3://bucket/board", format="bf16", run="grpo-0412")])
+trainer.train()        # v0 = the initial weights, then one version per optimizer step; flushed at the end
+```
+
+The callback wraps `flipsync.trainer.Publisher` (docs/trainer.md): ``on_train_begin`` builds it on the model
+(publishing the initial weights as v0), ``on_step_end`` publishes the step, ``on_train_end`` flushes and
+closes it. Hugging Face calls ``on_step_end`` once per *optimizer* step, after ``optimizer.step()``, the
+scheduler and ``zero_grad()``, so with gradient accumulation there is one version per optimizer step, never
+one per micro-batch. The served view is computed in the training thread at that point (the weights do not
+change until the next optimizer step); diffing, coding and uploading run on the publisher's background
+threads, and squash steps when uploads fall behind (``meta.steps`` says how many a version covers).
+
+Distributed training:
+
+- single process, with or without ``accelerate``: one publisher;
+- DDP (``torchrun`` / ``accelerate launch``): **every rank** builds the publisher (the callback runs on every
+  process): the ranks split the served tensors between them, each uploads its part of every version, rank 0
+  commits the manifest (docs/trainer.md, "Sharded training"); ``DistributedDataParallel`` / ``DataParallel`` /
+  ``torch.compile`` wrappers are unwrapped, so the served names are the model's checkpoint names;
+- FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``): the parameters are DTensors, which the publisher
+  serves where they lie (element-wise formats) or gathers with ``full_tensor()`` (quantized formats); every
+  rank builds the publisher as under DDP;
+- FSDP1 (``FullyShardedDataParallel`` wrappers with flat parameters) and DeepSpeed ZeRO-3 (partitioned
+  parameters) are refused with a ``ConfigError`` at ``on_train_begin``: their ``state_dict()`` is a collective
+  whose result depends on a state-dict type the trainer owns, so a served view cannot be taken from a
+  callback without changing how the trainer checkpoints. Use FSDP2, or ``flipsync watch`` on the trainer's
+  checkpoint folder.
+
+A LoRA / PEFT model is published as it is (base weights and adapter tensors under their own names); merge
+the adapters first if the engines serve merged weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from flipsync.board.store import Store, StoreOptions
+from flipsync.errors import ConfigError
+from flipsync.trainer import Publisher
+from flipsync.trainer.engine import Published
+
+log = logging.getLogger(__name__)
+
+# Hugging Face wrappers that hold the trained model as ``.module`` (DDP, DataParallel, DeepSpeed's engine).
+_MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine")
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model a checkpoint would hold: DDP / DataParallel / DeepSpeed engines and ``torch.compile``
+    wrappers removed (their ``state_dict()`` keys carry ``module.`` / ``_orig_mod.`` prefixes)."""
+    seen = 0
+    while seen < 16:  # wrappers nest (compile inside DDP); a cycle would be a bug elsewhere
+        seen += 1
+        if type(model).__name__ in _MODULE_WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+    return model
+
+
+def fsdp_version(args: TrainingArguments | None) -> int | None:
+    """The FSDP version a Trainer was configured with (its arguments, or accelerate's environment); None
+    without FSDP. Transformers and accelerate default to FSDP2 when no version is given."""
+    if args is not None and getattr(args, "fsdp", None):
+        config = getattr(args, "fsdp_config", None) or {}
+        return int(config.get("version", config.get("fsdp_version", 2)))
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):
+        return int(os.environ.get("FSDP_VERSION", "2") or 2)
+    return None
+
+
+def check_shardable(model: torch.nn.Module, args: TrainingArguments | None = None) -> None:
+    """Refuse the sharded setups the publisher cannot read from a callback (FSDP1, DeepSpeed ZeRO-3)."""
+    if fsdp_version(args) == 1:
+        raise ConfigError(
+            "FlipsyncCallback cannot publish a model trained with FSDP1 (fsdp_config version 1): its "
+            "state_dict() is a collective whose result depends on the trainer's state-dict type. Train with "
+            "FSDP2 (fsdp_config version 2, accelerate fsdp_version: 2), whose DTensor parameters the publisher "
+            "shards natively, or publish the trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
+        )
+    for sub in model.modules():
+        if type(sub).__name__ == "FullyShardedDataParallel":
+            raise ConfigError(
+                "FlipsyncCallback cannot publish an FSDP1 (FullyShardedDataParallel) model: its state_dict() is "
+                "a collective whose result depends on the trainer's state-dict type. Train with FSDP2 "
+                "(accelerate: fsdp_version: 2), whose DTensor parameters the publisher shards natively, or "
+                "publish the trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
+            )
+    for p in model.parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
+            raise ConfigError(
+                "FlipsyncCallback cannot publish a DeepSpeed ZeRO-3 model: its parameters are partitioned "
+                "between ranks and gathered only inside DeepSpeed. Use ZeRO stage 1 or 2, FSDP2, or publish the "
+                "trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
+            )
+
+
+class FlipsyncCallback(TrainerCallback):
+    """Publishes the model's served view to a board after every optimizer step of a ``Trainer``.
+
+    ``board``: a URL or path (``s3://bucket/board``, ``file://``, ...) or a ``flipsync.board.Store``.
+    ``format``: the served format (``bf16``, ``fp8-block``, ``nvfp4``, ...). ``run``: the run's name on the
+    board (default: a new unique one, the same on every rank). ``resume``: continue an existing run (see
+    ``Publisher``). ``step_meta``: record the Trainer's ``global_step`` in each version's manifest
+    (``meta.hf_global_step``). ``background=False`` publishes inside ``on_step_end`` (the step waits for
+    the upload, and no step is ever squashed: exactly one version per optimizer step). Every other keyword
+    goes to `flipsync.trainer.Publisher` (``keep``, ``fused_groups``, ``spans``, ``keyframe_policy``,
+    ``timeout_s``, ``signer``, ...).
+
+    After training, ``published`` holds the last version (`Published`: version, step, bytes, ...) and
+    ``run`` the run's name. A second ``train()`` on the same trainer continues the same run (resume).
+    If training stops with an exception, Hugging Face does not call ``on_train_end``: call ``close()``.
+    """
+
+    def __init__(
+        self,
+        board: str | os.PathLike[str] | Store,
+        *,
+        format: str = "bf16",
+        run: str | None = None,
+        resume: bool = False,
+        store_options: StoreOptions | None = None,
+        step_meta: bool = True,
+        **publisher_options: Any,
+    ) -> None:
+        for reserved in ("model", "optimizer"):
+            if reserved in publisher_options:
+                raise ConfigError(
+                    f"FlipsyncCallback sets the publisher's {reserved!r} itself (the Trainer's model, one "
+                    "version per on_step_end); do not pass it"
+                )
+        self.board = board
+        self.format = format
+        self.run = run
+        self.resume = resume
+        self.store_options = store_options
+        self.step_meta = step_meta
+        self.publisher_options = publisher_options
+        self.publisher: Publisher | None = None
+        self.published: Published | None = None
+        self.versions_before = 0  # versions published by earlier train() calls of this callback
+
+    # -- Trainer events ------------------------------------------------------------------------------
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.publisher is not None:
+            return
+        if model is None:
+            raise ConfigError("FlipsyncCallback needs the Trainer's model (the Trainer passes it to callbacks)")
+        model = unwrap_model(model)
+        check_shardable(model, args)
+        self.publisher = Publisher(
+            model,
+            self.board,
+            format=self.format,
+            run=self.run,
+            resume=self.resume,
+            store_options=self.store_options,
+            **self.publisher_options,
+        )
+        if self.run is None:
+            self.run = self.publisher.run
+        self.resume = True  # a later train() continues this run
+        log.info("flipsync: publishing run %s to %s (%s)", self.publisher.run, self.publisher.store.url, self.format)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        if self.publisher is None:
+            return  # on_train_begin refused or was not called: nothing to publish to
+        meta: Mapping[str, str | int] = {"hf_global_step": int(state.global_step)} if self.step_meta else {}
+        self.publisher.step(meta=meta)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.close()
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def flush(self, timeout_s: float | None = None) -> Published | None:
+        """Wait until every step so far is on the board; the last `Published` (None before any)."""
+        if self.publisher is None:
+            return self.published
+        self.published = self.publisher.flush(timeout_s)
+        return self.published
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Publish what is pending and stop the publisher (idempotent). Raises the publisher's error."""
+        pub, self.publisher = self.publisher, None
+        if pub is None:
+            return
+        try:
+            self.published = pub.flush(timeout_s)
+        finally:
+            self.versions_before += pub.stats.versions
+            pub.close(timeout_s)

@@ -1,0 +1,279 @@
+"""Rollouts from the islands in your own async loop, with the standard ``openai`` client.
+
+Every island sidecar is an OpenAI-compatible proxy (docs/sidecar.md) that takes a version constraint per
+request and tags every response with the policy version that produced it. An asynchronous RL loop (the way
+TRL's ``AsyncGRPOTrainer`` works: generation runs ahead of the optimizer, off-policy by a bounded number of
+versions) needs three things from it, which `RolloutClient` does:
+
+1. **send a constraint**: ``min_version`` (do not sample from weights older than this; a replica that is
+   behind answers 409 and the client tries another island, then waits for the ``Retry-After`` the proxy
+   gives) or ``exact_version`` (on-policy sampling, or an evaluation of one version);
+2. **read back the version** of each completion: the proxy's ``weight_version: {"start": S, "end": E}``
+   (the versions at generation start and end; ``end`` may be later when an update landed while it ran);
+3. **drop stale rollouts**: a completion whose *oldest* weights (``start``) are more than ``max_staleness``
+   versions behind the trainer's current version when it is consumed is dropped, not trained on.
+
+```python
+import asyncio
+from flipsync.integrations.rollouts import RolloutClient
+
+async def main() -> None:
+    islands = ["http://island-a:8100/v1", "http://island-b:8100/v1"]
+    async with RolloutClient(islands, max_staleness=2) as client:
+        version = 0                                   # the trainer's newest published version
+        for step in range(100):
+            batch = await client.collect(prompts(step), version=version, max_tokens=256)
+            rewards = [score(r.text) for r in batch.kept]      # batch.dropped: too stale, not used
+            version = train_step(batch.kept, rewards)          # publishes the next version (FlipsyncCallback
+                                                               # or flipsync.trainer.Publisher)
+asyncio.run(main())
+```
+
+``collect`` asks every request for ``min_version = version - max_staleness``, samples the prompts
+concurrently across the islands (round-robin, skipping islands that refuse), and splits the results by
+freshness against ``version`` (pass ``current=`` a callable to judge them against the trainer's version at
+the time they come back instead). Needs the ``openai`` package (the ``rollouts`` extra).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from flipsync.errors import ConfigError, FlipsyncError
+
+log = logging.getLogger(__name__)
+
+BODY_FIELD = "weight_version"  # the proxy's request constraint and response tag (flipsync.sidecar.proxy)
+H_START = "x-flipsync-weight-version-start"
+H_END = "x-flipsync-weight-version-end"
+
+
+class RolloutError(FlipsyncError):
+    """No island could serve a request within the client's patience (all behind, booting or down)."""
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One completion and the policy versions that produced it."""
+
+    prompt: str | Sequence[Mapping[str, Any]]
+    text: str
+    island: str  # the base URL of the proxy that served it
+    version_start: int  # the version when generation started (the oldest weights it used)
+    version_end: int  # the version when it finished (>= start)
+    finish_reason: str | None = None
+
+    def staleness(self, version: int) -> int:
+        """How many versions the weights that started this rollout are behind ``version``."""
+        return version - self.version_start
+
+
+@dataclass
+class Batch:
+    """The result of `RolloutClient.collect`: fresh rollouts and the stale ones it dropped."""
+
+    kept: list[Rollout] = field(default_factory=list)
+    dropped: list[Rollout] = field(default_factory=list)
+
+
+@dataclass
+class RolloutStats:
+    """Counters over a client's life."""
+
+    sampled: int = 0  # completions received
+    dropped: int = 0  # of them, dropped as too stale
+    refused: int = 0  # 409 (behind the constraint) and 503 (no verified version) answers, retried elsewhere
+    per_island: dict[str, int] = field(default_factory=dict)
+
+
+class RolloutClient:
+    """Samples completions from island proxies with ``openai.AsyncOpenAI``; see the module doc.
+
+    ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``). ``model``: the model name sent
+    (default: the first one the first island lists). ``max_staleness``: how many versions a rollout's start
+    may be behind the trainer's version. ``patience_s``: how long one request keeps trying islands that
+    refuse it before `RolloutError`. ``client_options`` go to ``AsyncOpenAI`` (``timeout``, headers, ...).
+    """
+
+    def __init__(
+        self,
+        islands: Sequence[str],
+        *,
+        model: str | None = None,
+        max_staleness: int = 1,
+        patience_s: float = 120.0,
+        api_key: str = "flipsync",
+        **client_options: Any,
+    ) -> None:
+        try:
+            from openai import AsyncOpenAI
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ConfigError("the rollout client needs the openai package: pip install 'flipsync[rollouts]'") from e
+        if not islands:
+            raise ConfigError("give at least one island proxy URL (http://HOST:PORT/v1)")
+        if max_staleness < 0 or not patience_s > 0:
+            raise ConfigError(f"max_staleness must be >= 0 and patience_s > 0, got {max_staleness}, {patience_s}")
+        self.islands = [u.rstrip("/") for u in islands]
+        # Retries are ours: a refusing island is skipped for the next, and the wait honours Retry-After.
+        self.clients = {
+            u: AsyncOpenAI(base_url=u, api_key=api_key, max_retries=0, **client_options) for u in self.islands
+        }
+        self.model = model
+        self.max_staleness = max_staleness
+        self.patience_s = patience_s
+        self.stats = RolloutStats(per_island={u: 0 for u in self.islands})
+        self._next = itertools.cycle(range(len(self.islands)))
+
+    async def __aenter__(self) -> RolloutClient:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for c in self.clients.values():
+            await c.close()
+
+    # -- one request ----------------------------------------------------------------------------------
+
+    async def _model(self) -> str:
+        if self.model is None:
+            models = await self.clients[self.islands[0]].models.list()
+            if not models.data:
+                raise RolloutError(f"{self.islands[0]} lists no model; pass model=")
+            self.model = models.data[0].id
+        return self.model
+
+    async def complete(
+        self,
+        prompt: str | Sequence[Mapping[str, Any]],
+        *,
+        min_version: int | None = None,
+        exact_version: int | None = None,
+        **params: Any,
+    ) -> Rollout:
+        """One completion (a ``str`` prompt) or chat completion (a list of messages) from some island that
+        satisfies the constraint; ``params`` go to the OpenAI call (``max_tokens``, ``temperature``, ...)."""
+        import openai
+
+        constraint = {
+            k: v for k, v in (("min_version", min_version), ("exact_version", exact_version)) if v is not None
+        }
+        extra_body = {**params.pop("extra_body", {}), **({BODY_FIELD: constraint} if constraint else {})}
+        model = await self._model()
+        deadline = time.monotonic() + self.patience_s
+        last = ""
+        while True:
+            wait_s = 0.0
+            for _ in range(len(self.islands)):
+                url = self.islands[next(self._next)]
+                client = self.clients[url]
+                try:
+                    if isinstance(prompt, str):
+                        raw: Any = await client.completions.with_raw_response.create(
+                            model=model, prompt=prompt, extra_body=extra_body, **params
+                        )
+                    else:
+                        raw = await client.chat.completions.with_raw_response.create(
+                            model=model, messages=list(prompt), extra_body=extra_body, **params
+                        )
+                except (openai.ConflictError, openai.InternalServerError) as e:
+                    # 409: this replica does not hold the version asked for; 503: it has none verified yet.
+                    self.stats.refused += 1
+                    last = f"{url}: {e.status_code} {_message(e)}"
+                    wait_s = max(wait_s, _retry_after(e.response))
+                    continue
+                except openai.APIConnectionError as e:
+                    last = f"{url}: {e}"
+                    wait_s = max(wait_s, 1.0)
+                    continue
+                return self._rollout(prompt, url, raw)
+            if time.monotonic() + wait_s > deadline:
+                raise RolloutError(
+                    f"no island served the request ({constraint or 'no constraint'}) within {self.patience_s:g} s; "
+                    f"last answer: {last}. Are the islands following the board (GET /flipsync/status)?"
+                )
+            await asyncio.sleep(wait_s)
+
+    def _rollout(self, prompt: str | Sequence[Mapping[str, Any]], url: str, raw: Any) -> Rollout:
+        body = raw.parse()
+        tag = (body.model_extra or {}).get(BODY_FIELD) or {}
+        start = tag.get("start", raw.headers.get(H_START))
+        end = tag.get("end", raw.headers.get(H_END, start))
+        if start is None:
+            raise RolloutError(f"{url} did not report a weight version: is it a flipsync sidecar's proxy?")
+        choice = body.choices[0]
+        text = choice.text if hasattr(choice, "text") else (choice.message.content or "")
+        self.stats.sampled += 1
+        self.stats.per_island[url] += 1
+        return Rollout(prompt, text, url, int(start), int(end), choice.finish_reason)
+
+    # -- a batch --------------------------------------------------------------------------------------
+
+    def fresh(self, rollout: Rollout, version: int) -> bool:
+        """Whether a rollout may be trained on at trainer ``version`` (its start within ``max_staleness``)."""
+        return rollout.staleness(version) <= self.max_staleness
+
+    async def collect(
+        self,
+        prompts: Sequence[str | Sequence[Mapping[str, Any]]],
+        *,
+        version: int,
+        current: Callable[[], int] | None = None,
+        concurrency: int = 8,
+        exact: bool = False,
+        **params: Any,
+    ) -> Batch:
+        """Sample every prompt once, concurrently; keep the fresh rollouts, drop the stale ones.
+
+        Each request asks for ``min_version = version - max_staleness`` (``exact=True``: exactly ``version``).
+        Freshness is judged against ``current()`` when given (the trainer's version as results come back:
+        a loop whose optimizer runs meanwhile), else against ``version``.
+        """
+        sem = asyncio.Semaphore(max(1, concurrency))
+        constraint = {"exact_version": version} if exact else {"min_version": max(0, version - self.max_staleness)}
+
+        async def one(p: str | Sequence[Mapping[str, Any]]) -> Rollout:
+            async with sem:
+                return await self.complete(p, **constraint, **params)
+
+        batch = Batch()
+        for r in await asyncio.gather(*(one(p) for p in prompts)):
+            now = current() if current is not None else version
+            if self.fresh(r, now):
+                batch.kept.append(r)
+            else:
+                self.stats.dropped += 1
+                batch.dropped.append(r)
+                log.debug(
+                    "dropping a rollout of v%d at trainer v%d (max staleness %d)",
+                    r.version_start,
+                    now,
+                    self.max_staleness,
+                )
+        return batch
+
+
+def _retry_after(response: Any) -> float:
+    try:
+        return min(30.0, max(0.05, float(response.headers.get("retry-after", "1"))))
+    except (TypeError, ValueError):
+        return 1.0
+
+
+def _message(e: Any) -> str:
+    body = getattr(e, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+    return str(e)
