@@ -25,7 +25,7 @@ from flipsync.codec import FingerprintTable
 from flipsync.codec.bits import int_view
 from flipsync.errors import ConfigError, StoreError
 from flipsync.formats import served_view
-from flipsync.trainer import Publisher, apply_parts
+from flipsync.trainer import Publisher, PublisherConfig, apply_parts
 
 pytestmark = pytest.mark.network_services
 RUN = "mirrored"
@@ -46,10 +46,12 @@ class Trainer:
             lambda: self.masters,
             store,
             run=RUN,
-            background=False,
-            spans=False,  # one way from v-1 to v: a dropped part cannot be routed around
-            keyframe_policy=KeyframePolicy(chain_fraction=1e9),
-            chunk_bytes=4096,  # several objects per part, so replication can split a version many ways
+            config=PublisherConfig(
+                background=False,
+                spans=False,  # one way from v-1 to v: a dropped part cannot be routed around
+                keyframe_policy=KeyframePolicy(chain_fraction=1e9),
+                chunk_bytes=4096,  # several objects per part, so replication can split a version many ways
+            ),
         )
         self.views = {0: self.view()}
 

@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 
 import httpx
-from sidecar_helpers import FAST, Trainer, fast_replica, tiny_engine, wait_until
 from typer.testing import CliRunner
 
 from flipsync.board.mirror import MirrorPolicy, MirrorStore
 from flipsync.board.store import ObstoreStore, open_store
+from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.sidecar.cli import sidecar_app
-from flipsync.sidecar.openai_server import create_engine_app
 from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.service import Sidecar
+from tests.sidecar.sidecar_helpers import FAST, Trainer, fast_replica, tiny_engine, wait_until
 
 
 def test_sidecar_exports_mirror_metrics(trainer: Trainer, board_dir: str) -> None:

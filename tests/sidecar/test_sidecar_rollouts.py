@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sidecar_helpers import StackFactory, Trainer, wait_until
 
 from flipsync.integrations.rollouts import RolloutClient, RolloutError
+from tests.sidecar.sidecar_helpers import StackFactory, Trainer, wait_until
 
 pytest.importorskip("openai")
 

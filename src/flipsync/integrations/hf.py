@@ -39,6 +39,7 @@ the adapters first if the engines serve merged weights.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Mapping
@@ -47,10 +48,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from flipsync.board.store import Store, StoreOptions
+from flipsync.board.store import Store
 from flipsync.errors import ConfigError
-from flipsync.trainer import Publisher
-from flipsync.trainer.engine import Published
+from flipsync.trainer import Publisher, PublisherConfig
+from flipsync.trainer.rounds import Published
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +119,9 @@ class FlipsyncCallback(TrainerCallback):
     board (default: a new unique one, the same on every rank). ``resume``: continue an existing run (see
     ``Publisher``). ``step_meta``: record the Trainer's ``global_step`` in each version's manifest
     (``meta.hf_global_step``). ``background=False`` publishes inside ``on_step_end`` (the step waits for
-    the upload, and no step is ever squashed: exactly one version per optimizer step). Every other keyword
-    goes to `flipsync.trainer.Publisher` (``keep``, ``fused_groups``, ``spans``, ``keyframe_policy``,
-    ``timeout_s``, ``signer``, ...).
+    the upload, and no step is ever squashed: exactly one version per optimizer step). ``config`` is the
+    publisher's `PublisherConfig`; any other keyword sets one of its fields (``background``, ``keep``,
+    ``spans``, ``keyframe_policy``, ``timeout_s``, ``signer``, ``store_options``, ...).
 
     After training, ``published`` holds the last version (`Published`: version, step, bytes, ...) and
     ``run`` the run's name. A second ``train()`` on the same trainer continues the same run (resume).
@@ -134,23 +135,25 @@ class FlipsyncCallback(TrainerCallback):
         format: str = "bf16",
         run: str | None = None,
         resume: bool = False,
-        store_options: StoreOptions | None = None,
         step_meta: bool = True,
-        **publisher_options: Any,
+        config: PublisherConfig | None = None,
+        **options: Any,
     ) -> None:
         for reserved in ("model", "optimizer"):
-            if reserved in publisher_options:
+            if reserved in options:
                 raise ConfigError(
                     f"FlipsyncCallback sets the publisher's {reserved!r} itself (the Trainer's model, one "
                     "version per on_step_end); do not pass it"
                 )
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(PublisherConfig)})
+        if unknown:
+            raise ConfigError(f"FlipsyncCallback: unknown option(s) {', '.join(unknown)}: see PublisherConfig")
         self.board = board
         self.format = format
         self.run = run
         self.resume = resume
-        self.store_options = store_options
         self.step_meta = step_meta
-        self.publisher_options = publisher_options
+        self.config = dataclasses.replace(config or PublisherConfig(), **options)
         self.publisher: Publisher | None = None
         self.published: Published | None = None
         self.versions_before = 0  # versions published by earlier train() calls of this callback
@@ -177,8 +180,7 @@ class FlipsyncCallback(TrainerCallback):
             format=self.format,
             run=self.run,
             resume=self.resume,
-            store_options=self.store_options,
-            **self.publisher_options,
+            config=self.config,
         )
         if self.run is None:
             self.run = self.publisher.run
