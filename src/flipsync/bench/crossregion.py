@@ -66,7 +66,7 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite
 from flipsync.codec.bits import int_view
-from flipsync.engines.base import Engine
+from flipsync.engines.base import Engine, Staged
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 from flipsync.formats import served_view
 from flipsync.relay.client import HttpStore
@@ -112,7 +112,7 @@ FULL = Setup(16 << 20, (1, 4, 16), ("100mbit", "1gbit", "10gbit"), repeats=3)
 
 
 @dataclass
-class DictStaged:
+class DictStaged(Staged):
     writes: list[StagedWrite]
     target_view: str
 

@@ -2,12 +2,11 @@
 
 ``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed);
 ``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
-not control; ``apply_parts`` / ``stage_parts`` / ``join_parts`` let a replica apply a version made of several
-parts (one per trainer rank).
+not control. A replica reads a version made of several parts (one per trainer rank) with
+``flipsync.board.parts.patch_from_parts``.
 """
 
 from flipsync.trainer.group import Group, SoloGroup, TorchGroup
-from flipsync.trainer.parts import apply_parts, join_parts, stage_parts
 from flipsync.trainer.publisher import Publisher, PublisherStats, new_run_name
 
 __all__ = [
@@ -16,8 +15,5 @@ __all__ = [
     "PublisherStats",
     "SoloGroup",
     "TorchGroup",
-    "apply_parts",
-    "join_parts",
     "new_run_name",
-    "stage_parts",
 ]

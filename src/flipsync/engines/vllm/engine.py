@@ -46,7 +46,7 @@ import torch
 from flipsync.codec import FingerprintTable, Patch, TensorId
 from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
 from flipsync.codec.digest import fingerprint_of, fp_hex
-from flipsync.engines.base import Engine
+from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.vllm.worker import (
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
@@ -232,7 +232,7 @@ Placement = tuple[str, np.ndarray]  # parameter name, blocks
 
 
 @dataclass
-class VllmStaged:
+class VllmStaged(Staged):
     """Writes of one patch per worker rank, and the fingerprints the view will have after them."""
 
     base_view: str
@@ -244,13 +244,13 @@ class VllmStaged:
 
 
 @dataclass
-class VllmUndo:
+class VllmUndo(Undo):
     token: str
     table_before: dict[str, TensorId] = field(default_factory=dict)
     commit_s: float = 0.0
 
 
-class VllmEngine(Engine):
+class VllmEngine(Engine[VllmStaged, VllmUndo]):
     """A vLLM engine whose served weights a sidecar keeps bitwise at a board version."""
 
     name: ClassVar[str] = "vllm"
