@@ -25,7 +25,8 @@ from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view
-from flipsync.sidecar.cli import relay, sidecar
+from flipsync.relay.cli import relay
+from flipsync.sidecar.cli import sidecar
 from flipsync.trainer.cli import publish as publish_cmd
 from flipsync.trainer.cli import watch as watch_cmd
 

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
-from flipsync.board.store import Store
 from flipsync.board.parts import patch_from_parts
+from flipsync.board.store import Store
 from flipsync.codec import FingerprintTable, apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.errors import BoardError, StoreError

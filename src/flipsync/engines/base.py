@@ -87,7 +87,7 @@ class Engine(ABC, Generic[StagedT, UndoT]):
         the version an engine that outlived its old sidecar holds (else it loads a keyframe)."""
         return True
 
-    def label_version(self, view_fp: str, version: int) -> None:  # noqa: B027 - optional, most engines ignore it
+    def label_version(self, view_fp: str, version: int) -> None:
         """Name the board version of a view before it is committed (an engine that stamps its outputs with
         a version uses it); the sidecar calls it before every commit and keyframe load."""
 
@@ -95,5 +95,5 @@ class Engine(ABC, Generic[StagedT, UndoT]):
         """False when the engine cannot serve (crashed, unreachable)."""
         return True
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most engines hold nothing to release
+    def close(self) -> None:
         """Release the engine's resources."""
