@@ -16,23 +16,31 @@ from flipsync.errors import FlipsyncError
 # Everything heavy (uvicorn, the board's stores) is imported inside the command, so that mounting it keeps
 # ``flipsync --help`` and the other commands fast.
 
-relay_app = typer.Typer(
-    name="flipsync-relay",
-    help="Serve a board to the sidecars of one island: a read-through cache with coalesced fetches.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
+
+def command_app(name: str, help: str) -> typer.Typer:
+    """An app holding one command for ``python -m`` runs, where the command stays a subcommand (``... relay
+    --board B``): Typer runs a lone command as the app itself unless the app has a callback."""
+    app = typer.Typer(name=name, help=help, no_args_is_help=True, pretty_exceptions_enable=False)
+    app.callback()(lambda: None)
+    return app
+
+
+relay_app = command_app(
+    "flipsync-relay", "Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."
 )
 
 
-@relay_app.callback()
-def _group() -> None:
-    """Keeps ``relay`` a subcommand (Typer runs a lone command as the app itself)."""
-
-
 BoardOpt = Annotated[str, typer.Option("--board", "-b", help="Board URL or path (s3://..., ./board) the relay reads")]
+# Shared with ``flipsync sidecar`` (it reads a board, or a relay, the same way).
 StoreOpt = Annotated[
     list[str] | None, typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...)")
 ]
+
+
+def command_error(e: FlipsyncError) -> typer.Exit:
+    """Say what went wrong in one line and end the command with status 2 (no traceback for a user error)."""
+    typer.echo(f"error: {e}", err=True)
+    return typer.Exit(2)
 
 
 @relay_app.command("relay")
@@ -76,8 +84,7 @@ def relay(
         typer.echo(f"flipsync relay: {store.url} on {host}:{port}")
         serve_until_signal(app, host, port)
     except FlipsyncError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise command_error(e) from None
     finally:
         if store is not None:
             store.close()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.relay.cli import StoreOpt, command_app, command_error
 from flipsync.sidecar.gate import CommitMode
 
 if TYPE_CHECKING:
@@ -24,29 +25,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-sidecar_app = typer.Typer(
-    name="flipsync-sidecar",
-    help="Keep an inference engine bitwise at a board's HEAD, behind a version-aware proxy.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
+sidecar_app = command_app(
+    "flipsync-sidecar", "Keep an inference engine bitwise at a board's HEAD, behind a version-aware proxy."
 )
-
-
-@sidecar_app.callback()
-def _group() -> None:
-    """Keeps ``sidecar`` a subcommand (Typer runs a lone command as the app itself)."""
-
-
-def _fail(e: FlipsyncError) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(2)
 
 
 BoardOpt = Annotated[
     str, typer.Option("--board", "-b", help="Board URL or path (s3://..., ./board), or a relay http://HOST:PORT")
-]
-StoreOpt = Annotated[
-    list[str] | None, typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...)")
 ]
 
 
@@ -119,7 +104,7 @@ def sidecar(
         if not fetch_ahead >= 0:
             raise ConfigError(f"--fetch-ahead must be a number of seconds >= 0 (0: off), not {fetch_ahead}")
     except FlipsyncError as e:
-        raise _fail(e) from None
+        raise command_error(e) from None
 
     from flipsync.board.ahead import FetchAhead
     from flipsync.board.reader import BoardReader
@@ -200,7 +185,7 @@ def sidecar(
         # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly.
         serve_until_signal(service.app, host, port)
     except FlipsyncError as e:
-        raise _fail(e) from None
+        raise command_error(e) from None
     finally:
         if service is not None:
             service.replica.stop()

@@ -61,28 +61,23 @@ def now_iso() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
+# The first class a failure is an instance of names it (subclasses before their bases).
+_KINDS: tuple[tuple[type[BaseException] | tuple[type[BaseException], ...], str], ...] = (
+    (EngineUnavailableError, "engine_down"),
+    (EngineError, "engine_rejected"),
+    (IntegrityError, "integrity"),
+    (StoreError, "board_unreachable"),
+    (NotFoundError, "no_route"),
+    (BoardError, "board"),
+    (BaseMismatchError, "base_mismatch"),
+    (VerificationError, "verification"),
+    ((CorruptPatchError, PatchError), "corrupt_patch"),
+    (FlipsyncError, "error"),
+)
+
+
 def classify(e: BaseException) -> str:
     """A short, stable name for a failure (status and the ``kind`` label of the failure counter)."""
-    if isinstance(e, UnusableArtifactError):
+    if isinstance(e, UnusableArtifactError):  # an IntegrityError that names its own kind
         return e.kind
-    if isinstance(e, EngineUnavailableError):
-        return "engine_down"
-    if isinstance(e, EngineError):
-        return "engine_rejected"
-    if isinstance(e, IntegrityError):
-        return "integrity"
-    if isinstance(e, StoreError):
-        return "board_unreachable"
-    if isinstance(e, NotFoundError):
-        return "no_route"
-    if isinstance(e, BoardError):
-        return "board"
-    if isinstance(e, BaseMismatchError):
-        return "base_mismatch"
-    if isinstance(e, VerificationError):
-        return "verification"
-    if isinstance(e, CorruptPatchError | PatchError):
-        return "corrupt_patch"
-    if isinstance(e, FlipsyncError):
-        return "error"
-    return "internal"
+    return next((kind for cls, kind in _KINDS if isinstance(e, cls)), "internal")

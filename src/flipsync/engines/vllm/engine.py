@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import httpx
 import numpy as np
@@ -47,20 +47,21 @@ from flipsync.codec import FingerprintTable, Patch, TensorId
 from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
 from flipsync.codec.digest import fingerprint_of, fp_hex
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.vllm.worker import (
+from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
+from flipsync.engines.vllm.wire import (
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
     PROTOCOL,
     RELOAD,
     RPC_METHOD,
-    WorkerCore,
     b64,
-    block_runs,
-    lookup_blocks,
     uint_dtype,
     unb64,
 )
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
+
+if TYPE_CHECKING:
+    from flipsync.engines.vllm.worker import WorkerCore
 
 log = logging.getLogger(__name__)
 
