@@ -26,7 +26,8 @@ from flipsync.checkpoint import Checkpoint
 from flipsync.codec import cli as codec_cli
 from flipsync.errors import ConfigError
 from flipsync.formats import FORMAT_NAMES, get_format
-from flipsync.sidecar.cli import relay, sidecar
+from flipsync.relay.cli import relay
+from flipsync.sidecar.cli import sidecar
 from flipsync.terminal import human_size as _size
 from flipsync.terminal import run_or_exit as _run
 from flipsync.trainer.cli import publish as publish_cmd

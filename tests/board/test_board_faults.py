@@ -12,8 +12,9 @@ from dataclasses import replace
 import pytest
 from board_helpers import S3_CREDS, Recorder, backend_params, build_run, fast_options, fp, patch_bytes
 
+from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
-from flipsync.board.reader import BoardReader, Follower, Step
+from flipsync.board.reader import BoardReader, Step
 from flipsync.board.store import ObstoreStore, open_store
 from flipsync.errors import BoardError, IntegrityError, StoreError
 

@@ -20,12 +20,13 @@ from board_helpers import make_s3_store
 from flipsync.board import BoardReader, Follower, KeyframePolicy, KeyframeStep, PatchStep, Step
 from flipsync.board.layout import MANIFEST
 from flipsync.board.mirror import MirrorCollector, MirrorPolicy, MirrorStore
+from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import ObstoreStore, open_store
-from flipsync.codec import FingerprintTable
+from flipsync.codec import FingerprintTable, apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.errors import ConfigError, StoreError
 from flipsync.formats import served_view
-from flipsync.trainer import Publisher, PublisherConfig, apply_parts
+from flipsync.trainer import Publisher, PublisherConfig
 
 pytestmark = pytest.mark.network_services
 RUN = "mirrored"
@@ -148,7 +149,8 @@ class Replica:
             self.table = FingerprintTable.of(self.tensors)
         else:
             assert isinstance(step, PatchStep)
-            apply_parts(self.tensors, step.parts, self.table, verify="digest")
+            patch = patch_from_parts(step.parts, step.manifest, self.table)
+            apply_patch(self.tensors, patch, self.table, verify="digest")
         assert self.table.view_fp() == step.manifest.target_view_fp
 
     def sync(self, goal: int | None = None) -> int | None:

@@ -10,8 +10,9 @@ import torch
 from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, small_view, span_bytes
 
 from flipsync.board.catalog import content_hash
+from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout, new_attempt_id
-from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep
+from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
 from flipsync.board.signing import Signer, Verifier, generate_keypair
 from flipsync.board.store import ObstoreStore, StoreWrapper
 from flipsync.board.writer import BoardWriter

@@ -7,8 +7,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from board_helpers import Recorder, backend_params, build_run, fp, patch_bytes, small_view
 
+from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
-from flipsync.board.reader import BoardReader, Follower
+from flipsync.board.reader import BoardReader
 from flipsync.board.retention import RetentionPolicy, collect_garbage
 from flipsync.board.store import ObstoreStore
 from flipsync.board.writer import BoardWriter

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from board_helpers import Recorder, backend_params, build_run, fp
 
+from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
-from flipsync.board.reader import BoardReader, Follower
+from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier, generate_keypair, public_key_path, write_keypair
 from flipsync.board.store import ObstoreStore
 from flipsync.errors import ConfigError, IntegrityError

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from flipsync.codec.bits import int_view
-from flipsync.engines.vllm.worker import WorkerCore, expand_blocks
+from flipsync.engines.vllm.blockmap import expand_blocks
+from flipsync.engines.vllm.worker import WorkerCore
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -228,7 +229,7 @@ def make_reloader(model: FakeLlama):
 
 def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
     """Model-format scratch for dropped weights (vLLM rebuilds it from recorded metadata)."""
-    from flipsync.engines.vllm.worker import _copy_attrs, default_scratch
+    from flipsync.engines.vllm.scratch import copy_attrs, default_scratch
 
     if live.numel() == 0 and getattr(module, "packed_copy", None) is not None:
         shape = tuple(module.packed_copy.t().shape)
@@ -236,7 +237,7 @@ def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor) -> torch.T
         tmpl = torch.nn.Parameter(torch.empty(0, dtype=live.dtype), requires_grad=False)
         owner_loader = getattr(module, "_loader_for_scratch", None) or module.weight_loader
         tmpl.weight_loader = owner_loader  # type: ignore[attr-defined]
-        return _copy_attrs(t, tmpl, module)
+        return copy_attrs(t, tmpl, module)
     return default_scratch(module, pname, live)
 
 

@@ -12,7 +12,8 @@ from fastapi import FastAPI, HTTPException, Request
 
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_of
-from flipsync.engines.vllm.worker import RPC_METHOD, WorkerCore
+from flipsync.engines.vllm.wire import RPC_METHOD
+from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import ConfigError, EngineUnavailableError
 
 

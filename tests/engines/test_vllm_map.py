@@ -16,15 +16,9 @@ from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.codec.bits import int_view
+from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
-from flipsync.engines.vllm.worker import (
-    WorkerCore,
-    compress_map,
-    exact_int_base,
-    expand_blocks,
-    lookup_blocks,
-    probe_passes,
-)
+from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import BaseMismatchError, CorruptPatchError, EngineError, VerificationError
 
 
@@ -218,7 +212,7 @@ def test_transforming_loader_is_detected() -> None:
 
 # -------------------------------------------------------------------------- vLLM glue, without vLLM
 def test_vllm_policy_decides_by_kernel_format() -> None:
-    from flipsync.engines.vllm.worker import vllm_policy
+    from flipsync.engines.vllm.scratch import vllm_policy
 
     def module(cls_name: str, quant: str | None, cpu_linear: bool) -> torch.nn.Module:
         m = type(cls_name, (torch.nn.Module,), {})()
@@ -242,7 +236,9 @@ def test_worker_extension_speaks_json() -> None:
     import json
     from types import SimpleNamespace
 
-    from flipsync.engines.vllm.worker import PROTOCOL, FlipsyncWorkerExtension, vllm_scratch
+    from flipsync.engines.vllm.scratch import vllm_scratch
+    from flipsync.engines.vllm.wire import PROTOCOL
+    from flipsync.engines.vllm.worker import FlipsyncWorkerExtension
 
     v0 = checkpoint()
     model = FakeLlama(**DIMS)

@@ -73,7 +73,7 @@ def generate(llm, sp):
 def start(model_dir: Path):
     from vllm import LLM
 
-    from flipsync.engines.vllm.worker import EXTENSION_CLS
+    from flipsync.engines.vllm.wire import EXTENSION_CLS
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -193,7 +193,7 @@ def server(workdir: Path) -> dict:
 
     from flipsync.codec import FingerprintTable, diff_views
     from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
-    from flipsync.engines.vllm.worker import EXTENSION_CLS
+    from flipsync.engines.vllm.wire import EXTENSION_CLS
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir = build_tiny_llama(workdir / "v0")

@@ -112,7 +112,7 @@ class KillingEngine(Engine):
 
     @property
     def adoptable(self) -> bool:
-        return bool(getattr(self.inner, "adoptable", True))
+        return self.inner.adoptable
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         self.killer.at("before_load")

@@ -17,7 +17,7 @@ from flipsync.board.store import ObstoreStore
 from flipsync.codec import FingerprintTable, diff_views
 from flipsync.engines.base import Engine
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
-from flipsync.engines.vllm.worker import PROTOCOL
+from flipsync.engines.vllm.wire import PROTOCOL
 from flipsync.errors import BaseMismatchError
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica, ReplicaConfig

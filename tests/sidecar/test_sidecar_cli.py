@@ -30,9 +30,8 @@ def _free_port() -> int:
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "flipsync.sidecar.cli", *args], stdout=out, stderr=subprocess.STDOUT, env=env
-        )
+        module = "flipsync.relay.cli" if args[0] == "relay" else "flipsync.sidecar.cli"
+        return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> int:

@@ -1,4 +1,4 @@
-"""Row-shard pieces, the part chain of one version, and applying several parts on a replica."""
+"""Row-shard pieces, the part chain of one version, and reading several parts as one patch on a replica."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import pytest
 import torch
 from trainer_helpers import assert_bitwise
 
+from flipsync.board.parts import patch_from_parts
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, apply_patch, diff_views
 from flipsync.domain.headers import ViewRef
-from flipsync.errors import BaseMismatchError, ConfigError, VerificationError
-from flipsync.trainer import apply_parts, join_parts, stage_parts
+from flipsync.domain.manifest import Manifest, Part
+from flipsync.errors import ConfigError, CorruptPatchError
 from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
 from flipsync.trainer.pieces import Piece, dedupe_tied
 from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas
+from tests.strategies import PART_HASH, patch_manifest
 
 
 def views(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -70,6 +72,14 @@ def parts_of(
     return parts, table.view_fp(), target.view_fp()
 
 
+def manifest_of(n_parts: int, base_fp: str, target_fp: str) -> Manifest:
+    """Version 1 of ``n_parts`` parts from ``base_fp`` to ``target_fp`` (the parts' bytes are not read here)."""
+    parts = tuple(Part(f"p{i}", 1, PART_HASH) for i in range(n_parts))
+    return patch_manifest(
+        version=1, base_version=0, target_version=1, base_view_fp=base_fp, target_view_fp=target_fp, parts=parts
+    )
+
+
 @pytest.mark.parametrize("world", [1, 3, 16])  # 16 ranks: some hold no rows of "b" (7 rows)
 def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
     old, new = views()
@@ -77,16 +87,12 @@ def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
     replica = {k: v.clone() for k, v in old.items()}
     table = FingerprintTable.of(replica)
     assert table.view_fp() == base_fp
-    apply_parts(replica, parts, table, verify="digest")
+    # the version as one patch (the chain squashed), what the engine port stages
+    joined = patch_from_parts(parts, manifest_of(len(parts), base_fp, target_fp), table)
+    assert (joined.header.base.view, joined.header.target.view) == (base_fp, target_fp)
+    apply_patch(replica, joined, table, verify="digest")
     assert table.view_fp() == target_fp
     assert_bitwise(new, replica)
-    # the same version as one patch (what an engine port that takes one patch gets)
-    joined = join_parts(parts)
-    other = {k: v.clone() for k, v in old.items()}
-    t2 = FingerprintTable.of(other)
-    apply_patch(other, joined, t2)
-    assert_bitwise(new, other)
-    assert (joined.header.base.view, joined.header.target.view) == (base_fp, target_fp)
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -107,25 +113,27 @@ def test_sections_coded_while_diffing_are_the_same_bytes(world: int) -> None:
 
 def test_parts_out_of_order_are_refused_before_any_write() -> None:
     old, new = views(1)
-    parts, _, _ = parts_of(old, new, 2)
+    parts, base_fp, target_fp = parts_of(old, new, 2)
     assert len(parts) == 2
     replica = {k: v.clone() for k, v in old.items()}
     table = FingerprintTable.of(replica)
-    with pytest.raises(BaseMismatchError):
-        apply_parts(replica, parts[::-1], table)
+    with pytest.raises(CorruptPatchError, match="neither form a chain nor share the base view"):
+        patch_from_parts(parts[::-1], manifest_of(2, base_fp, target_fp), table)
     assert_bitwise(old, replica)
 
 
-def test_overlapping_parts_fail_verification_not_silently() -> None:
+def test_overlapping_shards_are_refused_but_a_chain_squashes() -> None:
     a, b = views(2)
     c = {k: (v.float() + 1e-2).bfloat16() for k, v in b.items()}
+    fps = [FingerprintTable.of(v).view_fp() for v in (a, b, c)]
     p1, _ = diff_views(a, b)
-    p2, _ = diff_views(b, c)  # touches the same elements as p1: not disjoint shards
+    p2, _ = diff_views(a, c)  # from the same base, touching the same tensors as p1: not disjoint shards
     replica = {k: v.clone() for k, v in a.items()}
     table = FingerprintTable.of(replica)
-    with pytest.raises(VerificationError):
-        stage_parts(replica, [p1, p2], table)
-    apply_patch(replica, join_parts([p1, p2]), table)  # the squash of a chain is fine
+    with pytest.raises(CorruptPatchError, match="more than one shard"):
+        patch_from_parts([p1.to_bytes(), p2.to_bytes()], manifest_of(2, fps[0], fps[2]), table)
+    p2, _ = diff_views(b, c)  # the chain a -> b -> c touches the same elements twice, and squashes fine
+    apply_patch(replica, patch_from_parts([p1.to_bytes(), p2.to_bytes()], manifest_of(2, fps[0], fps[2]), table), table)
     assert_bitwise(c, replica)
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
+from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import Store
-from flipsync.codec import FingerprintTable
+from flipsync.codec import FingerprintTable, apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.errors import BoardError, StoreError
 from flipsync.formats import served_view
-from flipsync.trainer import apply_parts
 
 
 def tiny_llama(seed: int = 0, *, tie: bool = True, hidden: int = 32, layers: int = 1, vocab: int = 64) -> Any:
@@ -84,7 +84,8 @@ class Replica:
             self.table = FingerprintTable.of(self.tensors)
         else:
             assert isinstance(step, PatchStep)
-            apply_parts(self.tensors, step.parts, self.table, verify="digest")
+            patch = patch_from_parts(step.parts, step.manifest, self.table)
+            apply_patch(self.tensors, patch, self.table, verify="digest")
         assert self.table.view_fp() == step.manifest.target_view_fp
         self.steps.append(step)
 

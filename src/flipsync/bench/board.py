@@ -32,7 +32,8 @@ from rich.table import Table
 from flipsync.bench.report import md_table
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.catalog import content_hash
-from flipsync.board.reader import BoardReader, Follower, Step
+from flipsync.board.follow import Follower
+from flipsync.board.reader import BoardReader, Step
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.writer import BoardWriter
 from flipsync.domain.catchup import plan_catchup

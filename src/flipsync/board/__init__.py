@@ -1,16 +1,17 @@
 """The bulletin board: versions, keyframes and spans of a run on an object store, published create-only.
 
-BoardWriter side: ``BoardWriter`` (publish_snapshot / publish_patch / publish_keyframe / publish_span, and
+Writer side: ``BoardWriter`` (publish_snapshot / publish_patch / publish_keyframe / publish_span, and
 commit_uploaded_patch for parts that ranks uploaded themselves; with the keyframe and span cadence). Reader
 side: ``BoardReader`` (HEAD, catch-up plans, verified downloads, waiting for a version where the store can)
-and ``Follower`` (one replica's last good version). Stores: ``open_store(url)``.
+and ``Follower`` (the follow-and-replan loop: one replica's last good version). Stores: ``open_store(url)``.
 """
 
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish
 from flipsync.board.catalog import Catalog, content_hash
+from flipsync.board.follow import Follower
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files, tensors_from_files
 from flipsync.board.layout import RunLayout
-from flipsync.board.reader import BoardReader, Follower, KeyframeStep, PatchStep, Step, load_keyframe
+from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, Step, load_keyframe
 from flipsync.board.retention import GcReport, RetentionPolicy, collect_garbage
 from flipsync.board.signing import Signer, Verifier, generate_keypair, write_keypair
 from flipsync.board.store import ObjectInfo, ObstoreStore, Store, StoreOptions, open_store

@@ -1,11 +1,7 @@
 """Reading side: discover HEAD, plan the cheapest catch-up, fetch and verify, hand over verified steps.
 
-``BoardReader`` plans and fetches; ``Follower`` keeps one replica's last good version and drives a catch-up:
-for each verified step it calls the sidecar's ``apply`` and advances only once that returned. If an
-artifact turns out missing or corrupt, it is excluded and the rest of the way is planned again (a damaged
-span falls back to the patch chain, a damaged chain to a keyframe). Any other failure (a store that times
-out, a HEAD that moved backwards, a board nobody can verify) raises a clear error and leaves the replica on
-its last good version.
+``BoardReader`` plans and fetches (a HEAD that moved backwards, a board nobody can verify, a damaged
+artifact each raise a clear error); ``board.follow.Follower`` drives one replica's catch-up with it.
 """
 
 from __future__ import annotations
@@ -296,88 +292,6 @@ def check_continuity(m: Manifest, current_fp: str | None) -> None:
             f"starts from view {str(m.base_view_fp)[:16]}, "
             f"but the replica holds view {current_fp[:16]}: the board's chain does not line up"
         )
-
-
-class Follower:
-    """One replica's position on the board; advances only over verified, applied steps."""
-
-    def __init__(
-        self,
-        reader: BoardReader,
-        *,
-        version: int | None = None,
-        view_fp: str | None = None,
-        max_replans: int = 3,
-    ) -> None:
-        self.reader = reader
-        self.version = version
-        self.view_fp = view_fp
-        self.max_replans = max_replans
-        self.bytes_downloaded = 0
-
-    def sync(self, apply: Callable[[Step], None], *, goal: int | None = None) -> int | None:
-        """Catch up to ``goal`` (default HEAD): call ``apply`` on each verified step, in order.
-
-        Returns the version now held. On error the replica stays on the last version whose ``apply``
-        returned (``self.version``), and the error is raised.
-        """
-        target = goal if goal is not None else self.reader.head()
-        if target is None:
-            return self.version
-        if self.version is not None and self.version > target:
-            raise BoardError(
-                f"the replica is at v{self.version} but the board's HEAD is v{target}: HEAD moved backwards; "
-                "staying on the last good version"
-            )
-        self._check_local_view()
-        bad: set[Edge] = set()
-        last: IntegrityError | None = None
-        for attempt in range(self.max_replans + 1):
-            try:
-                plan = self.reader.plan(self.version, target, exclude=bad)
-            except NotFoundError as e:
-                if last is None:
-                    raise
-                # Routing around a damaged artifact left no way: report the damage itself.
-                raise IntegrityError(f"{last}; and no other way to v{target}: {e}") from e
-            failure: tuple[Manifest, IntegrityError] | None = None
-            for m, fut in self.reader.prefetch(plan):
-                try:
-                    step = fut.result()
-                    check_continuity(m, self.view_fp)
-                except IntegrityError as e:
-                    failure = (m, e)
-                    break
-                apply(step)  # the sidecar's errors propagate as they are; we stay where we were
-                self.version, self.view_fp = m.target_version, m.target_view_fp
-                self.bytes_downloaded += m.total_size
-            if failure is None:
-                return self.version
-            m, err = failure
-            last = err
-            if attempt == self.max_replans:
-                raise err
-            log.warning("excluding %s v%s->v%d and planning again: %s", m.kind.value, m.base_version, m.version, err)
-            bad.add(m.edge)
-            self.reader.catalog.forget(m)
-        return self.version
-
-    def _check_local_view(self) -> None:
-        """If the board's record of our version disagrees with our view, start over from a keyframe."""
-        if self.version is None or self.view_fp is None:
-            return
-        try:
-            m = self.reader.catalog.version(self.version)
-        except (NotFoundError, IntegrityError):
-            return  # retention removed it, or it is damaged: the first step's base check still applies
-        if m.target_view_fp != self.view_fp:
-            log.warning(
-                "the board says v%d is view %s, the replica holds %s: booting from a keyframe",
-                self.version,
-                m.target_view_fp[:16],
-                self.view_fp[:16],
-            )
-            self.version, self.view_fp = None, None
 
 
 def load_keyframe(

@@ -17,15 +17,36 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
 from flipsync.codec import FingerprintTable, Patch
 
 
-class Engine(ABC):
-    """An inference engine whose served weights a sidecar keeps bitwise at a board version."""
+class Staged:
+    """What ``Engine.stage`` returns and ``Engine.commit`` takes: one patch, decoded and checked, not yet
+    written. Each engine subclasses it with what its commit needs."""
+
+    # Elements the commit will write, for status and metrics; None where an engine does not count them.
+    n_changed: int | None = None
+
+
+class Undo:
+    """What ``Engine.commit`` returns and ``Engine.rollback`` takes: enough to restore the weights (and the
+    table) held before that commit. Each engine subclasses it."""
+
+
+StagedT = TypeVar("StagedT", bound=Staged)
+UndoT = TypeVar("UndoT", bound=Undo)
+
+
+class Engine(ABC, Generic[StagedT, UndoT]):
+    """An inference engine whose served weights a sidecar keeps bitwise at a board version.
+
+    ``StagedT`` / ``UndoT``: the engine's own `Staged` and `Undo` types. The optional capabilities
+    (``adoptable``, ``label_version``) have defaults here, so the sidecar calls them on any engine.
+    """
 
     name: ClassVar[str]
 
@@ -42,27 +63,37 @@ class Engine(ABC):
         unhealthy and retries)."""
 
     @abstractmethod
-    def stage(self, patch: Patch) -> Any:
+    def stage(self, patch: Patch) -> StagedT:
         """Decode and prepare ``patch`` against the current weights without changing them.
 
         Raises a ``flipsync`` error (``BaseMismatchError``, ``CorruptPatchError``, ``VerificationError``)
         when the patch does not apply to what the engine holds."""
 
     @abstractmethod
-    def commit(self, staged: Any) -> Any:
+    def commit(self, staged: StagedT) -> UndoT:
         """Write the staged changes in place and return an undo token; all or nothing."""
 
     @abstractmethod
-    def rollback(self, undo: Any) -> None:
+    def rollback(self, undo: UndoT) -> None:
         """Restore the weights (and ``table``) to what they were before the commit that made ``undo``."""
 
     @abstractmethod
     def recompute_table(self) -> FingerprintTable:
         """Fingerprints recomputed from the weights actually held (O(size)); for audits after faults."""
 
+    @property
+    def adoptable(self) -> bool:
+        """Whether ``recompute_table`` reads the weights the engine serves, so that a new sidecar may report
+        the version an engine that outlived its old sidecar holds (else it loads a keyframe)."""
+        return True
+
+    def label_version(self, view_fp: str, version: int) -> None:
+        """Name the board version of a view before it is committed (an engine that stamps its outputs with
+        a version uses it); the sidecar calls it before every commit and keyframe load."""
+
     def health(self) -> bool:
         """False when the engine cannot serve (crashed, unreachable)."""
         return True
 
-    def close(self) -> None:  # noqa: B027 - optional hook, most engines hold nothing to release
+    def close(self) -> None:
         """Release the engine's resources."""

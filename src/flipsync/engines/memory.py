@@ -19,19 +19,26 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite
 from flipsync.codec.bits import int_view
-from flipsync.engines.base import Engine
+from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 
 
 @dataclass
-class MemoryStaged:
+class MemoryStaged(Staged):
     """What `MemoryEngine.stage` prepared: the decoded writes and the view they lead to."""
 
     writes: list[StagedWrite]
     target_view: str
 
 
-class MemoryEngine(Engine):
+@dataclass
+class MemoryUndo(Undo):
+    """What `MemoryEngine.commit` wrote over: the codec's undo record."""
+
+    record: UndoRecord
+
+
+class MemoryEngine(Engine[MemoryStaged, MemoryUndo]):
     """An engine that is only its served view: a dict of tensors kept current by codec stage/commit.
 
     ``table``: the view's fingerprints when the caller has them (16 replicas need not hash v0 16 times).
@@ -74,7 +81,7 @@ class MemoryEngine(Engine):
             raise BaseMismatchError(f"the patch is for {fmt!r}, this engine serves {self.served_format!r}")
         return MemoryStaged(codec_stage(self._served, patch, self._table), patch.header.target.view)
 
-    def commit(self, staged: object) -> UndoRecord:
+    def commit(self, staged: MemoryStaged) -> MemoryUndo:
         if not isinstance(staged, MemoryStaged):
             raise EngineError(f"commit expects what MemoryEngine.stage returned, not {type(staged).__name__}")
         with self._lock:
@@ -82,13 +89,13 @@ class MemoryEngine(Engine):
             if self._table.view_fp() != staged.target_view:
                 record.rollback(self._served, self._table)
                 raise VerificationError("after the commit the engine does not hold the patch's target; rolled back")
-        return record
+        return MemoryUndo(record)
 
-    def rollback(self, undo: object) -> None:
-        if not isinstance(undo, UndoRecord):
-            raise EngineError(f"rollback expects an UndoRecord, not {type(undo).__name__}")
+    def rollback(self, undo: MemoryUndo) -> None:
+        if not isinstance(undo, MemoryUndo):
+            raise EngineError(f"rollback expects what MemoryEngine.commit returned, not {type(undo).__name__}")
         with self._lock:
-            undo.rollback(self._served, self._table)
+            undo.record.rollback(self._served, self._table)
 
     def recompute_table(self) -> FingerprintTable:
         with self._lock:

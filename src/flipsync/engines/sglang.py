@@ -53,7 +53,7 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite, scatter
 from flipsync.codec.bits import DType, dtype_named, dtype_of
-from flipsync.engines.base import Engine
+from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class DiskMirror(MutableMapping[str, torch.Tensor]):
 
 # ------------------------------------------------------------------------------------------- engine
 @dataclass
-class SglangStaged:
+class SglangStaged(Staged):
     writes: list[StagedWrite]
     update_dir: Path
     undo_dir: Path
@@ -159,7 +159,7 @@ class SglangStaged:
 
 
 @dataclass
-class SglangUndo:
+class SglangUndo(Undo):
     record: UndoRecord
     undo_dir: Path
     update_dir: Path
@@ -168,13 +168,10 @@ class SglangUndo:
     done: bool = field(default=False)
 
 
-class SglangEngine(Engine):
+class SglangEngine(Engine[SglangStaged, SglangUndo]):
     """An SGLang server updated through ``/update_weights_from_disk`` from a mirror of the served view."""
 
     name: ClassVar[str] = "sglang"
-    # The fingerprints come from the mirror, not the server: a sidecar killed between the server's update and
-    # the mirror's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead of adopting.
-    adoptable: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -299,6 +296,12 @@ class SglangEngine(Engine):
             n_changed=sum(int(w.positions.numel()) for w in writes),
             stage_s=time.perf_counter() - t0,
         )
+
+    @property
+    def adoptable(self) -> bool:
+        # The fingerprints come from the mirror, not the server: a sidecar killed between the server's update
+        # and the mirror's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead.
+        return False
 
     def commit(self, staged: SglangStaged) -> SglangUndo:
         t0 = time.perf_counter()

@@ -1,2 +1,2 @@
-"""The island relay: one read-through cache of the board per rollout island (``server``), and the Store
-client sidecars read it with (``client``)."""
+"""The island relay: one read-through cache of the board per rollout island (``server``), the Store client
+sidecars read it with (``client``), and the ``flipsync relay`` command (``cli``)."""

@@ -1,28 +1,23 @@
-"""``flipsync sidecar`` and ``flipsync relay``.
+"""``flipsync sidecar``.
 
-``sidecar`` and ``relay`` are plain Typer command functions; ``flipsync.cli`` mounts them with
-``app.command("sidecar")(sidecar)`` and ``app.command("relay")(relay)``. ``sidecar_app`` holds both, so
-``python -m flipsync.sidecar.cli sidecar ...`` works on its own too.
+``sidecar`` is a plain Typer command function; ``flipsync.cli`` mounts it with ``app.command("sidecar")(sidecar)``.
+``sidecar_app`` holds it, so ``python -m flipsync.sidecar.cli sidecar ...`` works on its own too (``flipsync relay``
+lives in ``flipsync.relay.cli``).
 """
 
 from __future__ import annotations
 
 import logging
-import signal
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.relay.cli import StoreOpt, command_app, command_error
 from flipsync.sidecar.gate import CommitMode
 
 if TYPE_CHECKING:
-    from fastapi import FastAPI
-
     from flipsync.engines.base import Engine
 
 # Everything heavy (torch, transformers, uvicorn, the board) is imported inside the commands, so that
@@ -30,64 +25,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-sidecar_app = typer.Typer(
-    name="flipsync-sidecar",
-    help="Keep an inference engine bitwise at a board's HEAD, behind a version-aware proxy.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
+sidecar_app = command_app(
+    "flipsync-sidecar", "Keep an inference engine bitwise at a board's HEAD, behind a version-aware proxy."
 )
-
-
-def _pairs(items: list[str] | None, what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"{what} {item!r} is not key=value")
-        out[key.strip()] = value.strip()
-    return out
-
-
-@contextmanager
-def _exit_on_signals() -> Iterator[None]:
-    """SIGINT / SIGTERM end the command with a clean SystemExit(0), so the caller's cleanup runs."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(0)
-
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _serve(app: FastAPI, host: str, port: int) -> None:
-    """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
-
-    uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
-    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0.
-    """
-    import uvicorn
-
-    with _exit_on_signals():
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
-
-
-def _fail(e: FlipsyncError) -> typer.Exit:
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(2)
 
 
 BoardOpt = Annotated[
     str, typer.Option("--board", "-b", help="Board URL or path (s3://..., ./board), or a relay http://HOST:PORT")
-]
-StoreOpt = Annotated[
-    list[str] | None, typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...)")
 ]
 
 
@@ -159,7 +103,7 @@ def sidecar(
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
     from flipsync.sidecar import ENGINE_KINDS
-    from flipsync.sidecar.server import parse_listen
+    from flipsync.sidecar.server import parse_listen, parse_pairs
 
     # The arguments first: a typo is answered in milliseconds, before torch and the engines are imported.
     try:
@@ -170,17 +114,17 @@ def sidecar(
             ehost, eport = parse_listen(engine_listen)
         elif not upstream:
             raise ConfigError(f"--upstream URL is required for the {engine} engine (its OpenAI server)")
-        store_config = _pairs(store_option, "store option")
-        engine_config = _pairs(engine_option, "engine option")
+        store_config = parse_pairs(store_option, "store option")
+        engine_config = parse_pairs(engine_option, "engine option")
         if wait_timeout is not None and not wait_timeout >= 0:
             raise ConfigError(f"--wait-timeout must be a number of seconds >= 0, not {wait_timeout}")
         if not fetch_ahead >= 0:
             raise ConfigError(f"--fetch-ahead must be a number of seconds >= 0 (0: off), not {fetch_ahead}")
         if mirror_wait is not None and not mirror_wait >= 0:
             raise ConfigError(f"--mirror-wait must be a number of seconds >= 0, not {mirror_wait}")
-        origin_config = _pairs(origin_option, "origin option")
+        origin_config = parse_pairs(origin_option, "origin option")
     except FlipsyncError as e:
-        raise _fail(e) from None
+        raise command_error(e) from None
 
     from flipsync.board.ahead import FetchAhead
     from flipsync.board.reader import BoardReader
@@ -190,6 +134,7 @@ def sidecar(
     from flipsync.relay.client import open_board
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
+    from flipsync.sidecar.server import exit_on_signals, serve_until_signal
     from flipsync.sidecar.service import (
         EngineOptions,
         Sidecar,
@@ -231,7 +176,7 @@ def sidecar(
             # The torch engine is built in the board's format, and a --format is checked against it: both need
             # a version, so a run the trainer has not published yet is waited for (no guessing a format).
             reader = BoardReader(store, run_name, verifier=verifier)
-            with _exit_on_signals():
+            with exit_on_signals():
                 board_fmt = wait_for_format(reader, poll_s=poll, timeout_s=wait_timeout)
             fmt = check_format(served_format, board_fmt, run_name)
         elif board_format(BoardReader(store, run_name, verifier=verifier)) is None:
@@ -263,62 +208,15 @@ def sidecar(
         service.replica.start()
         typer.echo(f"flipsync sidecar: run {run_name!r} on {store.url}, {engine} engine, proxy on {host}:{port}")
         # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly.
-        _serve(service.app, host, port)
+        serve_until_signal(service.app, host, port)
     except FlipsyncError as e:
-        raise _fail(e) from None
+        raise command_error(e) from None
     finally:
         if service is not None:
             service.replica.stop()
             service.replica.engine.close()
         if torch_handle is not None:
             torch_handle.stop()
-        if store is not None:
-            store.close()
-
-
-@sidecar_app.command("relay")
-def relay(
-    board: BoardOpt,
-    listen: Annotated[str, typer.Option(help="Where the relay listens, HOST:PORT")] = "127.0.0.1:8200",
-    cache_mib: Annotated[int, typer.Option(help="Memory for cached objects (MiB)")] = 4096,
-    max_object_mib: Annotated[int, typer.Option(help="Larger objects are relayed but not cached (MiB)")] = 1024,
-    hint_ttl: Annotated[float, typer.Option(help="Seconds the HEAD hint (latest.json) is cached")] = 0.5,
-    listing_ttl: Annotated[float, typer.Option(help="Seconds a listing is cached")] = 1.0,
-    negative_ttl: Annotated[float, typer.Option(help="Seconds a missing object is remembered")] = 0.25,
-    watch_interval: Annotated[
-        float, typer.Option(help="Seconds between the relay's checks for an object sidecars wait for")
-    ] = 0.05,
-    fetch_ahead: Annotated[
-        bool,
-        typer.Option(help="While sidecars wait for a version, cache the parts already uploaded to its folder"),
-    ] = True,
-    store_option: StoreOpt = None,
-) -> None:
-    """Serve a board to the sidecars of one island: a read-through cache with coalesced fetches."""
-    from flipsync.board.store import StoreOptions
-    from flipsync.relay.client import open_board
-    from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
-    from flipsync.sidecar.server import parse_listen
-
-    store = None
-    try:
-        host, port = parse_listen(listen)
-        store = open_board(board, StoreOptions(config=_pairs(store_option, "store option")))
-        config = RelayConfig(
-            max_cache_bytes=cache_mib << 20,
-            max_object_bytes=max_object_mib << 20,
-            hint_ttl_s=hint_ttl,
-            listing_ttl_s=listing_ttl,
-            negative_ttl_s=negative_ttl,
-            watch_interval_s=watch_interval,
-            fetch_ahead=fetch_ahead,
-        )
-        app = create_relay_app(RelayCache(store, config))
-        typer.echo(f"flipsync relay: {store.url} on {host}:{port}")
-        _serve(app, host, port)
-    except FlipsyncError as e:
-        raise _fail(e) from None
-    finally:
         if store is not None:
             store.close()
 

@@ -1,9 +1,13 @@
-"""Run an ASGI app with uvicorn on a thread of its own (the torch engine's server beside the proxy, tests)."""
+"""Run an ASGI app with uvicorn: on a thread of its own (the torch engine's server beside the proxy, tests),
+or on the main thread until a signal (the ``sidecar`` and ``relay`` commands)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import uvicorn
 from fastapi import FastAPI
@@ -18,6 +22,45 @@ def parse_listen(text: str) -> tuple[str, int]:
         raise ConfigError(f"listen address {text!r} is not HOST:PORT")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
+
+
+def parse_pairs(items: list[str] | None, what: str) -> dict[str, str]:
+    """``key=value`` command-line settings (``--store-option``, ``--engine-option``) as a dict."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} {item!r} is not key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+@contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """SIGINT / SIGTERM end the command with a clean SystemExit(0), so the caller's cleanup runs."""
+
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def serve_until_signal(app: FastAPI, host: str, port: int) -> None:
+    """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
+
+    uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
+    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0.
+    """
+    with exit_on_signals():
+        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
 
 
 class ServerThread:

@@ -3,13 +3,12 @@
 ``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed), tuned by a
 ``PublisherConfig``;
 ``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
-not control; ``apply_parts`` / ``stage_parts`` / ``join_parts`` let a replica apply a version made of several
-parts (one per trainer rank).
+not control. A replica reads a version made of several parts (one per trainer rank) with
+``flipsync.board.parts.patch_from_parts``.
 """
 
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.group import Group, SoloGroup, TorchGroup
-from flipsync.trainer.parts import apply_parts, join_parts, stage_parts
 from flipsync.trainer.publisher import Publisher, PublisherStats
 from flipsync.trainer.startup import new_run_name
 
@@ -20,8 +19,5 @@ __all__ = [
     "PublisherStats",
     "SoloGroup",
     "TorchGroup",
-    "apply_parts",
-    "join_parts",
     "new_run_name",
-    "stage_parts",
 ]

@@ -30,7 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -40,7 +40,7 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.apply import StagedWrite, scatter
 from flipsync.codec.bits import int_view
-from flipsync.engines.base import Engine
+from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.torch.steplock import StepLock
 from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
@@ -75,7 +75,7 @@ class Generation:
 
 
 @dataclass
-class TorchStaged:
+class TorchStaged(Staged):
     """Ready-to-scatter writes of one patch, and the view the engine will hold after them."""
 
     writes: list[StagedWrite]
@@ -86,7 +86,7 @@ class TorchStaged:
 
 
 @dataclass
-class TorchUndo:
+class TorchUndo(Undo):
     record: UndoRecord
     touched: frozenset[str]
     params: dict[str, ParamWrite] = field(default_factory=dict)
@@ -110,7 +110,7 @@ class WriteTiming:
     kind: str = ""
 
 
-class TorchEngine(Engine):
+class TorchEngine(Engine[TorchStaged, TorchUndo]):
     """An in-process ``transformers`` causal LM on CPU or CUDA, kept bitwise at a served view."""
 
     name: ClassVar[str] = "torch"
@@ -303,7 +303,7 @@ class TorchEngine(Engine):
             params=self._prepare_params(writes) if self._refresh and self.stage_refresh else {},
         )
 
-    def commit(self, staged: Any) -> TorchUndo:
+    def commit(self, staged: TorchStaged) -> TorchUndo:
         self._check_alive()
         if not isinstance(staged, TorchStaged):
             raise EngineError(f"commit expects what TorchEngine.stage returned, not {type(staged).__name__}")
@@ -327,7 +327,7 @@ class TorchEngine(Engine):
             self.last_write = WriteTiming(waited, time.perf_counter() - t0, "commit")
         return TorchUndo(record, staged.touched, staged.params)
 
-    def rollback(self, undo: Any) -> None:
+    def rollback(self, undo: TorchUndo) -> None:
         self._check_alive()
         if not isinstance(undo, TorchUndo):
             raise EngineError(f"rollback expects what TorchEngine.commit returned, not {type(undo).__name__}")

@@ -37,7 +37,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import httpx
 import numpy as np
@@ -46,21 +46,22 @@ import torch
 from flipsync.codec import FingerprintTable, Patch, TensorId
 from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
 from flipsync.codec.digest import fingerprint_of, fp_hex
-from flipsync.engines.base import Engine
-from flipsync.engines.vllm.worker import (
+from flipsync.engines.base import Engine, Staged, Undo
+from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
+from flipsync.engines.vllm.wire import (
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
     PROTOCOL,
     RELOAD,
     RPC_METHOD,
-    WorkerCore,
     b64,
-    block_runs,
-    lookup_blocks,
     uint_dtype,
     unb64,
 )
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
+
+if TYPE_CHECKING:
+    from flipsync.engines.vllm.worker import WorkerCore
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +233,7 @@ Placement = tuple[str, np.ndarray]  # parameter name, blocks
 
 
 @dataclass
-class VllmStaged:
+class VllmStaged(Staged):
     """Writes of one patch per worker rank, and the fingerprints the view will have after them."""
 
     base_view: str
@@ -244,13 +245,13 @@ class VllmStaged:
 
 
 @dataclass
-class VllmUndo:
+class VllmUndo(Undo):
     token: str
     table_before: dict[str, TensorId] = field(default_factory=dict)
     commit_s: float = 0.0
 
 
-class VllmEngine(Engine):
+class VllmEngine(Engine[VllmStaged, VllmUndo]):
     """A vLLM engine whose served weights a sidecar keeps bitwise at a board version."""
 
     name: ClassVar[str] = "vllm"

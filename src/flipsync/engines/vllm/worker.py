@@ -8,6 +8,8 @@ over HTTP (``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). Requests a
 
 All engine-independent logic lives in :class:`WorkerCore`, which needs only a module with vLLM's
 ``load_weights(Iterable[(checkpoint name, tensor)])`` contract; unit tests drive it with a small fake model.
+Beside it: ``wire`` (what both halves agree on), ``blockmap`` (the map's blocks and probe digits, pure) and
+``scratch`` (the stand-ins probing loads into, and the in-place policies).
 
 The map from checkpoint coordinates to vLLM's parameters is *learned*, never written by hand: each
 checkpoint tensor is pushed through the model's own ``load_weights`` (stacked-parameter mapping, fused
@@ -37,11 +39,9 @@ Every apply keeps the old bits as an undo record (at most ``max_undo`` records p
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
 import math
-import re
 import time
 import traceback
 import zlib
@@ -49,179 +49,45 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from types import MethodType
 from typing import Any
 
 import numpy as np
 import torch
-from numpy.typing import DTypeLike
 
 from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.engines.vllm.blockmap import (
+    compress_map,
+    digit_probe,
+    exact_int_base,
+    group_key,
+    iter_chunks,
+    probe_passes,
+)
+from flipsync.engines.vllm.scratch import (
+    Policy,
+    ScratchFactory,
+    default_policy,
+    default_scratch,
+    tripwire,
+    vllm_policy,
+    vllm_scratch,
+)
+from flipsync.engines.vllm.wire import (
+    DEFAULT_MAX_UNDO,
+    INPLACE,
+    PROTOCOL,
+    RELOAD,
+    WorkerOpError,
+    b64,
+    uint_dtype,
+    unb64,
+)
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 1
-RPC_METHOD = "flipsync_call"
-EXTENSION_CLS = "flipsync.engines.vllm.worker.FlipsyncWorkerExtension"
-INPLACE, RELOAD = "inplace", "reload"
-DEFAULT_MAX_UNDO = 2
-
-# A policy says whether the kernel computes from a parameter as loaded: (module name, module, param) -> (ok, why).
-Policy = Callable[[str, torch.nn.Module, str, torch.Tensor], tuple[bool, str]]
-# Makes a zeroed model-format scratch parameter for (module, parameter name, live parameter).
-ScratchFactory = Callable[[torch.nn.Module, str, torch.Tensor], torch.Tensor]
 # Reloads whole checkpoint tensors through the engine's own reload path (layerwise reprocessing).
 Reloader = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-class WorkerOpError(Exception):
-    """A worker-side operation failed; reported to the sidecar as an error answer, never raised across RPC."""
-
-
-# ----------------------------------------------------------------------------------------- encoding
-def b64(a: np.ndarray) -> str:
-    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
-
-
-def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
-    raw = base64.b64decode(s, validate=True)
-    dt = np.dtype(dtype)
-    if len(raw) % dt.itemsize:
-        raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
-    return np.frombuffer(raw, dtype=dt).copy()
-
-
-def uint_dtype(bits: int) -> np.dtype:
-    return np.dtype(f"<u{bits // 8}")
-
-
-# ------------------------------------------------------------------------------------------- blocks
-# A block maps checkpoint flat index c0 + i*cs + j to parameter flat index p0 + i*ps + j, 0 <= i < count,
-# 0 <= j < length, with cs >= length so that (i, j) is unique for each c. Columns: c0 p0 length count cs ps.
-BLOCK_COLS = 6
-
-
-def compress_map(ckpt_idx: np.ndarray, param_idx: np.ndarray) -> np.ndarray:
-    """Compress (checkpoint index, parameter index) pairs into affine 2-D blocks, shape (n, 6) int64."""
-    ckpt_idx = np.asarray(ckpt_idx, dtype=np.int64)
-    param_idx = np.asarray(param_idx, dtype=np.int64)
-    if ckpt_idx.size == 0:
-        return np.zeros((0, BLOCK_COLS), dtype=np.int64)
-    order = np.lexsort((param_idx, ckpt_idx))
-    c, p = ckpt_idx[order], param_idx[order]
-    brk = np.flatnonzero((np.diff(c) != 1) | (np.diff(p) != 1)) + 1
-    starts = np.concatenate([[0], brk])
-    lengths = np.diff(np.concatenate([starts, [c.size]]))
-    rc, rp = c[starts], p[starts]
-    blocks: list[tuple[int, int, int, int, int, int]] = []
-    i, n = 0, int(rc.size)
-    while i < n:
-        length = int(lengths[i])
-        j = i + 1
-        cs = ps = length
-        if j < n and lengths[j] == length and rc[j] - rc[i] >= length:
-            cs, ps = int(rc[j] - rc[i]), int(rp[j] - rp[i])
-            while j < n and lengths[j] == length and rc[j] - rc[j - 1] == cs and rp[j] - rp[j - 1] == ps:
-                j += 1
-        if j - i == 1:
-            cs = ps = length
-        blocks.append((int(rc[i]), int(rp[i]), length, j - i, cs, ps))
-        i = j
-    return np.array(blocks, dtype=np.int64).reshape(-1, BLOCK_COLS)
-
-
-def expand_block(block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    c0, p0, length, count, cs, ps = (int(x) for x in block)
-    i = np.arange(count, dtype=np.int64)[:, None]
-    j = np.arange(length, dtype=np.int64)[None, :]
-    return (c0 + i * cs + j).reshape(-1), (p0 + i * ps + j).reshape(-1)
-
-
-CHUNK_ELEMS = 1 << 22
-
-
-def iter_chunks(blocks: np.ndarray, max_elems: int = CHUNK_ELEMS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """The (checkpoint, parameter) index pairs of ``blocks``, a few million at a time (bounded memory)."""
-    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
-        rows = max(1, max_elems // max(1, length))
-        for i0 in range(0, count, rows):
-            n = min(rows, count - i0)
-            yield expand_block((c0 + i0 * cs, p0 + i0 * ps, length, n, cs, ps))
-
-
-def expand_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    if len(blocks) == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    parts = [expand_block(b) for b in blocks]
-    return np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])
-
-
-def lookup_blocks(blocks: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For sorted checkpoint ``positions``: (indices into positions that the blocks hold, parameter indices).
-
-    O(len(blocks) * log(len(positions)) + hits); a position held by several blocks appears once per block.
-    """
-    hits: list[np.ndarray] = []
-    params: list[np.ndarray] = []
-    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
-        lo = int(np.searchsorted(positions, c0, "left"))
-        hi = int(np.searchsorted(positions, c0 + (count - 1) * cs + length, "left"))
-        if lo >= hi:
-            continue
-        d = positions[lo:hi] - c0
-        i, j = np.divmod(d, cs)
-        m = j < length
-        idx = np.flatnonzero(m)
-        hits.append(idx + lo)
-        params.append(p0 + i[m] * ps + j[m])
-    if not hits:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    return np.concatenate(hits), np.concatenate(params)
-
-
-def block_runs(blocks: np.ndarray) -> np.ndarray:
-    """The 1-D runs (start, length) in checkpoint coordinates that the blocks cover, shape (n, 2)."""
-    if len(blocks) == 0:
-        return np.zeros((0, 2), np.int64)
-    starts = [b[0] + np.arange(b[3], dtype=np.int64) * b[4] for b in blocks]
-    lengths = [np.full(int(b[3]), b[2], dtype=np.int64) for b in blocks]
-    return np.stack([np.concatenate(starts), np.concatenate(lengths)], axis=1)
-
-
-# -------------------------------------------------------------------------------------------- probes
-def exact_int_base(dtype: torch.dtype) -> int:
-    """The largest power of two B such that the integers 1..B are exactly representable in ``dtype``."""
-    if dtype == torch.bool:
-        return 1
-    if dtype.is_floating_point:
-        finfo = torch.finfo(dtype)
-        nmant = round(-math.log2(finfo.eps))
-        return 1 << min(nmant + 1, 30)
-    iinfo = torch.iinfo(dtype)
-    return 1 << min(int(math.log2(iinfo.max)), 30)
-
-
-def probe_passes(numel: int, base: int) -> int:
-    passes, span = 1, base
-    while span < numel:
-        span *= base
-        passes += 1
-    return passes
-
-
-def digit_probe(numel: int, shape: Sequence[int], dtype: torch.dtype, base: int, k: int) -> torch.Tensor:
-    """Element i holds digit k of i in base ``base``, plus one (so an untouched zero means 'not loaded')."""
-    idx = torch.arange(numel, dtype=torch.int64)
-    return ((idx // (base**k)) % base + 1).to(dtype).reshape(tuple(shape))
-
-
-def group_key(name: str) -> str:
-    """The module prefix a checkpoint tensor belongs to: its numbered layer (``model.layers.3``) if any."""
-    m = re.match(r"^(.*?\.\d+)\.", name)
-    if m:
-        return m.group(1)
-    return name.rpartition(".")[0] or name
 
 
 # ------------------------------------------------------------------------------------------- worker
@@ -239,42 +105,6 @@ class ParamInfo:
 class UndoEntry:
     writes: list[tuple[str, np.ndarray, np.ndarray]] = field(default_factory=list)  # param, positions, old bits
     modules: set[str] = field(default_factory=set)
-
-
-def _unwrap_loader(fn: Any) -> Any:
-    """Strip vLLM's layerwise-reload wrappers, which stay on recorded metadata after a reload."""
-    while getattr(fn, "__name__", "") == "online_process_loader" and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
-
-
-def _copy_attrs(dst: torch.Tensor, template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """Give ``dst`` the class and attributes (weight_loader, output_dim, ...) of ``template``, bound to module."""
-    attrs = dict(template.__dict__)
-    for key, value in attrs.items():
-        if key in ("weight_loader", "_weight_loader"):
-            value = attrs[key] = _unwrap_loader(value)
-        if isinstance(value, MethodType) and not isinstance(value.__self__, torch.nn.Module | type):
-            attrs[key] = value.__func__.__get__(module)
-    dst.__class__ = template.__class__
-    dst.__dict__.update(attrs)
-    return dst
-
-
-def default_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    return _copy_attrs(torch.zeros(live.shape, dtype=live.dtype, device=live.device), live, module)
-
-
-def default_policy(module_name: str, module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[bool, str]:
-    if param.numel() == 0:
-        return False, "the parameter was dropped after loading (the kernel holds a repacked copy)"
-    return True, "the kernel computes from the parameter as loaded"
-
-
-def _tripwire(live: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
-    """A zero-stride stand-in: reading works, any write raises (more than one element per memory location)."""
-    t = torch.zeros((), dtype=live.dtype, device=live.device).expand(live.shape)
-    return _copy_attrs(t, live, module)
 
 
 def _read_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
@@ -370,7 +200,7 @@ class WorkerCore:
                 elif p.numel() == 0:
                     continue
                 else:
-                    s = _tripwire(p, mod)
+                    s = tripwire(p, mod)
                 for _m, omod, opname in owners.get(id(p), [(_mname, mod, pname)]):
                     saved.append((omod, opname, omod._parameters[opname]))  # type: ignore[arg-type]  # the slot holds p: never None
                     omod._parameters[opname] = s  # type: ignore[assignment]
@@ -789,40 +619,6 @@ def _open_checkpoint(path: str) -> Mapping[str, torch.Tensor]:
     from flipsync.checkpoint import Checkpoint
 
     return Checkpoint(path)
-
-
-# ------------------------------------------------------------------------------------------- vLLM
-def vllm_policy(module_name: str, module: torch.nn.Module, pname: str, param: torch.Tensor) -> tuple[bool, str]:
-    """Whether vLLM's kernel reads this parameter as loaded (then patches go in place)."""
-    if param.numel() == 0:
-        return False, "dropped after loading: the kernel holds a repacked copy"
-    quant = getattr(module, "quant_method", None)
-    qname = type(quant).__name__ if quant is not None else None
-    if qname not in (None, "UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"):
-        return False, f"{qname} may repack or rescale the weight"
-    if hasattr(module, "cpu_linear") and type(module).__name__ != "VocabParallelEmbedding":
-        return False, "the CPU GEMM computes from a packed copy (oneDNN / sgl-kernel)"
-    return True, "the kernel reads the parameter as loaded"
-
-
-def vllm_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    """Zeroed scratch in *model format*: vLLM records it before kernel processing (layerwise reload metadata)."""
-    template = None
-    device = live.device
-    try:
-        from vllm.model_executor.model_loader.reload import layerwise
-
-        info = layerwise.LAYERWISE_INFO.get(module)
-        if info is not None:
-            template = info.restore_metadata[0].get(pname)
-            if live.numel() == 0:
-                device = torch.device(info.restore_device)
-    except ImportError:  # older vLLM: the live parameter is the template
-        template = None
-    if template is None:
-        return default_scratch(module, pname, live)
-    t = torch.zeros(tuple(template.shape), dtype=template.dtype, device=device)
-    return _copy_attrs(t, template, module)
 
 
 class FlipsyncWorkerExtension:

@@ -1,0 +1,147 @@
+"""The block map: where each checkpoint element lives among an engine's (fused, sharded, padded) parameters.
+
+A worker learns the map by pushing probe tensors through the engine's own weight loaders: element ``i`` of a
+checkpoint tensor holds digit ``k`` of ``i`` in base ``B`` (``digit_probe``), one pass per digit
+(``probe_passes``), ``B`` the largest power of two whose integers the dtype holds exactly
+(``exact_int_base``). Reading back where each digit landed gives (checkpoint index, parameter index) pairs,
+compressed here into affine 2-D blocks (``compress_map``): one block for a contiguous or row-sharded slice,
+one strided block for a column-sharded one. The sidecar looks a patch's changed positions up in the blocks
+(``lookup_blocks``); fingerprints are computed over their runs (``block_runs``).
+
+Pure numpy and torch: no vLLM, no worker state, so the maps are tested on their own.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+# A block maps checkpoint flat index c0 + i*cs + j to parameter flat index p0 + i*ps + j, 0 <= i < count,
+# 0 <= j < length, with cs >= length so that (i, j) is unique for each c. Columns: c0 p0 length count cs ps.
+BLOCK_COLS = 6
+
+
+def compress_map(ckpt_idx: np.ndarray, param_idx: np.ndarray) -> np.ndarray:
+    """Compress (checkpoint index, parameter index) pairs into affine 2-D blocks, shape (n, 6) int64."""
+    ckpt_idx = np.asarray(ckpt_idx, dtype=np.int64)
+    param_idx = np.asarray(param_idx, dtype=np.int64)
+    if ckpt_idx.size == 0:
+        return np.zeros((0, BLOCK_COLS), dtype=np.int64)
+    order = np.lexsort((param_idx, ckpt_idx))
+    c, p = ckpt_idx[order], param_idx[order]
+    brk = np.flatnonzero((np.diff(c) != 1) | (np.diff(p) != 1)) + 1
+    starts = np.concatenate([[0], brk])
+    lengths = np.diff(np.concatenate([starts, [c.size]]))
+    rc, rp = c[starts], p[starts]
+    blocks: list[tuple[int, int, int, int, int, int]] = []
+    i, n = 0, int(rc.size)
+    while i < n:
+        length = int(lengths[i])
+        j = i + 1
+        cs = ps = length
+        if j < n and lengths[j] == length and rc[j] - rc[i] >= length:
+            cs, ps = int(rc[j] - rc[i]), int(rp[j] - rp[i])
+            while j < n and lengths[j] == length and rc[j] - rc[j - 1] == cs and rp[j] - rp[j - 1] == ps:
+                j += 1
+        if j - i == 1:
+            cs = ps = length
+        blocks.append((int(rc[i]), int(rp[i]), length, j - i, cs, ps))
+        i = j
+    return np.array(blocks, dtype=np.int64).reshape(-1, BLOCK_COLS)
+
+
+def expand_block(block: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    c0, p0, length, count, cs, ps = (int(x) for x in block)
+    i = np.arange(count, dtype=np.int64)[:, None]
+    j = np.arange(length, dtype=np.int64)[None, :]
+    return (c0 + i * cs + j).reshape(-1), (p0 + i * ps + j).reshape(-1)
+
+
+CHUNK_ELEMS = 1 << 22
+
+
+def iter_chunks(blocks: np.ndarray, max_elems: int = CHUNK_ELEMS) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The (checkpoint, parameter) index pairs of ``blocks``, a few million at a time (bounded memory)."""
+    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
+        rows = max(1, max_elems // max(1, length))
+        for i0 in range(0, count, rows):
+            n = min(rows, count - i0)
+            yield expand_block((c0 + i0 * cs, p0 + i0 * ps, length, n, cs, ps))
+
+
+def expand_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    if len(blocks) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    parts = [expand_block(b) for b in blocks]
+    return np.concatenate([a for a, _ in parts]), np.concatenate([b for _, b in parts])
+
+
+def lookup_blocks(blocks: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For sorted checkpoint ``positions``: (indices into positions that the blocks hold, parameter indices).
+
+    O(len(blocks) * log(len(positions)) + hits); a position held by several blocks appears once per block.
+    """
+    hits: list[np.ndarray] = []
+    params: list[np.ndarray] = []
+    for c0, p0, length, count, cs, ps in (tuple(int(x) for x in b) for b in blocks):
+        lo = int(np.searchsorted(positions, c0, "left"))
+        hi = int(np.searchsorted(positions, c0 + (count - 1) * cs + length, "left"))
+        if lo >= hi:
+            continue
+        d = positions[lo:hi] - c0
+        i, j = np.divmod(d, cs)
+        m = j < length
+        idx = np.flatnonzero(m)
+        hits.append(idx + lo)
+        params.append(p0 + i[m] * ps + j[m])
+    if not hits:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(hits), np.concatenate(params)
+
+
+def block_runs(blocks: np.ndarray) -> np.ndarray:
+    """The 1-D runs (start, length) in checkpoint coordinates that the blocks cover, shape (n, 2)."""
+    if len(blocks) == 0:
+        return np.zeros((0, 2), np.int64)
+    starts = [b[0] + np.arange(b[3], dtype=np.int64) * b[4] for b in blocks]
+    lengths = [np.full(int(b[3]), b[2], dtype=np.int64) for b in blocks]
+    return np.stack([np.concatenate(starts), np.concatenate(lengths)], axis=1)
+
+
+# -------------------------------------------------------------------------------------------- probes
+def exact_int_base(dtype: torch.dtype) -> int:
+    """The largest power of two B such that the integers 1..B are exactly representable in ``dtype``."""
+    if dtype == torch.bool:
+        return 1
+    if dtype.is_floating_point:
+        finfo = torch.finfo(dtype)
+        nmant = round(-math.log2(finfo.eps))
+        return 1 << min(nmant + 1, 30)
+    iinfo = torch.iinfo(dtype)
+    return 1 << min(int(math.log2(iinfo.max)), 30)
+
+
+def probe_passes(numel: int, base: int) -> int:
+    passes, span = 1, base
+    while span < numel:
+        span *= base
+        passes += 1
+    return passes
+
+
+def digit_probe(numel: int, shape: Sequence[int], dtype: torch.dtype, base: int, k: int) -> torch.Tensor:
+    """Element i holds digit k of i in base ``base``, plus one (so an untouched zero means 'not loaded')."""
+    idx = torch.arange(numel, dtype=torch.int64)
+    return ((idx // (base**k)) % base + 1).to(dtype).reshape(tuple(shape))
+
+
+def group_key(name: str) -> str:
+    """The module prefix a checkpoint tensor belongs to: its numbered layer (``model.layers.3``) if any."""
+    m = re.match(r"^(.*?\.\d+)\.", name)
+    if m:
+        return m.group(1)
+    return name.rpartition(".")[0] or name

@@ -1,0 +1,38 @@
+"""What the sidecar half and the worker half of the vLLM engine agree on: the RPC method and protocol
+version, the parameter modes, and how arrays travel inside the JSON requests (base64 of little-endian bytes).
+
+No vLLM and no torch here: both halves import it.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+from numpy.typing import DTypeLike
+
+PROTOCOL = 1
+RPC_METHOD = "flipsync_call"
+EXTENSION_CLS = "flipsync.engines.vllm.worker.FlipsyncWorkerExtension"
+INPLACE, RELOAD = "inplace", "reload"
+DEFAULT_MAX_UNDO = 2
+
+
+class WorkerOpError(Exception):
+    """A worker-side operation failed; reported to the sidecar as an error answer, never raised across RPC."""
+
+
+def b64(a: np.ndarray) -> str:
+    return base64.b64encode(np.ascontiguousarray(a).tobytes()).decode()
+
+
+def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
+    raw = base64.b64decode(s, validate=True)
+    dt = np.dtype(dtype)
+    if len(raw) % dt.itemsize:
+        raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
+    return np.frombuffer(raw, dtype=dt).copy()
+
+
+def uint_dtype(bits: int) -> np.dtype:
+    return np.dtype(f"<u{bits // 8}")
