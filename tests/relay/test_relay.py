@@ -16,9 +16,9 @@ from flipsync.board.store import ObstoreStore
 from flipsync.errors import NotFoundError, StoreError
 from flipsync.relay.client import HttpStore, is_relay_url, open_board
 from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
+from flipsync.serving import ServerThread
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica
-from flipsync.sidecar.server import ServerThread
 from tests.sidecar.sidecar_helpers import FlakyStore, Trainer, fast_replica, same_bits, tiny_engine, wait_until
 
 FAST_CONFIG = RelayConfig(hint_ttl_s=0.3, listing_ttl_s=0.3, negative_ttl_s=0.2, watch_interval_s=0.02)

@@ -44,10 +44,10 @@ from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.engines.vllm.engine import HttpTransport, TensorSpec, VllmEngine
+from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.server import ServerThread
 
 log = logging.getLogger("kill_sidecar")
 

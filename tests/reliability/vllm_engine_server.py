@@ -33,7 +33,7 @@ from test_vllm_http import fake_vllm_server
 from flipsync.codec import FingerprintTable
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.engines.vllm.blockmap import expand_blocks
-from flipsync.sidecar.server import ServerThread
+from flipsync.serving import ServerThread
 
 TP = 2
 

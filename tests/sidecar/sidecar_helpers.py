@@ -24,9 +24,9 @@ from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.errors import EngineError, EngineUnavailableError, StoreError
 from flipsync.formats import served_view
+from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.service import Sidecar
 
 TINY = preset_config("tiny", max_positions=256)

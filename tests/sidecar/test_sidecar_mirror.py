@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from flipsync.board.mirror import MirrorPolicy, MirrorStore
 from flipsync.board.store import ObstoreStore, open_store
 from flipsync.engines.torch.openai_server import create_engine_app
+from flipsync.serving import ServerThread
 from flipsync.sidecar.cli import sidecar_app
-from flipsync.sidecar.server import ServerThread
 from flipsync.sidecar.service import Sidecar
 from tests.sidecar.sidecar_helpers import FAST, Trainer, fast_replica, tiny_engine, wait_until
 

@@ -295,7 +295,7 @@ def test_deeply_nested_json_is_refused_cleanly(trainer: Trainer, make_stack: Sta
     from fastapi import FastAPI
     from fastapi.responses import Response as FastResponse
 
-    from flipsync.sidecar.server import ServerThread
+    from flipsync.serving import ServerThread
 
     deep = '{"choices": ' + _deep(100_000) + "}"
     engine = FastAPI()

@@ -12,17 +12,10 @@ from typing import Annotated
 import typer
 
 from flipsync.errors import FlipsyncError
+from flipsync.terminal import StoreOpt, command_app, command_error
 
 # Everything heavy (uvicorn, the board's stores) is imported inside the command, so that mounting it keeps
 # ``flipsync --help`` and the other commands fast.
-
-
-def command_app(name: str, help: str) -> typer.Typer:
-    """An app holding one command for ``python -m`` runs, where the command stays a subcommand (``... relay
-    --board B``): Typer runs a lone command as the app itself unless the app has a callback."""
-    app = typer.Typer(name=name, help=help, no_args_is_help=True, pretty_exceptions_enable=False)
-    app.callback()(lambda: None)
-    return app
 
 
 relay_app = command_app(
@@ -31,16 +24,6 @@ relay_app = command_app(
 
 
 BoardOpt = Annotated[str, typer.Option("--board", "-b", help="Board URL or path (s3://..., ./board) the relay reads")]
-# Shared with ``flipsync sidecar`` (it reads a board, or a relay, the same way).
-StoreOpt = Annotated[
-    list[str] | None, typer.Option("--store-option", "-o", help="Store setting key=value (endpoint, region, ...)")
-]
-
-
-def command_error(e: FlipsyncError) -> typer.Exit:
-    """Say what went wrong in one line and end the command with status 2 (no traceback for a user error)."""
-    typer.echo(f"error: {e}", err=True)
-    return typer.Exit(2)
 
 
 @relay_app.command("relay")
@@ -65,7 +48,7 @@ def relay(
     from flipsync.board.store import StoreOptions
     from flipsync.relay.client import open_board
     from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
-    from flipsync.sidecar.server import parse_listen, parse_pairs, serve_until_signal
+    from flipsync.serving import parse_listen, parse_pairs, serve_until_signal
 
     store = None
     try:

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from flipsync.errors import ConfigError, FlipsyncError
-from flipsync.relay.cli import StoreOpt, command_app, command_error
 from flipsync.sidecar.gate import CommitMode
+from flipsync.terminal import StoreOpt, command_app, command_error
 
 if TYPE_CHECKING:
     from flipsync.engines.base import Engine
@@ -102,8 +102,8 @@ def sidecar(
     ] = None,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
+    from flipsync.serving import parse_listen, parse_pairs
     from flipsync.sidecar import ENGINE_KINDS
-    from flipsync.sidecar.server import parse_listen, parse_pairs
 
     # The arguments first: a typo is answered in milliseconds, before torch and the engines are imported.
     try:
@@ -132,9 +132,9 @@ def sidecar(
     from flipsync.board.store import StoreOptions
     from flipsync.formats import get_format
     from flipsync.relay.client import open_board
+    from flipsync.serving import exit_on_signals, serve_until_signal
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
-    from flipsync.sidecar.server import exit_on_signals, serve_until_signal
     from flipsync.sidecar.service import (
         EngineOptions,
         Sidecar,

@@ -26,12 +26,12 @@ from flipsync.engines.torch.models import build_model, load_config
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.errors import ConfigError
 from flipsync.formats import get_format
+from flipsync.serving import ServerThread
 from flipsync.sidecar import ENGINE_KINDS
 from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.server import ServerThread
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from flipsync.errors import VerificationError
 from flipsync.formats import served_view
 from flipsync.relay.client import HttpStore
 from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
+from flipsync.serving import ServerThread
 from flipsync.sidecar.replica import Replica, ReplicaConfig
-from flipsync.sidecar.server import ServerThread
 from flipsync.trainer import Publisher, PublisherConfig
 
 RUN = "bench"

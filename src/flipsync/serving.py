@@ -1,5 +1,6 @@
 """Run an ASGI app with uvicorn: on a thread of its own (the torch engine's server beside the proxy, tests),
-or on the main thread until a signal (the ``sidecar`` and ``relay`` commands)."""
+or on the main thread until a signal (the ``sidecar`` and ``relay`` commands); parse their ``--listen`` and
+``key=value`` options."""
 
 from __future__ import annotations
 
