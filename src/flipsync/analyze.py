@@ -169,7 +169,7 @@ def simulate(
     masters: Mapping[str, torch.Tensor], formats: Sequence[str], *, lr: float, warmup: int = 2, seed: int = 0
 ) -> Analysis:
     """Adam steps on noise gradients; predict and measure the served change of the last step."""
-    from flipsync.bench.workload import AdamSteps
+    from flipsync.synthetic import AdamSteps
 
     steps = AdamSteps({k: v.float() for k, v in masters.items() if v.is_floating_point()}, lr, seed=seed)
     before = steps.step()

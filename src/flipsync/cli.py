@@ -1,6 +1,6 @@
 """The ``flipsync`` command line: assembles the commands each package defines beside its code.
 
-Codec commands (view, diff, apply, squash, inspect): `flipsync.codec.cli`; board and keygen:
+Codec commands (view, diff, apply, squash, inspect): `flipsync.local_cli`; board and keygen:
 `flipsync.board.cli`; publish and watch: `flipsync.trainer.cli`; sidecar and relay: `flipsync.sidecar.cli`;
 bench: `flipsync.bench.cli`. The demo and analyze commands are defined here.
 """
@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.table import Table
 
+from flipsync import local_cli
 from flipsync.bench.cli import bench_app
 from flipsync.board.cli import board_app, keygen, output_console
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint
-from flipsync.codec import cli as codec_cli
 from flipsync.errors import ConfigError
 from flipsync.formats import FORMAT_NAMES, get_format
 from flipsync.relay.cli import relay
@@ -51,11 +51,11 @@ def _main(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="log pro
     )
 
 
-app.command("view")(codec_cli.view)
-app.command("diff")(codec_cli.diff)
-app.command("apply")(codec_cli.apply)
-app.command("squash")(codec_cli.squash_cmd)
-app.command("inspect")(codec_cli.inspect)
+app.command("view")(local_cli.view)
+app.command("diff")(local_cli.diff)
+app.command("apply")(local_cli.apply)
+app.command("squash")(local_cli.squash_cmd)
+app.command("inspect")(local_cli.inspect)
 
 
 @app.command()
