@@ -19,9 +19,7 @@ from rich.table import Table
 from flipsync.board.cli import board_app, keygen, output_console
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint, save_checkpoint
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
-from flipsync.codec.bits import dtype_of
-from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
+from flipsync.codec import DEFAULT_MAX_DECODED_BYTES, FingerprintTable, Patch, apply_patch, diff_views, dtype_of, squash
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view

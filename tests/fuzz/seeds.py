@@ -16,8 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
-from flipsync.codec import Patch, diff_views, squash
-from flipsync.codec.patch import encode_change
+from flipsync.codec import Patch, diff_views, encode_change, squash
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import PART_HASH, edit, patch_manifest
 

@@ -37,7 +37,9 @@ except ImportError:  # the targets still run as plain functions (regression test
     atheris = None
 
 # numba compiles these modules' kernels from their bytecode, which must stay free of atheris's hooks.
-_NUMBA_MODULES = [f"flipsync.codec.{m}" for m in ("bitpack", "diff", "digest", "apply", "squash")]
+_NUMBA_MODULES = [
+    f"flipsync.codec.{m}" for m in ("bits", "bitpack", "rice", "rans", "diff", "fingerprint", "apply", "squash")
+]
 
 with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if atheris else contextlib.nullcontext():
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -47,8 +49,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.layout import RunLayout
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
-    from flipsync.codec import FingerprintTable, Patch, apply_patch
-    from flipsync.codec.patch import CONTAINER_VERSION, SMALL_SECTIONS
+    from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (

@@ -18,8 +18,7 @@ from flipsync.bench.crossregion import DictEngine
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
 from flipsync.board.store import Store
-from flipsync.codec import Patch, diff_views
-from flipsync.codec.patch import OWN_TENSOR_BYTES
+from flipsync.codec import OWN_TENSOR_BYTES, Patch, diff_views
 from flipsync.errors import StoreError
 from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig

@@ -11,8 +11,7 @@ import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
 from flipsync.board.store import Store
-from flipsync.codec import FingerprintTable
-from flipsync.codec.bits import int_view
+from flipsync.codec import FingerprintTable, int_view
 from flipsync.errors import BoardError, StoreError
 from flipsync.formats import served_view
 from flipsync.trainer import apply_parts

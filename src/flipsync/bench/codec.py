@@ -36,9 +36,20 @@ from flipsync.bench.workload import (
     llm_like_masters,
     real_masters,
 )
-from flipsync.codec import FingerprintTable, Hasher, Patch, commit, diff_views, stage
-from flipsync.codec.bits import bits_numpy, dtype_of, to_key, zigzag
-from flipsync.codec.diff import DiffEngine, changed_positions_reference
+from flipsync.codec import (
+    DiffEngine,
+    FingerprintTable,
+    Hasher,
+    Patch,
+    bits_numpy,
+    changed_positions_reference,
+    commit,
+    diff_views,
+    dtype_of,
+    stage,
+    to_key,
+    zigzag,
+)
 from flipsync.formats import served_view
 
 BENCH_FORMATS = ("bf16", "fp8-block", "mxfp4", "nvfp4")

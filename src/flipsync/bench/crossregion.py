@@ -61,11 +61,9 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.store import Store, StoreWrapper, open_store
 from flipsync.board.throttle import ThrottledStore, TokenBucket, parse_bandwidth
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, Patch, UndoRecord, diff_views
+from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, diff_views, int_view
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
-from flipsync.codec.apply import StagedWrite
-from flipsync.codec.bits import int_view
 from flipsync.engines.base import Engine
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 from flipsync.formats import served_view

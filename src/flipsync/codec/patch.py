@@ -27,7 +27,7 @@ import zstandard
 
 from flipsync.codec import streams
 from flipsync.codec.bits import DType, dtype_named, from_key, to_key, unzigzag, zigzag
-from flipsync.codec.digest import fp_hex
+from flipsync.codec.fingerprint import fp_hex
 from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 

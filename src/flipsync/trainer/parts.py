@@ -20,8 +20,7 @@ from collections.abc import MutableMapping, Sequence
 
 import torch
 
-from flipsync.codec import ApplyResult, FingerprintTable, Hasher, Patch, commit, squash, stage
-from flipsync.codec.apply import StagedWrite, Verify
+from flipsync.codec import ApplyResult, FingerprintTable, Hasher, Patch, StagedWrite, Verify, commit, squash, stage
 from flipsync.errors import PatchError
 
 PartLike = bytes | bytearray | memoryview | Patch

@@ -32,8 +32,7 @@ from flipsync.board import BoardWriter
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store, StoreOptions, open_store
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher
-from flipsync.codec.bits import dtype_named
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, dtype_named
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format

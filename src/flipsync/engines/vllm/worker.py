@@ -56,8 +56,7 @@ import numpy as np
 import torch
 from numpy.typing import DTypeLike
 
-from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
-from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.codec import bits_numpy, dtype_named, dtype_of, fingerprint_of, fp_hex, int_view
 
 log = logging.getLogger(__name__)
 

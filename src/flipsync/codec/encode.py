@@ -10,7 +10,7 @@ import torch
 
 from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_key
 from flipsync.codec.diff import Changes, DiffEngine
-from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_of
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
