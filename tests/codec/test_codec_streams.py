@@ -60,7 +60,7 @@ def test_each_position_coder_round_trips(case: tuple[np.ndarray, int], coder: st
 
 
 def test_registries_name_every_coder_once() -> None:
-    assert streams.POSITION_CODERS.ids() == ("rice", "zstd")
+    assert streams.POSITION_CODERS.ids() == ("rice", "zstd", "ctx")
     assert streams.SYMBOL_CODERS.ids() == ("zstd", "bits", "ans")
     with pytest.raises(CorruptPatchError, match="unknown value codec 'huffman'"):
         streams.decode_symbols({"codec": "huffman"}, b"", 1)

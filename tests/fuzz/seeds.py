@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
-from flipsync.codec import Patch, diff_views, encode_change, squash
+from flipsync.codec import Patch, diff_views, squash
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import PART_HASH, edit, patch_manifest
 
@@ -77,7 +77,7 @@ def patch_cases() -> list[PatchCase]:
 def split_sections(data: bytes) -> bytes:
     """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
     patch = Patch.from_bytes(data)
-    blobs = [encode_change(change)[1] for change in patch.changes()]
+    blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
     return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
 
 

@@ -38,7 +38,8 @@ except ImportError:  # the targets still run as plain functions (regression test
 
 # numba compiles these modules' kernels from their bytecode, which must stay free of atheris's hooks.
 _NUMBA_MODULES = [
-    f"flipsync.codec.{m}" for m in ("bits", "bitpack", "rice", "rans", "diff", "fingerprint", "apply", "squash")
+    f"flipsync.codec.{m}"
+    for m in ("bits", "bitpack", "rice", "rans", "context", "diff", "fingerprint", "apply", "squash")
 ]
 
 with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if atheris else contextlib.nullcontext():
@@ -88,8 +89,13 @@ class PatchTarget:
     def __call__(self, data: bytes) -> None:
         try:
             patch = Patch.from_bytes(data)
-            changes = list(patch.changes())
+            # version 2 (ctx) positions decode only against their base: the seed view the header names
+            changes = list(patch.changes(self._views.get(patch.header.base.view)))
         except CorruptPatchError:  # the decoder's whole contract: this, or a patch that decodes
+            return
+        except PatchError:  # or, for a ctx patch, a base we do not hold or that differs from its layout
+            if not patch.needs_base:
+                raise
             return
         for s, c in zip(patch.sections, changes, strict=True):
             assert c.positions.dtype == np.int64 and c.positions.size == c.values.size == s.n, s.name

@@ -19,6 +19,7 @@ from flipsync.codec.apply import (
     stage,
 )
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, from_key, int_view, key_steps, to_key, zigzag
+from flipsync.codec.context import conditional_position_bits
 from flipsync.codec.diff import DiffEngine, changed_positions_reference
 from flipsync.codec.encode import diff_views
 from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_of, fp_hex
@@ -59,6 +60,7 @@ __all__ = [
     "changed_positions_reference",
     "check_base",
     "commit",
+    "conditional_position_bits",
     "decode_symbols",
     "diff_views",
     "dtype_named",

@@ -202,9 +202,9 @@ class _Decoded:
     raw: np.ndarray | None  # per-value kind flags of a mixed section
 
 
-def _decode_section(section: SectionHeader, blob: bytes | memoryview) -> _Decoded:
+def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor) -> _Decoded:
     """``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
-    d, positions, symbols, raw = decode_streams(section, blob)
+    d, positions, symbols, raw = decode_streams(section, blob, base)
     return _Decoded(d, section.mode, positions, symbols, raw)
 
 
@@ -274,7 +274,7 @@ def stage(
 
     def prepare(s: SectionHeader) -> StagedWrite:
         t = tensors[s.name]
-        dec = _decode_section(s, patch.section_blob(s.name))
+        dec = _decode_section(s, patch.section_blob(s.name), t)
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
         fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
         target_fp = int(s.target_fp, 16)

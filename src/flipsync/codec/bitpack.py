@@ -6,7 +6,7 @@ negative status instead of reading past the buffer.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numba
 import numpy as np
@@ -73,7 +73,7 @@ class FixedWidthCoder(SymbolCoder):
 
     codec_id: ClassVar[str] = "bits"
 
-    def encode(self, symbols: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         v = np.ascontiguousarray(symbols, dtype=np.uint64)
         width = max(1, int(v.max()).bit_length()) if v.size else 1
         out = np.empty((v.size * width + 7) // 8, dtype=np.uint8)

@@ -55,16 +55,21 @@ def positions_from_gaps(gaps: np.ndarray, numel: int) -> np.ndarray:
 
 
 class Coder(ABC):
-    """A stream coder: a codec id (what a header names it by), ``encode`` and a defensive ``decode``."""
+    """A stream coder: a codec id (what a header names it by), ``encode`` and a defensive ``decode``.
+
+    ``base``, where given, is state both sides hold (the base tensor's bits; see ``context``): a coder with
+    ``needs_base`` is tried only when the encoder has it, and its streams decode only with it.
+    """
 
     codec_id: ClassVar[str]
+    needs_base: ClassVar[bool] = False
 
-    def accepts(self, data: np.ndarray) -> bool:
+    def accepts(self, data: np.ndarray, base: Any = None) -> bool:
         """Whether this coder can code ``data`` at all (the encoder skips it otherwise)."""
         return True
 
     @abstractmethod
-    def encode(self, data: np.ndarray) -> tuple[Params, bytes]: ...
+    def encode(self, data: np.ndarray, base: Any = None) -> tuple[Params, bytes]: ...
 
 
 class SymbolCoder(Coder):
@@ -79,7 +84,7 @@ class PositionCoder(Coder):
     """Codes a tensor's changed positions: sorted, unique int64 flat indices."""
 
     @abstractmethod
-    def decode(self, params: Params, blob: bytes, n: int, numel: int) -> np.ndarray:
+    def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         """The n sorted unique positions (int64), each below ``numel``."""
 
 
@@ -112,8 +117,8 @@ class CoderRegistry(Generic[C]):
             raise CorruptPatchError(f"unknown {self.what} codec {codec_id!r}")
         return coder
 
-    def encode(self, data: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, data: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         """The smallest coding among the coders that accept ``data``, its codec id recorded in its params."""
-        candidates = [(c.codec_id, *c.encode(data)) for c in self._by_id.values() if c.accepts(data)]
+        candidates = [(c.codec_id, *c.encode(data, base)) for c in self._by_id.values() if c.accepts(data, base)]
         codec_id, params, blob = min(candidates, key=lambda c: len(c[2]))
         return {"codec": codec_id, **params}, blob

@@ -6,7 +6,7 @@ of the steps; long streams interleave four states so that decoding takes ~2-3 ns
 from __future__ import annotations
 
 import struct
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numba
 import numpy as np
@@ -307,10 +307,10 @@ class RansCoder(SymbolCoder):
 
     codec_id: ClassVar[str] = "ans"
 
-    def accepts(self, symbols: np.ndarray) -> bool:
+    def accepts(self, symbols: np.ndarray, base: Any = None) -> bool:
         return symbols.size > 0
 
-    def encode(self, symbols: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return ans_encode(symbols)
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:

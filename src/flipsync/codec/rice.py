@@ -7,7 +7,7 @@ read and turns gaps into positions in the same pass, refusing any at or past the
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numba
 import numpy as np
@@ -169,8 +169,8 @@ class RiceCoder(PositionCoder):
 
     codec_id: ClassVar[str] = "rice"
 
-    def encode(self, positions: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return rice_encode(position_gaps(positions))
 
-    def decode(self, params: Params, blob: bytes, n: int, numel: int) -> np.ndarray:
+    def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         return rice_decode(params, blob, n, numel)

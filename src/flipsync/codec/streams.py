@@ -5,6 +5,8 @@ Positions (sorted, unique int64 flat indices) are coded as gaps:
   bound for scattered changes.
 - ``zstd`` (:mod:`~flipsync.codec.zstd`): gaps as the narrowest unsigned ints, byte-shuffled, zstd; cheaper
   when changes cluster in runs.
+- ``ctx`` (:mod:`~flipsync.codec.context`, version 2): per class of the base value (its exponent), the ranks
+  of the class's changed elements; needs the base tensor on both sides, so only offered when the encoder has it.
 Values (unsigned symbols: zigzagged steps or raw bit patterns) and the kind flags of mixed sections:
 - ``zstd``: narrowest unsigned ints, byte-shuffled, zstd.
 - ``bits`` (:mod:`~flipsync.codec.bitpack`): fixed-width bit packing; no tables, so it wins for a handful of values.
@@ -18,22 +20,32 @@ import numpy as np
 
 from flipsync.codec.bitpack import FixedWidthCoder
 from flipsync.codec.coders import CoderRegistry, Params, PositionCoder, SymbolCoder
+from flipsync.codec.context import BaseBits, ContextCoder
 from flipsync.codec.rans import RansCoder
 from flipsync.codec.rice import RiceCoder
 from flipsync.codec.zstd import ZstdCoder, ZstdGapsCoder
+from flipsync.errors import PatchError
 
-POSITION_CODERS: CoderRegistry[PositionCoder] = CoderRegistry("position", RiceCoder(), ZstdGapsCoder())
+# Coders a version 1 reader knows come first, so that a tie keeps a patch readable by it.
+POSITION_CODERS: CoderRegistry[PositionCoder] = CoderRegistry("position", RiceCoder(), ZstdGapsCoder(), ContextCoder())
+V2_POSITION_CODERS = frozenset({ContextCoder.codec_id})
 SYMBOL_CODERS: CoderRegistry[SymbolCoder] = CoderRegistry("value", ZstdCoder(), FixedWidthCoder(), RansCoder())
 
 
-def encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
-    """The smallest coding of sorted unique positions."""
-    return POSITION_CODERS.encode(positions)
+def encode_positions(positions: np.ndarray, base: BaseBits | None = None) -> tuple[Params, bytes]:
+    """The smallest coding of sorted unique positions; with ``base``, coders conditioned on it compete too."""
+    return POSITION_CODERS.encode(positions, base)
 
 
-def decode_positions(params: Params, blob: bytes, n: int, numel: int) -> np.ndarray:
+def decode_positions(params: Params, blob: bytes, n: int, numel: int, base: BaseBits | None = None) -> np.ndarray:
     """Sorted unique positions, each below ``numel``."""
-    return POSITION_CODERS.coder(params).decode(params, blob, n, numel)
+    coder = POSITION_CODERS.coder(params)
+    if coder.needs_base and base is None:
+        raise PatchError(
+            f"these positions are coded against the base tensor ({coder.codec_id!r} coder): decode them with the "
+            "base at hand (stage / apply_patch, Patch.change(name, base=...), squash(..., base=...))"
+        )
+    return coder.decode(params, blob, n, numel, base)
 
 
 def encode_symbols(symbols: np.ndarray) -> tuple[Params, bytes]:

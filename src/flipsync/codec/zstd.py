@@ -5,7 +5,7 @@ of the rANS coder's escapes. The decoder bounds what a crafted frame may expand 
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 import zstandard
@@ -73,7 +73,7 @@ class ZstdCoder(SymbolCoder):
 
     codec_id: ClassVar[str] = "zstd"
 
-    def encode(self, symbols: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return shuffled_zstd(symbols)
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:
@@ -85,8 +85,8 @@ class ZstdGapsCoder(PositionCoder):
 
     codec_id: ClassVar[str] = "zstd"
 
-    def encode(self, positions: np.ndarray) -> tuple[Params, bytes]:
+    def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return shuffled_zstd(position_gaps(positions))
 
-    def decode(self, params: Params, blob: bytes, n: int, numel: int) -> np.ndarray:
+    def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         return positions_from_gaps(unshuffled_zstd(params, blob, n), numel)

@@ -1,0 +1,309 @@
+"""The ``ctx`` position coder: changed positions coded against the base tensor both sides hold.
+
+A served value changes when the optimizer's step crosses its rounding step, which grows with the value's
+own magnitude: in BF16 a value with a large exponent changes far less often than a small one. The receiver
+holds the base, so both sides can split the tensor into *classes* by the base value's exponent bits (for
+packed FP4 bytes: both codes' exponent bits) and code, per class, which of its elements changed. That costs
+about sum over classes of log2 C(N_c, k_c) bits (N_c elements, k_c of them changed), below today's
+log2 C(numel, n) whenever the classes change at different rates.
+
+Coding (per tensor, adaptive: the model's parameters are the per-class counts, stored in the stream):
+a table of the used classes (class id, k_c - 1, Rice parameter), then per class the gaps between the
+*ranks* of its changed elements among the class's elements, Rice-coded. One MSB-first bit stream.
+
+Decoding is one streaming pass over the base: each element's class is computed from its bits, a per-class
+counter gives its rank, and an element whose rank is the next one its class expects is a changed position.
+Positions come out sorted; the pass stops at the last change. Memory: the n ranks (n is bounded by the
+stream's length: every rank costs at least one bit) and per-class counters.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numba
+import numpy as np
+
+from flipsync.codec.bitpack import flush_bits, put_bits
+from flipsync.codec.bits import DType
+from flipsync.codec.coders import CORRUPT, OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
+from flipsync.codec.rice import MAX_RICE_K, rice_bits
+from flipsync.errors import CorruptPatchError
+
+_K_BITS = 6  # a class's Rice parameter, 0..62
+
+
+@dataclass(frozen=True)
+class ClassRule:
+    """An element's class from its bit pattern u: ``((u >> s1) & m1) | (((u >> s2) & m2) << w1)``."""
+
+    s1: int
+    m1: int
+    s2: int = 0
+    m2: int = 0
+
+    @property
+    def w1(self) -> int:
+        return self.m1.bit_length()
+
+    @property
+    def n_classes(self) -> int:
+        return (self.m1 + 1) * (self.m2 + 1)
+
+
+# Float formats: the exponent field. U8 holds two packed E2M1 (FP4) codes: both codes' exponent bits.
+# E8M0 scales: their high nibble. Integers: one class (ctx then never beats Rice, and is not chosen).
+_RULES = {
+    "F64": ClassRule(52, 0x7FF),
+    "F32": ClassRule(23, 0xFF),
+    "F16": ClassRule(10, 0x1F),
+    "BF16": ClassRule(7, 0xFF),
+    "F8_E4M3": ClassRule(3, 0xF),
+    "F8_E5M2": ClassRule(2, 0x1F),
+    "F8_E8M0": ClassRule(4, 0xF),
+    "U8": ClassRule(1, 0x3, 5, 0x3),
+}
+_ONE_CLASS = ClassRule(0, 0)
+
+
+def class_rule(d: DType) -> ClassRule:
+    return _RULES.get(d.name, _ONE_CLASS)
+
+
+@numba.njit(nogil=True, cache=True)
+def _ranks(
+    base: np.ndarray, positions: np.ndarray, s1: int, m1: int, s2: int, m2: int, w1: int, counts: np.ndarray,
+    cls: np.ndarray, rank: np.ndarray,
+) -> None:  # fmt: skip
+    """One pass: every class's element count, and each changed position's class and rank within its class."""
+    j = 0
+    n = positions.shape[0]
+    a1, b1, a2, b2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2)
+    c2 = np.uint64(w1)
+    for i in range(base.shape[0]):
+        u = np.uint64(base[i])
+        c = ((u >> a1) & b1) | (((u >> a2) & b2) << c2)
+        if j < n and positions[j] == i:
+            cls[j] = c
+            rank[j] = counts[c]
+            j += 1
+        counts[c] += 1
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack(
+    used: np.ndarray, k_of: np.ndarray, rice_k: np.ndarray, gaps: np.ndarray, cbits: int, nbits: int,
+    out: np.ndarray,
+) -> int:  # fmt: skip
+    """The class table, then each used class's rank gaps Rice-coded (``gaps`` grouped by class, in order)."""
+    acc = np.uint64(0)
+    nacc = 0
+    j = 0
+    for u in range(used.shape[0]):
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(used[u]), cbits)
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(k_of[u] - 1), nbits)
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(rice_k[u]), _K_BITS)
+    g = 0
+    for u in range(used.shape[0]):
+        k = rice_k[u]
+        for _ in range(k_of[u]):
+            q = gaps[g] >> np.uint64(k)
+            while q >= np.uint64(32):
+                j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
+                q -= np.uint64(32)
+            j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
+            j, acc, nacc = put_bits(out, j, acc, nacc, gaps[g], k)
+            g += 1
+    return flush_bits(out, j, acc, nacc)
+
+
+@numba.njit(inline="always")
+def _bit(data: np.ndarray, p: int) -> int:
+    return (data[p >> 3] >> (7 - (p & 7))) & 1
+
+
+@numba.njit(inline="always")
+def _read(data: np.ndarray, p: int, width: int) -> np.uint64:
+    v = np.uint64(0)
+    for t in range(width):
+        v = (v << np.uint64(1)) | np.uint64(_bit(data, p + t))
+    return v
+
+
+@numba.njit(nogil=True, cache=True)
+def _decode(
+    data: np.ndarray, n_used: int, cbits: int, nbits: int, n_classes: int, base: np.ndarray, s1: int, m1: int,
+    s2: int, m2: int, w1: int, out: np.ndarray,
+) -> int:  # fmt: skip
+    """Read the table and the rank gaps, then turn ranks into positions in one pass over ``base``."""
+    total = data.shape[0] * 8
+    n = out.shape[0]
+    if n_used * (cbits + nbits + _K_BITS) > total:
+        return TRUNCATED
+    p = 0
+    first = np.full(n_classes, -1, dtype=np.int64)  # each used class's first rank slot
+    end = np.zeros(n_classes, dtype=np.int64)
+    ks = np.zeros(n_used, dtype=np.int64)
+    cls_of = np.zeros(n_used, dtype=np.int64)
+    cnt = np.zeros(n_used, dtype=np.int64)
+    prev = -1
+    filled = 0
+    for u in range(n_used):
+        c = int(_read(data, p, cbits))
+        k_c = int(_read(data, p + cbits, nbits)) + 1
+        k = int(_read(data, p + cbits + nbits, _K_BITS))
+        p += cbits + nbits + _K_BITS
+        if c <= prev or c >= n_classes or k > 62 or k_c > n - filled:
+            return CORRUPT
+        prev = c
+        cls_of[u], cnt[u], ks[u] = c, k_c, k
+        first[c] = filled
+        filled += k_c
+        end[c] = filled
+    if filled != n:
+        return CORRUPT
+    ranks = np.empty(n, dtype=np.int64)
+    limit = np.int64(base.shape[0])
+    g = 0
+    for u in range(n_used):
+        k = ks[u]
+        r = -1
+        for _ in range(cnt[u]):
+            q = 0
+            while True:
+                if p >= total:
+                    return TRUNCATED
+                if _bit(data, p) == 1:
+                    p += 1
+                    break
+                q += 1
+                p += 1
+                if q >= limit:
+                    return OVERFLOW
+            if p + k > total:
+                return TRUNCATED
+            if q > (limit >> k):
+                return OVERFLOW
+            gap = (np.int64(q) << np.int64(k)) | np.int64(_read(data, p, k))
+            p += k
+            if gap >= limit or r + 1 + gap >= limit:
+                return OVERFLOW
+            r += gap + 1
+            ranks[g] = r
+            g += 1
+    if (p + 7) // 8 != data.shape[0]:
+        return CORRUPT  # bytes no rank claims
+    nxt = np.full(n_classes, -1, dtype=np.int64)
+    ptr = np.zeros(n_classes, dtype=np.int64)
+    for c in range(n_classes):
+        if first[c] >= 0:
+            ptr[c] = first[c]
+            nxt[c] = ranks[first[c]]
+    seen = np.zeros(n_classes, dtype=np.int64)
+    a1, b1, a2, b2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2)
+    c2 = np.uint64(w1)
+    emitted = 0
+    for i in range(base.shape[0]):
+        u = np.uint64(base[i])
+        c = ((u >> a1) & b1) | (((u >> a2) & b2) << c2)
+        r = seen[c]
+        seen[c] = r + 1
+        if r == nxt[c]:
+            out[emitted] = i
+            emitted += 1
+            if emitted == n:
+                return OK
+            q = ptr[c] + 1
+            ptr[c] = q
+            nxt[c] = ranks[q] if q < end[c] else -1
+    return CORRUPT  # some class names ranks past its size in this base
+
+
+def _best_k(gaps: np.ndarray) -> int:
+    mean = float(gaps.mean()) if gaps.size else 0.0
+    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
+    return min(candidates, key=lambda k: rice_bits(gaps, k))
+
+
+def classes_and_ranks(base: np.ndarray, positions: np.ndarray, d: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(elements per class, class of each position, rank of each position within its class)."""
+    rule = class_rule(d)
+    counts = np.zeros(rule.n_classes, dtype=np.int64)
+    cls = np.empty(positions.size, dtype=np.int64)
+    rank = np.empty(positions.size, dtype=np.int64)
+    _ranks(np.ascontiguousarray(base).reshape(-1), np.ascontiguousarray(positions, np.int64), rule.s1, rule.m1,
+           rule.s2, rule.m2, rule.w1, counts, cls, rank)  # fmt: skip
+    return counts, cls, rank
+
+
+def conditional_position_bits(base: np.ndarray, positions: np.ndarray, d: DType) -> float:
+    """sum over classes of log2 C(N_c, k_c): the bound the ``ctx`` coder aims at."""
+    counts, cls, _ = classes_and_ranks(base, positions, d)
+    k = np.bincount(cls, minlength=counts.size)
+    used = np.flatnonzero(k)
+    return sum(_log2_binom(int(counts[c]), int(k[c])) for c in used)
+
+
+def _log2_binom(u: int, n: int) -> float:
+    return (math.lgamma(u + 1) - math.lgamma(n + 1) - math.lgamma(u - n + 1)) / math.log(2)
+
+
+@dataclass(frozen=True)
+class BaseBits:
+    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on."""
+
+    bits: np.ndarray
+    dtype: DType
+
+
+class ContextCoder(PositionCoder):
+    """Positions coded per class of the base value (see the module docstring); needs the base to decode."""
+
+    codec_id: ClassVar[str] = "ctx"
+    needs_base: ClassVar[bool] = True
+
+    def accepts(self, positions: np.ndarray, base: Any = None) -> bool:
+        return isinstance(base, BaseBits) and positions.size > 0 and class_rule(base.dtype).n_classes > 1
+
+    def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
+        if not isinstance(base, BaseBits):
+            raise ValueError("the ctx coder needs the base tensor")
+        rule = class_rule(base.dtype)
+        _, cls, rank = classes_and_ranks(base.bits, positions, base.dtype)
+        order = np.argsort(cls, kind="stable")  # ranks already rise with position inside a class
+        cls, rank = cls[order], rank[order]
+        used, starts, k_of = np.unique(cls, return_index=True, return_counts=True)
+        first = np.zeros(cls.size, dtype=bool)
+        first[starts] = True
+        gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1).astype(np.uint64)
+        rice_k = np.array([_best_k(gaps[s : s + k]) for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
+        cbits = max(1, (rule.n_classes - 1).bit_length())
+        nbits = max(1, int(k_of.max() - 1).bit_length())
+        size = used.size * (cbits + nbits + _K_BITS)
+        size += sum(rice_bits(gaps[s : s + k], int(rk)) for s, k, rk in zip(starts, k_of, rice_k, strict=True))
+        out = np.empty((size + 7) // 8, dtype=np.uint8)
+        n_bytes = _pack(used.astype(np.int64), k_of.astype(np.int64), rice_k, gaps, cbits, nbits, out)
+        return {"classes": int(used.size), "nbits": nbits}, out[:n_bytes].tobytes()
+
+    def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
+        if not isinstance(base, BaseBits):
+            raise CorruptPatchError("a ctx position stream needs its base tensor to decode")
+        rule = class_rule(base.dtype)
+        n_used = get_int(params, "classes", range(1, rule.n_classes + 1))
+        nbits = get_int(params, "nbits", range(1, 64))
+        if n <= 0 or n > 8 * len(blob):  # every position costs at least one bit
+            raise CorruptPatchError(f"ctx stream of {len(blob)} bytes cannot hold {n} positions")
+        bits = np.ascontiguousarray(base.bits).reshape(-1)
+        if bits.size != numel:
+            raise CorruptPatchError(f"ctx stream: the base holds {bits.size} elements, the section {numel}")
+        cbits = max(1, (rule.n_classes - 1).bit_length())
+        out = np.empty(n, dtype=np.int64)
+        data = np.frombuffer(blob, dtype=np.uint8)
+        status = _decode(data, n_used, cbits, nbits, rule.n_classes, bits, rule.s1, rule.m1, rule.s2, rule.m2,
+                         rule.w1, out)  # fmt: skip
+        if status != OK:
+            raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
+        return out
