@@ -71,6 +71,16 @@ def patch_cases() -> list[PatchCase]:
     first, _ = diff_views(small, small_new)
     second, _ = diff_views(small_new, third, mode="raw")
     cases.append(PatchCase(small, third, squash([first, second]).to_bytes()))
+    # Version 2: small values change more often than large ones, so positions are coded against the base (ctx).
+    mags = torch.randn(20000, generator=g) * torch.rand(20000, generator=g).pow(4)
+    ctx_old = {"i.weight": mags.to(torch.bfloat16), "j.weight": mags[:4000].to(torch.float8_e4m3fn)}
+    ctx_new = {}
+    for k, v in ctx_old.items():
+        bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.uint8).clone()
+        moved = torch.from_numpy(rng.random(v.numel()) < 0.3) & (mags[: v.numel()].abs() < 0.01)
+        bits[moved] += 1
+        ctx_new[k] = bits.view(v.dtype)
+    cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
     return cases
 
 

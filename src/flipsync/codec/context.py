@@ -29,7 +29,7 @@ import numpy as np
 from flipsync.codec.bitpack import flush_bits, put_bits
 from flipsync.codec.bits import DType
 from flipsync.codec.coders import CORRUPT, OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
-from flipsync.codec.rice import MAX_RICE_K, rice_bits
+from flipsync.codec.rice import best_rice_k, put_rice, rice_bits
 from flipsync.errors import CorruptPatchError
 
 _K_BITS = 6  # a class's Rice parameter, 0..62
@@ -109,12 +109,7 @@ def _pack(
     for u in range(used.shape[0]):
         k = rice_k[u]
         for _ in range(k_of[u]):
-            q = gaps[g] >> np.uint64(k)
-            while q >= np.uint64(32):
-                j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
-                q -= np.uint64(32)
-            j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
-            j, acc, nacc = put_bits(out, j, acc, nacc, gaps[g], k)
+            j, acc, nacc = put_rice(out, j, acc, nacc, gaps[g], k)
             g += 1
     return flush_bits(out, j, acc, nacc)
 
@@ -221,13 +216,6 @@ def _decode(
     return CORRUPT  # some class names ranks past its size in this base
 
 
-def _best_k(gaps: np.ndarray) -> int:
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
-    candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
-    return min(candidates, key=lambda k: rice_bits(gaps, k))
-
-
 def classes_and_ranks(base: np.ndarray, positions: np.ndarray, d: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(elements per class, class of each position, rank of each position within its class)."""
     rule = class_rule(d)
@@ -279,7 +267,7 @@ class ContextCoder(PositionCoder):
         first = np.zeros(cls.size, dtype=bool)
         first[starts] = True
         gaps = np.where(first, rank, rank - np.roll(rank, 1) - 1).astype(np.uint64)
-        rice_k = np.array([_best_k(gaps[s : s + k]) for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
+        rice_k = np.array([best_rice_k(gaps[s : s + k]) for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
         cbits = max(1, (rule.n_classes - 1).bit_length())
         nbits = max(1, int(k_of.max() - 1).bit_length())
         size = used.size * (cbits + nbits + _K_BITS)

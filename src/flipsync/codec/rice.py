@@ -30,6 +30,17 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
     return total
 
 
+@numba.njit(inline="always")
+def put_rice(out: np.ndarray, j: int, acc: np.uint64, nacc: int, g: np.uint64, k: int) -> tuple[int, np.uint64, int]:
+    """Append one Rice code: the quotient in unary (q zeros, then a one), then the k low bits."""
+    q = g >> np.uint64(k)
+    while q >= np.uint64(32):  # long zero runs, 32 at a time
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
+        q -= np.uint64(32)
+    j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
+    return put_bits(out, j, acc, nacc, g, k)  # put_bits keeps only the k low bits
+
+
 @numba.njit(nogil=True, cache=True)
 def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
     """Each gap as its quotient in unary (q zeros, then a one) followed by its k low bits."""
@@ -37,12 +48,7 @@ def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
     nacc = 0
     j = 0
     for g in gaps:
-        q = g >> np.uint64(k)
-        while q >= np.uint64(32):  # long zero runs, 32 at a time
-            j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
-            q -= np.uint64(32)
-        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
-        j, acc, nacc = put_bits(out, j, acc, nacc, g, k)  # _put keeps only the k low bits
+        j, acc, nacc = put_rice(out, j, acc, nacc, g, k)
     return flush_bits(out, j, acc, nacc)
 
 
@@ -129,7 +135,8 @@ def rice_unpack_positions(data: np.ndarray, k: int, out: np.ndarray, numel: int)
     return int(_rice_decode(data, k, out, numel))
 
 
-def _best_rice_k(gaps: np.ndarray) -> int:
+def best_rice_k(gaps: np.ndarray) -> int:
+    """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
     mean = float(gaps.mean()) if gaps.size else 0.0
     guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
     candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
@@ -139,7 +146,7 @@ def _best_rice_k(gaps: np.ndarray) -> int:
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     """Golomb-Rice code of non-negative gaps with the cheapest parameter k."""
     g = np.ascontiguousarray(gaps, dtype=np.uint64)
-    k = _best_rice_k(g)
+    k = best_rice_k(g)
     out = np.empty((rice_bits(g, k) + 7) // 8, dtype=np.uint8)
     used = rice_pack(g, k, out)
     return {"k": k}, out[:used].tobytes()
