@@ -64,62 +64,81 @@ def _clz64(typingctx, x):
 
 
 @numba.njit(nogil=True, cache=True)
-def _rice_decode(data: np.ndarray, k: int, out: np.ndarray, numel: int) -> int:
-    """Decode len(out) Rice-coded gaps through a 64-bit bit buffer (one leading-zero count per quotient).
+def rice_decode_runs(
+    data: np.ndarray, start_bit: int, ks: np.ndarray, counts: np.ndarray, out: np.ndarray, numel: int
+) -> int:
+    """Decode runs of Rice-coded gaps from one bit stream through a 64-bit bit buffer (one leading-zero count
+    per quotient): run u is ``counts[u]`` codes with parameter ``ks[u]``, written to ``out`` one after another.
 
-    With ``numel >= 0`` the gaps are turned into positions on the fly (running sum of gap + 1, starting at
-    -1) and a position at or past ``numel`` is an OVERFLOW; with ``numel < 0`` the raw gaps are stored.
+    With ``numel >= 0`` each run's gaps are turned into positions on the fly (running sum of gap + 1, starting
+    at -1 in every run) and one at or past ``numel`` is an OVERFLOW; with ``numel < 0`` the raw gaps are stored.
+    Returns the number of bits read (from ``start_bit``), or TRUNCATED / OVERFLOW (a quotient too large).
     Invariant: ``buf`` holds ``nbuf`` unread bits MSB-aligned and zeros below them.
     """
     nbytes = data.shape[0]
-    bp = 0
+    bp = start_bit >> 3
     buf = np.uint64(0)
     nbuf = 0
-    pos = -1
     limit = np.uint64(numel) if numel >= 0 else np.uint64(0)
-    for i in range(out.shape[0]):
-        q = 0
-        while True:  # unary part
-            while nbuf <= 56 and bp < nbytes:
-                buf |= np.uint64(data[bp]) << np.uint64(56 - nbuf)
-                nbuf += 8
-                bp += 1
-            if buf == 0:  # all buffered bits are zeros (or none are left)
-                if nbuf == 0:
-                    return TRUNCATED
-                q += nbuf
-                nbuf = 0
-                continue
-            z = int(_clz64(buf))  # type: ignore[call-arg]  # numba passes typingctx itself
-            q += z
-            buf = (buf << np.uint64(z)) << np.uint64(1)  # two shifts: a shift by 64 is undefined
-            nbuf -= z + 1
-            break
-        if q > (0x7FFFFFFFFFFFFFFF >> k):
-            return OVERFLOW
-        low = np.uint64(0)
-        need = k
-        while need > 0:  # at most 56 bits per refill; k may be up to 62
-            while nbuf <= 56 and bp < nbytes:
-                buf |= np.uint64(data[bp]) << np.uint64(56 - nbuf)
-                nbuf += 8
-                bp += 1
-            take = min(need, nbuf, 32)
-            if take == 0:
-                return TRUNCATED
-            low = (low << np.uint64(take)) | (buf >> np.uint64(64 - take))
-            buf <<= np.uint64(take)
-            nbuf -= take
-            need -= take
-        gap = (np.uint64(q) << np.uint64(k)) | low
-        if numel >= 0:
-            if gap >= limit or np.uint64(pos + 1) + gap >= limit:
+    i = 0
+    if start_bit & 7:  # enter mid-byte: the byte's unread low bits first
+        if bp >= nbytes:
+            return TRUNCATED
+        nbuf = 8 - (start_bit & 7)
+        buf = (np.uint64(data[bp]) << np.uint64(56 + (start_bit & 7))) & np.uint64(0xFFFFFFFFFFFFFFFF)
+        bp += 1
+    for u in range(ks.shape[0]):
+        k = ks[u]
+        pos = -1
+        for _ in range(counts[u]):
+            q = 0
+            while True:  # unary part
+                while nbuf <= 56 and bp < nbytes:
+                    buf |= np.uint64(data[bp]) << np.uint64(56 - nbuf)
+                    nbuf += 8
+                    bp += 1
+                if buf == 0:  # all buffered bits are zeros (or none are left)
+                    if nbuf == 0:
+                        return TRUNCATED
+                    q += nbuf
+                    nbuf = 0
+                    continue
+                z = int(_clz64(buf))  # type: ignore[call-arg]  # numba passes typingctx itself
+                q += z
+                buf = (buf << np.uint64(z)) << np.uint64(1)  # two shifts: a shift by 64 is undefined
+                nbuf -= z + 1
+                break
+            if q > (0x7FFFFFFFFFFFFFFF >> k):
                 return OVERFLOW
-            pos += int(gap) + 1
-            out[i] = pos
-        else:
-            out[i] = gap
-    return OK
+            low = np.uint64(0)
+            need = k
+            while need > 0:  # at most 56 bits per refill; k may be up to 62
+                while nbuf <= 56 and bp < nbytes:
+                    buf |= np.uint64(data[bp]) << np.uint64(56 - nbuf)
+                    nbuf += 8
+                    bp += 1
+                take = min(need, nbuf, 32)
+                if take == 0:
+                    return TRUNCATED
+                low = (low << np.uint64(take)) | (buf >> np.uint64(64 - take))
+                buf <<= np.uint64(take)
+                nbuf -= take
+                need -= take
+            gap = (np.uint64(q) << np.uint64(k)) | low
+            if numel >= 0:
+                if gap >= limit or np.uint64(pos + 1) + gap >= limit:
+                    return OVERFLOW
+                pos += int(gap) + 1
+                out[i] = pos
+            else:
+                out[i] = gap
+            i += 1
+    return bp * 8 - nbuf - start_bit
+
+
+def _rice_decode(data: np.ndarray, k: int, out: np.ndarray, numel: int) -> int:
+    used = rice_decode_runs(data, 0, np.array([k], np.int64), np.array([out.shape[0]], np.int64), out, numel)
+    return OK if used >= 0 else int(used)
 
 
 def rice_unpack(data: np.ndarray, k: int, out: np.ndarray) -> int:
