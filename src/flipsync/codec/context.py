@@ -104,19 +104,33 @@ def _group_gaps(cls: np.ndarray, rank: np.ndarray, slot: np.ndarray, gaps: np.nd
         last[c] = rank[j]
 
 
+@numba.njit(inline="always")
+def _put_gamma(out: np.ndarray, j: int, acc: np.uint64, nacc: int, x: int) -> tuple[int, np.uint64, int]:
+    """Elias gamma code of x >= 1: as many zeros as x has bits after its first, then x."""
+    width = 0
+    while (x >> width) > 0:
+        width += 1
+    if width > 1:
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), width - 1)
+    return put_bits(out, j, acc, nacc, np.uint64(x), width)
+
+
 @numba.njit(nogil=True, cache=True)
 def _pack(
-    used: np.ndarray, k_of: np.ndarray, rice_k: np.ndarray, gaps: np.ndarray, cbits: int, nbits: int,
+    used: np.ndarray, k_of: np.ndarray, rice_k: np.ndarray, gaps: np.ndarray, nbits: int,
     out: np.ndarray,
 ) -> int:  # fmt: skip
     """The class table, then each used class's rank gaps Rice-coded (``gaps`` grouped by class, in order)."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
-    for u in range(used.shape[0]):
-        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(used[u]), cbits)
+    prev_c, prev_k = -1, 0
+    for u in range(used.shape[0]):  # adjacent exponents: class gaps and Rice parameter steps are small
+        j, acc, nacc = _put_gamma(out, j, acc, nacc, used[u] - prev_c)
         j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(k_of[u] - 1), nbits)
-        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(rice_k[u]), _K_BITS)
+        step = rice_k[u] - prev_k
+        j, acc, nacc = _put_gamma(out, j, acc, nacc, 2 * step + 1 if step >= 0 else -2 * step)
+        prev_c, prev_k = used[u], rice_k[u]
     g = 0
     for u in range(used.shape[0]):
         k = rice_k[u]
@@ -139,15 +153,26 @@ def _read(data: np.ndarray, p: int, width: int) -> np.uint64:
     return v
 
 
+@numba.njit(inline="always")
+def _gamma(data: np.ndarray, p: int, total: int) -> tuple[int, int]:
+    """(value, next bit) of the Elias gamma code at bit p; value -1 if it is malformed or runs past the end."""
+    zeros = 0
+    while p + zeros < total and _bit(data, p + zeros) == 0:
+        zeros += 1
+    if zeros > 40 or p + 2 * zeros + 1 > total:
+        return np.int64(-1), p
+    return np.int64(_read(data, p + zeros, zeros + 1)), p + 2 * zeros + 1
+
+
 @numba.njit(nogil=True, cache=True)
 def _decode(
-    data: np.ndarray, n_used: int, cbits: int, nbits: int, n_classes: int, base: np.ndarray, s1: int, m1: int,
+    data: np.ndarray, n_used: int, nbits: int, n_classes: int, base: np.ndarray, s1: int, m1: int,
     s2: int, m2: int, w1: int, out: np.ndarray,
 ) -> int:  # fmt: skip
     """Read the table and the rank gaps, then turn ranks into positions in one pass over ``base``."""
     total = data.shape[0] * 8
     n = out.shape[0]
-    if n_used * (cbits + nbits + _K_BITS) > total:
+    if n_used * (nbits + 2) > total:
         return TRUNCATED
     p = 0
     first = np.full(n_classes, -1, dtype=np.int64)  # each used class's first rank slot
@@ -157,12 +182,18 @@ def _decode(
     cnt = np.zeros(n_used, dtype=np.int64)
     prev = -1
     filled = 0
+    k = 0
     for u in range(n_used):
-        c = int(_read(data, p, cbits))
-        k_c = int(_read(data, p + cbits, nbits)) + 1
-        k = int(_read(data, p + cbits + nbits, _K_BITS))
-        p += cbits + nbits + _K_BITS
-        if c <= prev or c >= n_classes or k > 62 or k_c > n - filled:
+        gap, p = _gamma(data, p, total)
+        if gap < 0 or p + nbits > total:
+            return TRUNCATED
+        c = prev + gap
+        k_c = int(_read(data, p, nbits)) + 1
+        step, p = _gamma(data, p + nbits, total)
+        if step < 0:
+            return TRUNCATED
+        k += (step - 1) // 2 if step & 1 else -(step // 2)
+        if c >= n_classes or k < 0 or k > 62 or k_c > n - filled:
             return CORRUPT
         prev = c
         cls_of[u], cnt[u], ks[u] = c, k_c, k
@@ -285,12 +316,12 @@ class ContextCoder(PositionCoder):
         gaps = np.empty(cls.size, dtype=np.uint64)
         _group_gaps(cls, rank, (np.cumsum(per_class) - per_class).astype(np.int64), gaps)
         rice_k = np.array([best_rice_k(gaps[s : s + k]) for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
-        cbits = max(1, (rule.n_classes - 1).bit_length())
+        cbits = max(1, rule.n_classes.bit_length())
         nbits = max(1, int(k_of.max() - 1).bit_length())
-        size = used.size * (cbits + nbits + _K_BITS)
+        size = used.size * (2 * cbits + 1 + nbits + 2 * _K_BITS + 3)  # at most, with the gamma codes
         size += sum(rice_bits(gaps[s : s + k], int(rk)) for s, k, rk in zip(starts, k_of, rice_k, strict=True))
         out = np.empty((size + 7) // 8, dtype=np.uint8)
-        n_bytes = _pack(used.astype(np.int64), k_of.astype(np.int64), rice_k, gaps, cbits, nbits, out)
+        n_bytes = _pack(used.astype(np.int64), k_of.astype(np.int64), rice_k, gaps, nbits, out)
         return {"classes": int(used.size), "nbits": nbits}, out[:n_bytes].tobytes()
 
     def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
@@ -304,10 +335,9 @@ class ContextCoder(PositionCoder):
         bits = np.ascontiguousarray(base.bits).reshape(-1)
         if bits.size != numel:
             raise CorruptPatchError(f"ctx stream: the base holds {bits.size} elements, the section {numel}")
-        cbits = max(1, (rule.n_classes - 1).bit_length())
         out = np.empty(n, dtype=np.int64)
         data = np.frombuffer(blob, dtype=np.uint8)
-        status = _decode(data, n_used, cbits, nbits, rule.n_classes, bits, rule.s1, rule.m1, rule.s2, rule.m2,
+        status = _decode(data, n_used, nbits, rule.n_classes, bits, rule.s1, rule.m1, rule.s2, rule.m2,
                          rule.w1, out)  # fmt: skip
         if status != OK:
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
