@@ -8,8 +8,9 @@ about sum over classes of log2 C(N_c, k_c) bits (N_c elements, k_c of them chang
 log2 C(numel, n) whenever the classes change at different rates.
 
 Coding (per tensor, adaptive: the model's parameters are the per-class counts, stored in the stream):
-a table of the used classes (class id, k_c - 1, Rice parameter), then per class the gaps between the
-*ranks* of its changed elements among the class's elements, Rice-coded. One MSB-first bit stream.
+a table of the used classes (the gap to the previous used class id, Elias-gamma; k_c - 1 in ``nbits`` bits;
+the step from the previous class's Rice parameter, zigzagged, Elias-gamma), then per class the gaps between
+the *ranks* of its changed elements among the class's elements, Rice-coded. One MSB-first bit stream.
 
 Decoding is one streaming pass over the base: each element's class is computed from its bits, a per-class
 counter gives its rank, and an element whose rank is the next one its class expects is a changed position.
