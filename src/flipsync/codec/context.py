@@ -216,42 +216,23 @@ def _decode(
             ptr[c] = first[c]
             nxt[c] = ranks[first[c]]
     seen = np.zeros(n_classes, dtype=np.int64)
-    if m2 == 0:
-        emitted = _emit_one_field(base, s1, m1, seen, nxt, ptr, end, ranks, out)
-    else:
-        emitted = _emit_two_fields(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out)
+    emitted = _emit(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out)
     return OK if emitted == n else CORRUPT  # else some class names ranks past its size in this base
 
 
-# The pass, twice: signed shifts of one field are about twice as fast as the general two-field class (which
-# only packed FP4 bytes need). Each emits, in order, the elements whose rank in their class is the next one
-# that class expects, and stops at the last.
 @numba.njit(nogil=True, cache=True)
-def _emit_one_field(base, s1, m1, seen, nxt, ptr, end, ranks, out):  # type: ignore[no-untyped-def]
+def _emit(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out):  # type: ignore[no-untyped-def]
+    """The pass: emit, in order, the elements whose rank in their class is the next one that class expects;
+    stop at the last. Signed shifts, and the second field only when the rule has one (packed FP4 bytes): the
+    loop-invariant test is hoisted by the compiler, and a one-field pass runs about twice as fast."""
     n = out.shape[0]
     emitted = 0
-    for i in range(base.shape[0]):
-        c = (np.int64(base[i]) >> s1) & m1
-        r = seen[c]
-        seen[c] = r + 1
-        if r == nxt[c]:
-            out[emitted] = i
-            emitted += 1
-            if emitted == n:
-                return emitted
-            q = ptr[c] + 1
-            ptr[c] = q
-            nxt[c] = ranks[q] if q < end[c] else -1
-    return emitted
-
-
-@numba.njit(nogil=True, cache=True)
-def _emit_two_fields(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out):  # type: ignore[no-untyped-def]
-    n = out.shape[0]
-    emitted = 0
+    two = m2 != 0
     for i in range(base.shape[0]):
         u = np.int64(base[i])
-        c = ((u >> s1) & m1) | (((u >> s2) & m2) << w1)
+        c = (u >> s1) & m1
+        if two:
+            c |= ((u >> s2) & m2) << w1
         r = seen[c]
         seen[c] = r + 1
         if r == nxt[c]:
