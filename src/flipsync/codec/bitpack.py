@@ -1,4 +1,5 @@
-"""MSB-first bit packing (numba): the bit writer the Rice coder shares, and the fixed-width value coder ``bits``.
+"""MSB-first bit packing (numba): the bit writer (plain and Rice codes) the coders share, and the fixed-width
+value coder ``bits``.
 
 The unpackers read untrusted bytes, so every read is bounds-checked and a malformed stream returns a
 negative status instead of reading past the buffer.
@@ -43,14 +44,29 @@ def flush_bits(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> int:
     return j
 
 
+@numba.njit(inline="always")
+def put_rice(out: np.ndarray, j: int, acc: np.uint64, nacc: int, g: np.uint64, k: int) -> tuple[int, np.uint64, int]:
+    """Append one Rice code: the quotient in unary (q zeros, then a one), then the k low bits."""
+    q = g >> np.uint64(k)
+    while q >= np.uint64(32):  # long zero runs, 32 at a time
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
+        q -= np.uint64(32)
+    j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
+    return put_bits(out, j, acc, nacc, g, k)  # put_bits keeps only the k low bits
+
+
 @numba.njit(nogil=True, cache=True)
-def fixed_pack(values: np.ndarray, width: int, out: np.ndarray) -> int:
-    """Each value in ``width`` bits (1..64)."""
+def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> int:
+    """Each value as a Rice code with parameter ``param`` (``rice``), or in ``param`` bits (1..64); returns the
+    number of bytes used."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
     for v in values:
-        j, acc, nacc = put_bits(out, j, acc, nacc, v, width)
+        if rice:
+            j, acc, nacc = put_rice(out, j, acc, nacc, v, param)
+        else:
+            j, acc, nacc = put_bits(out, j, acc, nacc, v, param)
     return flush_bits(out, j, acc, nacc)
 
 
@@ -77,7 +93,7 @@ class FixedWidthCoder(SymbolCoder):
         v = np.ascontiguousarray(symbols, dtype=np.uint64)
         width = max(1, int(v.max()).bit_length()) if v.size else 1
         out = np.empty((v.size * width + 7) // 8, dtype=np.uint8)
-        used = fixed_pack(v, width, out)
+        used = pack_codes(v, width, False, out)
         return {"bits": width}, out[:used].tobytes()
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:

@@ -27,10 +27,10 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import flush_bits, put_bits
+from flipsync.codec.bitpack import flush_bits, put_bits, put_rice
 from flipsync.codec.bits import DType
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, PositionCoder, get_int
-from flipsync.codec.rice import best_rice_k, put_rice, rice_bits, rice_decode_runs
+from flipsync.codec.rice import best_rice_k, rice_bits, rice_decode_runs
 from flipsync.errors import CorruptPatchError
 
 _K_BITS = 6  # a class's Rice parameter, 0..62

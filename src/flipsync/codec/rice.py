@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from flipsync.codec.bitpack import flush_bits, put_bits
+from flipsync.codec.bitpack import pack_codes
 from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int, position_gaps
 from flipsync.errors import CorruptPatchError
 
@@ -30,26 +30,9 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
     return total
 
 
-@numba.njit(inline="always")
-def put_rice(out: np.ndarray, j: int, acc: np.uint64, nacc: int, g: np.uint64, k: int) -> tuple[int, np.uint64, int]:
-    """Append one Rice code: the quotient in unary (q zeros, then a one), then the k low bits."""
-    q = g >> np.uint64(k)
-    while q >= np.uint64(32):  # long zero runs, 32 at a time
-        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), 32)
-        q -= np.uint64(32)
-    j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(1), int(q) + 1)
-    return put_bits(out, j, acc, nacc, g, k)  # put_bits keeps only the k low bits
-
-
-@numba.njit(nogil=True, cache=True)
 def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
     """Each gap as its quotient in unary (q zeros, then a one) followed by its k low bits."""
-    acc = np.uint64(0)
-    nacc = 0
-    j = 0
-    for g in gaps:
-        j, acc, nacc = put_rice(out, j, acc, nacc, g, k)
-    return flush_bits(out, j, acc, nacc)
+    return int(pack_codes(gaps, k, True, out))
 
 
 @intrinsic
