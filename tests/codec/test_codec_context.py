@@ -144,6 +144,12 @@ def test_ctx_patches_say_their_version_and_need_their_base() -> None:
     assert np.array_equal(change.positions, next(plain.changes()).positions)
 
 
+def test_overwrite_patches_never_depend_on_the_base() -> None:
+    v0, v1 = (served_view(m, "bf16") for m in _adam_like(1 << 16, 1))
+    patch, _ = diff_views(v0, v1, mode="raw")
+    assert not patch.needs_base and patch.header.idempotent
+
+
 def test_a_wrong_base_is_refused_before_anything_changes() -> None:
     v0, v1 = (served_view(m, "bf16") for m in _adam_like(1 << 16, 1))
     patch, _ = diff_views(v0, v1)

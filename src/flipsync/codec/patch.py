@@ -106,9 +106,12 @@ def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None =
     """One section header and its streams, concatenated; each stream's params record its length.
 
     With ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it
-    (the ``ctx`` coder), when that is smaller; such a section then decodes only with the base at hand.
+    (the ``ctx`` coder), when that is smaller; such a section then decodes only with the base at hand. Raw
+    (overwrite) sections never are: they must apply to whatever the receiver holds.
     """
-    pos_params, pos_blob = streams.encode_positions(change.positions, base_bits(base, change.dtype))
+    # An all-raw section is an idempotent overwrite that may be applied without its base: never ctx.
+    held = base_bits(base, change.dtype) if change.mode != "raw" else None
+    pos_params, pos_blob = streams.encode_positions(change.positions, held)
     val_params, val_blob = streams.encode_symbols(_symbols(change))
     pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
     blob = pos_blob + val_blob
