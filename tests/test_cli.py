@@ -77,7 +77,9 @@ def test_squash_and_inspect(ckpts: dict[str, Path], tmp_path: Path) -> None:
     p01, p12, p02 = (tmp_path / f"{n}.safetensors" for n in ("p01", "p12", "p02"))
     run("diff", ckpts["m0"], ckpts["m1"], "-f", "bf16", "-o", p01)
     run("diff", ckpts["m1"], ckpts["m2"], "-f", "bf16", "-o", p12)
-    run("squash", p01, p12, "-o", p02)
+    refused = runner.invoke(app, ["squash", str(p01), str(p12), "-o", str(p02)])
+    assert refused.exit_code == 1 and "--base" in refused.output  # ctx-coded positions need the first base
+    run("squash", p01, p12, "-o", p02, "--base", ckpts["m0"])
     run("apply", ckpts["m0"], p02, "-o", tmp_path / "o.safetensors")
     run("view", ckpts["m2"], "-f", "bf16", "-o", tmp_path / "s2.safetensors")
     got, want = load_file(tmp_path / "o.safetensors"), load_file(tmp_path / "s2.safetensors")

@@ -26,7 +26,7 @@ class Checkpoint(Mapping[str, torch.Tensor]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._where: dict[str, Path] = {}
-        for file in _safetensors_files(self.path):
+        for file in safetensors_files(self.path):
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
@@ -48,7 +48,8 @@ class Checkpoint(Mapping[str, torch.Tensor]):
         return len(self._where)
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """A checkpoint's .safetensors files: the file itself, or a directory's (by its index when it has one)."""
     if path.is_file():
         return [path]
     if not path.is_dir():

@@ -20,9 +20,7 @@ from rich.table import Table
 
 from flipsync.board.cli import output_console
 from flipsync.checkpoint import Checkpoint, save_checkpoint
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
-from flipsync.codec.bits import dtype_of
-from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
+from flipsync.codec import DEFAULT_MAX_DECODED_BYTES, FingerprintTable, Patch, apply_patch, diff_views, dtype_of, squash
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, PatchError
 from flipsync.formats import FORMAT_NAMES, served_view
@@ -207,12 +205,26 @@ def squash_cmd(
         float,
         typer.Option(help="refuse patches whose declared changes take more memory than this once decoded"),
     ] = DEFAULT_MAX_DECODED_BYTES / (1 << 30),
+    base: Annotated[
+        Path | None,
+        typer.Option(
+            help="the first patch's base (served view or masters): needed when positions are coded against it"
+        ),
+    ] = None,
+    input_kind: InputOpt = InputKind.auto,
 ) -> None:
     """Merge a chain of patches into one patch from the first base to the last target."""
 
     def go() -> None:
         loaded = [Patch.load(p) for p in patches]
-        merged = squash(loaded, max_decoded_bytes=int(max_decoded_gib * (1 << 30)))
+        first = loaded[0].header
+        view = None if base is None else _served(base, first.served_format, input_kind)
+        if view is None and any(p.needs_base for p in loaded):
+            raise ConfigError(
+                "these patches code positions against the tensors they change (the 'ctx' coder): pass the first "
+                "patch's base with --base (the OLD checkpoint of its flipsync diff, or its served view)"
+            )
+        merged = squash(loaded, max_decoded_bytes=int(max_decoded_gib * (1 << 30)), base=view)
         data = merged.to_bytes()
         out.write_bytes(data)
         before = sum(len(p.to_bytes()) for p in loaded)

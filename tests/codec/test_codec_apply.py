@@ -193,7 +193,7 @@ def test_stage_kernel_matches_the_reference_key_and_fingerprint(dtype: str, mode
     """The fused kernel is bitwise the numpy definitions: bits.to_key/from_key and digest.fingerprint_of,
     including steps that wrap past either end of the key range (any symbol is a legal step)."""
     from flipsync.codec.bits import dtype_named, from_key, to_key, unzigzag
-    from flipsync.codec.digest import fingerprint_of
+    from flipsync.codec.fingerprint import fingerprint_of
 
     d = dtype_named(dtype)
     rng = np.random.default_rng(len(dtype) * 7 + len(mode))

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import streams
+from flipsync.codec import rans, streams
 from flipsync.errors import CorruptPatchError
 
 
@@ -42,18 +42,30 @@ def test_symbols_round_trip(values: list[int], coder: str) -> None:
     sym = np.array(values, dtype=np.uint64)
     if coder == "best":
         params, blob = streams.encode_symbols(sym)
-    elif coder == "ans":
-        if not sym.size:
-            return
-        params, blob = streams.ans_encode(sym)
-        params["codec"] = "ans"
-    elif coder == "bits":
-        params, blob = streams.fixed_encode(sym)
-        params["codec"] = "bits"
     else:
-        params, blob = streams._shuffled_zstd(sym)
-        params["codec"] = "zstd"
+        chosen = streams.SYMBOL_CODERS.coder({"codec": coder})
+        if not chosen.accepts(sym):
+            return
+        params, blob = chosen.encode(sym)
+        params["codec"] = coder
     assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)
+
+
+@given(position_sets(), st.sampled_from(["rice", "zstd"]))
+def test_each_position_coder_round_trips(case: tuple[np.ndarray, int], coder: str) -> None:
+    pos, numel = case
+    chosen = streams.POSITION_CODERS.coder({"codec": coder})
+    params, blob = chosen.encode(pos)
+    assert np.array_equal(chosen.decode(params, blob, pos.size, numel), pos)
+
+
+def test_registries_name_every_coder_once() -> None:
+    assert streams.POSITION_CODERS.ids() == ("rice", "zstd", "ctx")
+    assert streams.SYMBOL_CODERS.ids() == ("zstd", "bits", "ans")
+    with pytest.raises(CorruptPatchError, match="unknown value codec 'huffman'"):
+        streams.decode_symbols({"codec": "huffman"}, b"", 1)
+    with pytest.raises(CorruptPatchError, match="unknown position codec None"):
+        streams.decode_positions({}, b"", 1, 10)
 
 
 def _log2_binom(u: int, n: int) -> float:
@@ -98,16 +110,16 @@ def test_ans_round_trips_at_every_lane_layout(n: int, kind: str) -> None:
     else:
         sym = np.where(rng.random(n) < 0.02, rng.integers(0, 1 << 40, size=n), rng.integers(0, 6, size=n))
     sym = sym.astype(np.uint64)
-    params, blob = streams.ans_encode(sym)
-    assert np.array_equal(streams.ans_decode(params, blob, n), sym)
+    params, blob = rans.ans_encode(sym)
+    assert np.array_equal(rans.ans_decode(params, blob, n), sym)
 
 
 def test_ans_refuses_a_table_that_does_not_count_the_values() -> None:
     sym = np.random.default_rng(5).integers(0, 3, size=1000).astype(np.uint64)
-    params, blob = streams.ans_encode(sym)
+    params, blob = rans.ans_encode(sym)
     for n in (999, 1001):
         with pytest.raises(CorruptPatchError):
-            streams.ans_decode(params, blob, n)
+            rans.ans_decode(params, blob, n)
 
 
 @pytest.mark.parametrize("cut", [0, 1, 5, -1])
@@ -147,6 +159,6 @@ def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) ->
 @pytest.mark.parametrize("values", [[0], [0, 0, 0], [5], [7] * 100, [1, 0]])
 def test_one_symbol_alphabets(values: list[int]) -> None:
     sym = np.array(values, dtype=np.uint64)
-    params, blob = streams.ans_encode(sym)
+    params, blob = rans.ans_encode(sym)
     params["codec"] = "ans"
     assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, UndoRecord, commit, diff_views, stage
-from flipsync.codec.apply import StagedWrite
+from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, commit, diff_views, stage
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.sglang import SglangEngine
 from flipsync.engines.torch.engine import TorchEngine

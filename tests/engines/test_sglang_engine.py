@@ -11,8 +11,7 @@ import pytest
 import torch
 from fake_sglang import FakeSglang, serve
 
-from flipsync.codec import FingerprintTable, diff_views
-from flipsync.codec.bits import int_view
+from flipsync.codec import FingerprintTable, diff_views, int_view
 from flipsync.engines.sglang import DiskMirror, SglangEngine
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError
 

@@ -14,8 +14,7 @@ from fake_vllm import DIMS, FakeLlama, bits_equal, boot, checkpoint, fake_policy
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, diff_views
-from flipsync.codec.bits import int_view
+from flipsync.codec import FingerprintTable, diff_views, int_view
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.worker import WorkerCore

@@ -38,7 +38,7 @@ def make_views(model_dir: Path):
     import torch
 
     from flipsync.checkpoint import load_checkpoint
-    from flipsync.codec.bits import int_view
+    from flipsync.codec import int_view
 
     v0 = load_checkpoint(model_dir)
     g = torch.Generator().manual_seed(1)

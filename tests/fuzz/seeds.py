@@ -17,7 +17,6 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
 from flipsync.codec import Patch, diff_views, squash
-from flipsync.codec.patch import encode_change
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import PART_HASH, edit, patch_manifest
 
@@ -72,6 +71,16 @@ def patch_cases() -> list[PatchCase]:
     first, _ = diff_views(small, small_new)
     second, _ = diff_views(small_new, third, mode="raw")
     cases.append(PatchCase(small, third, squash([first, second]).to_bytes()))
+    # Version 2: small values change more often than large ones, so positions are coded against the base (ctx).
+    mags = torch.randn(20000, generator=g) * torch.rand(20000, generator=g).pow(4)
+    ctx_old = {"i.weight": mags.to(torch.bfloat16), "j.weight": mags[:4000].to(torch.float8_e4m3fn)}
+    ctx_new = {}
+    for k, v in ctx_old.items():
+        bits = v.view(torch.int16 if v.dtype == torch.bfloat16 else torch.uint8).clone()
+        moved = torch.from_numpy(rng.random(v.numel()) < 0.3) & (mags[: v.numel()].abs() < 0.01)
+        bits[moved] += 1
+        ctx_new[k] = bits.view(v.dtype)
+    cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
     return cases
 
 
@@ -83,7 +92,7 @@ def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
 def split_sections(data: bytes) -> bytes:
     """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
     patch = Patch.from_bytes(data)
-    blobs = [encode_change(change)[1] for change in patch.changes()]
+    blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
     return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
 
 

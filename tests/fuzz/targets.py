@@ -38,7 +38,10 @@ except ImportError:  # the targets still run as plain functions (regression test
     atheris = None
 
 # numba compiles these modules' kernels from their bytecode, which must stay free of atheris's hooks.
-_NUMBA_MODULES = [f"flipsync.codec.{m}" for m in ("bitpack", "diff", "digest", "apply", "squash")]
+_NUMBA_MODULES = [
+    f"flipsync.codec.{m}"
+    for m in ("bits", "bitpack", "rice", "rans", "context", "diff", "fingerprint", "apply", "squash")
+]
 
 with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if atheris else contextlib.nullcontext():
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -48,8 +51,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.layout import RunLayout
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
-    from flipsync.codec import FingerprintTable, Patch, apply_patch
-    from flipsync.codec.patch import CONTAINER_VERSION, SMALL_SECTIONS
+    from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
@@ -88,8 +90,13 @@ class PatchTarget:
     def __call__(self, data: bytes) -> None:
         try:
             patch = Patch.from_bytes(data)
-            changes = list(patch.changes())
+            # version 2 (ctx) positions decode only against their base: the seed view the header names
+            changes = list(patch.changes(self._views.get(patch.header.base.view)))
         except CorruptPatchError:  # the decoder's whole contract: this, or a patch that decodes
+            return
+        except PatchError:  # or, for a ctx patch, a base we do not hold or that differs from its layout
+            if not patch.needs_base:
+                raise
             return
         assert container_end(data) == len(data), "a patch file with bytes past its container was accepted"
         for s, c in zip(patch.sections, changes, strict=True):

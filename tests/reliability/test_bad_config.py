@@ -26,7 +26,7 @@ from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
 from flipsync.cli import app
-from flipsync.codec import FingerprintTable, Patch, apply_patch, streams
+from flipsync.codec import FingerprintTable, Patch, apply_patch, decode_symbols
 from flipsync.errors import (
     BaseMismatchError,
     ConfigError,
@@ -458,7 +458,7 @@ API_ROWS = [
     ),
     ApiRow(
         "a crafted fixed-width value stream declaring 2**40 values in one byte",
-        lambda e: streams.fixed_decode({"bits": 1}, b"\x00", 1 << 40),  # type: ignore[func-returns-value]
+        lambda e: decode_symbols({"codec": "bits", "bits": 1}, b"\x00", 1 << 40),  # type: ignore[func-returns-value]
         CorruptPatchError,
         ("fixed-width stream of 1 bytes cannot hold 1099511627776 values",),
     ),

@@ -17,8 +17,7 @@ from trainer_helpers import RefusingStore, Replica, adam, assert_bitwise, expect
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
 from flipsync.board.store import Store
-from flipsync.codec import Patch, diff_views
-from flipsync.codec.patch import OWN_TENSOR_BYTES
+from flipsync.codec import OWN_TENSOR_BYTES, Patch, diff_views
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import CorruptPatchError, StoreError
 from flipsync.sidecar.replica import Replica as Sidecar

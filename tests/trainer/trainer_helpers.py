@@ -12,8 +12,7 @@ import torch
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
 from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import Store
-from flipsync.codec import FingerprintTable, apply_patch
-from flipsync.codec.bits import int_view
+from flipsync.codec import FingerprintTable, apply_patch, int_view
 from flipsync.errors import BoardError, StoreError
 from flipsync.formats import served_view
 

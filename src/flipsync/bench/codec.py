@@ -36,9 +36,21 @@ from flipsync.bench.workload import (
     llm_like_masters,
     real_masters,
 )
-from flipsync.codec import FingerprintTable, Hasher, Patch, commit, diff_views, stage
-from flipsync.codec.bits import bits_numpy, dtype_of, to_key, zigzag
-from flipsync.codec.diff import DiffEngine, changed_positions_reference
+from flipsync.codec import (
+    DiffEngine,
+    FingerprintTable,
+    Hasher,
+    Patch,
+    bits_numpy,
+    changed_positions_reference,
+    commit,
+    conditional_position_bits,
+    diff_views,
+    dtype_of,
+    stage,
+    to_key,
+    zigzag,
+)
 from flipsync.formats import served_view
 
 BENCH_FORMATS = ("bf16", "fp8-block", "mxfp4", "nvfp4")
@@ -54,7 +66,12 @@ class CodecRow:
     elements: int
     changed: int
     bound_bpc: float  # bytes per changed value
+    cond_bound_bpc: float  # the same, positions conditioned on the base value's class (codec.context)
     ours_bpc: float
+    v1_bpc: float  # the patch with today's (version 1) coders only: diff_views(context=False)
+    header_bpt: float  # bytes of the patch file outside its coded sections, per changed tensor
+    stage_ns: float  # codec.stage per changed value (decode, base pass, new bits, fingerprints)
+    stage_v1_ns: float  # the same for the version 1 patch
     xor_zstd_bpc: float
     int32_bpc: float
     int64_bpc: float
@@ -94,7 +111,7 @@ def _entropy_bits(symbols: np.ndarray) -> float:
 def _bound_and_baselines(
     old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor], engine: DiffEngine
 ) -> dict[str, float]:
-    bound_bits = xor_bytes = int32_bytes = int64_bytes = 0.0
+    bound_bits = cond_bits = xor_bytes = int32_bytes = int64_bytes = 0.0
     xor_s = idx_s = 0.0
     changed = 0
     zc = zstandard.ZstdCompressor(level=1)
@@ -116,13 +133,16 @@ def _bound_and_baselines(
         if not n:
             continue
         steps = to_key(bb[pos], d) - to_key(ab[pos], d)
-        bound_bits += _log2_binom(a.numel(), n) + _entropy_bits(zigzag(steps))
+        value_bits = _entropy_bits(zigzag(steps))
+        bound_bits += _log2_binom(a.numel(), n) + value_bits
+        cond_bits += conditional_position_bits(ab, pos, d) + value_bits
         int32_bytes += n * (4 + d.bits // 8)
         int64_bytes += n * (8 + d.bits // 8)
         changed += n
     return {
         "changed": changed,
         "bound": bound_bits / 8,
+        "cond": cond_bits / 8,
         "xor": xor_bytes,
         "i32": int32_bytes,
         "i64": int64_bytes,
@@ -143,7 +163,11 @@ def measure_pair(
             lambda: diff_views(old, new, old_table=table, engine=engine, hasher=hasher), repeat
         )
         data = patch.to_bytes()
-        dec_s, _ = _best_of(lambda: list(Patch.from_bytes(data).changes()), repeat)
+        dec_s, _ = _best_of(lambda: list(Patch.from_bytes(data).changes(old)), repeat)
+        v1_patch, _ = diff_views(old, new, old_table=table, engine=engine, hasher=hasher, context=False)
+        v1_bytes = len(v1_patch.to_bytes())
+        stage_s, _ = _best_of(lambda: stage(old, patch, table.copy()), repeat)  # stage never writes
+        stage_v1_s, _ = _best_of(lambda: stage(old, v1_patch, table.copy()), repeat)
 
         pairs = [(old[k], new[k]) for k in old]
         ours_s, _ = _best_of(lambda: engine.changed_positions_many(pairs), repeat)
@@ -159,7 +183,12 @@ def measure_pair(
         elements=elements,
         changed=int(base["changed"]),
         bound_bpc=base["bound"] / changed,
+        cond_bound_bpc=base["cond"] / changed,
         ours_bpc=len(data) / changed,
+        v1_bpc=v1_bytes / changed,
+        header_bpt=(len(data) - patch.nbytes) / max(1, len(patch.sections)),
+        stage_ns=stage_s / changed * 1e9,
+        stage_v1_ns=stage_v1_s / changed * 1e9,
         xor_zstd_bpc=base["xor"] / changed,
         int32_bpc=base["i32"] / changed,
         int64_bpc=base["i64"] / changed,
@@ -328,14 +357,21 @@ def table(rows: list[CodecRow]) -> Table:
         "changed %",
         "bound B",
         "flipsync B",
+        "cond B",
+        "v1 B",
         "xor+zstd1 B",
         "i32+val B",
         "i64+val B",
         "ours/bound",
+        "ours/cond",
+        "ours/v1",
         "xor/ours",
         "i32/ours",
         "encode MB/s",
         "decode Mpos/s",
+        "stage ns/chg",
+        "v1 stage ns/chg",
+        "hdr B/tensor",
         "diff speedup",
         "apply/copy",
     ):
@@ -345,6 +381,9 @@ def table(rows: list[CodecRow]) -> Table:
             *_size_cells(r)[:-1],
             f"{r.encode_mb_s:.0f}",
             f"{r.decode_mpos_s:.1f}",
+            f"{r.stage_ns:.0f}",
+            f"{r.stage_v1_ns:.0f}",
+            f"{r.header_bpt:.0f}",
             f"{r.diff_speedup:.2f}x",
             f"{r.apply_vs_copy:.3f}",
         )
@@ -360,7 +399,15 @@ METHODS_MD = """Methods, all applied to the same pair of served views in this pr
 - **int32+val**: a 4-byte index and the raw new element per changed value (HF TRL);
 - **int64+val**: an 8-byte index and the raw new element (vLLM sparse weight updates);
 - **bound**: per tensor, log2 C(U, n) bits for the set of n changed positions out of U, plus n times the
-  empirical entropy of the value steps: no position-and-value code can do better on average.
+  empirical entropy of the value steps: no code that treats every position alike can do better on average;
+- **conditional bound**: the same with the positions split by the class of the base value both sides hold
+  (its exponent bits; for packed FP4 bytes both codes' exponent bits): sum over classes of log2 C(U_c, n_c),
+  which the version 2 `ctx` coder aims at;
+- **v1 coders**: flipsync's patch with today's coders only (`diff_views(..., context=False)`), side by side.
+
+*stage ns/chg* is `codec.stage` (decode, the pass over the base for `ctx` sections, new bits, fingerprint
+checks) per changed value, for the patch and for the v1-coder patch; *hdr B/tensor* is the patch file's
+bytes outside its coded sections (container, compressed header: names, fingerprints, digests) per tensor.
 
 Columns: *changed %* is the share of served values that differ after the step; *B/chg* is bytes per changed
 value (the patch, or the method's output, divided by the number of changed values); the ratio columns
@@ -418,10 +465,14 @@ def _size_cells(r: CodecRow, bold: str = "") -> tuple[str, ...]:
         f"{r.changed_pct:.3f}",
         f"{r.bound_bpc:.3f}",
         f"{bold}{r.ours_bpc:.3f}{bold}",
+        f"{r.cond_bound_bpc:.3f}",
+        f"{r.v1_bpc:.3f}",
         f"{r.xor_zstd_bpc:.3f}",
         f"{r.int32_bpc:.2f}",
         f"{r.int64_bpc:.2f}",
         f"{r.ours_bpc / r.bound_bpc:.3f}",
+        f"{r.ours_bpc / r.cond_bound_bpc:.3f}",
+        f"{r.ours_bpc / r.v1_bpc:.3f}",
         f"{r.xor_zstd_bpc / r.ours_bpc:.2f}x",
         f"{r.int32_bpc / r.ours_bpc:.2f}x",
         f"{r.int64_bpc / r.ours_bpc:.2f}x",
@@ -439,10 +490,14 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
             "changed %",
             "bound B/chg",
             "flipsync B/chg",
+            "conditional bound B/chg",
+            "flipsync v1 coders B/chg",
             "XOR+zstd-1 B/chg",
             "int32+val B/chg",
             "int64+val B/chg",
             "flipsync / bound",
+            "flipsync / conditional bound",
+            "flipsync / v1 coders",
             "XOR+zstd-1 / flipsync",
             "int32+val / flipsync",
             "int64+val / flipsync",

@@ -29,8 +29,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from flipsync.codec.bits import DType, bits_numpy, dtype_of, int_view
-from flipsync.codec.build import gather_bits
-from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, _fmix64, fp_hex
+from flipsync.codec.encode import gather_bits
+from flipsync.codec.fingerprint import FP_SEED, FingerprintTable, Hasher, TensorId, fmix64, fp_hex
 from flipsync.codec.patch import Patch, decode_streams
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
@@ -123,7 +123,6 @@ def _torch_bits(bits: np.ndarray, d: DType, device: torch.device) -> torch.Tenso
 
 _KIND = {"float": 0, "int": 1, "uint": 2}
 _MODE = {"step": 0, "raw": 1, "mixed": 2}
-_FP_SEED = np.uint64(0x9E3779B97F4A7C15)  # digest.py's per-position constant
 _BLOCK = 2048  # values per kernel block: its gathered bits stay in L1 between the kernel's three loops
 
 
@@ -143,7 +142,7 @@ def _stage_kernel(
     """Everything staging does per changed value, block by block: gather the old bits (``src[positions[i]]``,
     or ``src[i]`` when already ``gathered``), apply the zigzagged step or raw pattern through the order key
     (the arithmetic of bits.to_key/from_key, mod 2**64, truncated to ``width``), and accumulate the
-    fingerprint delta sum(h(i, new) - h(i, old)) of digest.py.
+    fingerprint delta sum(h(i, new) - h(i, old)) of fingerprint.py.
 
     Three tight loops per block rather than one fused loop: a bare gather loop keeps many cache misses in
     flight, and the branch-free arithmetic and hash loops vectorise (one fused loop was 4x slower).
@@ -187,8 +186,8 @@ def _stage_kernel(
                         return i, acc
                     new_out[i] = z
         for i in range(b0, b1):
-            h = _fmix64(np.uint64(positions[i]) + _FP_SEED)
-            acc += _fmix64(h ^ np.uint64(new_out[i])) - _fmix64(h ^ np.uint64(old_out[i]))
+            h = fmix64(np.uint64(positions[i]) + FP_SEED)
+            acc += fmix64(h ^ np.uint64(new_out[i])) - fmix64(h ^ np.uint64(old_out[i]))
     return -1, acc
 
 
@@ -203,9 +202,9 @@ class _Decoded:
     raw: np.ndarray | None  # per-value kind flags of a mixed section
 
 
-def _decode_section(section: SectionHeader, blob: bytes | memoryview) -> _Decoded:
+def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor) -> _Decoded:
     """``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
-    d, positions, symbols, raw = decode_streams(section, blob)
+    d, positions, symbols, raw = decode_streams(section, blob, base)
     return _Decoded(d, section.mode, positions, symbols, raw)
 
 
@@ -275,7 +274,7 @@ def stage(
 
     def prepare(s: SectionHeader) -> StagedWrite:
         t = tensors[s.name]
-        dec = _decode_section(s, patch.section_blob(s.name))
+        dec = _decode_section(s, patch.section_blob(s.name), t)
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
         fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
         target_fp = int(s.target_fp, 16)

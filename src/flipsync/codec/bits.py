@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
-from flipsync.codec import bitpack
 from flipsync.errors import PatchError
 
 
@@ -103,6 +103,34 @@ def to_key(bits: np.ndarray, d: DType) -> np.ndarray:
     return key.view(np.int64)
 
 
+@numba.njit(nogil=True, cache=True)
+def unzigzag_into(z: np.ndarray, out: np.ndarray) -> None:
+    """out[i] = the int64 (as uint64) whose zigzag code is z[i]; one pass (unzigzag's kernel)."""
+    one = np.uint64(1)
+    for i in range(z.shape[0]):
+        v = np.uint64(z[i])
+        out[i] = (v >> one) ^ (np.uint64(0) - (v & one))
+
+
+@numba.njit(inline="always")
+def _order_key(u: np.uint64, half: np.uint64, top: np.uint64, kind: int) -> np.uint64:
+    if kind == 0:  # sign-magnitude float: negative patterns reverse
+        return top - u if u & half else u + half
+    if kind == 1:  # two's complement
+        return u ^ half
+    return u
+
+
+@numba.njit(nogil=True, cache=True)
+def key_steps_into(old: np.ndarray, new: np.ndarray, bits: int, kind: int, out: np.ndarray) -> None:
+    """out[i] = key(new[i]) - key(old[i]) mod 2**64, for patterns of width ``bits`` (kind 0 float, 1 int,
+    2 uint): the order-key step of `to_key` in one pass, without its int64 temporaries."""
+    half = np.uint64(1) << np.uint64(bits - 1)
+    top = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
+    for i in range(old.shape[0]):
+        out[i] = _order_key(np.uint64(new[i]), half, top, kind) - _order_key(np.uint64(old[i]), half, top, kind)
+
+
 _KIND_CODE = {"float": 0, "int": 1, "uint": 2}
 
 
@@ -110,7 +138,7 @@ def key_steps(old_bits: np.ndarray, new_bits: np.ndarray, d: DType) -> np.ndarra
     """``to_key(new_bits, d) - to_key(old_bits, d)`` (int64, modulo 2**64) in one compiled pass."""
     out = np.empty(old_bits.size, dtype=np.uint64)
     old, new = np.ascontiguousarray(old_bits).reshape(-1), np.ascontiguousarray(new_bits).reshape(-1)
-    bitpack.key_steps_into(old, new, d.bits, _KIND_CODE[d.kind], out)
+    key_steps_into(old, new, d.bits, _KIND_CODE[d.kind], out)
     return out.view(np.int64)
 
 
@@ -138,5 +166,5 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     """Inverse of :func:`zigzag`, as int64; one compiled pass (numpy needed four, on the decode path)."""
     z = np.asarray(z)
     out = np.empty(z.size, dtype=np.uint64)
-    bitpack.unzigzag_into(np.ascontiguousarray(z).reshape(-1), out)
+    unzigzag_into(np.ascontiguousarray(z).reshape(-1), out)
     return out.view(np.int64).reshape(z.shape)

@@ -23,13 +23,15 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 import zstandard
 
 from flipsync.codec import streams
-from flipsync.codec.bits import DType, dtype_named, from_key, to_key, unzigzag, zigzag
-from flipsync.codec.digest import fp_hex
+from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
+from flipsync.codec.context import BaseBits
+from flipsync.codec.fingerprint import fp_hex
 from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
-from flipsync.errors import CorruptPatchError, PatchError
+from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
 
 MAX_HEADER_BYTES = 64 << 20
 # What one decoded change holds in memory: an int64 position, an int64 value and a raw flag.
@@ -38,7 +40,9 @@ DECODED_BYTES_PER_CHANGE = 17
 # declare up to 2**48 changes per tensor and the coded streams expand ~32,000x (zstd) or more (ans), so a
 # small crafted file could otherwise ask for terabytes; apply bounds them by the real tensors instead.
 DEFAULT_MAX_DECODED_BYTES = 8 << 30
-CONTAINER_VERSION = "1"
+CONTAINER_VERSION = "2"  # written when a section uses a version 2 coder (``ctx``); otherwise "1"
+V1_CONTAINER = "1"
+READABLE_CONTAINERS = (V1_CONTAINER, CONTAINER_VERSION)
 OWN_TENSOR_BYTES = 4096
 SMALL_SECTIONS = "flipsync.small_sections"
 
@@ -88,9 +92,26 @@ def _symbols(change: TensorChange) -> np.ndarray:
 STREAMS = ("pos", "val", "tag")
 
 
-def encode_change(change: TensorChange) -> tuple[SectionHeader, bytes]:
-    """One section header and its streams, concatenated; each stream's params record its length."""
-    pos_params, pos_blob = streams.encode_positions(change.positions)
+def base_bits(base: torch.Tensor | np.ndarray | None, d: DType) -> BaseBits | None:
+    """The base tensor as the context coder sees it (its unsigned bit patterns, flat, on the host)."""
+    if base is None:
+        return None
+    bits = base if isinstance(base, np.ndarray) else bits_numpy(base.detach().contiguous())
+    if bits.dtype.itemsize * 8 != d.bits:
+        raise BaseMismatchError(f"the base tensor has {bits.dtype.itemsize * 8}-bit elements, the patch {d.name}")
+    return BaseBits(np.ascontiguousarray(bits).reshape(-1).view(d.uint_numpy), d)
+
+
+def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None = None) -> tuple[SectionHeader, bytes]:
+    """One section header and its streams, concatenated; each stream's params record its length.
+
+    With ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it
+    (the ``ctx`` coder), when that is smaller; such a section then decodes only with the base at hand. Raw
+    (overwrite) sections never are: they must apply to whatever the receiver holds.
+    """
+    # An all-raw section is an idempotent overwrite that may be applied without its base: never ctx.
+    held = base_bits(base, change.dtype) if change.mode != "raw" else None
+    pos_params, pos_blob = streams.encode_positions(change.positions, held)
     val_params, val_blob = streams.encode_symbols(_symbols(change))
     pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
     blob = pos_blob + val_blob
@@ -135,17 +156,22 @@ def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str,
 
 
 def decode_streams(
-    section: SectionHeader, blob: bytes | memoryview
+    section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor | np.ndarray | None = None
 ) -> tuple[DType, np.ndarray, np.ndarray, np.ndarray | None]:
     """A section's dtype, positions, symbols (zigzagged steps or raw patterns) and, for a mixed section, its
-    kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`."""
+    kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`.
+    ``base``: the tensor the section applies to, needed (and then read once) when its positions are ``ctx``-coded.
+    """
     try:
         d = dtype_named(section.dtype)
     except PatchError as e:
         raise CorruptPatchError(str(e)) from None
     blobs = split_streams(section, blob)
     n = section.n
-    positions = streams.decode_positions(section.pos, blobs["pos"], n, section.numel)
+    ctx = streams.POSITION_CODERS.coder(section.pos).needs_base
+    positions = streams.decode_positions(
+        section.pos, blobs["pos"], n, section.numel, base_bits(base, d) if ctx else None
+    )
     symbols = streams.decode_symbols(section.val, blobs["val"], n)
     flags: np.ndarray | None = None
     if section.mode == "mixed":
@@ -158,9 +184,11 @@ def decode_streams(
     return d, positions, symbols, flags
 
 
-def decode_change(section: SectionHeader, blob: bytes | memoryview) -> TensorChange:
-    """Decode one section; every failure is a :class:`CorruptPatchError`."""
-    d, positions, symbols, raw = decode_streams(section, blob)
+def decode_change(
+    section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor | np.ndarray | None = None
+) -> TensorChange:
+    """Decode one section (``base``: see :func:`decode_streams`); every failure is a :class:`CorruptPatchError`."""
+    d, positions, symbols, raw = decode_streams(section, blob, base)
     if section.mode == "raw":
         raw = np.ones(section.n, dtype=bool)
     values = unzigzag(symbols)
@@ -188,9 +216,9 @@ class PatchBuilder:
         self._sections: list[SectionHeader] = []
         self._blobs: dict[str, bytes] = {}
 
-    def add(self, change: TensorChange) -> None:
+    def add(self, change: TensorChange, base: torch.Tensor | np.ndarray | None = None) -> None:
         if change.n:
-            self.add_encoded(*encode_change(change))
+            self.add_encoded(*encode_change(change, base))
 
     def add_encoded(self, section: SectionHeader, blob: bytes) -> None:
         """A section ``encode_change`` already coded (e.g. on another thread, its fingerprints filled in later)."""
@@ -246,8 +274,9 @@ class PatchFileWriter:
         if tail:
             entries[SMALL_SECTIONS] = (self._offset, self._offset + len(tail))
         packed = zstandard.ZstdCompressor(level=19).compress(header.to_json().encode())
+        version = container_version(header)
         doc: dict[str, object] = {
-            "__metadata__": {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(packed).decode()}
+            "__metadata__": {"flipsync_patch": version, "flipsync_header": base64.b64encode(packed).decode()}
         }
         for name, (a, b) in entries.items():
             doc[name] = {"dtype": "U8", "shape": [b - a], "data_offsets": [a, b]}
@@ -307,8 +336,9 @@ class Patch:
     def section_bytes(self, name: str) -> int:
         return len(self._blobs.get(name, b""))
 
-    def change(self, name: str) -> TensorChange:
-        return decode_change(self._sections[name], self.section_blob(name))
+    def change(self, name: str, base: torch.Tensor | np.ndarray | None = None) -> TensorChange:
+        """One tensor's change; ``base`` (the tensor it applies to) is needed for ``ctx``-coded positions."""
+        return decode_change(self._sections[name], self.section_blob(name), base)
 
     def section_blob(self, name: str) -> bytes | memoryview:
         """The coded streams of one section, back to back (see :func:`split_streams`)."""
@@ -316,9 +346,23 @@ class Patch:
             raise CorruptPatchError(f"patch lacks the coded streams of tensor {name!r}")
         return self._blobs[name]
 
-    def changes(self) -> Iterator[TensorChange]:
+    def changes(self, base: Mapping[str, torch.Tensor] | None = None) -> Iterator[TensorChange]:
+        """Every tensor's change, in header order; ``base``: the view the patch applies to (see ``change``)."""
         for section in self.header.sections:
-            yield self.change(section.name)
+            tensor = None
+            if base is not None and _needs_base(section):
+                if section.name not in base:
+                    raise BaseMismatchError(f"the patch changes tensor {section.name!r}, which the base does not hold")
+                tensor = base[section.name]
+            yield self.change(section.name, tensor)
+
+    @property
+    def needs_base(self) -> bool:
+        """Whether some section decodes only with its base tensor (version 2 ``ctx`` positions)."""
+        return any(_needs_base(s) for s in self.header.sections)
+
+    def section_needs_base(self, name: str) -> bool:
+        return _needs_base(self._sections[name])
 
     def with_refs(self, *, base: ViewRef | None = None, target: ViewRef | None = None) -> Patch:
         """The same patch with its ends renamed (e.g. stamped with board version numbers)."""
@@ -338,7 +382,7 @@ class Patch:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Patch:
         meta, tensors = _parse_safetensors(memoryview(data), require_meta="flipsync_header")
-        if meta.get("flipsync_patch") != CONTAINER_VERSION:
+        if meta.get("flipsync_patch") not in READABLE_CONTAINERS:
             raise CorruptPatchError(f"unsupported patch container {meta.get('flipsync_patch')!r}")
         header = PatchHeader.from_json(_inflate_header(meta["flipsync_header"]))
         return cls(header, _locate_sections(header, tensors))
@@ -359,6 +403,16 @@ class Patch:
     def decoded_nbytes(self) -> int:
         """What decoding every section allocates, from the header's declared counts (nothing is decoded)."""
         return self.header.n_changed * DECODED_BYTES_PER_CHANGE
+
+
+def _needs_base(section: SectionHeader) -> bool:
+    return section.pos.get("codec") in streams.V2_POSITION_CODERS
+
+
+def container_version(header: PatchHeader) -> str:
+    """ "2" when a section uses a version 2 coder, else "1": a version 1 reader then refuses it cleanly, and a
+    patch that needs none of them stays byte for byte what version 1 wrote."""
+    return CONTAINER_VERSION if any(_needs_base(s) for s in header.sections) else V1_CONTAINER
 
 
 def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:

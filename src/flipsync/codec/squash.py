@@ -9,11 +9,13 @@ squashed section keeps the first base and the last target.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numba
 import numpy as np
+import torch
 
+from flipsync.codec.bits import bits_numpy, from_key, to_key
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange, check_decoded_size
 from flipsync.errors import PatchError
 
@@ -91,13 +93,26 @@ def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
     )
 
 
-def squash(patches: Sequence[Patch], *, max_decoded_bytes: int | None = None) -> Patch:
+def _after(bits: np.ndarray, change: TensorChange) -> np.ndarray:
+    """A tensor's bits (flat) once ``change`` is applied to them."""
+    out = bits.copy()
+    old = to_key(bits[change.positions], change.dtype)
+    out[change.positions] = from_key(change.new_keys(old), change.dtype)
+    return out
+
+
+def squash(
+    patches: Sequence[Patch], *, max_decoded_bytes: int | None = None, base: Mapping[str, torch.Tensor] | None = None
+) -> Patch:
     """One patch equivalent to applying ``patches`` in order; refuses a broken chain.
 
     ``max_decoded_bytes``: for patches from elsewhere (``flipsync squash`` passes
     ``DEFAULT_MAX_DECODED_BYTES``), refuse with CorruptPatchError, before decoding, a chain whose headers
     declare more changes than that much decoded memory holds: no tensors bound the declared counts here.
     None (a publisher squashing what it built itself): no cap.
+
+    ``base``: the view the first patch applies to, needed when a section's positions are coded against its
+    base (``ctx``); the tensors those sections touch are then followed through the chain (a copy of each).
     """
     if not patches:
         raise PatchError("squash needs at least one patch")
@@ -114,9 +129,17 @@ def squash(patches: Sequence[Patch], *, max_decoded_bytes: int | None = None) ->
     if len(formats) > 1:
         raise PatchError(f"patches of different served formats cannot be squashed: {sorted(map(str, formats))}")
     merged: dict[str, TensorChange] = {}
+    current: dict[str, np.ndarray] = {}  # bits of the tensors followed for ctx sections, at the next patch's base
     for p in patches:
-        for change in p.changes():
-            merged[change.name] = _merge(merged[change.name], change) if change.name in merged else change
+        for section in p.sections:
+            name = section.name
+            if name not in current and p.section_needs_base(name) and base is not None and name in base:
+                start = bits_numpy(base[name].detach().contiguous()).reshape(-1)
+                current[name] = _after(start, merged[name]) if name in merged else start.copy()
+            change = p.change(name, current.get(name))
+            if name in current:
+                current[name] = _after(current[name], change)
+            merged[name] = _merge(merged[name], change) if name in merged else change
     builder = PatchBuilder()
     for name in sorted(merged):
         change = merged[name]

@@ -39,7 +39,7 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.codec import FingerprintTable, Patch
-from flipsync.codec.bits import int_view as bits_view
+from flipsync.codec import int_view as bits_view
 from flipsync.demo.grpo import Rollout, policy_loss, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url
 from flipsync.demo.task import Problem, ReverseDigits

@@ -14,11 +14,9 @@ from typing import ClassVar
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, UndoRecord
+from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, int_view
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
-from flipsync.codec.apply import StagedWrite
-from flipsync.codec.bits import int_view
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 

@@ -48,11 +48,9 @@ import httpx
 import numpy as np
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, UndoRecord
+from flipsync.codec import DType, FingerprintTable, Patch, StagedWrite, UndoRecord, dtype_named, dtype_of, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
-from flipsync.codec.apply import StagedWrite, scatter
-from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
 

@@ -23,8 +23,7 @@ from concurrent.futures import Executor, Future, wait
 import blake3
 
 from flipsync.board.store import Store
-from flipsync.codec import Patch
-from flipsync.codec.patch import PatchFileWriter
+from flipsync.codec import Patch, PatchFileWriter
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import ConfigError, FlipsyncError
 

@@ -18,10 +18,21 @@ from typing import Any
 
 import numpy as np
 
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, TensorChange, TensorId
-from flipsync.codec.bits import bits_numpy, dtype_named, key_steps
-from flipsync.codec.digest import fingerprint_of, fp_hex
-from flipsync.codec.patch import encode_change
+from flipsync.codec import (
+    DiffEngine,
+    FingerprintTable,
+    Hasher,
+    Patch,
+    PatchBuilder,
+    TensorChange,
+    TensorId,
+    bits_numpy,
+    dtype_named,
+    encode_change,
+    fingerprint_of,
+    fp_hex,
+    key_steps,
+)
 from flipsync.domain.headers import SectionHeader, ViewRef
 from flipsync.errors import PatchError
 from flipsync.trainer.pieces import Piece, PieceSpec

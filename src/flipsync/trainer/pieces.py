@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import torch
 
-from flipsync.codec.bits import dtype_of
+from flipsync.codec import dtype_of
 from flipsync.errors import ConfigError, PatchError
 from flipsync.formats import fused_groups_auto, get_format, served_view
 from flipsync.formats.base import ServedFormat

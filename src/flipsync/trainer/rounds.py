@@ -37,8 +37,7 @@ import torch
 from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch
-from flipsync.codec.bits import dtype_named, int_view
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, dtype_named, int_view
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream

@@ -13,8 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from flipsync.codec import FingerprintTable, diff_views
-from flipsync.codec.bits import int_view
+from flipsync.codec import FingerprintTable, diff_views, int_view
 from flipsync.formats import served_view
 
 FMT = "bf16"

@@ -35,11 +35,9 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flipsync.codec import FingerprintTable, Patch, UndoRecord
+from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, int_view, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
-from flipsync.codec.apply import StagedWrite, scatter
-from flipsync.codec.bits import int_view
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.torch.steplock import StepLock
 from flipsync.engines.torch.tokenizer import ByteTokenizer

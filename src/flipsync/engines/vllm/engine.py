@@ -43,9 +43,17 @@ import httpx
 import numpy as np
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, TensorId
-from flipsync.codec.bits import dtype_named, dtype_of, from_key, to_key
-from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.codec import (
+    FingerprintTable,
+    Patch,
+    TensorId,
+    dtype_named,
+    dtype_of,
+    fingerprint_of,
+    fp_hex,
+    from_key,
+    to_key,
+)
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.wire import (
@@ -217,10 +225,10 @@ def specs_from_checkpoint(path: str | os.PathLike[str]) -> dict[str, TensorSpec]
     """Tensor layouts from safetensors headers only (no tensor is read)."""
     from safetensors import safe_open
 
-    from flipsync.checkpoint import _safetensors_files
+    from flipsync.checkpoint import safetensors_files
 
     out: dict[str, TensorSpec] = {}
-    for file in _safetensors_files(Path(path)):
+    for file in safetensors_files(Path(path)):
         with safe_open(file, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
                 sl = f.get_slice(name)

@@ -54,8 +54,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
-from flipsync.codec.digest import fingerprint_of, fp_hex
+from flipsync.codec import bits_numpy, dtype_named, dtype_of, fingerprint_of, fp_hex, int_view
 from flipsync.engines.vllm.blockmap import (
     compress_map,
     digit_probe,

@@ -10,7 +10,7 @@ import torch
 
 from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_key
 from flipsync.codec.diff import Changes, DiffEngine
-from flipsync.codec.digest import FingerprintTable, Hasher, TensorId, fingerprint_of
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_of
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
@@ -84,12 +84,15 @@ def diff_views(
     engine: DiffEngine | None = None,
     hasher: Hasher | None = None,
     progress: Progress | None = None,
+    context: bool = True,
 ) -> tuple[Patch, FingerprintTable]:
     """The patch that turns ``old`` into ``new`` bit for bit, and the fingerprint table of ``new``.
 
     ``mode="step"`` stores order-key steps (smallest); ``"raw"`` stores new bit patterns (idempotent
     overwrite). Pass the previous call's table as ``old_table`` to keep the whole diff O(size) + O(changed):
-    the new fingerprints are then updated from the changes instead of rehashed.
+    the new fingerprints are then updated from the changes instead of rehashed. ``context``: also try coding
+    each tensor's positions against its old values (the ``ctx`` coder, CPU tensors; kept where smaller), which
+    makes the patch decodable only with its base at hand (apply, stage, ``squash(..., base=...)``).
     """
     check_same_layout(old, new)
     own_engine, own_hasher = engine is None, hasher is None
@@ -107,7 +110,7 @@ def diff_views(
             for (name, a, b), changes in zip(batch, found, strict=True):
                 if changes.size:
                     change = _change(name, a, b, changes, table[name].fp, mode, hasher if digests else None)
-                    builder.add(change)
+                    builder.add(change, a if context and a.device.type == "cpu" else None)
                     new_table[name] = TensorId(change.dtype.name, change.shape, change.target_fp)
                 if progress is not None:
                     progress(name, a.numel() * a.element_size())

@@ -26,10 +26,12 @@ from flipsync.codec.bits import bits_numpy, dtype_of
 
 DIGEST_CHUNK = 64 << 20
 _FP_CHUNK = 1 << 24  # elements per fingerprint task
+FP_SEED = np.uint64(0x9E3779B97F4A7C15)  # added to each position before it is hashed
 
 
 @numba.njit(inline="always")
-def _fmix64(x: np.uint64) -> np.uint64:
+def fmix64(x: np.uint64) -> np.uint64:
+    """MurmurHash3's 64-bit finalizer: the mixing step of every element's fingerprint hash."""
     x ^= x >> np.uint64(33)
     x *= np.uint64(0xFF51AFD7ED558CCD)
     x ^= x >> np.uint64(33)
@@ -42,7 +44,7 @@ def _fmix64(x: np.uint64) -> np.uint64:
 def _fingerprint_dense(bits: np.ndarray, start: int) -> np.uint64:
     acc = np.uint64(0)
     for j in range(bits.shape[0]):
-        acc += _fmix64(_fmix64(np.uint64(start + j) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(bits[j]))
+        acc += fmix64(fmix64(np.uint64(start + j) + FP_SEED) ^ np.uint64(bits[j]))
     return acc
 
 
@@ -50,7 +52,7 @@ def _fingerprint_dense(bits: np.ndarray, start: int) -> np.uint64:
 def _fingerprint_sparse(positions: np.ndarray, bits: np.ndarray) -> np.uint64:
     acc = np.uint64(0)
     for j in range(positions.shape[0]):
-        acc += _fmix64(_fmix64(np.uint64(positions[j]) + np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(bits[j]))
+        acc += fmix64(fmix64(np.uint64(positions[j]) + FP_SEED) ^ np.uint64(bits[j]))
     return acc
 
 

@@ -1,0 +1,317 @@
+"""The ``ans`` value coder: an order-0 rANS coder (our own, compiled with numba) over symbols below a cut-off,
+with the frequency table stored; larger symbols escape to a zstd side stream. Reaches the empirical entropy
+of the steps; long streams interleave four states so that decoding takes ~2-3 ns per value.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, ClassVar
+
+import numba
+import numpy as np
+
+from flipsync.codec.bitpack import FixedWidthCoder
+from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
+from flipsync.codec.rice import rice_decode, rice_encode
+from flipsync.codec.zstd import shuffled_zstd, unshuffled_zstd
+from flipsync.errors import CorruptPatchError
+
+ANS_MAX_ALPHABET = 256  # symbols >= this escape to the side stream
+_FIXED = FixedWidthCoder()  # the frequency table's counts
+
+
+# ------------------------------------------------------------------------------------------------- rANS
+# An encoder and decoder pair, compiled here: 64-bit states, 32-bit words, lower bound L = 2**31,
+# frequencies summing to 2**prec (prec <= 16), so every value costs at most one word. The encoder works
+# backwards from a known start state; the decoder reads the final states first and must end at exactly the
+# start states with every word consumed, which catches most corruption before the fingerprint check does.
+ANS_LOW = 1 << 31
+
+
+@numba.njit(nogil=True, cache=True)
+def ans_quantize(counts: np.ndarray, prec: int) -> np.ndarray:
+    """Frequencies summing to 2**prec, in integer arithmetic (encoder and decoder must agree bit for bit).
+
+    Every used symbol gets one slot, the rest are shared in proportion to the counts (floor), and what the
+    floors leave over goes to the most frequent symbol (the first of equals). Needs counts.sum() < 2**47
+    and at most 2**prec used symbols; compiled because small sections pay it per section.
+    """
+    m = counts.shape[0]
+    freq = np.zeros(m, dtype=np.uint32)
+    used = 0
+    total = np.uint64(0)
+    top = 0
+    for s in range(m):
+        if counts[s] > 0:
+            used += 1
+            total += counts[s]
+            if counts[s] > counts[top]:
+                top = s
+    spare = np.uint64((1 << prec) - used)
+    given = 0
+    for s in range(m):
+        if counts[s] > 0:
+            freq[s] = np.uint32(np.uint64(1) + (counts[s] * spare) // total)
+            given += int(freq[s])
+    freq[top] += np.uint32((1 << prec) - given)
+    return freq
+
+
+@numba.njit(inline="always")
+def _cumulative(freq: np.ndarray) -> np.ndarray:
+    cum = np.empty(freq.shape[0], dtype=np.uint64)
+    c = np.uint64(0)
+    for s in range(freq.shape[0]):
+        cum[s] = c
+        c += np.uint64(freq[s])
+    return cum
+
+
+@numba.njit(nogil=True, cache=True)
+def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
+    """Encode ``symbols`` (indices into freq/cum) into the tail of ``out`` (uint32, len(symbols) + 2 * lanes
+    words at least); returns the index of the first word used: the stream is ``out[start:]``.
+
+    Value i goes through state i % lanes (interleaved rANS: the decoder's lanes form independent
+    dependency chains); all lanes share one word stream, and the final states lead it, lane 0 first.
+    """
+    cum = _cumulative(freq)
+    # One lane starts from state 0: its first ~31 bits of information fill the state instead of the
+    # stream, which saves a word on small sections. Interleaved lanes must start at ANS_LOW, or a lane
+    # still below it would take a word meant for another lane.
+    x = np.full(lanes, np.uint64(ANS_LOW if lanes > 1 else 0), dtype=np.uint64)
+    j = out.shape[0]
+    bound = np.uint64((ANS_LOW >> prec) << 32)
+    for i in range(symbols.shape[0] - 1, -1, -1):
+        lane = i % lanes
+        s = symbols[i]
+        f = np.uint64(freq[s])
+        v = x[lane]
+        if v >= bound * f:
+            j -= 1
+            out[j] = np.uint32(v & np.uint64(0xFFFFFFFF))
+            v >>= np.uint64(32)
+        x[lane] = ((v // f) << np.uint64(prec)) + (v % f) + np.uint64(cum[s])
+    if lanes == 1 and j == out.shape[0]:  # no stream words: the state alone, in as few words as it needs
+        if x[0] >= np.uint64(1 << 32):
+            out[j - 1] = np.uint32(x[0] & np.uint64(0xFFFFFFFF))
+            out[j - 2] = np.uint32(x[0] >> np.uint64(32))
+            return j - 2
+        if x[0] > 0:
+            out[j - 1] = np.uint32(x[0])
+            return j - 1
+        return j
+    for lane in range(lanes - 1, -1, -1):
+        out[j - 1] = np.uint32(x[lane] & np.uint64(0xFFFFFFFF))
+        out[j - 2] = np.uint32(x[lane] >> np.uint64(32))
+        j -= 2
+    return j
+
+
+@numba.njit(nogil=True, cache=True)
+def ans_unpack(words: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
+    """Decode len(out) symbols; OK, TRUNCATED (ran out of words) or CORRUPT (a lane did not end at the
+    encoder's start state, or words are left over). ``lanes`` is 1 or 4; ``freq`` sums to 2**prec.
+
+    One table entry per slot packs the symbol, its frequency and the slot's offset in the symbol's range,
+    so a step is one load, one multiply and one add; four lanes keep four such chains in flight. The
+    steps are written out by hand: a helper returning a tuple made numba's loop 15x slower.
+    """
+    nw = words.shape[0]
+    if (lanes == 4 and nw < 8) or (lanes != 1 and lanes != 4):
+        return TRUNCATED
+    cum = _cumulative(freq)
+    if freq.shape[0] == 0 or cum[-1] + np.uint64(freq[-1]) != np.uint64(1 << prec):
+        return CORRUPT  # the table below must cover the slots exactly
+    table = np.empty(1 << prec, dtype=np.uint64)
+    for s in range(freq.shape[0]):
+        for j in range(freq[s]):
+            table[cum[s] + j] = (np.uint64(freq[s]) << np.uint64(32)) | (np.uint64(j) << np.uint64(16)) | np.uint64(s)
+    # Zero words past the end: a round of reads may run over by up to 4 before ``r`` is checked.
+    padded = np.zeros(nw + 4, dtype=np.uint32)
+    padded[:nw] = words
+    mask = np.uint64((1 << prec) - 1)
+    p = np.uint64(prec)
+    low = np.uint64(ANS_LOW)
+    s32, s16, m16 = np.uint64(32), np.uint64(16), np.uint64(0xFFFF)
+    n = out.shape[0]
+    x = np.empty(lanes, dtype=np.uint64)
+    for lane in range(lanes):
+        x[lane] = (np.uint64(padded[2 * lane]) << s32) | np.uint64(padded[2 * lane + 1])
+    r = 2 * lanes
+    end = low
+    if lanes == 1:  # see ans_pack: a lone state of 0, 1 or 2 words; it started from 0
+        end = np.uint64(0)
+        if nw < 2:
+            x[0] = np.uint64(padded[0]) if nw == 1 else np.uint64(0)
+            r = nw
+    i = 0
+    if lanes == 4:
+        x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+        while i + 4 <= n:
+            e = table[x0 & mask]
+            x0 = (e >> s32) * (x0 >> p) + ((e >> s16) & m16)
+            if x0 < low:
+                x0 = (x0 << s32) | np.uint64(padded[r])
+                r += 1
+            out[i] = e & m16
+            e = table[x1 & mask]
+            x1 = (e >> s32) * (x1 >> p) + ((e >> s16) & m16)
+            if x1 < low:
+                x1 = (x1 << s32) | np.uint64(padded[r])
+                r += 1
+            out[i + 1] = e & m16
+            e = table[x2 & mask]
+            x2 = (e >> s32) * (x2 >> p) + ((e >> s16) & m16)
+            if x2 < low:
+                x2 = (x2 << s32) | np.uint64(padded[r])
+                r += 1
+            out[i + 2] = e & m16
+            e = table[x3 & mask]
+            x3 = (e >> s32) * (x3 >> p) + ((e >> s16) & m16)
+            if x3 < low:
+                x3 = (x3 << s32) | np.uint64(padded[r])
+                r += 1
+            out[i + 3] = e & m16
+            if r > nw:  # this round read pad words: the stream is short
+                return TRUNCATED
+            i += 4
+        x[0], x[1], x[2], x[3] = x0, x1, x2, x3
+    else:
+        x0 = x[0]
+        while i < n:
+            e = table[x0 & mask]
+            x0 = (e >> s32) * (x0 >> p) + ((e >> s16) & m16)
+            if x0 < low and r < nw:  # below ANS_LOW with no words left: the encoder's first values
+                x0 = (x0 << s32) | np.uint64(padded[r])
+                r += 1
+            out[i] = e & m16
+            i += 1
+        x[0] = x0
+    while i < n:  # the last n % 4 values of four lanes (value i belongs to lane i % 4)
+        lane = i % lanes
+        v = x[lane]
+        e = table[v & mask]
+        v = (e >> s32) * (v >> p) + ((e >> s16) & m16)
+        if v < low:
+            v = (v << s32) | np.uint64(padded[r])
+            r += 1
+        x[lane] = v
+        out[i] = e & m16
+        if r > nw:
+            return TRUNCATED
+        i += 1
+    if r != nw:
+        return CORRUPT
+    for lane in range(lanes):
+        if x[lane] != end:
+            return CORRUPT
+    return OK
+
+
+_ANS_HEADER = struct.Struct("<HBBHHI")  # used symbols, rice k, count bits, table bytes x2, rANS bytes
+
+
+def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
+    """The frequency table and the offset where the rANS words start."""
+    if len(blob) < _ANS_HEADER.size:
+        raise CorruptPatchError("ans stream is truncated")
+    used, k, cbits, sym_len, cnt_len, words_len = _ANS_HEADER.unpack_from(blob)
+    off = _ANS_HEADER.size
+    if not 1 <= used <= n_counts or off + sym_len + cnt_len + words_len > len(blob) or words_len % 4:
+        raise CorruptPatchError("ans stream header is inconsistent")
+    gaps = rice_decode({"k": k}, blob[off : off + sym_len], used)
+    symbols = np.cumsum(gaps.astype(np.int64) + 1) - 1
+    if gaps.max() >= n_counts or symbols[-1] >= n_counts:
+        raise CorruptPatchError("ans frequency table names symbols outside the alphabet")
+    off += sym_len
+    counts = np.zeros(n_counts, dtype=np.uint64)
+    # Stored as count - 1; a crafted 2**64 - 1 wraps to 0, which the callers' checks refuse.
+    counts[symbols] = _FIXED.decode({"bits": cbits}, blob[off : off + cnt_len], used) + np.uint64(1)
+    return counts, off + cnt_len
+
+
+_ANS_MAX_PREC = 16  # frequency precision: a 64 Ki-slot decode table at most
+_ANS_MIN_PREC = 10  # 2**10 slots hold the largest alphabet (257) with room to spare
+_ANS_LANES_FROM = 1 << 14  # 4 interleaved states from here: ~24 more bytes (<0.1% of a section), 3x faster
+
+
+def _ans_shape(n: int) -> tuple[int, int]:
+    """(precision, lanes) for n values, implied by n so that the header need not carry them: slots in
+    proportion to the values (the decode table costs O(2**prec) per section), four lanes for long streams."""
+    return min(_ANS_MAX_PREC, max(_ANS_MIN_PREC, n.bit_length() + 1)), 4 if n >= _ANS_LANES_FROM else 1
+
+
+def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
+    """rANS (our own compiled coder, above) over symbols < alphabet; larger ones escape to zstd.
+
+    Layout: header, sparse frequency table (Rice-coded symbol gaps, fixed-width exact counts: a section with a
+    few hundred changes pays tens of bytes for it), 32-bit words, escapes. The decoder rebuilds the quantized
+    frequencies from the counts (``ans_quantize``).
+    """
+    n = int(symbols.size)
+    top = int(symbols.max()) if n else 0
+    alphabet = min(top + 1, ANS_MAX_ALPHABET)
+    escaped = symbols >= alphabet
+    coded = np.where(escaped, alphabet, symbols).astype(np.int32)
+    counts = np.bincount(coded, minlength=alphabet + 1).astype(np.uint64)
+    if not escaped.any():
+        counts = counts[:alphabet]
+    prec, lanes = _ans_shape(n)
+    out = np.empty(n + 2 * lanes, dtype=np.uint32)
+    start = ans_pack(coded, ans_quantize(counts, prec), prec, lanes, out)
+    words = out[start:].astype("<u4").tobytes()
+    used = np.flatnonzero(counts)
+    sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
+    cnt_params, cnt_blob = _FIXED.encode(counts[used] - np.uint64(1))
+    header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
+    n_esc = int(escaped.sum())
+    # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
+    esc_params, esc_blob = shuffled_zstd(symbols[escaped] - np.uint64(alphabet)) if n_esc else ({"width": 1}, b"")
+    params = {"alphabet": len(counts), "escapes": n_esc, "esc_width": esc_params["width"]}
+    return params, header + sym_blob + cnt_blob + words + esc_blob
+
+
+def ans_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
+    n_counts = get_int(params, "alphabet", range(1, ANS_MAX_ALPHABET + 2))
+    n_esc = get_int(params, "escapes", range(n + 1))
+    if n == 0 or n >= 1 << 47:
+        raise CorruptPatchError("an ans stream codes at least one and fewer than 2**47 values")
+    prec, lanes = _ans_shape(n)
+    counts, off = _ans_table(blob, n_counts)
+    # The table holds exact counts: they must add up to the values, which also bounds them for quantizing.
+    if int(counts.max()) > n or int(counts.sum()) != n or int(np.count_nonzero(counts)) > 1 << prec:
+        raise CorruptPatchError("ans frequency table does not add up to the number of values")
+    words_len = _ANS_HEADER.unpack_from(blob)[5]
+    words = np.frombuffer(blob, dtype="<u4", count=words_len // 4, offset=off)
+    symbols = np.empty(n, dtype=np.uint64)
+    status = ans_unpack(words, ans_quantize(counts, prec), prec, lanes, symbols)
+    if status != OK:
+        raise CorruptPatchError("ans stream is truncated or corrupt")
+    esc_sym = n_counts - 1
+    n_esc_seen = int(counts[esc_sym]) if n_esc else 0
+    if n_esc_seen != n_esc:
+        raise CorruptPatchError("ans stream escape count disagrees with the section header")
+    if n_esc:
+        escaped = symbols == np.uint64(esc_sym)
+        if int(escaped.sum()) != n_esc:
+            raise CorruptPatchError("ans stream escape count disagrees with the section header")
+        extra = unshuffled_zstd({"width": params.get("esc_width")}, blob[off + words_len :], n_esc)
+        symbols[escaped] = extra + np.uint64(esc_sym)
+    return symbols
+
+
+class RansCoder(SymbolCoder):
+    """Order-0 rANS with a stored frequency table and zstd escapes (see the module docstring)."""
+
+    codec_id: ClassVar[str] = "ans"
+
+    def accepts(self, symbols: np.ndarray, base: Any = None) -> bool:
+        return symbols.size > 0
+
+    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
+        return ans_encode(symbols)
+
+    def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:
+        return ans_decode(params, blob, n)
