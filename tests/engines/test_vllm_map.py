@@ -18,7 +18,7 @@ from flipsync.codec import FingerprintTable, diff_views, int_view
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.worker import WorkerCore
-from flipsync.errors import BaseMismatchError, CorruptPatchError, EngineError, VerificationError
+from flipsync.errors import BaseMismatchError, CorruptPatchError, EngineError, PatchError, VerificationError
 
 
 # --------------------------------------------------------------------------------------- blocks
@@ -262,3 +262,24 @@ def test_worker_extension_speaks_json() -> None:
     # without vLLM installed the scratch falls back to a zeroed copy of the live parameter
     s = vllm_scratch(model.model.norm, "weight", model.model.norm.weight)
     assert s.shape == model.model.norm.weight.shape and not s.any()
+
+
+def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
+    """The sidecar side holds no base values (they live in the workers), so a ``ctx`` patch cannot decode there."""
+    v0 = checkpoint(0)
+    pairs = boot(v0)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), table=FingerprintTable.of(v0))
+    # every element of one exponent class of a big tensor changes, no other: the ctx coder wins by far
+    big = max(v0, key=lambda k: v0[k].numel())
+    assert v0[big].dtype == torch.bfloat16
+    v1 = {k: v.clone() for k, v in v0.items()}
+    flat = int_view(v1[big]).view(-1)
+    exponent = (flat >> 7) & 0xFF
+    flat[exponent == exponent.mode().values] += 1
+    patch, _ = diff_views(v0, v1)
+    assert patch.needs_base
+    with pytest.raises(PatchError, match="context=False"):
+        engine.stage(patch)
+    plain, _ = diff_views(v0, v1, context=False)
+    engine.commit(engine.stage(plain))
+    assert bits_equal(held_view(pairs, engine), v1)

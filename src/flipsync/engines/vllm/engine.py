@@ -66,7 +66,14 @@ from flipsync.engines.vllm.wire import (
     uint_dtype,
     unb64,
 )
-from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
+from flipsync.errors import (
+    BaseMismatchError,
+    ConfigError,
+    EngineError,
+    EngineUnavailableError,
+    PatchError,
+    VerificationError,
+)
 
 if TYPE_CHECKING:
     from flipsync.engines.vllm.worker import WorkerCore
@@ -443,6 +450,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     f"the patch changes {s.name!r}, which the engine does not hold ({self.unheld[s.name]}); "
                     "serve the model so that every served tensor is loaded (e.g. untied embeddings)"
                 )
+        if patch.needs_base:
+            raise PatchError(
+                "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
+                "engine's sidecar does not hold (they live in the workers): publish it through a board, whose "
+                "publisher writes version 1 patches, or rebuild it with diff_views(..., context=False)"
+            )
         changes = {s.name: patch.change(s.name) for s in patch.sections}
         # where each changed element lives, and who reports its old bits
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
