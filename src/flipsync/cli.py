@@ -59,7 +59,20 @@ class VerifyMode(StrEnum):
     digest = "digest"
 
 
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}")]
+def _format_name(value: str | None) -> str | None:
+    """The canonical name of a served format ('BF16' -> 'bf16'); an unknown name passes through, to be refused
+    with the list of valid names inside the command."""
+    if value is None:
+        return None
+    try:
+        return get_format(value).name
+    except FlipsyncError:
+        return value
+
+
+FormatOpt = Annotated[
+    str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}", callback=_format_name)
+]
 InputOpt = Annotated[
     InputKind,
     typer.Option(
@@ -151,7 +164,9 @@ def diff(
     old: Annotated[Path, typer.Argument(help="old checkpoint (masters or served view)")],
     new: Annotated[Path, typer.Argument(help="new checkpoint (masters or served view)")],
     out: Annotated[Path, typer.Option("--output", "-o", help="patch file to write")],
-    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format of master inputs")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", "-f", help="served format of master inputs", callback=_format_name)
+    ] = None,
     input_kind: InputOpt = InputKind.auto,
     mode: Annotated[
         PatchMode, typer.Option(help="step: smallest; overwrite: raw new values, idempotent")
@@ -203,7 +218,9 @@ def apply(
     base: Annotated[Path, typer.Argument(help="the patch's base: its served view, or masters (quantized first)")],
     patch_path: Annotated[Path, typer.Argument(metavar="PATCH", help="patch file")],
     out: Annotated[Path, typer.Option("--output", "-o", help="where to write the patched served view")],
-    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format (default: the patch's)")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", "-f", help="served format (default: the patch's)", callback=_format_name)
+    ] = None,
     input_kind: InputOpt = InputKind.auto,
     verify: Annotated[
         VerifyMode, typer.Option(help="check fingerprints only, or also content digests")
@@ -214,7 +231,7 @@ def apply(
     def go() -> None:
         patch = Patch.load(patch_path)
         made_for = patch.header.served_format
-        if fmt is not None and made_for is not None and fmt != made_for:
+        if fmt is not None and made_for is not None and get_format(fmt).name != get_format(made_for).name:
             raise ConfigError(
                 f"{patch_path} holds {made_for} served values, but --format {fmt} was given: "
                 f"leave --format out (the patch's format is used) or pass --format {made_for}"
@@ -222,12 +239,17 @@ def apply(
         tensors = _served(base, fmt or made_for, input_kind)
         tensors = {k: v.clone() for k, v in tensors.items()}
         table = FingerprintTable.of(tensors)
+        held = table.view_fp()
         try:
             result = apply_patch(tensors, patch, table, verify=verify.value)
         except BaseMismatchError as e:
+            # said in files, not board versions: a CLI user holds files
+            wanted = patch.header.base.view
+            detail = f"it holds view {held}, the patch was made from view {wanted}" if held != wanted else str(e)
             raise BaseMismatchError(
-                f"{e} ({base} is not the base {patch_path} was made from: pass that checkpoint, its served "
-                "view, or the output of applying the patches before this one)"
+                f"{base} is not the base {patch_path} was made from ({detail}): pass the checkpoint the patch "
+                "was diffed from (OLD of `flipsync diff OLD NEW`), its served view, or the output of applying the "
+                "patches before this one"
             ) from None
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
         output_console().print(
@@ -279,8 +301,11 @@ def inspect(
 
         t = Table(title=f"{patch_path}: {end(h.base)} -> {end(h.target)} ({h.served_format or 'served view'})")
         t.add_column("tensor", overflow="fold", min_width=24)
-        for col in ("dtype", "shape", "changed", "%", "bytes", "B/chg", "codecs", "mode"):
-            t.add_column(col, no_wrap=True, justify="left" if col in ("dtype", "codecs", "mode") else "right")
+        # one header per cell: positions and value steps have a codec each
+        for col in ("dtype", "shape", "changed", "%", "bytes", "B/chg", "pos codec", "value codec", "mode"):
+            t.add_column(
+                col, no_wrap=True, justify="left" if col in ("dtype", "pos codec", "value codec", "mode") else "right"
+            )
         for s in h.sections:
             nbytes = patch.section_bytes(s.name)
             t.add_row(
@@ -308,39 +333,54 @@ def inspect(
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="RL steps (policy versions)")] = 30,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="served format the islands hold")] = "bf16",
-    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 1e-6,
-    islands: Annotated[int, typer.Option(help="rollout islands (processes)")] = 2,
+    steps: Annotated[int, typer.Option(help="RL steps")] = 30,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="served format the islands hold", callback=_format_name)
+    ] = "bf16",
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 1e-4,
+    islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
+    control: Annotated[
+        bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")
+    ] = True,
+    engine: Annotated[str, typer.Option(help="the flipsync islands' engine: torch, or vllm (FLIPSYNC_VLLM_PYTHON)")] = (
+        "torch"
+    ),
     bandwidth: Annotated[str, typer.Option(help="each island's link to the board, e.g. 100mbit, 1gbit; 'none'")] = (
         "100mbit"
     ),
-    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many versions old")] = 2,
-    model: Annotated[str, typer.Option(help="model preset (tiny, small, base) or a config.json")] = "tiny",
-    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 150,
+    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
+    model: Annotated[str, typer.Option(help="demo model: llama-20m (40 MB in bf16) or llama-1m")] = "llama-20m",
+    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 80,
+    prompts: Annotated[int, typer.Option(help="prompts per RL step (each sampled --group times)")] = 6,
+    group: Annotated[int, typer.Option(help="samples per prompt (GRPO group)")] = 4,
     out: Annotated[Path, typer.Option("--output", "-o", help="folder for the board, report and plots")] = Path(
         "flipsync-demo"
     ),
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
 ) -> None:
-    """A small RL run on this CPU: a trainer publishes every step; islands follow the board and roll out."""
+    """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
+    out, beside a control island that reloads full checkpoints over the same link."""
 
     def go() -> None:
         # Checked before the imports and the warm start, which take a minute, so a typo fails at once.
         get_format(fmt)
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
-        from flipsync.demo.run import DemoConfig, run_demo, write_outputs
+        from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
 
         cfg = DemoConfig(
             steps=steps,
             served_format=fmt,
             lr=lr,
             islands=islands,
+            control=control,
+            engine=engine,
             bandwidth=None if bandwidth.lower() == "none" else bandwidth,
             max_staleness=max_staleness,
             model=model,
             warm_start_steps=warm_start,
+            prompts_per_step=prompts,
+            group_size=group,
             seed=seed,
             out=out,
         )
@@ -348,14 +388,20 @@ def demo(
         report = run_demo(cfg, console)
         paths = write_outputs(report, out)
         console.print()
+        for line in summary_lines(report):
+            console.print(line)
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
-        held = ", ".join(f"{name}: v{audit['version']}" for name, audit in report.audits.items())
+        held = ", ".join(f"{name}: v{report.audits[name]['version']}" for name in report.bitwise_equal)
         console.print(
-            f"final view {report.final_view_fp}: every island {verdict} to the trainer's served view ({held}); "
-            f"{len(report.steps)} steps in {report.wall_s:.0f} s"
+            f"final view {report.final_view_fp}: every flipsync island {verdict} to the trainer's served view "
+            f"({held}); {len(report.steps)} steps, {report.wall_s:.0f} s in all"
         )
         console.print("wrote " + ", ".join(str(p) for p in paths))
+        if report.masters:
+            console.print(
+                "master checkpoints to try `flipsync view/diff/apply/analyze` on: " + ", ".join(report.masters)
+            )
         if not ok:
             raise typer.Exit(1)
 
@@ -406,10 +452,14 @@ def analyze(
                 f"{s.bytes_per_changed:.3f}",
             )
         console.print(summary)
-        per_tensor = Table(title=f"Per tensor, % changed (the {top} largest tensors)")
+        predicted = any(r.predicted for r in result.tensors)
+        per_tensor = Table(
+            title=f"Per tensor, % changed (the {top} largest tensors)",
+            caption="measured % (in brackets: % predicted by the absorption rule)" if predicted else None,
+        )
         per_tensor.add_column("tensor", overflow="fold", min_width=24)
         for f in fmts:
-            per_tensor.add_column(f, justify="right")
+            per_tensor.add_column(f"{f}\n% changed" + (" (predicted)" if predicted else ""), justify="right")
         for r in sorted(result.tensors, key=lambda r: -r.numel)[:top]:
             cells = [
                 f"{100 * r.changed[f]:.3f}" + (f" ({100 * r.predicted[f]:.3f})" if f in r.predicted else "")

@@ -155,7 +155,8 @@ class Publisher:
         meta: Mapping[str, str | int] | None = None,
         group: Group | None = None,
     ) -> None:
-        get_format(format)  # ConfigError for an unknown name, before any collective
+        # ConfigError for an unknown name, before any collective; manifests carry the canonical name ('BF16' -> bf16)
+        format = get_format(format).name
         threads = threads or default_threads()
         if max_store_failures < 1:
             raise ConfigError("max_store_failures must be at least 1")
