@@ -337,7 +337,7 @@ def demo(
     fmt: Annotated[
         str, typer.Option("--format", "-f", help="served format the islands hold", callback=_format_name)
     ] = "bf16",
-    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 1e-4,
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-4,
     islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
     control: Annotated[
         bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")

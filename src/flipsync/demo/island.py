@@ -78,6 +78,10 @@ class MeteredStore(ThrottledStore):
 
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
+    # Islands stand for machines elsewhere: on the demo's shared cores they yield to the trainer and its
+    # publisher (the control island too), so the trainer's side runs as it would on its own machine.
+    with contextlib.suppress(OSError):
+        os.nice(10)
     if spec.control:
         from flipsync.demo.control import control_main
 

@@ -69,7 +69,7 @@ ENGINES = ("torch", "vllm")
 class DemoConfig:
     steps: int = 30
     served_format: str = "bf16"
-    lr: float = 1e-4
+    lr: float = 3e-4
     islands: int = 2  # flipsync islands
     control: bool = True  # one more island that reloads full checkpoints
     bandwidth: str | None = "100mbit"
@@ -79,10 +79,10 @@ class DemoConfig:
     model: str = "llama-20m"
     warm_start_steps: int = 80
     warm_start_lr: float = 3e-3
-    stop_fraction: float = 0.3
-    max_tokens: int = 8
-    min_digits: int = 3
-    max_digits: int = 4
+    stop_fraction: float = 0.25
+    max_tokens: int = 6
+    min_digits: int = 2
+    max_digits: int = 3
     seed: int = 0
     engine: str = "torch"
     masters_at: tuple[int, ...] = (0, 1, -1)  # trainer steps whose FP32 masters are saved; -1: the last
@@ -109,7 +109,7 @@ class VersionRow:
 
 @dataclass
 class IslandStep:
-    behind: int  # trainer steps between the trainer and the weights the island served when the step ended
+    behind: int  # trainer steps between the policy being trained and the weights the island served then
     used: int  # rollouts of this island in the step's batch
     dropped: int  # its rollouts dropped as more than max_staleness steps old
     rollout_lag: float | None  # mean trainer steps between the batch's policy and the rollouts' weights
@@ -420,7 +420,8 @@ class StepTable:
         t = Table(
             title=f"run {self.run}: {cfg.model}, {cfg.served_format}, lr {cfg.lr:g}, "
             f"{cfg.bandwidth or 'unlimited'} link",
-            caption="per island: trainer steps behind when the step ended · rollouts dropped as stale · MB over its "
+            caption="per island: trainer steps its weights trailed the policy when the batch was taken · rollouts "
+            "dropped as too stale · MB over its "
             "link so far. publish: step end -> manifest on the board; applied: manifest -> last flipsync island "
             "committed",
             expand=False,
@@ -483,6 +484,23 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     with console.status("compiling the codec kernels (the first run on a machine only; cached afterwards)"):
         timings["compile_s"] = compile_codec_kernels(fmt)
     config = demo_config(cfg.model)
+    model_dir = out / "model"
+    write_model_dir(model_dir, config)
+    specs = [
+        IslandSpec(f"island-{i}", board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine)
+        for i in range(cfg.islands)
+    ]
+    if cfg.control:
+        specs.append(
+            IslandSpec(
+                CONTROL, board_url(out / "checkpoints"), run, str(model_dir), fmt, bandwidth, cfg.seed, control=True
+            )
+        )
+    islands: list[Island] = []
+    if cfg.engine == "torch":
+        # Their engines need only the architecture: they start (imports, model build) during the warm start
+        # and wait for the run's first version.
+        islands = [Island(spec).start() for spec in specs]
     model = build_model(config, seed=cfg.seed, dtype=torch.float32)
     model.requires_grad_(True)
     parameters = sum(p.numel() for p in model.parameters())
@@ -515,7 +533,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with Adam at lr {cfg.lr:g}, "
         f"{cfg.steps} steps"
     )
-    model_dir = write_model_dir(out / "model", config, view0 if cfg.engine == "vllm" else None)
+    if cfg.engine == "vllm":
+        write_model_dir(model_dir, config, view0)  # vLLM starts from these weights: the board's v0
 
     saver = ThreadPoolExecutor(1, thread_name_prefix="demo-masters")
     masters_dir = out / "masters"
@@ -539,15 +558,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         shelf = CheckpointShelf(out / "checkpoints")
         shelf.put(0, view0)
 
-    specs = [
-        IslandSpec(f"island-{i}", board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine)
-        for i in range(cfg.islands)
-    ]
-    if shelf is not None:
-        specs.append(
-            IslandSpec(CONTROL, board_url(shelf.root), run, str(model_dir), fmt, bandwidth, cfg.seed, control=True)
-        )
-    islands = [Island(spec).start() for spec in specs]
+    if not islands:
+        islands = [Island(spec).start() for spec in specs]
     names = [i.spec.name for i in islands]
     flipsync_names = [i.spec.name for i in islands if not i.spec.control]
     pool: RolloutPool | None = None
@@ -573,6 +585,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         ):
             for step in range(1, cfg.steps + 1):
                 groups, dropped = pool.take(cfg.prompts_per_step, step)
+                with monitor.lock:
+                    held = dict(monitor.held)  # when the batch was complete: what each island serves now
                 rollouts = [
                     Rollout(
                         g.problem,
@@ -591,19 +605,17 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 opt.zero_grad()
                 loss.backward()
                 opt.step()  # the publisher's post-step hook takes the new weights from here
-                now = time.monotonic()
+                with monitor.lock:
+                    monitor.step_end[step] = time.monotonic()
+                    monitor.trainer_step = step
                 if shelf is not None:
                     shelf.put(step, served_view(masters(), fmt))
                 save_masters(step)
-                with monitor.lock:
-                    monitor.step_end[step] = now
-                    monitor.trainer_step = step
-                    held = dict(monitor.held)
                 per_island = {}
                 for island in islands:
                     mine = [r for r in rollouts if r.island == island.spec.name]
                     per_island[island.spec.name] = IslandStep(
-                        behind=step - held[island.spec.name],
+                        behind=max(0, step - 1 - held[island.spec.name]),
                         used=len(mine),
                         dropped=dropped[island.spec.name],
                         rollout_lag=statistics.fmean(step - 1 - r.version_start for r in mine) if mine else None,
@@ -714,11 +726,17 @@ def summary_lines(report: DemoReport) -> list[str]:
             f"island {s['bytes'][CONTROL] / 1e6:.1f} MB: flipsync moved "
             + (f"{s['bytes_ratio']:.1f}x fewer bytes" if s["bytes_ratio"] else "no bytes")
         )
-        ratio = f"{s['lag_ratio']:.1f}x less lag" if s["lag_ratio"] else "no lag at all"
+        r = s["lag_ratio"]
+        if r is None:
+            verdict = "the flipsync islands never trailed"
+        elif r >= 1:
+            verdict = f"the flipsync islands trailed {r:.1f}x less"
+        else:
+            verdict = f"the full-checkpoint island trailed {1 / r:.1f}x less"
         lines.append(
-            f"lag (trainer steps behind the trainer, time-averaged): flipsync islands {s['flipsync_lag_mean']:.2f}, "
-            f"full-checkpoint island {s['lag_steps'][CONTROL]:.2f}: flipsync {ratio}; rollouts dropped as stale: "
-            + ", ".join(f"{n} {d}" for n, d in s["dropped"].items())
+            f"lag (trainer steps the served weights trailed the trainer, time-averaged): flipsync islands "
+            f"{s['flipsync_lag_mean']:.2f}, full-checkpoint island {s['lag_steps'][CONTROL]:.2f}: {verdict}; "
+            "rollouts dropped as stale: " + ", ".join(f"{n} {d}" for n, d in s["dropped"].items())
         )
     if s["reward_first5"] is not None:
         changed = f"{s['changed_pct_mean']:.2f}%" if s["changed_pct_mean"] is not None else "-"
