@@ -243,14 +243,18 @@ def apply(
         try:
             result = apply_patch(tensors, patch, table, verify=verify.value)
         except BaseMismatchError as e:
-            # said in files, not board versions: a CLI user holds files
+            advice = (
+                "pass the checkpoint the patch was diffed from (OLD of `flipsync diff OLD NEW`), its served view, "
+                "or the output of applying the patches before this one"
+            )
             wanted = patch.header.base.view
-            detail = f"it holds view {held}, the patch was made from view {wanted}" if held != wanted else str(e)
-            raise BaseMismatchError(
-                f"{base} is not the base {patch_path} was made from ({detail}): pass the checkpoint the patch "
-                "was diffed from (OLD of `flipsync diff OLD NEW`), its served view, or the output of applying the "
-                "patches before this one"
-            ) from None
+            if held != wanted and str(e).startswith("this patch applies to view"):
+                # the layouts fit but the values differ: said in files, not in board versions and keyframes
+                raise BaseMismatchError(
+                    f"{base} is not the base {patch_path} was made from: it holds served view {held}, the patch "
+                    f"applies to view {wanted}; {advice}"
+                ) from None
+            raise BaseMismatchError(f"{e} ({base} is not the base {patch_path} was made from: {advice})") from None
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
         output_console().print(
             f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "

@@ -241,8 +241,7 @@ def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: 
         raise BaseMismatchError(
             f"this patch applies to view {patch.header.base.view}"
             + (f" (version {version})" if version is not None else "")
-            + f", but the tensors hold view {held}; apply the patches in between first, or start again from a "
-            "full served view (a keyframe)"
+            + f", but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
         )
     for s in patch.sections:
         if fp_hex(table[s.name].fp) != s.base_fp:
