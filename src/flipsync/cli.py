@@ -341,7 +341,7 @@ def demo(
     fmt: Annotated[
         str, typer.Option("--format", "-f", help="served format the islands hold", callback=_format_name)
     ] = "bf16",
-    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-4,
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-5,
     islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
     control: Annotated[
         bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")
@@ -354,7 +354,7 @@ def demo(
     ),
     max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
     model: Annotated[str, typer.Option(help="demo model: llama-20m (40 MB in bf16) or llama-1m")] = "llama-20m",
-    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 80,
+    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 60,
     prompts: Annotated[int, typer.Option(help="prompts per RL step (each sampled --group times)")] = 6,
     group: Annotated[int, typer.Option(help="samples per prompt (GRPO group)")] = 4,
     out: Annotated[Path, typer.Option("--output", "-o", help="folder for the board, report and plots")] = Path(
