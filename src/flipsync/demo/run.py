@@ -552,7 +552,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     save_masters(0)
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     model.train()
-    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt)
+    # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
+    # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
+    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt, nice=5)
     publisher.flush()  # v0, a keyframe, is on the board before any island starts
     shelf: CheckpointShelf | None = None
     if cfg.control:
