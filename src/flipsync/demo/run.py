@@ -769,7 +769,7 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
         fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 4))
     if report.lag_samples:
         names = list(report.lag_samples[0][2])
         for name in names:
@@ -781,7 +781,7 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     ax.set_xlabel("wall time since the islands started (s)")
     ax.set_ylabel("trainer steps behind")
     ax.set_title(f"How far each island's served weights trail the trainer ({report.config['bandwidth']} link)")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)  # beside the data
     save(fig, "lag_over_time.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
