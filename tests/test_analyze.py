@@ -54,3 +54,16 @@ def test_analyze_cli_writes_report_and_plots(tmp_path: Path) -> None:
         assert {f["format"] for f in report["formats"]} == {"bf16", "fp8-tensor"}
         assert (out / "change_per_tensor.png").stat().st_size > 1000
         assert (out / "change_vs_magnitude.png").stat().st_size > 1000
+        text = " ".join(result.output.split())
+        if len(args) == 1:  # simulated: the bracketed numbers are the rule's predictions, and say so
+            assert "% changed (predicted)" in text and "in brackets: % predicted" in text
+        else:
+            assert "(predicted)" not in text
+
+
+def test_short_tensor_names_for_plot_labels() -> None:
+    from flipsync.analyze import short_name
+
+    assert short_name("model.layers.3.self_attn.q_proj.weight") == "3.attn.q_proj"
+    assert short_name("model.layers.0.post_attention_layernorm.weight") == "0.post_attn_norm"
+    assert short_name("lm_head.weight") == "lm_head"

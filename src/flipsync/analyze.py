@@ -181,6 +181,14 @@ def simulate(
     return analysis
 
 
+def short_name(name: str) -> str:
+    """A tensor name short enough for an axis label: ``model.layers.3.self_attn.q_proj.weight`` -> ``3.attn.q_proj``."""
+    for prefix in ("model.", "language_model."):
+        name = name.removeprefix(prefix)
+    name = name.removesuffix(".weight").replace("layers.", "").replace("self_attn.", "attn.")
+    return name.replace("post_attention_layernorm", "post_attn_norm").replace("input_layernorm", "in_norm")
+
+
 def plot(analysis: Analysis, out_dir: Path) -> list[Path]:
     """PNG plots: change fraction per tensor (measured, and predicted where known) and vs |w|."""
     import matplotlib
@@ -198,10 +206,12 @@ def plot(analysis: Analysis, out_dir: Path) -> list[Path]:
         if s.predicted_fraction is not None:
             predicted = [100 * r.predicted[s.format] for r in analysis.tensors]
             ax.plot(x, predicted, ls="--", lw=1, color=line.get_color(), label=f"{s.format} predicted")
-    ax.set_xticks(x, [r.name for r in analysis.tensors], rotation=90, fontsize=6)
+    ax.set_xticks(x, [short_name(r.name) for r in analysis.tensors], rotation=90, fontsize=7)
     ax.set_ylabel("% of served values changed")
     ax.set_yscale("symlog", linthresh=0.01)
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(bottom=0)  # fractions are never negative: no empty lower half
+    ax.set_xlim(-0.5, len(analysis.tensors) - 0.5)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside, not over, the data
     ax.set_title("Served values changed per tensor")
     fig.tight_layout()
     paths.append(out_dir / "change_per_tensor.png")

@@ -60,39 +60,54 @@ app.command("inspect")(local_cli.inspect)
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="RL steps (policy versions)")] = 30,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="served format the islands hold")] = "bf16",
-    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 1e-6,
-    islands: Annotated[int, typer.Option(help="rollout islands (processes)")] = 2,
+    steps: Annotated[int, typer.Option(help="RL steps")] = 30,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="served format the islands hold", callback=local_cli.format_name)
+    ] = "bf16",
+    lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-5,
+    islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
+    control: Annotated[
+        bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")
+    ] = True,
+    engine: Annotated[str, typer.Option(help="the flipsync islands' engine: torch, or vllm (FLIPSYNC_VLLM_PYTHON)")] = (
+        "torch"
+    ),
     bandwidth: Annotated[str, typer.Option(help="each island's link to the board, e.g. 100mbit, 1gbit; 'none'")] = (
         "100mbit"
     ),
-    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many versions old")] = 2,
-    model: Annotated[str, typer.Option(help="model preset (tiny, small, base) or a config.json")] = "tiny",
-    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 150,
+    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
+    model: Annotated[str, typer.Option(help="demo model: llama-20m (40 MB in bf16) or llama-1m")] = "llama-20m",
+    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 60,
+    prompts: Annotated[int, typer.Option(help="prompts per RL step (each sampled --group times)")] = 6,
+    group: Annotated[int, typer.Option(help="samples per prompt (GRPO group)")] = 4,
     out: Annotated[Path, typer.Option("--output", "-o", help="folder for the board, report and plots")] = Path(
         "flipsync-demo"
     ),
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
 ) -> None:
-    """A small RL run on this CPU: a trainer publishes every step; islands follow the board and roll out."""
+    """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
+    out, beside a control island that reloads full checkpoints over the same link."""
 
     def go() -> None:
         # Checked before the imports and the warm start, which take a minute, so a typo fails at once.
         get_format(fmt)
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
-        from flipsync.demo.run import DemoConfig, run_demo, write_outputs
+        from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
 
         cfg = DemoConfig(
             steps=steps,
             served_format=fmt,
             lr=lr,
             islands=islands,
+            control=control,
+            engine=engine,
             bandwidth=None if bandwidth.lower() == "none" else bandwidth,
             max_staleness=max_staleness,
             model=model,
             warm_start_steps=warm_start,
+            prompts_per_step=prompts,
+            group_size=group,
             seed=seed,
             out=out,
         )
@@ -100,14 +115,20 @@ def demo(
         report = run_demo(cfg, console)
         paths = write_outputs(report, out)
         console.print()
+        for line in summary_lines(report):
+            console.print(line)
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
-        held = ", ".join(f"{name}: v{audit['version']}" for name, audit in report.audits.items())
+        held = ", ".join(f"{name}: v{report.audits[name]['version']}" for name in report.bitwise_equal)
         console.print(
-            f"final view {report.final_view_fp}: every island {verdict} to the trainer's served view ({held}); "
-            f"{len(report.steps)} steps in {report.wall_s:.0f} s"
+            f"final view {report.final_view_fp}: every flipsync island {verdict} to the trainer's served view "
+            f"({held}); {len(report.steps)} steps, {report.wall_s:.0f} s in all"
         )
         console.print("wrote " + ", ".join(str(p) for p in paths))
+        if report.masters:
+            console.print(
+                "master checkpoints to try `flipsync view/diff/apply/analyze` on: " + ", ".join(report.masters)
+            )
         if not ok:
             raise typer.Exit(1)
 
@@ -158,10 +179,14 @@ def analyze(
                 f"{s.bytes_per_changed:.3f}",
             )
         console.print(summary)
-        per_tensor = Table(title=f"Per tensor, % changed (the {top} largest tensors)")
+        predicted = any(r.predicted for r in result.tensors)
+        per_tensor = Table(
+            title=f"Per tensor, % changed (the {top} largest tensors)",
+            caption="measured % (in brackets: % predicted by the absorption rule)" if predicted else None,
+        )
         per_tensor.add_column("tensor", overflow="fold", min_width=24)
         for f in fmts:
-            per_tensor.add_column(f, justify="right")
+            per_tensor.add_column(f"{f}\n% changed" + (" (predicted)" if predicted else ""), justify="right")
         for r in sorted(result.tensors, key=lambda r: -r.numel)[:top]:
             cells = [
                 f"{100 * r.changed[f]:.3f}" + (f" ({100 * r.predicted[f]:.3f})" if f in r.predicted else "")

@@ -22,8 +22,8 @@ from flipsync.board.cli import output_console
 from flipsync.checkpoint import Checkpoint, save_checkpoint
 from flipsync.codec import DEFAULT_MAX_DECODED_BYTES, FingerprintTable, Patch, apply_patch, diff_views, dtype_of, squash
 from flipsync.domain.headers import ViewRef
-from flipsync.errors import BaseMismatchError, ConfigError, PatchError
-from flipsync.formats import FORMAT_NAMES, served_view
+from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
+from flipsync.formats import FORMAT_NAMES, get_format, served_view
 from flipsync.terminal import human_size as _size
 from flipsync.terminal import run_or_exit as _run
 
@@ -48,7 +48,20 @@ class VerifyMode(StrEnum):
     digest = "digest"
 
 
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}")]
+def format_name(value: str | None) -> str | None:
+    """The canonical name of a served format ('BF16' -> 'bf16'); an unknown name passes through, to be refused
+    with the list of valid names inside the command."""
+    if value is None:
+        return None
+    try:
+        return get_format(value).name
+    except FlipsyncError:
+        return value
+
+
+FormatOpt = Annotated[
+    str, typer.Option("--format", "-f", help=f"served format: {', '.join(FORMAT_NAMES)}", callback=format_name)
+]
 InputOpt = Annotated[
     InputKind,
     typer.Option(
@@ -112,7 +125,9 @@ def diff(
     old: Annotated[Path, typer.Argument(help="old checkpoint (masters or served view)")],
     new: Annotated[Path, typer.Argument(help="new checkpoint (masters or served view)")],
     out: Annotated[Path, typer.Option("--output", "-o", help="patch file to write")],
-    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format of master inputs")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", "-f", help="served format of master inputs", callback=format_name)
+    ] = None,
     input_kind: InputOpt = InputKind.auto,
     mode: Annotated[
         PatchMode, typer.Option(help="step: smallest; overwrite: raw new values, idempotent")
@@ -163,7 +178,9 @@ def apply(
     base: Annotated[Path, typer.Argument(help="the patch's base: its served view, or masters (quantized first)")],
     patch_path: Annotated[Path, typer.Argument(metavar="PATCH", help="patch file")],
     out: Annotated[Path, typer.Option("--output", "-o", help="where to write the patched served view")],
-    fmt: Annotated[str | None, typer.Option("--format", "-f", help="served format (default: the patch's)")] = None,
+    fmt: Annotated[
+        str | None, typer.Option("--format", "-f", help="served format (default: the patch's)", callback=format_name)
+    ] = None,
     input_kind: InputOpt = InputKind.auto,
     verify: Annotated[
         VerifyMode, typer.Option(help="check fingerprints only, or also content digests")
@@ -174,7 +191,7 @@ def apply(
     def go() -> None:
         patch = Patch.load(patch_path)
         made_for = patch.header.served_format
-        if fmt is not None and made_for is not None and fmt != made_for:
+        if fmt is not None and made_for is not None and get_format(fmt).name != get_format(made_for).name:
             raise ConfigError(
                 f"{patch_path} holds {made_for} served values, but --format {fmt} was given: "
                 f"leave --format out (the patch's format is used) or pass --format {made_for}"
@@ -182,13 +199,22 @@ def apply(
         tensors = _served(base, fmt or made_for, input_kind)
         tensors = {k: v.clone() for k, v in tensors.items()}
         table = FingerprintTable.of(tensors)
+        held = table.view_fp()
         try:
             result = apply_patch(tensors, patch, table, verify=verify.value)
         except BaseMismatchError as e:
-            raise BaseMismatchError(
-                f"{e} ({base} is not the base {patch_path} was made from: pass that checkpoint, its served "
-                "view, or the output of applying the patches before this one)"
-            ) from None
+            advice = (
+                "pass the checkpoint the patch was diffed from (OLD of `flipsync diff OLD NEW`), its served view, "
+                "or the output of applying the patches before this one"
+            )
+            wanted = patch.header.base.view
+            if held != wanted and str(e).startswith("this patch applies to view"):
+                # the layouts fit but the values differ: said in files, not in board versions and keyframes
+                raise BaseMismatchError(
+                    f"{base} is not the base {patch_path} was made from: it holds served view {held}, the patch "
+                    f"applies to view {wanted}; {advice}"
+                ) from None
+            raise BaseMismatchError(f"{e} ({base} is not the base {patch_path} was made from: {advice})") from None
         save_checkpoint(tensors, out, metadata={"flipsync_view": table.view_fp()})
         output_console().print(
             f"applied {result.n_changed:,} changes to {len(patch)} tensors; {out} holds view {table.view_fp()} "
@@ -251,8 +277,11 @@ def inspect(
 
         t = Table(title=f"{patch_path}: {end(h.base)} -> {end(h.target)} ({h.served_format or 'served view'})")
         t.add_column("tensor", overflow="fold", min_width=24)
-        for col in ("dtype", "shape", "changed", "%", "bytes", "B/chg", "codecs", "mode"):
-            t.add_column(col, no_wrap=True, justify="left" if col in ("dtype", "codecs", "mode") else "right")
+        # one header per cell: positions and value steps have a codec each
+        for col in ("dtype", "shape", "changed", "%", "bytes", "B/chg", "pos codec", "value codec", "mode"):
+            t.add_column(
+                col, no_wrap=True, justify="left" if col in ("dtype", "pos codec", "value codec", "mode") else "right"
+            )
         for s in h.sections:
             nbytes = patch.section_bytes(s.name)
             t.add_row(

@@ -29,7 +29,7 @@ def test_ls_lists_runs_then_versions(tmp_path: Path) -> None:
     assert "alpha" in res.output and "beta" in res.output and "v6" in res.output
     res = runner.invoke(board_app, ["ls", url, "--run", "alpha"])
     assert res.exit_code == 0, res.output
-    assert "HEAD v6" in res.output and "snapshot" in res.output and "v5 -> v6" in res.output
+    assert "HEAD v6" in res.output and "snapshot" not in res.output and "v5 -> v6" in res.output
     assert "keyframe" in res.output and "span" in res.output
 
 
@@ -46,7 +46,8 @@ def test_show_manifest(tmp_path: Path) -> None:
     res = runner.invoke(board_app, ["show", url, "--span", "0-4"])
     assert res.exit_code == 0 and "v0 -> v4" in res.output
     res = runner.invoke(board_app, ["show", url, "42"])
-    assert res.exit_code == 1 and "error:" in res.output and "does not exist" in res.output
+    assert res.exit_code == 1 and "error:" in res.output and "has no v42 (HEAD v6)" in res.output
+    assert "manifest.json" not in res.output  # the user asked for a version, not an internal path
 
 
 def test_gc_dry_run_then_real(tmp_path: Path) -> None:

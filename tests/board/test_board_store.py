@@ -224,3 +224,22 @@ def test_store_that_times_out_gives_a_clear_bounded_error(black_hole: int) -> No
     with pytest.raises(StoreError):
         s.put("runs/r/versions/000000000001/x/part", b"data")  # retried, within the bound
     assert time.monotonic() - t0 < 15
+
+
+def test_missing_cloud_credentials_are_named_not_the_metadata_endpoint() -> None:
+    # obstore falls back to the cloud metadata service when no credentials are configured; its failure text
+    # (a link-local URL) must become what the user has to set
+    store = ObstoreStore(MemoryStore(), "s3://bucket/board", cloud=("s3", False, None))
+
+    def fail() -> None:
+        raise OSError("Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token: 403")
+
+    with pytest.raises(StoreError) as err:
+        store._call("list", "runs", fail)
+    text = str(err.value)
+    assert "no credentials for the s3 store" in text and "AWS_ACCESS_KEY_ID" in text and "AWS_ENDPOINT_URL" in text
+    assert "169.254" not in text and "retried" not in text
+    # with credentials given, the same failure is about reaching the store, and names the endpoint
+    store = ObstoreStore(MemoryStore(), "s3://bucket/board", cloud=("s3", True, "http://127.0.0.1:9"))
+    with pytest.raises(StoreError, match=r"check that the store is reachable \(endpoint http://127.0.0.1:9\)"):
+        store._call("list", "runs", fail)

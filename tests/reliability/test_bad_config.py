@@ -109,7 +109,7 @@ CLI_ROWS = [
         "wrong model: a checkpoint of another model as the base",
         lambda e: ["apply", e("other.safetensors"), e("pm0m1"), "-o", e("out")],
         1,
-        ("'l0.weight'", "do not have", "is not the base", "pass that checkpoint"),
+        ("'l0.weight'", "do not have", "is not the base", "pass the checkpoint the patch was diffed from"),
     ),
     CliRow(
         "shapes that do not match the patch's",
@@ -121,13 +121,13 @@ CLI_ROWS = [
         "base version mismatch: a patch applied to a later version",
         lambda e: ["apply", e("m1.safetensors"), e("pm0m1"), "-o", e("out")],
         1,
-        ("this patch applies to view", "fetch the patches in between", "is not the base"),
+        ("is not the base", "holds served view", "the patch applies to view", "flipsync diff OLD NEW"),
     ),
     CliRow(
         "base version mismatch: a patch applied to an older version",
         lambda e: ["apply", e("m0.safetensors"), e("pm1m2"), "-o", e("out")],
         1,
-        ("this patch applies to view", "is not the base"),
+        ("the patch applies to view", "is not the base"),
     ),
     CliRow(
         "wrong served format: --format fp8-block for a bf16 patch",

@@ -113,8 +113,9 @@ def ls(
 
 def _list_runs(console: Console, store: ObstoreStore) -> None:
     table = Table(title=f"runs on {store.url}")
-    for col in ("run", "HEAD", "versions", "keyframes", "spans", "last published"):
-        numeric = col in ("HEAD", "versions", "keyframes", "spans")
+    # versions that are keyframes (v0) count under versions; this column counts the extra ones
+    for col in ("run", "HEAD", "versions", "extra keyframes", "spans", "last published"):
+        numeric = col in ("HEAD", "versions", "extra keyframes", "spans")
         table.add_column(col, justify="right" if numeric else "left")
     for run in _runs(store):
         cat = Catalog(store, run)
@@ -157,7 +158,7 @@ def _list_run(console: Console, store: ObstoreStore, run: str, limit: int) -> No
             continue
         table.add_row(
             f"v{v}",
-            m.kind.value if m.kind is Kind.PATCH else "snapshot",
+            m.kind.value,  # "keyframe" for a full view, as `board show` and the demo say
             _edge(m),
             _size(m.total_size),
             str(len(m.parts)),
@@ -167,7 +168,7 @@ def _list_run(console: Console, store: ObstoreStore, run: str, limit: int) -> No
             "yes" if m.signature else "no",
         )
     console.print(table)
-    extra = Table(title="keyframes and spans")
+    extra = Table(title="extra keyframes and spans")
     for col in ("kind", "edge", "size", "parts", "created"):
         extra.add_column(col)
     rows = 0
@@ -215,11 +216,24 @@ def show(
                 m = cat.span(int(a), int(b))
             except ValueError:
                 raise ConfigError(f"--span takes A-B (two version numbers), got {span!r}") from None
+            except NotFoundError:
+                raise NotFoundError(
+                    f"run {run_name!r} has no span v{a} -> v{b}; `flipsync board ls` lists them"
+                ) from None
         else:
-            v = version if version is not None else cat.discover_head()
+            head = cat.discover_head()
+            v = version if version is not None else head
             if v is None:
                 raise NotFoundError(f"run {run_name!r} has no published version")
-            m = cat.keyframe(v) if keyframe else cat.version(v)
+            try:
+                m = cat.keyframe(v) if keyframe else cat.version(v)
+            except NotFoundError:
+                # the user asked for a version, not a manifest path
+                what = "extra keyframe at v" if keyframe else "v"
+                newest = "no published version" if head is None else f"HEAD v{head}"
+                raise NotFoundError(
+                    f"run {run_name!r} has no {what}{v} ({newest}); `flipsync board ls` lists what it has"
+                ) from None
         if as_json:
             console.print_json(json.dumps(m.to_dict()))
             return

@@ -89,6 +89,14 @@ _EXPLICIT_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ),
     ),
 }
+_CREDENTIAL_HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or --store-option access_key_id=... "
+    "secret_access_key=...), or AWS_SKIP_SIGNATURE=true for a public bucket; for an S3-compatible store (MinIO, "
+    "R2) also set AWS_ENDPOINT_URL or --store-option endpoint=URL",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT_KEY, or --store-option service_account=PATH)",
+    "az": "set AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY (or --store-option "
+    "account_key=...), or AZURE_STORAGE_USE_EMULATOR=true for Azurite",
+}
 _SCHEMES = {
     "s3": "s3",
     "s3a": "s3",
@@ -267,8 +275,16 @@ def _first_line(e: BaseException) -> str:
 class ObstoreStore:
     """The Store port over an obstore ``ObjectStore``."""
 
-    def __init__(self, inner: ObjectStore, url: str, options: StoreOptions | None = None) -> None:
+    def __init__(
+        self,
+        inner: ObjectStore,
+        url: str,
+        options: StoreOptions | None = None,
+        *,
+        cloud: tuple[str, bool, str | None] | None = None,
+    ) -> None:
         self._inner = inner
+        self._cloud = cloud  # (kind, explicit credentials given, endpoint): for messages that say what is missing
         self.url = url.rstrip("/") or url
         self.options = options or StoreOptions()
         self._pool: ThreadPoolExecutor | None = None
@@ -301,11 +317,22 @@ class ObstoreStore:
         except obx.UnknownConfigurationKeyError as e:
             raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
         except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
-            raise StoreError(
-                f"{op} {self._where(path)} failed: {_first_line(e)} "
-                f"(retried up to {self.options.max_retries} times within {self.options.retry_timeout_s:g} s; "
-                "check that the store is reachable)"
-            ) from e
+            raise StoreError(self._failure(op, path, e)) from e
+
+    def _failure(self, op: str, path: str, e: BaseException) -> str:
+        """What to tell a user whose request failed: the missing credentials or endpoint when that is the cause
+        (obstore's own text then names the cloud metadata endpoint it fell back to, which helps nobody)."""
+        text = str(e)
+        if self._cloud is not None:
+            kind, explicit, endpoint = self._cloud
+            if not explicit and any(m in text for m in ("169.254.169.254", "metadata", "fd00:ec2::254")):
+                return (
+                    f"{op} {self._where(path)}: no credentials for the {kind} store (none in the store options or "
+                    f"the environment, and no cloud metadata service answered); {_CREDENTIAL_HINTS[kind]}"
+                )
+            where = f"endpoint {endpoint}" if endpoint else f"the default {kind} endpoint"
+            return f"{op} {self._where(path)} failed: {_first_line(e)}; check that the store is reachable ({where})"
+        return f"{op} {self._where(path)} failed: {_first_line(e)}; check that the store is reachable"
 
     # -- writes ---------------------------------------------------------------------------------------
 
@@ -528,4 +555,6 @@ def open_store(url: str | os.PathLike[str], options: StoreOptions | None = None)
         )
     except (obx.BaseError, ValueError, TypeError) as e:
         raise ConfigError(f"cannot open {text!r}: {_first_line(e)}") from e
-    return ObstoreStore(inner, text, opts)
+    return ObstoreStore(
+        inner, text, opts, cloud=(kind, _has_explicit_credentials(kind, config), _endpoint(kind, config))
+    )

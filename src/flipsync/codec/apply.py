@@ -236,9 +236,11 @@ def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: 
         _check_layout(tensors, s.name, s.dtype, s.shape)
     held = table.view_fp()
     if held != patch.header.base.view:
+        version = patch.header.base.version
         raise BaseMismatchError(
-            f"this patch applies to view {patch.header.base.view} (version {patch.header.base.version}), "
-            f"but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
+            f"this patch applies to view {patch.header.base.view}"
+            + (f" (version {version})" if version is not None else "")
+            + f", but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
         )
     for s in patch.sections:
         if fp_hex(table[s.name].fp) != s.base_fp:
@@ -312,7 +314,9 @@ def _check_target_view(table: FingerprintTable, staged: list[StagedWrite], patch
     if after.view_fp() != patch.header.target.view:
         raise VerificationError(
             f"applying this patch would give view {after.view_fp()}, not the target view "
-            f"{patch.header.target.view} (version {patch.header.target.version}) its header names; the patch "
+            f"{patch.header.target.view}"
+            + (f" (version {patch.header.target.version})" if patch.header.target.version is not None else "")
+            + " its header names; the patch "
             "is corrupt or crafted (nothing was changed)"
         )
 

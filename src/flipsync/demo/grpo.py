@@ -8,6 +8,7 @@ plain on-policy estimator is used without importance weights, as many async RL s
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -68,18 +69,38 @@ def policy_loss(model: torch.nn.Module, tok: ByteTokenizer, rollouts: Sequence[R
 
 
 def warm_start(
-    model: torch.nn.Module, tok: ByteTokenizer, task: ReverseDigits, *, steps: int, lr: float = 3e-3, batch: int = 32
+    model: torch.nn.Module,
+    tok: ByteTokenizer,
+    task: ReverseDigits,
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    batch: int = 32,
+    stop_fraction: float = 1.0,
+    max_tokens: int = 8,
+    seed: int = 0,
 ) -> float:
     """Supervised steps on right answers so the RL run starts from a policy with some skill; returns the
-    last loss. Uses its own optimizer: the RL optimizer's state starts fresh afterwards."""
+    last loss. Uses its own optimizer: the RL optimizer's state starts fresh afterwards.
+
+    ``stop_fraction``: the share of examples whose target ends with the stop token; the others run on with
+    random digits to ``max_tokens`` characters. The policy then learns the answers but stops after them
+    only sometimes; the reward counts the extra characters as wrong, so the RL run has a clear thing to
+    learn (when to stop) besides the answers themselves."""
     opt = torch.optim.Adam(model.parameters(), lr=lr)
+    rng = random.Random(seed)
     loss = torch.tensor(0.0)
     model.train()
     for _ in range(steps):
         problems = [task.sample() for _ in range(batch)]
-        ids, mask = _batch(
-            tok, [(tok.encode(p.prompt), [*tok.encode(p.answer, bos=False), tok.eos_id]) for p in problems]
-        )
+        targets = []
+        for p in problems:
+            if rng.random() < stop_fraction:
+                targets.append([*tok.encode(p.answer, bos=False), tok.eos_id])
+            else:
+                ramble = "".join(rng.choice("0123456789") for _ in range(max(0, max_tokens - len(p.answer))))
+                targets.append(tok.encode(p.answer + ramble, bos=False))
+        ids, mask = _batch(tok, [(tok.encode(p.prompt), t) for p, t in zip(problems, targets, strict=True)])
         logp = _token_logprobs(model, ids)
         loss = -(logp * mask[:, 1:]).sum() / mask[:, 1:].sum()
         opt.zero_grad()

@@ -1,17 +1,19 @@
-"""``flipsync demo``: a small RL post-training run across rollout "regions", end to end, on this CPU.
+"""``flipsync demo``: a small RL post-training run across rollout "regions", side by side with what users do
+without flipsync, end to end, on this CPU.
 
 The trainer (this process) warm-starts a Llama-architecture model built from a config (no downloads) on a
-verifiable task, then runs GRPO-style policy-gradient steps with Adam at an RL learning rate. After every
-optimizer step a `flipsync.trainer.Publisher` puts the new served view on a local board directory. Two or
-more islands (separate processes, each a torch engine behind a sidecar) follow the board through a
-bandwidth-limited link, and generate the rollouts the trainer learns from; each rollout carries the policy
-version that produced it, and rollouts older than ``max_staleness`` versions are dropped.
+verifiable task, then runs GRPO-style policy-gradient steps with Adam. After every optimizer step a
+`flipsync.trainer.Publisher` puts the new served view on a local board directory, and a `CheckpointShelf`
+saves the full served view beside it, as a trainer that ships checkpoints does. Rollout islands (separate
+processes) read through the same bandwidth-limited link: the flipsync islands follow the board (patches),
+the control island downloads and reloads each newest full checkpoint. All of them generate the rollouts
+the trainer learns from; each rollout carries the trainer step of the weights that produced it, and
+rollouts more than ``max_staleness`` trainer steps old are dropped.
 
-A monitor watches the board and the islands: for every version it records the share of served values
-that changed, the patch size against the checkpoint size, when the version appeared on the board, when
-each island applied it, and whether the island's weights then matched the trainer's view fingerprint. At
-the end every island recomputes its fingerprints from the weights it holds, which must equal the
-trainer's final served view, and the run is written out as JSON and PNG plots.
+A monitor samples, every 50 ms, which trainer step each island serves and how many bytes its link has
+carried, and, per published version, when the manifest appeared and when each island committed it. The
+run ends with every flipsync island recomputing its fingerprints from the weights it holds, which must
+equal the trainer's final served view, and is written out as JSON and PNG plots.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ import json
 import logging
 import queue
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,49 +42,63 @@ from rich.table import Table
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
 from flipsync.board.throttle import parse_bandwidth
+from flipsync.checkpoint import save_checkpoint
 from flipsync.codec import FingerprintTable, Patch
 from flipsync.codec import int_view as bits_view
+from flipsync.demo.control import CheckpointShelf
 from flipsync.demo.grpo import Rollout, policy_loss, warm_start
-from flipsync.demo.island import Island, IslandSpec, board_url
+from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python
+from flipsync.demo.model import DEMO_MODELS, demo_config, write_model_dir
 from flipsync.demo.task import Problem, ReverseDigits
+from flipsync.demo.warmup import compile_codec_kernels
 from flipsync.domain.manifest import Kind
-from flipsync.engines.torch.models import build_model, preset_config
+from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import ConfigError, FlipsyncError
-from flipsync.formats import served_view
-from flipsync.trainer import Publisher
-from flipsync.trainer.publisher import new_run_name
+from flipsync.formats import get_format, served_view
+from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 log = logging.getLogger(__name__)
+
+CONTROL = "full-ckpt"  # the control island's name
+ENGINES = ("torch", "vllm")
 
 
 @dataclass
 class DemoConfig:
     steps: int = 30
     served_format: str = "bf16"
-    lr: float = 1e-6
-    islands: int = 2
+    lr: float = 3e-5
+    islands: int = 2  # flipsync islands
+    control: bool = True  # one more island that reloads full checkpoints
     bandwidth: str | None = "100mbit"
-    max_staleness: int = 2
+    max_staleness: int = 1  # trainer steps
     group_size: int = 4
     prompts_per_step: int = 6
-    model: str = "tiny"
-    warm_start_steps: int = 150
-    max_tokens: int = 8
+    model: str = "llama-20m"
+    warm_start_steps: int = 60
+    warm_start_lr: float = 3e-3
+    stop_fraction: float = 0.25
+    max_tokens: int = 6
+    min_digits: int = 2
+    max_digits: int = 3
     seed: int = 0
+    engine: str = "torch"
+    masters_at: tuple[int, ...] = (0, 1, -1)  # trainer steps whose FP32 masters are saved; -1: the last
     out: Path = Path("flipsync-demo")
 
 
 @dataclass
 class VersionRow:
     version: int
-    steps: int
+    steps: int  # trainer steps it covers (more than one when the publisher squashed)
+    step: int  # the last trainer step it covers
     changed: int
     served_values: int
     patch_bytes: int
     checkpoint_bytes: int
-    publish_s: float | None = None  # optimizer.step() returned -> version on the board
-    applied_s: dict[str, float] = field(default_factory=dict)  # island -> step returned -> applied
+    publish_s: float | None = None  # the step's optimizer.step() returned -> its manifest on the board
+    applied_s: dict[str, float] = field(default_factory=dict)  # island -> manifest on the board -> committed
     verified: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -89,12 +107,20 @@ class VersionRow:
 
 
 @dataclass
+class IslandStep:
+    behind: int  # trainer steps between the policy being trained and the weights the island served then
+    used: int  # rollouts of this island in the step's batch
+    dropped: int  # its rollouts dropped as more than max_staleness steps old
+    rollout_lag: float | None  # mean trainer steps between the batch's policy and the rollouts' weights
+    bytes: int  # bytes its link carried so far
+
+
+@dataclass
 class StepRecord:
     step: int
     reward: float
     rollouts: int
-    staleness: float  # mean versions between a rollout's start version and the newest published one
-    dropped: int  # groups refused as too stale
+    islands: dict[str, IslandStep]
 
 
 @dataclass
@@ -102,11 +128,17 @@ class DemoReport:
     config: dict[str, Any]
     run: str
     board: str
+    parameters: int
+    checkpoint_bytes: int
     versions: list[VersionRow]
     steps: list[StepRecord]
+    lag_samples: list[tuple[float, int, dict[str, int]]]  # (seconds, trainer step, island -> step it serves)
     audits: dict[str, dict[str, Any]]
     final_view_fp: str
-    bitwise_equal: dict[str, bool]
+    bitwise_equal: dict[str, bool]  # flipsync islands only: the control is not expected to have caught up
+    summary: dict[str, Any]
+    timings: dict[str, float]
+    masters: list[str]
     wall_s: float
 
     def to_json(self) -> dict[str, Any]:
@@ -120,8 +152,25 @@ class DemoReport:
 class Group:
     problem: Problem
     group: int
-    completions: list[tuple[str, tuple[int, ...], int, int]]  # text, tokens, version start, version end
+    completions: list[tuple[str, tuple[int, ...]]]  # text, token ids
+    step: int  # the trainer step of the oldest weights that produced any of its tokens
     island: str
+
+
+class StepIndex:
+    """Board version -> the last trainer step it covers (manifest ``meta.step``), read once per version."""
+
+    def __init__(self, board: str, run: str) -> None:
+        self.reader = BoardReader(open_store(board), run)
+        self._steps: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def step(self, version: int) -> int:
+        with self._lock:
+            if version not in self._steps:
+                meta = self.reader.catalog.version(version).meta or {}
+                self._steps[version] = int(meta.get("step", version))
+            return self._steps[version]
 
 
 class RolloutPool:
@@ -133,10 +182,11 @@ class RolloutPool:
         task: ReverseDigits,
         tok: ByteTokenizer,
         cfg: DemoConfig,
-        current_version: Callable[[], int],
+        head_version: Callable[[], int],
+        steps: StepIndex,
     ) -> None:
         self.islands, self.task, self.tok, self.cfg = islands, task, tok, cfg
-        self.current_version = current_version
+        self.head_version, self.steps = head_version, steps
         self.groups: queue.Queue[Group] = queue.Queue(maxsize=4 * cfg.prompts_per_step)
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -158,6 +208,20 @@ class RolloutPool:
         for t in self._threads:
             t.join(10)
 
+    def _request(self, island: Island, problem: Problem, seed: int) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": "flipsync-demo" if island.spec.engine == "vllm" and not island.spec.control else "flipsync-torch",
+            "prompt": self.tok.encode(problem.prompt),  # token ids: the same for every engine
+            "max_tokens": self.cfg.max_tokens,
+            "n": self.cfg.group_size,
+            "temperature": 1.0,
+            "seed": seed,
+        }
+        if not island.spec.control:
+            # the proxy holds or refuses the request until the island serves a recent enough version
+            body["weight_version"] = {"min_version": max(0, self.head_version() - self.cfg.max_staleness)}
+        return body
+
     def _loop(self, island: Island, k: int) -> None:
         rng = random.Random(hash((island.spec.name, k)))
         with httpx.Client(base_url=island.url or "", timeout=60) as client:
@@ -165,18 +229,9 @@ class RolloutPool:
                 with self._lock:
                     problem, gid = self.task.sample(), self._next_group
                     self._next_group += 1
-                min_version = max(0, self.current_version() - self.cfg.max_staleness)
-                body = {
-                    "model": "flipsync-torch",
-                    "prompt": problem.prompt,
-                    "max_tokens": self.cfg.max_tokens,
-                    "n": self.cfg.group_size,
-                    "temperature": 1.0,
-                    "seed": rng.randrange(2**31),
-                    "weight_version": {"min_version": min_version},
-                }
+                held_before = island.meters.held_step.value
                 try:
-                    r = client.post("/v1/completions", json=body)
+                    r = client.post("/v1/completions", json=self._request(island, problem, rng.randrange(2**31)))
                 except httpx.HTTPError as e:
                     self.errors.append(f"{island.spec.name}: {e}")
                     time.sleep(0.2)
@@ -189,13 +244,21 @@ class RolloutPool:
                     time.sleep(0.2)
                     continue
                 doc = r.json()
-                span = doc.get("weight_version", {})
-                start, end = int(span.get("start", -1)), int(span.get("end", -1))
-                completions = []
-                for choice in doc["choices"]:
-                    text = choice["text"]
-                    completions.append((text, tuple(self.tok.encode(text, bos=False)), start, end))
-                group = Group(problem, gid, completions, island.spec.name)
+                try:
+                    if island.spec.control:
+                        # the engine stamps every token with the trainer step of the checkpoint it came from
+                        stamps = [v for c in doc["choices"] for v in c.get("token_versions") or []]
+                        if any(v is None for v in stamps):
+                            continue  # generated while a load was half done: not a policy's sample
+                        step = min(stamps) if stamps else held_before
+                    else:
+                        span = doc.get("weight_version", {})
+                        step = self.steps.step(int(span["start"]))
+                except (KeyError, ValueError, FlipsyncError) as e:
+                    self.errors.append(f"{island.spec.name}: unreadable answer ({e})")
+                    continue
+                completions = [(c["text"], tuple(self.tok.encode(c["text"], bos=False))) for c in doc["choices"]]
+                group = Group(problem, gid, completions, step, island.spec.name)
                 while not self.stop.is_set():
                     try:
                         self.groups.put(group, timeout=0.2)
@@ -203,10 +266,11 @@ class RolloutPool:
                     except queue.Full:
                         continue
 
-    def take(self, n: int, min_version: int, timeout_s: float = 300.0) -> tuple[list[Group], int]:
-        """``n`` groups generated at ``min_version`` or newer; returns them and how many stale ones were dropped."""
+    def take(self, n: int, step: int, timeout_s: float = 300.0) -> tuple[list[Group], dict[str, int]]:
+        """``n`` groups whose weights are at most ``max_staleness`` trainer steps older than the policy of
+        ``step`` (the weights after step - 1); returns them and, per island, how many rollouts were dropped."""
         out: list[Group] = []
-        dropped = 0
+        dropped = {i.spec.name: 0 for i in self.islands}
         deadline = time.monotonic() + timeout_s
         while len(out) < n:
             left = deadline - time.monotonic()
@@ -216,92 +280,119 @@ class RolloutPool:
                 g = self.groups.get(timeout=min(left, 1.0))
             except queue.Empty:
                 continue
-            if min(c[2] for c in g.completions) < min_version:
-                dropped += 1
+            if (step - 1) - g.step > self.cfg.max_staleness:
+                dropped[g.island] += len(g.completions)
                 continue
             out.append(g)
         return out, dropped
 
 
 class Monitor:
-    """Watches the board and the islands; fills one `VersionRow` per published version."""
+    """Watches the board and the islands: version rows, and which trainer step each island serves.
 
-    def __init__(self, board: str, run: str, islands: list[Island], served_values: int, checkpoint_bytes: int) -> None:
+    One thread per source (the board, each flipsync island's status, the control island's counter and the
+    sampler), so that an island slow to answer delays nothing else's timestamps. They poll at 10-20 Hz, not
+    faster: they share the trainer's process, and its publisher, with the GIL.
+    """
+
+    def __init__(
+        self, board: str, run: str, islands: list[Island], steps: StepIndex, served_values: int, checkpoint_bytes: int
+    ) -> None:
         self.reader = BoardReader(open_store(board), run)
         self.islands = islands
+        self.steps = steps
         self.served_values, self.checkpoint_bytes = served_values, checkpoint_bytes
         self.rows: dict[int, VersionRow] = {}
+        self.seen: dict[int, float] = {}  # version -> when its manifest was seen on the board
         self.step_end: dict[int, float] = {}  # trainer step -> when optimizer.step() returned
-        self.version_step: dict[int, int] = {}  # version -> the last trainer step it covers
+        self.trainer_step = 0
+        self.held: dict[str, int] = {i.spec.name: 0 for i in islands}  # island -> trainer step it serves
+        self.samples: list[tuple[float, int, dict[str, int]]] = []
+        self.t0 = time.monotonic()
         self.fps: dict[int, str] = {}
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.on_complete: Callable[[VersionRow], None] = lambda row: None
-        self._done: set[int] = set()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="demo-monitor")
+        self._threads = [threading.Thread(target=self._board_loop, daemon=True, name="demo-monitor-board")]
+        self._threads += [
+            threading.Thread(target=self._island_loop, args=(i,), daemon=True, name=f"demo-monitor-{i.spec.name}")
+            for i in islands
+            if not i.spec.control
+        ]
+        self._threads.append(threading.Thread(target=self._sample_loop, daemon=True, name="demo-monitor-samples"))
 
     def start(self) -> Monitor:
-        self._thread.start()
+        self.t0 = time.monotonic()
+        for t in self._threads:
+            t.start()
         return self
 
     def close(self) -> None:
         self.stop.set()
-        self._thread.join(10)
+        for t in self._threads:
+            t.join(10)
 
-    def _new_version(self, v: int, now: float) -> None:
+    def _new_version(self, v: int, now: float) -> VersionRow:
         m = self.reader.catalog.version(v)
         changed = 0
         if m.kind is not Kind.KEYFRAME:
             parts = self.reader.catalog.fetch_parts(m, self.reader.catalog.artifact_dir(m))
             changed = sum(Patch.from_bytes(p).header.n_changed for p in parts)
-        steps = int(m.meta.get("steps", 1)) if m.meta else 1
-        row = VersionRow(v, steps, changed, self.served_values, m.total_size, self.checkpoint_bytes)
-        step = int(m.meta["step"]) if m.meta and "step" in m.meta else None
-        if step is not None and step in self.step_end:
-            row.publish_s = now - self.step_end[step]
-            self.version_step[v] = step
-        self.fps[v] = m.target_view_fp
-        self.rows[v] = row
+        meta = m.meta or {}
+        step = int(meta.get("step", v))
+        steps = int(meta.get("steps", 1))
+        row = VersionRow(v, steps, step, changed, self.served_values, m.total_size, self.checkpoint_bytes)
+        with self.lock:
+            if step in self.step_end:
+                row.publish_s = now - self.step_end[step]
+            self.seen[v] = now
+            self.fps[v] = m.target_view_fp
+            self.rows[v] = row
+        return row
 
-    def _loop(self) -> None:
-        clients = {i.spec.name: httpx.Client(base_url=i.url or "", timeout=5) for i in self.islands}
+    def _board_loop(self) -> None:
         known = -1
-        try:
-            while not self.stop.is_set():
-                now = time.monotonic()
+        while not self.stop.is_set():
+            now = time.monotonic()
+            try:
+                head = self.reader.head()
+            except FlipsyncError:
+                head = None
+            while head is not None and known < head:
+                known += 1
                 try:
-                    head = self.reader.head()
-                except FlipsyncError:
-                    head = None
+                    self._new_version(known, now)
+                except FlipsyncError as e:
+                    log.warning("monitor: cannot read v%d: %s", known, e)
+            time.sleep(0.05)
+
+    def _island_loop(self, island: Island) -> None:
+        name = island.spec.name
+        with httpx.Client(base_url=island.url or "", timeout=10) as client:
+            while not self.stop.is_set():
+                try:
+                    status = client.get("/flipsync/status").json()
+                except (httpx.HTTPError, ValueError):
+                    time.sleep(0.05)
+                    continue
+                now = time.monotonic()  # the answer's arrival: an upper bound on when the commit happened
+                held = status.get("version")
                 with self.lock:
-                    while head is not None and known < head:
-                        known += 1
-                        try:
-                            self._new_version(known, now)
-                        except FlipsyncError as e:
-                            log.warning("monitor: cannot read v%d: %s", known, e)
-                    for name, client in clients.items():
-                        try:
-                            status = client.get("/flipsync/status").json()
-                        except (httpx.HTTPError, ValueError):
-                            continue
-                        held = status.get("version")
-                        if held is None:
-                            continue
+                    if held is not None and held in self.rows:
+                        self.held[name] = self.rows[held].step
                         for v, row in self.rows.items():
                             if v <= held and name not in row.applied_s:
-                                step = self.version_step.get(v)
-                                start = self.step_end.get(step) if step is not None else None
-                                row.applied_s[name] = now - start if start is not None else 0.0
-                                row.verified[name] = held in self.fps and status.get("view_fp") == self.fps[held]
-                    for v, row in sorted(self.rows.items()):
-                        if v not in self._done and len(row.applied_s) == len(self.islands):
-                            self._done.add(v)
-                            self.on_complete(row)
-                time.sleep(0.02)
-        finally:
-            for c in clients.values():
-                c.close()
+                                row.applied_s[name] = max(0.0, now - self.seen[v])
+                                row.verified[name] = status.get("view_fp") == self.fps[held]
+                time.sleep(0.1)
+
+    def _sample_loop(self) -> None:
+        while not self.stop.is_set():
+            with self.lock:
+                for island in self.islands:
+                    if island.spec.control:
+                        self.held[island.spec.name] = max(0, island.meters.held_step.value)
+                self.samples.append((time.monotonic() - self.t0, self.trainer_step, dict(self.held)))
+            time.sleep(0.2)
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -313,145 +404,275 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def _row_cells(row: VersionRow) -> list[str]:
-    applied = max(row.applied_s.values()) if row.applied_s else None
-    return [
-        f"v{row.version}",
-        str(row.steps),
-        f"{row.changed_pct:.3f}%" if row.changed else "keyframe" if row.version == 0 else "0%",
-        f"{row.patch_bytes:,}",
-        f"{row.checkpoint_bytes:,}",
-        f"{row.checkpoint_bytes / max(1, row.patch_bytes):.0f}x",
-        f"{row.publish_s:.2f}" if row.publish_s is not None else "-",
-        f"{applied:.2f}" if applied is not None else "-",
-        " ".join("✓" if row.verified.get(n) else "✗" for n in sorted(row.verified)),
-    ]
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}"
 
 
-ROW_COLUMNS = (
-    "version",
-    "steps",
-    "changed",
-    "patch B",
-    "checkpoint B",
-    "ratio",
-    "publish s",
-    "all applied s",
-    "verified",
-)
+class StepTable:
+    """The live table: one row per trainer step, version columns filled in as the version lands."""
+
+    def __init__(self, cfg: DemoConfig, run: str, names: list[str], monitor: Monitor) -> None:
+        self.cfg, self.run, self.names, self.monitor = cfg, run, names, monitor
+        self.records: list[StepRecord] = []
+
+    def render(self) -> Table:
+        cfg = self.cfg
+        t = Table(
+            title=f"run {self.run}: {cfg.model}, {cfg.served_format}, lr {cfg.lr:g}, "
+            f"{cfg.bandwidth or 'unlimited'} link",
+            caption="per island: trainer steps its weights trailed the policy when the batch was taken · rollouts "
+            "dropped as too stale · MB over its "
+            "link so far. publish: step end -> manifest on the board; applied: manifest -> last flipsync island "
+            "committed",
+            expand=False,
+        )
+        for col in ("step", "reward", "version", "changed", "patch KB", "publish s", "applied s"):
+            t.add_column(col, justify="right")
+        for name in self.names:
+            t.add_column(f"{name}\nbehind·drop·MB", justify="right")
+        with self.monitor.lock:
+            by_step = {r.step: r for r in self.monitor.rows.values() if r.version > 0}
+        flipsync = [n for n in self.names if n != CONTROL]
+        for rec in self.records:
+            row = by_step.get(rec.step)
+            version_cells = ["-"] * 5
+            if row is not None:
+                applied = [row.applied_s[n] for n in flipsync if n in row.applied_s]
+                version_cells = [
+                    f"v{row.version}" + (f" ({row.steps} steps)" if row.steps > 1 else ""),
+                    f"{row.changed_pct:.2f}%",
+                    f"{row.patch_bytes / 1e3:,.0f}",
+                    f"{row.publish_s:.2f}" if row.publish_s is not None else "-",
+                    f"{max(applied):.2f}" if len(applied) == len(flipsync) else "…",
+                ]
+            islands = [
+                f"{s.behind} · {s.dropped} · {_mb(s.bytes)}" if (s := rec.islands.get(n)) else "-" for n in self.names
+            ]
+            t.add_row(str(rec.step), f"{rec.reward:.3f}", *version_cells, *islands)
+        return t
+
+
+def _check(cfg: DemoConfig) -> None:
+    if cfg.islands < 1 or cfg.steps < 1 or cfg.group_size < 2:
+        raise ConfigError("the demo needs at least one island, one step and groups of two or more samples")
+    if cfg.engine not in ENGINES:
+        raise ConfigError(f"unknown engine {cfg.engine!r}; the demo runs islands on: {', '.join(ENGINES)}")
+    if cfg.engine == "vllm" and get_format(cfg.served_format).name != "bf16":
+        raise ConfigError("the demo's vLLM islands serve bf16 (vLLM loads the model in bf16): leave --format out")
+    if cfg.engine == "vllm":
+        vllm_python()  # says how to get one when it is missing, before the warm start
+    if cfg.model not in DEMO_MODELS:
+        raise ConfigError(f"unknown demo model {cfg.model!r}; models: {', '.join(DEMO_MODELS)}")
+    if cfg.max_staleness < 0:
+        raise ConfigError("--max-staleness must be 0 or more trainer steps")
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
-    if cfg.islands < 1 or cfg.steps < 1 or cfg.group_size < 2:
-        raise ConfigError("the demo needs at least one island, one step and groups of two or more samples")
+    _check(cfg)
+    fmt = get_format(cfg.served_format).name
     bandwidth = parse_bandwidth(cfg.bandwidth) if cfg.bandwidth else None
-    t0 = time.monotonic()
+    t_start = time.monotonic()
+    timings: dict[str, float] = {}
     torch.manual_seed(cfg.seed)
     out = cfg.out
     out.mkdir(parents=True, exist_ok=True)
     board = board_url(out / "board")
     run = new_run_name("demo")
-    tok, task = ByteTokenizer(), ReverseDigits(seed=cfg.seed)
+    tok = ByteTokenizer()
+    task = ReverseDigits(min_len=cfg.min_digits, max_len=cfg.max_digits, seed=cfg.seed)
 
-    model = build_model(preset_config(cfg.model), seed=cfg.seed, dtype=torch.float32)
-    model.requires_grad_(True)
-    with console.status(f"warm start: {cfg.warm_start_steps} supervised steps on the task"):
-        loss: float | torch.Tensor = warm_start(model, tok, task, steps=cfg.warm_start_steps)
-    console.print(f"warm start done (loss {loss:.3f}); RL with Adam at lr={cfg.lr:g}, format {cfg.served_format}")
-
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
-    model.train()
-    publisher = Publisher(model, board, format=cfg.served_format, run=run, optimizer=opt)
-    publisher.flush()  # v0, a keyframe, is on the board before any island starts
-    view0 = served_view({k: v.detach() for k, v in model.state_dict().items()}, cfg.served_format)
-    served_values = sum(t.numel() for t in view0.values())
-    checkpoint_bytes = sum(t.numel() * t.element_size() for t in view0.values())
-
-    islands = [
-        Island(IslandSpec(f"island-{i}", board, run, cfg.model, cfg.served_format, bandwidth, cfg.seed)).start()
+    with console.status("compiling the codec kernels (the first run on a machine only; cached afterwards)"):
+        timings["compile_s"] = compile_codec_kernels(fmt)
+    config = demo_config(cfg.model)
+    model_dir = out / "model"
+    write_model_dir(model_dir, config)
+    specs = [
+        IslandSpec(f"island-{i}", board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine)
         for i in range(cfg.islands)
     ]
+    if cfg.control:
+        specs.append(
+            IslandSpec(
+                CONTROL, board_url(out / "checkpoints"), run, str(model_dir), fmt, bandwidth, cfg.seed, control=True
+            )
+        )
+    islands: list[Island] = []
+    if cfg.engine == "torch":
+        # Their engines need only the architecture: they start (imports, model build) during the warm start
+        # and wait for the run's first version.
+        islands = [Island(spec).start() for spec in specs]
+    model = build_model(config, seed=cfg.seed, dtype=torch.float32)
+    model.requires_grad_(True)
+    parameters = sum(p.numel() for p in model.parameters())
+    t = time.monotonic()
+    with console.status(f"warm start: {cfg.warm_start_steps} supervised steps on the task"):
+        loss = warm_start(
+            model,
+            tok,
+            task,
+            steps=cfg.warm_start_steps,
+            lr=cfg.warm_start_lr,
+            stop_fraction=cfg.stop_fraction,
+            max_tokens=cfg.max_tokens,
+            seed=cfg.seed,
+        )
+    timings["warm_start_s"] = time.monotonic() - t
+
+    def masters() -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    view0 = served_view(masters(), fmt)
+    served_values = sum(t.numel() for t in view0.values())
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in view0.values())
+    link = f" (a full checkpoint takes {checkpoint_bytes / bandwidth:.1f} s over the {cfg.bandwidth} link)"
+    console.print(
+        f"{cfg.model}: {parameters / 1e6:.1f}M parameters, served {fmt} view {checkpoint_bytes / 1e6:.1f} MB"
+        + (link if bandwidth else "")
+    )
+    console.print(
+        f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with Adam at lr {cfg.lr:g}, "
+        f"{cfg.steps} steps"
+    )
+    if cfg.engine == "vllm":
+        write_model_dir(model_dir, config, view0)  # vLLM starts from these weights: the board's v0
+
+    saver = ThreadPoolExecutor(1, thread_name_prefix="demo-masters")
+    masters_dir = out / "masters"
+    masters_dir.mkdir(parents=True, exist_ok=True)
+    keep_masters = {s if s >= 0 else cfg.steps + 1 + s for s in cfg.masters_at}
+    master_paths: list[Path] = []
+
+    def save_masters(step: int) -> None:
+        if step in keep_masters:
+            path = masters_dir / f"step-{step:04d}.safetensors"
+            master_paths.append(path)
+            saver.submit(save_checkpoint, masters(), path)
+
+    save_masters(0)
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    model.train()
+    # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
+    # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
+    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt, config=PublisherConfig(nice=5))
+    publisher.flush()  # v0, a keyframe, is on the board before any island starts
+    shelf: CheckpointShelf | None = None
+    if cfg.control:
+        shelf = CheckpointShelf(out / "checkpoints")
+        shelf.put(0, view0)
+
+    if not islands:
+        islands = [Island(spec).start() for spec in specs]
+    names = [i.spec.name for i in islands]
+    flipsync_names = [i.spec.name for i in islands if not i.spec.control]
     pool: RolloutPool | None = None
     monitor: Monitor | None = None
-    steps: list[StepRecord] = []
+    records: list[StepRecord] = []
     try:
-        with console.status(f"starting {cfg.islands} islands (each a torch engine behind a sidecar)"):
+        with console.status(f"starting {len(islands)} islands (each an {cfg.engine} engine behind a sidecar)"):
             for island in islands:
-                island.wait_ready()
-        monitor = Monitor(board, run, islands, served_values, checkpoint_bytes)
-        rewards: dict[int, float] = {}  # trainer step -> mean reward of its batch
-        completed: queue.Queue[VersionRow] = queue.Queue()
-        monitor.on_complete = completed.put
-        table = Table(title=f"run {run}: {cfg.served_format}, lr {cfg.lr:g}, {cfg.islands} islands", expand=False)
-        for col in (*ROW_COLUMNS, "reward"):
-            table.add_column(col, justify="right")
-
-        def show_completed() -> None:
-            while not completed.empty():
-                row = completed.get()
-                step = monitor.version_step.get(row.version) if monitor else None
-                reward = rewards.get(step) if step is not None else None
-                table.add_row(*_row_cells(row), f"{reward:.3f}" if reward is not None else "-")
-
-        monitor.start()
-
-        def current_version() -> int:
-            return publisher.stats.head or 0
-
-        pool = RolloutPool(islands, task, tok, cfg, current_version).start()
+                island.wait_ready(timeout_s=900 if cfg.engine == "vllm" else 180)
+        timings["setup_s"] = time.monotonic() - t_start
+        step_index = StepIndex(board, run)
+        monitor = Monitor(board, run, islands, step_index, served_values, checkpoint_bytes).start()
+        table = StepTable(cfg, run, names, monitor)
+        pool = RolloutPool(islands, task, tok, cfg, lambda: publisher.stats.head or 0, step_index).start()
         progress = Progress(TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         bar = progress.add_task("steps", total=cfg.steps)
-        with Live(RenderGroup(table, progress), console=console, refresh_per_second=4, vertical_overflow="visible"):
+        t_rl = time.monotonic()
+        with Live(
+            get_renderable=lambda: RenderGroup(table.render(), progress),
+            console=console,
+            refresh_per_second=1,  # the trainer's process holds the GIL while it renders: keep it rare
+            vertical_overflow="visible",
+        ):
             for step in range(1, cfg.steps + 1):
-                version = current_version()
-                groups, dropped = pool.take(cfg.prompts_per_step, max(0, version - cfg.max_staleness))
+                groups, dropped = pool.take(cfg.prompts_per_step, step)
+                with monitor.lock:
+                    held = dict(monitor.held)  # when the batch was complete: what each island serves now
                 rollouts = [
-                    Rollout(g.problem, g.group, text, tokens, ReverseDigits.reward(g.problem, text), s, e, g.island)
+                    Rollout(
+                        g.problem,
+                        g.group,
+                        text,
+                        tokens,
+                        ReverseDigits.reward(g.problem, text),
+                        g.step,
+                        g.step,
+                        g.island,
+                    )
                     for g in groups
-                    for text, tokens, s, e in g.completions
+                    for text, tokens in g.completions
                 ]
                 loss = policy_loss(model, tok, rollouts)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()  # the publisher's post-step hook takes the new weights from here
-                monitor.step_end[step] = time.monotonic()
-                rewards[step] = sum(r.reward for r in rollouts) / len(rollouts)
-                staleness = sum(version - r.version_start for r in rollouts) / len(rollouts)
-                steps.append(StepRecord(step, rewards[step], len(rollouts), staleness, dropped))
+                with monitor.lock:
+                    monitor.step_end[step] = time.monotonic()
+                    monitor.trainer_step = step
+                if shelf is not None:
+                    shelf.put(step, served_view(masters(), fmt))
+                save_masters(step)
+                per_island = {}
+                for island in islands:
+                    mine = [r for r in rollouts if r.island == island.spec.name]
+                    per_island[island.spec.name] = IslandStep(
+                        behind=max(0, step - 1 - held[island.spec.name]),
+                        used=len(mine),
+                        dropped=dropped[island.spec.name],
+                        rollout_lag=statistics.fmean(step - 1 - r.version_start for r in mine) if mine else None,
+                        bytes=island.meters.bytes_read.value,
+                    )
+                reward = sum(r.reward for r in rollouts) / len(rollouts)
+                records.append(StepRecord(step, reward, len(rollouts), per_island))
+                table.records = records
                 progress.advance(bar)
-                show_completed()
+            timings["rl_s"] = time.monotonic() - t_rl
             publisher.close()
             final = publisher.stats.head or 0
             for island in islands:
-                httpx.get(f"{island.url}/flipsync/wait", params={"min_version": final, "timeout_s": 120}, timeout=130)
+                if not island.spec.control:
+                    httpx.get(
+                        f"{island.url}/flipsync/wait", params={"min_version": final, "timeout_s": 120}, timeout=130
+                    )
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and (
-                len(monitor.rows) <= final or any(len(r.applied_s) < len(islands) for r in monitor.rows.values())
+                len(monitor.rows) <= final or any(len(r.applied_s) < len(flipsync_names) for r in monitor.rows.values())
             ):
                 time.sleep(0.05)
-                show_completed()
-            show_completed()
         pool.close()
         pool = None
         monitor.close()
         audits = {island.spec.name: island.audit(tensors=True) for island in islands}
-        masters = {k: v.detach() for k, v in model.state_dict().items()}
-        trainer_view = served_view(masters, cfg.served_format)
+        trainer_view = served_view(masters(), fmt)
         final_fp = FingerprintTable.of(trainer_view).view_fp()
-        equal = {
-            name: a["view_fp"] == final_fp and a["version"] == final and same_bits(a["tensors"], trainer_view)
-            for name, a in audits.items()
-        }
+        equal = {}
+        for name in flipsync_names:
+            a = audits[name]
+            same = a["view_fp"] == final_fp and a["version"] == final
+            if a["tensors"] is not None:  # the torch engine's tensors, compared bit for bit too
+                same = same and same_bits(a["tensors"], trainer_view)
+            equal[name] = same
+        saver.shutdown(wait=True)
+        if shelf is not None:
+            shelf.close()
+        rows = [monitor.rows[v] for v in sorted(monitor.rows)]
         report = DemoReport(
             config={k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
             run=run,
             board=board,
-            versions=[monitor.rows[v] for v in sorted(monitor.rows)],
-            steps=steps,
+            parameters=parameters,
+            checkpoint_bytes=checkpoint_bytes,
+            versions=rows,
+            steps=records,
+            lag_samples=[s for s in monitor.samples if s[1] >= 1],
             audits={n: {k: v for k, v in a.items() if k != "tensors"} for n, a in audits.items()},
             final_view_fp=final_fp,
             bitwise_equal=equal,
-            wall_s=time.monotonic() - t0,
+            summary=summarize(records, rows, monitor.samples, flipsync_names, CONTROL if shelf else None, cfg),
+            timings=timings,
+            masters=[str(p) for p in master_paths],
+            wall_s=time.monotonic() - t_start,
         )
     finally:
         if pool is not None:
@@ -460,7 +681,73 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             monitor.close()
         for island in islands:
             island.stop()
+        saver.shutdown(wait=True)
     return report
+
+
+def summarize(
+    records: list[StepRecord],
+    rows: list[VersionRow],
+    samples: list[tuple[float, int, dict[str, int]]],
+    flipsync: list[str],
+    control: str | None,
+    cfg: DemoConfig,
+) -> dict[str, Any]:
+    """The run's figures: bytes and lag of the flipsync islands against the control, reward, change rate."""
+    rl = [s for s in samples if s[1] >= 1]  # from the first trainer step on
+
+    def lag(name: str) -> float:
+        return statistics.fmean(max(0, step - held[name]) for _, step, held in rl) if rl else 0.0
+
+    last = records[-1].islands if records else {}
+    out: dict[str, Any] = {
+        "lag_steps": {n: lag(n) for n in [*flipsync, *([control] if control else [])]},
+        "bytes": {n: last[n].bytes for n in last},
+        "dropped": {n: sum(r.islands[n].dropped for r in records) for n in last},
+        "reward_first5": statistics.fmean(r.reward for r in records[:5]) if records else None,
+        "reward_last5": statistics.fmean(r.reward for r in records[-5:]) if records else None,
+        "changed_pct_mean": statistics.fmean(r.changed_pct for r in rows if r.version > 0) if len(rows) > 1 else None,
+        "lr": cfg.lr,
+    }
+    if control and flipsync and last:
+        f_bytes = statistics.fmean(last[n].bytes for n in flipsync)
+        f_lag = statistics.fmean(out["lag_steps"][n] for n in flipsync)
+        out["flipsync_bytes_mean"] = f_bytes
+        out["flipsync_lag_mean"] = f_lag
+        out["bytes_ratio"] = last[control].bytes / f_bytes if f_bytes else None
+        out["lag_ratio"] = out["lag_steps"][control] / f_lag if f_lag > 0 else None
+    return out
+
+
+def summary_lines(report: DemoReport) -> list[str]:
+    s = report.summary
+    lines = []
+    if "bytes_ratio" in s:
+        lines.append(
+            f"bytes over each link: flipsync islands {s['flipsync_bytes_mean'] / 1e6:.1f} MB (mean), full-checkpoint "
+            f"island {s['bytes'][CONTROL] / 1e6:.1f} MB: flipsync moved "
+            + (f"{s['bytes_ratio']:.1f}x fewer bytes" if s["bytes_ratio"] else "no bytes")
+        )
+        r = s["lag_ratio"]
+        if r is None:
+            verdict = "the flipsync islands never trailed"
+        elif r >= 1:
+            verdict = f"the flipsync islands trailed {r:.1f}x less"
+        else:
+            verdict = f"the full-checkpoint island trailed {1 / r:.1f}x less"
+        lines.append(
+            f"lag (trainer steps the served weights trailed the trainer, time-averaged): flipsync islands "
+            f"{s['flipsync_lag_mean']:.2f}, full-checkpoint island {s['lag_steps'][CONTROL]:.2f}: {verdict}; "
+            "rollouts dropped as stale: " + ", ".join(f"{n} {d}" for n, d in s["dropped"].items())
+        )
+    if s["reward_first5"] is not None:
+        changed = f"{s['changed_pct_mean']:.2f}%" if s["changed_pct_mean"] is not None else "-"
+        lines.append(
+            f"reward: first five steps {s['reward_first5']:.3f}, last five {s['reward_last5']:.3f} "
+            f"({s['reward_last5'] - s['reward_first5']:+.3f}); served values changed per version at lr "
+            f"{s['lr']:g}: {changed} (mean)"
+        )
+    return lines
 
 
 def write_outputs(report: DemoReport, out: Path) -> list[Path]:
@@ -475,15 +762,33 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     paths[0].write_text(json.dumps(report.to_json(), indent=2))
     patches = [r for r in report.versions if r.version > 0]
 
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        paths.append(out / name)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(11, 4))
+    if report.lag_samples:
+        names = list(report.lag_samples[0][2])
+        for name in names:
+            xs = [t for t, _, _ in report.lag_samples]
+            ys = [max(0, step - held[name]) for _, step, held in report.lag_samples]
+            style = {"lw": 2.2, "color": "tab:red"} if name == CONTROL else {"lw": 1.2, "alpha": 0.8}
+            label = f"{name} (reloads full checkpoints)" if name == CONTROL else f"{name} (flipsync patches)"
+            ax.step(xs, ys, where="post", label=label, **style)
+    ax.set_xlabel("wall time since the islands started (s)")
+    ax.set_ylabel("trainer steps behind")
+    ax.set_title(f"How far each island's served weights trail the trainer ({report.config['bandwidth']} link)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)  # beside the data
+    save(fig, "lag_over_time.png")
+
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([r.version for r in patches], [r.changed_pct for r in patches], marker="o")
     ax.set_xlabel("policy version")
     ax.set_ylabel("% of served values changed")
     ax.set_title(f"Served values changed per version ({report.config['served_format']}, lr {report.config['lr']:g})")
-    fig.tight_layout()
-    paths.append(out / "changed_fraction.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "changed_fraction.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.semilogy([r.version for r in patches], [r.patch_bytes for r in patches], marker="o", label="patch")
@@ -494,10 +799,7 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     ax.set_ylabel("bytes shipped per version")
     ax.set_title("Patch vs checkpoint bytes")
     ax.legend()
-    fig.tight_layout()
-    paths.append(out / "patch_vs_checkpoint.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "patch_vs_checkpoint.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([s.step for s in report.steps], [s.reward for s in report.steps], marker="o")
@@ -505,8 +807,5 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     ax.set_ylabel("mean reward of the batch")
     ax.set_ylim(0, 1)
     ax.set_title("Reward (rollouts generated by the islands)")
-    fig.tight_layout()
-    paths.append(out / "reward.png")
-    fig.savefig(paths[-1], dpi=120)
-    plt.close(fig)
+    save(fig, "reward.png")
     return paths

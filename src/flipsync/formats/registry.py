@@ -31,6 +31,7 @@ def get_format(name: str | ServedFormat) -> ServedFormat:
     if isinstance(name, ServedFormat):
         return name
     try:
-        return _FORMATS[name]
-    except (KeyError, TypeError):
+        # names are matched case-insensitively ('BF16' as `inspect` prints it, 'fp8_block' as Python spells it)
+        return _FORMATS[name.strip().lower().replace("_", "-")]
+    except (KeyError, TypeError, AttributeError):
         raise ConfigError(f"unknown served format {name!r}; valid formats: {', '.join(FORMAT_NAMES)}") from None

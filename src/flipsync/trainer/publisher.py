@@ -91,7 +91,8 @@ class Publisher:
         group: Group | None = None,
         config: PublisherConfig | None = None,
     ) -> None:
-        get_format(format)  # ConfigError for an unknown name, before any collective
+        # ConfigError for an unknown name, before any collective; manifests carry the canonical name ('BF16' -> bf16)
+        format = get_format(format).name
         self.config = cfg = config or PublisherConfig()
         threads = cfg.pool_threads
         self.model = model

