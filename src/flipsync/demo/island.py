@@ -158,7 +158,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
-        from flipsync.engines.vllm.worker import EXTENSION_CLS
+        from flipsync.engines.vllm.wire import EXTENSION_CLS
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
