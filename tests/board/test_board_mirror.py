@@ -17,15 +17,15 @@ import pytest
 import torch
 from board_helpers import make_s3_store
 
-from flipsync.board import BoardReader, Follower, KeyframePolicy, KeyframeStep, PatchStep, Step
+from flipsync.board import KeyframePolicy
 from flipsync.board.layout import MANIFEST
 from flipsync.board.mirror import MirrorCollector, MirrorPolicy, MirrorStore
-from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import ObstoreStore, open_store
-from flipsync.codec import FingerprintTable, apply_patch, int_view
+from flipsync.codec import int_view
 from flipsync.errors import ConfigError, StoreError
 from flipsync.formats import served_view
 from flipsync.trainer import Publisher, PublisherConfig
+from tests.trainer.trainer_helpers import Replica as CodecReplica
 
 pytestmark = pytest.mark.network_services
 RUN = "mirrored"
@@ -133,29 +133,14 @@ class Replicator(threading.Thread):
             raise self.error
 
 
-class Replica:
-    """Applies verified steps with the codec, all or nothing; checks each version's view fingerprint."""
+class Replica(CodecReplica):
+    """The trainer tests' replica (every step applied with the codec, each view fingerprint checked), here
+    reading the run through a mirror."""
 
     def __init__(self, store: MirrorStore) -> None:
-        self.reader = BoardReader(store, RUN)
-        self.follower = Follower(self.reader)
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.table = FingerprintTable()
+        super().__init__(store, RUN)
 
-    def apply(self, step: Step) -> None:
-        if isinstance(step, KeyframeStep):
-            self.tensors = {k: v.clone() for k, v in step.tensors.items()}
-            self.table = FingerprintTable.of(self.tensors)
-        else:
-            assert isinstance(step, PatchStep)
-            patch = patch_from_parts(step.parts, step.manifest, self.table)
-            apply_patch(self.tensors, patch, self.table, verify="digest")
-        assert self.table.view_fp() == step.manifest.target_view_fp
-
-    def sync(self, goal: int | None = None) -> int | None:
-        return self.follower.sync(self.apply, goal=goal)
-
-    def follow_each(self, head: int) -> None:
+    def follow_each(self, head: int) -> None:  # type: ignore[override]
         """Version by version (every patch applied), the way a polling sidecar meets them."""
         while self.follower.version != head:
             nxt = 0 if self.follower.version is None else self.follower.version + 1
