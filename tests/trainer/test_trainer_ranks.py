@@ -27,8 +27,10 @@ from trainer_helpers import (
 )
 
 from flipsync.board import KeyframePolicy, open_store
+from flipsync.board.catalog import Catalog
 from flipsync.board.parts import patch_from_parts
 from flipsync.codec import Patch
+from flipsync.domain.manifest import Kind
 from flipsync.errors import BoardError, NonFiniteError, PatchError
 from flipsync.trainer import Publisher, PublisherConfig
 
@@ -99,6 +101,12 @@ def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base
     assert_bitwise(expected_view(model), replica.tensors)
     parts = [Patch.from_bytes(p) for s in replica.patches for p in s.parts]
     assert len(parts) == 2 * len(replica.patches) and any(p.needs_base for p in parts)
+    # rank 0 squashed spans from every rank's part, re-coded without ctx: a new replica catches up by them
+    assert (0, 2) in Catalog(store, "ctxparts").list_spans()
+    late = Replica(store, "ctxparts")
+    late.sync(goal=0)
+    late.sync(goal=2)
+    assert late.steps[-1].manifest.kind is Kind.SPAN
     step = replica.patches[-1]
     with pytest.raises(PatchError, match="pass the engine's view as base"):
         patch_from_parts(step.parts, step.manifest)
