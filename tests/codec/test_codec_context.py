@@ -17,8 +17,8 @@ from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view
 
 CODER = ContextCoder()
-# The same coder decoding in chunks on a pool, whatever the base's size: its pass must give the same positions,
-# and refuse the same streams, as the one-thread pass.
+# The same coder working in chunks on a pool, whatever the base's size: its pass must give the same positions,
+# and refuse the same streams, as the one-thread pass, and its encoder the same stream.
 CHUNKED = (ContextCoder(chunk=97, parallel_from=0, workers=2), ContextCoder(chunk=4096, parallel_from=0, workers=3))
 DTYPES = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"]
 
@@ -56,6 +56,7 @@ def test_ctx_positions_round_trip(case: tuple[BaseBits, np.ndarray]) -> None:
     assert out.dtype == np.int64 and np.array_equal(out, pos)
     for coder in CHUNKED:
         assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, base), pos)
+        assert coder.encode(pos, base) == (params, blob)  # the chunked encoder writes the same stream
 
 
 @settings(max_examples=60, deadline=None)

@@ -20,7 +20,8 @@ stream's length: every rank costs at least one bit) and per-class counters.
 A large base is decoded in chunks on a thread pool, from the same stream: first each chunk's class counts
 (they depend on the base alone), whose prefix sums tell each chunk the rank each class starts at, so which
 ranks (a binary search per class) and which slice of the output are its own; then every chunk runs its own
-pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass.
+pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass. The encoder's
+pass (each change's class and rank) is chunked the same way and writes the same stream.
 """
 
 from __future__ import annotations
@@ -369,7 +370,7 @@ class ContextCoder(PositionCoder):
         if not isinstance(base, BaseBits):
             raise ValueError("the ctx coder needs the base tensor")
         rule = class_rule(base.dtype)
-        _, cls, rank = classes_and_ranks(base.bits, positions, base.dtype)
+        cls, rank = self._classes_and_ranks(np.ascontiguousarray(base.bits).reshape(-1), positions, rule)
         per_class = np.bincount(cls, minlength=rule.n_classes)
         used = np.flatnonzero(per_class)
         k_of = per_class[used]
@@ -408,15 +409,44 @@ class ContextCoder(PositionCoder):
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
 
+    def _workers(self) -> int:
+        # The counting pass adds about half a pass of work, and stage already spreads a patch's sections over
+        # the cores: by default, chunks only where there are at least 4 (on 2 busy cores they measured slower).
+        cores = os.cpu_count() or 1
+        return self.workers or (cores if cores >= 4 else 1)
+
+    def _classes_and_ranks(self, bits: np.ndarray, positions: np.ndarray, rule: ClassRule) -> tuple[np.ndarray, ...]:
+        """Each position's class and rank in it: one pass, or for a large base the decoder's chunks (counts,
+        then each chunk's ranks from the counts before it)."""
+        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        positions = np.ascontiguousarray(positions, np.int64)
+        cls = np.empty(positions.size, dtype=np.int64)
+        rank = np.empty(positions.size, dtype=np.int64)
+        workers = self._workers()
+        n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
+        if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
+            _ranks(bits, positions, *r, np.zeros(rule.n_classes, dtype=np.int64), cls, rank)
+            return cls, rank
+        bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
+        cuts = np.searchsorted(positions, bounds)
+        before = np.zeros((n_chunks, rule.n_classes), dtype=np.int64)
+
+        def ranks(j: int) -> None:
+            lo, hi, a, b = bounds[j], bounds[j + 1], cuts[j], cuts[j + 1]
+            _ranks(bits[lo:hi], positions[a:b] - lo, *r, before[j].copy(), cls[a:b], rank[a:b])
+
+        with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
+            list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
+            np.cumsum(before, axis=0, out=before)
+            list(pool.map(ranks, range(n_chunks)))
+        return cls, rank
+
     def _positions(
         self, bits: np.ndarray, rule: ClassRule, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, out: np.ndarray
     ) -> int:
         """Ranks to positions: one pass over the base on this thread, or, for a large base, chunks on a pool."""
         r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
-        # The counting pass adds about half a pass of work, and stage already spreads a patch's sections over
-        # the cores: by default, chunks only where there are at least 4 (on 2 busy cores they measured slower).
-        cores = os.cpu_count() or 1
-        workers = self.workers or (cores if cores >= 4 else 1)
+        workers = self._workers()
         n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
         if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
             return int(_emit_all(bits, *r, first, end, ranks, out))
