@@ -275,27 +275,27 @@ def _parts(replica: Replica) -> list[Patch]:
     return [Patch.from_bytes(part) for s in replica.patches for part in s.parts]
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, background: bool) -> None:
+@pytest.mark.parametrize(("fmt", "background"), [("bf16", False), ("bf16", True), ("nvfp4", False)])
+def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, fmt: str, background: bool) -> None:
     store = open_store(tmp_path)
     model = tiny_llama(hidden=128, vocab=256)
-    opt = adam(model, lr=1e-5)
+    opt = adam(model, lr=1e-5 if fmt == "bf16" else 1e-3)
     cfg = PublisherConfig(background=background, context=True, keyframe_policy=NO_KEYFRAMES)
-    with Publisher(model, store, run="ctx", optimizer=opt, config=cfg) as pub:
-        v0 = {k: v.clone() for k, v in expected_view(model).items()}
+    with Publisher(model, store, run="ctx", format=fmt, optimizer=opt, config=cfg) as pub:
+        v0 = {k: v.clone() for k, v in expected_view(model, fmt).items()}
         train(model, opt, 4)
         last = pub.flush()
     assert last is not None and last.step == 4
     replica = Replica(store, "ctx")
     replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    assert_bitwise(expected_view(model, fmt), replica.tensors)
     assert any(p.needs_base for p in _parts(replica))  # the option took effect
     # an engine that stages with the codec follows the same versions
     engine = MemoryEngine(v0)
     for s in replica.patches:
         staged = engine.stage(patch_from_parts(s.parts, s.manifest, engine.table, engine.tensors))
         engine.commit(staged)
-    assert_bitwise(expected_view(model), engine.tensors)
+    assert_bitwise(expected_view(model, fmt), engine.tensors)
     if background:  # a busy machine may fold steps, so which spans exist varies
         return
     # spans are squashed without the views in between, so they hold no ctx sections, and still apply
@@ -305,7 +305,7 @@ def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, 
     late.sync()
     assert [s.manifest.kind for s in late.steps] == [Kind.KEYFRAME, Kind.SPAN]
     assert not any(p.needs_base for p in _parts(late))
-    assert_bitwise(expected_view(model), late.tensors)
+    assert_bitwise(expected_view(model, fmt), late.tensors)
 
 
 def test_context_is_off_by_default_and_needs_a_host_base(tmp_path: Path) -> None:
