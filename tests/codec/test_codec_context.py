@@ -17,6 +17,9 @@ from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view
 
 CODER = ContextCoder()
+# The same coder working in chunks on a pool, whatever the base's size: its pass must give the same positions,
+# and refuse the same streams, as the one-thread pass, and its encoder the same stream.
+CHUNKED = (ContextCoder(chunk=97, parallel_from=0, workers=2), ContextCoder(chunk=4096, parallel_from=0, workers=3))
 DTYPES = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"]
 
 
@@ -32,6 +35,11 @@ def bases_and_positions(draw: st.DrawFn) -> tuple[BaseBits, np.ndarray]:
     bits = rng.integers(0, 1 << d.bits, size=numel, dtype=np.uint64).astype(d.uint_numpy)
     if draw(st.booleans()):  # few distinct values: long runs of one class
         bits = bits[rng.integers(0, min(3, numel), size=numel)]
+    if draw(st.booleans()):  # edge patterns: +-0, +-inf or all-ones exponents (NaN), smallest subnormals, max
+        top, ones = 1 << (d.bits - 1), (1 << d.bits) - 1
+        edges = np.array([0, top, ones, ones ^ top, 1, top | 1, top - 1, ones - 1], dtype=np.uint64)
+        at = rng.random(numel) < draw(st.sampled_from([0.05, 0.5]))
+        bits[at] = edges[rng.integers(0, edges.size, int(at.sum()))].astype(d.uint_numpy)
     density = draw(st.sampled_from([0.0005, 0.01, 0.2, 0.9, 1.0]))
     pos = np.flatnonzero(rng.random(numel) < density)
     if pos.size == 0:
@@ -46,6 +54,9 @@ def test_ctx_positions_round_trip(case: tuple[BaseBits, np.ndarray]) -> None:
     params, blob = CODER.encode(pos, base)
     out = CODER.decode(params, blob, pos.size, base.bits.size, base)
     assert out.dtype == np.int64 and np.array_equal(out, pos)
+    for coder in CHUNKED:
+        assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, base), pos)
+        assert coder.encode(pos, base) == (params, blob)  # the chunked encoder writes the same stream
 
 
 @settings(max_examples=60, deadline=None)
@@ -67,12 +78,19 @@ def test_corrupt_ctx_streams_are_refused_cleanly(case: tuple[BaseBits, np.ndarra
         n = data.draw(st.integers(0, 3 * n + 8))
     else:
         params = {**params, "classes": data.draw(st.integers(-1, class_rule(base.dtype).n_classes + 1))}
-    try:
-        out = CODER.decode(params, bytes(raw), n, base.bits.size, base)
-    except CorruptPatchError:
+    results = []
+    for coder in (CODER, *CHUNKED):
+        try:
+            results.append(coder.decode(params, bytes(raw), n, base.bits.size, base))
+        except CorruptPatchError:
+            results.append(None)
+    out = results[0]
+    assert all((r is None) == (out is None) for r in results), "the chunked pass and the one-thread pass disagree"
+    if out is None:
         return
-    # a mutation the stream cannot detect must still give n sorted positions inside the tensor
+    # a mutation the stream cannot detect must still give n sorted positions inside the tensor, the same ones
     assert out.size == n and (n == 0 or (np.all(np.diff(out) > 0) and out[0] >= 0 and out[-1] < base.bits.size))
+    assert all(np.array_equal(r, out) for r in results)
 
 
 def test_a_base_of_another_size_is_refused() -> None:

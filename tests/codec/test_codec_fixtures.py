@@ -2,26 +2,32 @@
 
 ``fixtures/v1`` holds patch files made by the version 1 codec (commit da543db; the cases of
 ``tests/fuzz/seeds.patch_cases`` and a long section whose values use four interleaved rANS lanes), each
-beside a safetensors file with its base (``old/``) and target (``new/``) views.
+beside a safetensors file with its base (``old/``) and target (``new/``) views. ``fixtures/v2`` holds version 2
+patches whose positions are coded against the base (``ctx``), written before its decoder learnt to work in
+chunks (commit 22e74bd; ``fixtures/make_v2.py``): BF16, F16, FP8 (E4M3) and packed FP4 (U8) sections.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import safetensors.torch
 import torch
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch
+from flipsync.codec.bits import dtype_named
+from flipsync.codec.context import BaseBits, ContextCoder
 from flipsync.codec.patch import encode_change
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1_CASES = sorted(p.stem for p in (FIXTURES / "v1").glob("*.patch"))
+V2_CASES = sorted(p.stem for p in (FIXTURES / "v2").glob("*.patch"))
 
 
-def _views(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    loaded = safetensors.torch.load_file(FIXTURES / "v1" / f"{name}.views.safetensors")
+def _views(name: str, version: str = "v1") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    loaded = safetensors.torch.load_file(FIXTURES / version / f"{name}.views.safetensors")
     old = {k.removeprefix("old/"): v for k, v in loaded.items() if k.startswith("old/")}
     new = {k.removeprefix("new/"): v for k, v in loaded.items() if k.startswith("new/")}
     return old, new
@@ -52,5 +58,47 @@ def test_v1_sections_reencode_to_the_same_bytes(name: str) -> None:
     assert patch.to_bytes() == data
     for change in patch.changes():
         section, blob = encode_change(change)
+        assert blob == bytes(patch.section_blob(change.name))
+        assert section == patch.header.sections[[s.name for s in patch.sections].index(change.name)]
+
+
+def test_every_v2_fixture_is_present_and_uses_ctx() -> None:
+    assert V2_CASES == ["bf16", "fp16", "fp8_block", "mxfp4"]
+    dtypes = set()
+    for name in V2_CASES:
+        patch = Patch.load(FIXTURES / "v2" / f"{name}.patch")
+        dtypes |= {s.dtype for s in patch.sections if s.pos["codec"] == "ctx"}
+    assert dtypes == {"BF16", "F16", "F8_E4M3", "U8"}
+
+
+@pytest.mark.parametrize("name", V2_CASES)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_v2_ctx_patches_apply_bitwise(name: str, chunked: bool) -> None:
+    old, new = _views(name, "v2")
+    patch = Patch.load(FIXTURES / "v2" / f"{name}.patch")
+    assert patch.needs_base
+    tensors = {k: v.clone() for k, v in old.items()}
+    if chunked:  # the chunked pass on a pool, as a large base gets it, must read the same stream
+        coder = ContextCoder(chunk=257, parallel_from=0, workers=2)
+        for change in patch.changes(old):
+            s = next(s for s in patch.sections if s.name == change.name)
+            if s.pos["codec"] == "ctx":
+                bits = old[change.name].contiguous().view(-1).view(torch.uint8).numpy()
+                base = BaseBits(bits.view(dtype_named(s.dtype).uint_numpy), dtype_named(s.dtype))
+                blob = bytes(patch.section_blob(s.name))[: s.pos["bytes"]]
+                positions = coder.decode(s.pos, blob, s.n, base.bits.size, base)
+                assert np.array_equal(positions, change.positions)
+    apply_patch(tensors, patch, FingerprintTable.of(tensors), verify="digest")
+    assert all(_same_bits(tensors[k], new[k]) for k in new)
+
+
+@pytest.mark.parametrize("name", V2_CASES)
+def test_v2_sections_reencode_to_the_same_bytes(name: str) -> None:
+    old, _ = _views(name, "v2")
+    data = (FIXTURES / "v2" / f"{name}.patch").read_bytes()
+    patch = Patch.from_bytes(data)
+    assert patch.to_bytes() == data
+    for change in patch.changes(old):
+        section, blob = encode_change(change, old[change.name])
         assert blob == bytes(patch.section_blob(change.name))
         assert section == patch.header.sections[[s.name for s in patch.sections].index(change.name)]

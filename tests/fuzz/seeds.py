@@ -17,6 +17,8 @@ from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa, x
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
 from flipsync.codec import Patch, diff_views, squash
+from flipsync.codec.bits import dtype_named
+from flipsync.codec.context import BaseBits, ContextCoder
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import PART_HASH, edit, patch_manifest
 
@@ -94,6 +96,32 @@ def split_sections(data: bytes) -> bytes:
     patch = Patch.from_bytes(data)
     blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
     return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
+
+
+def ctx_seeds() -> tuple[list[BaseBits], list[tuple[int, int, dict, bytes]]]:
+    """A few bases (BF16 weight-like, FP8, packed FP4 bytes, F16 with edge patterns) and ctx streams coded
+    against them: (base index, n, params, blob) each."""
+    rng = np.random.default_rng(7)
+    w = torch.from_numpy(rng.standard_normal(3000).astype(np.float32) * 0.02)
+    f16 = rng.integers(0, 1 << 16, 2000, dtype=np.uint64).astype(np.uint16)
+    f16[::7] = 0x7C00  # +inf; NaN and -0 below
+    f16[::11] = 0x7E01
+    f16[::13] = 0x8000
+    bases = [
+        BaseBits(w.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16), dtype_named("BF16")),
+        BaseBits(w.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), dtype_named("F8_E4M3")),
+        BaseBits(rng.integers(0, 256, 2500, dtype=np.uint64).astype(np.uint8), dtype_named("U8")),
+        BaseBits(f16, dtype_named("F16")),
+    ]
+    inputs = []
+    coder = ContextCoder()
+    for i, base in enumerate(bases):
+        for density in (0.002, 0.05, 0.5):
+            pos = np.flatnonzero(rng.random(base.bits.size) < density)
+            if pos.size:
+                params, blob = coder.encode(pos, base)
+                inputs.append((i, int(pos.size), params, blob))
+    return bases, inputs
 
 
 def manifests() -> list[Manifest]:

@@ -10,6 +10,9 @@ without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in
 - ``sections``: the patch header JSON and the section streams, re-wrapped into a valid container, so that
   mutations reach the header validation and the stream decoders (rice, zstd, bits, rANS, kind flags)
   instead of dying in the container's own zstd/base64 layer.
+- ``ctx``: a ``ctx`` position stream with its parameters (``CTX_PARAMS`` bytes: base index, n, classes,
+  nbits) decoded against one of a few seed bases by the one-thread pass and by the chunked pass on a pool:
+  both refuse it (``CorruptPatchError``) or both give the same n sorted positions inside the tensor.
 - ``manifest``: manifest JSON -> ``Manifest.from_json``, canonical round trip, signature verification,
   board placement and catch-up planning.
 - ``keyframe``: a keyframe's index JSON and one shard -> ``tensors_from_files`` and fingerprints.
@@ -52,6 +55,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
     from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
+    from flipsync.codec.context import BaseBits, ContextCoder
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
@@ -135,6 +139,43 @@ class PatchTarget:
         apply_patch(work, patch, table, verify="digest")
         expected = self._views.get(patch.header.target.view)
         assert expected is None or _same(work, expected), "an apply reached the target fingerprint with other bits"
+
+
+CTX_PARAMS = 7  # base index (1 byte), n (uint32 LE), classes (1 byte), nbits (1 byte)
+
+
+class CtxTarget:
+    """Decode a ctx position stream against a seed base with the one-thread and the chunked pass."""
+
+    def __init__(self, bases: list[BaseBits]) -> None:
+        self.bases = bases
+        self.coders = (ContextCoder(workers=1), ContextCoder(chunk=61, parallel_from=0, workers=3))
+
+    @staticmethod
+    def pack(base_index: int, n: int, params: dict, blob: bytes) -> bytes:
+        head = bytes([base_index]) + n.to_bytes(4, "little") + bytes([params["classes"] & 0xFF, params["nbits"]])
+        return head + blob
+
+    def __call__(self, data: bytes) -> None:
+        if len(data) < CTX_PARAMS:
+            return
+        base = self.bases[data[0] % len(self.bases)]
+        n = int.from_bytes(data[1:5], "little")
+        params = {"codec": "ctx", "classes": data[5], "nbits": data[6]}
+        blob = data[CTX_PARAMS:]
+        results = []
+        for coder in self.coders:
+            try:
+                results.append(coder.decode(params, blob, n, base.bits.size, base))
+            except CorruptPatchError:
+                results.append(None)
+        out = results[0]
+        assert all((r is None) == (out is None) for r in results), "the chunked and one-thread passes disagree"
+        if out is None:
+            return
+        assert out.dtype == np.int64 and out.size == n
+        assert np.all(np.diff(out) > 0) and out[0] >= 0 and out[-1] < base.bits.size
+        assert all(np.array_equal(r, out) for r in results), "the chunked and one-thread passes disagree"
 
 
 def container_end(data: bytes) -> int:
@@ -222,6 +263,9 @@ def build(name: str) -> tuple[Target, list[bytes]]:
             return PatchTarget(pairs), [c.data for c in cases] + seeds.spliced_patches(cases)
         inputs = [seeds.split_sections(c.data) for c in cases]
         return SectionsTarget(pairs), inputs
+    if name == "ctx":
+        bases, inputs = seeds.ctx_seeds()
+        return CtxTarget(bases), [CtxTarget.pack(*i) for i in inputs]
     if name == "manifest":
         return ManifestTarget(), seeds.manifest_seeds()
     if name == "keyframe":

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from obstore.store import MemoryStore
@@ -25,8 +26,8 @@ from flipsync.errors import ConfigError, CorruptPatchError, IntegrityError
 from tests.fuzz import seeds, targets
 
 ROOT = Path(__file__).resolve().parents[2]
-NAMES = ("patch", "sections", "manifest", "keyframe", "keys")
-SECONDS_PER_TARGET = 2  # five targets, each also ~3 s to start: about 25 s in all
+NAMES = ("patch", "sections", "ctx", "manifest", "keyframe", "keys")
+SECONDS_PER_TARGET = 2  # six targets, each also ~3 s to start: about 30 s in all
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,27 @@ def test_seeds_decode_and_pass_their_targets(cases: list[seeds.PatchCase]) -> No
         assert inputs
         for data in inputs:
             target(data)
+
+
+def test_mutated_ctx_streams_are_refused_or_decode_alike_in_both_passes() -> None:
+    """Without atheris too: random flips, cuts and parameter changes of the ctx seeds through the ctx target."""
+    target, inputs = targets.build("ctx")
+    rng = np.random.default_rng(0)
+    assert len(inputs) >= 10
+    for data in inputs:
+        for _ in range(60):
+            raw = bytearray(data)
+            how = rng.integers(0, 4)
+            if how == 0:
+                i = int(rng.integers(targets.CTX_PARAMS, len(raw)))
+                raw[i] ^= 1 << int(rng.integers(0, 8))
+            elif how == 1:
+                raw = raw[: int(rng.integers(targets.CTX_PARAMS, len(raw)))]
+            elif how == 2:
+                raw[1:5] = int(rng.integers(0, 3 * int.from_bytes(raw[1:5], "little") + 8)).to_bytes(4, "little")
+            else:
+                raw[int(rng.integers(5, 7))] = int(rng.integers(0, 256))
+            target(bytes(raw))  # only CorruptPatchError is caught inside; anything else fails here
 
 
 def test_bytes_past_the_container_are_refused(cases: list[seeds.PatchCase]) -> None:

@@ -12,7 +12,10 @@ from trainer_helpers import Replica, adam, assert_bitwise, expected_view, tiny_l
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
+from flipsync.board.parts import patch_from_parts
+from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
+from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import ConfigError, ConflictError
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
@@ -266,3 +269,46 @@ def test_default_threads_share_the_node_among_local_ranks(monkeypatch: pytest.Mo
     assert default_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "eight")
     assert default_threads() == 56
+
+
+def _parts(replica: Replica) -> list[Patch]:
+    return [Patch.from_bytes(part) for s in replica.patches for part in s.parts]
+
+
+@pytest.mark.parametrize(("fmt", "background"), [("bf16", False), ("bf16", True), ("nvfp4", False)])
+def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, fmt: str, background: bool) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama(hidden=128, vocab=256)
+    opt = adam(model, lr=1e-5 if fmt == "bf16" else 1e-3)
+    cfg = PublisherConfig(background=background, context=True, keyframe_policy=NO_KEYFRAMES)
+    with Publisher(model, store, run="ctx", format=fmt, optimizer=opt, config=cfg) as pub:
+        v0 = {k: v.clone() for k, v in expected_view(model, fmt).items()}
+        train(model, opt, 4)
+        last = pub.flush()
+    assert last is not None and last.step == 4
+    replica = Replica(store, "ctx")
+    replica.follow_each()
+    assert_bitwise(expected_view(model, fmt), replica.tensors)
+    assert any(p.needs_base for p in _parts(replica))  # the option took effect
+    # an engine that stages with the codec follows the same versions
+    engine = MemoryEngine(v0)
+    for s in replica.patches:
+        staged = engine.stage(patch_from_parts(s.parts, s.manifest, engine.table, engine.tensors))
+        engine.commit(staged)
+    assert_bitwise(expected_view(model, fmt), engine.tensors)
+    if background:  # a busy machine may fold steps, so which spans exist varies
+        return
+    # spans are squashed without the views in between, so they hold no ctx sections, and still apply
+    assert set(Catalog(store, "ctx").list_spans()) == {(0, 2), (2, 4), (0, 4)}
+    late = Replica(store, "ctx")
+    late.sync(goal=0)
+    late.sync()
+    assert [s.manifest.kind for s in late.steps] == [Kind.KEYFRAME, Kind.SPAN]
+    assert not any(p.needs_base for p in _parts(late))
+    assert_bitwise(expected_view(model, fmt), late.tensors)
+
+
+def test_context_is_off_by_default_and_needs_a_host_base(tmp_path: Path) -> None:
+    assert PublisherConfig().context is False
+    with pytest.raises(ConfigError, match="keep_on='host'"):
+        PublisherConfig(context=True, keep_on="device")

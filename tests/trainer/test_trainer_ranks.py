@@ -27,7 +27,11 @@ from trainer_helpers import (
 )
 
 from flipsync.board import KeyframePolicy, open_store
-from flipsync.errors import BoardError, NonFiniteError
+from flipsync.board.catalog import Catalog
+from flipsync.board.parts import patch_from_parts
+from flipsync.codec import Patch
+from flipsync.domain.manifest import Kind
+from flipsync.errors import BoardError, NonFiniteError, PatchError
 from flipsync.trainer import Publisher, PublisherConfig
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)
@@ -81,6 +85,31 @@ def test_partitioned_ranks_publish_one_version_of_several_parts(tmp_path: Path, 
     assert_bitwise(expected_view(model, fmt), replica.tensors)
     assert replica.patches and all(len(s.manifest.parts) == 2 for s in replica.patches)  # one part per rank
     assert {s.manifest.meta["ranks"] for s in replica.patches} == {2}
+
+
+def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    model = tiny_llama(tie=False, layers=2, hidden=64, vocab=128)
+    opt = adam(model, lr=1e-5)
+    pubs = start(partitions(model, 2), store, "ctxparts", background=False, context=True)
+    for _ in range(3):
+        train(model, opt, 1)
+        step_all(pubs)
+    step_all(pubs, "close")
+    replica = Replica(store, "ctxparts")  # joins each version's two parts with its tensors as the base
+    replica.follow_each()
+    assert_bitwise(expected_view(model), replica.tensors)
+    parts = [Patch.from_bytes(p) for s in replica.patches for p in s.parts]
+    assert len(parts) == 2 * len(replica.patches) and any(p.needs_base for p in parts)
+    # rank 0 squashed spans from every rank's part, re-coded without ctx: a new replica catches up by them
+    assert (0, 2) in Catalog(store, "ctxparts").list_spans()
+    late = Replica(store, "ctxparts")
+    late.sync(goal=0)
+    late.sync(goal=2)
+    assert late.steps[-1].manifest.kind is Kind.SPAN
+    step = replica.patches[-1]
+    with pytest.raises(PatchError, match="pass the engine's view as base"):
+        patch_from_parts(step.parts, step.manifest)
 
 
 def test_replicated_ranks_split_the_tensors_and_keep_fused_groups_together(tmp_path: Path) -> None:

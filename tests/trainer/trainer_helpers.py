@@ -83,7 +83,7 @@ class Replica:
             self.table = FingerprintTable.of(self.tensors)
         else:
             assert isinstance(step, PatchStep)
-            patch = patch_from_parts(step.parts, step.manifest, self.table)
+            patch = patch_from_parts(step.parts, step.manifest, self.table, self.tensors)
             apply_patch(self.tensors, patch, self.table, verify="digest")
         assert self.table.view_fp() == step.manifest.target_view_fp
         self.steps.append(step)

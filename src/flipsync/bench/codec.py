@@ -72,6 +72,8 @@ class CodecRow:
     header_bpt: float  # bytes of the patch file outside its coded sections, per changed tensor
     stage_ns: float  # codec.stage per changed value (decode, base pass, new bits, fingerprints)
     stage_v1_ns: float  # the same for the version 1 patch
+    stage_ns_b: float  # codec.stage per byte of the base view (the ctx pass reads the base)
+    stage_v1_ns_b: float  # the same for the version 1 patch
     xor_zstd_bpc: float
     int32_bpc: float
     int64_bpc: float
@@ -189,6 +191,8 @@ def measure_pair(
         header_bpt=(len(data) - patch.nbytes) / max(1, len(patch.sections)),
         stage_ns=stage_s / changed * 1e9,
         stage_v1_ns=stage_v1_s / changed * 1e9,
+        stage_ns_b=stage_s / view_bytes * 1e9,
+        stage_v1_ns_b=stage_v1_s / view_bytes * 1e9,
         xor_zstd_bpc=base["xor"] / changed,
         int32_bpc=base["i32"] / changed,
         int64_bpc=base["i64"] / changed,
@@ -371,6 +375,8 @@ def table(rows: list[CodecRow]) -> Table:
         "decode Mpos/s",
         "stage ns/chg",
         "v1 stage ns/chg",
+        "stage ns/B",
+        "v1 stage ns/B",
         "hdr B/tensor",
         "diff speedup",
         "apply/copy",
@@ -383,6 +389,8 @@ def table(rows: list[CodecRow]) -> Table:
             f"{r.decode_mpos_s:.1f}",
             f"{r.stage_ns:.0f}",
             f"{r.stage_v1_ns:.0f}",
+            f"{r.stage_ns_b:.2f}",
+            f"{r.stage_v1_ns_b:.2f}",
             f"{r.header_bpt:.0f}",
             f"{r.diff_speedup:.2f}x",
             f"{r.apply_vs_copy:.3f}",
@@ -406,7 +414,8 @@ METHODS_MD = """Methods, all applied to the same pair of served views in this pr
 - **v1 coders**: flipsync's patch with today's coders only (`diff_views(..., context=False)`), side by side.
 
 *stage ns/chg* is `codec.stage` (decode, the pass over the base for `ctx` sections, new bits, fingerprint
-checks) per changed value, for the patch and for the v1-coder patch; *hdr B/tensor* is the patch file's
+checks) per changed value, for the patch and for the v1-coder patch; *stage ns/B* the same per byte of the
+base view; *hdr B/tensor* is the patch file's
 bytes outside its coded sections (container, compressed header: names, fingerprints, digests) per tensor.
 
 Columns: *changed %* is the share of served values that differ after the step; *B/chg* is bytes per changed

@@ -10,20 +10,32 @@ so a patch that disagrees with its (signed) manifest is refused before the engin
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from flipsync.codec import FingerprintTable, Patch, squash
 from flipsync.domain.headers import ViewRef
 from flipsync.domain.manifest import Manifest
 from flipsync.errors import CorruptPatchError, PatchError
 
+if TYPE_CHECKING:
+    import torch
 
-def patch_from_parts(parts: Sequence[bytes], manifest: Manifest, table: FingerprintTable | None = None) -> Patch:
+
+def patch_from_parts(
+    parts: Sequence[bytes],
+    manifest: Manifest,
+    table: FingerprintTable | None = None,
+    base: Mapping[str, torch.Tensor] | None = None,
+) -> Patch:
     """One patch from ``manifest.base_view_fp`` to ``manifest.target_view_fp``; CorruptPatchError otherwise.
 
     ``table``: the engine's tensors. Every section must name one of them with its dtype and shape, checked
     before anything is decoded: squashing a chain decodes every part, and only real shapes bound what the
     counts a header declares would allocate.
+
+    ``base``: the tensors the version applies to (the engine's view), needed to squash a chain of parts some
+    of whose sections are coded against their base (``ctx``, a publisher with ``context=True``).
     """
     where = f"{manifest.kind.value} v{manifest.base_version}->v{manifest.target_version}"
     if not parts:
@@ -35,8 +47,13 @@ def patch_from_parts(parts: Sequence[bytes], manifest: Manifest, table: Fingerpr
     if len(patches) == 1:
         patch = patches[0]
     elif all(a.header.target.view == b.header.base.view for a, b in itertools.pairwise(patches)):
+        if base is None and any(p.needs_base for p in patches):
+            raise PatchError(
+                f"{where}: its parts code positions against their base values (ctx), so joining them needs the "
+                "tensors they apply to: pass the engine's view as base, or publish with PublisherConfig(context=False)"
+            )
         try:
-            patch = squash(patches)
+            patch = squash(patches, base=base)
         except PatchError as e:
             raise CorruptPatchError(f"{where}: its parts do not squash into one patch: {e}") from None
     elif all(p.header.base.view == manifest.base_view_fp for p in patches):

@@ -16,11 +16,19 @@ Decoding is one streaming pass over the base: each element's class is computed f
 counter gives its rank, and an element whose rank is the next one its class expects is a changed position.
 Positions come out sorted; the pass stops at the last change. Memory: the n ranks (n is bounded by the
 stream's length: every rank costs at least one bit) and per-class counters.
+
+A large base is decoded in chunks on a thread pool, from the same stream: first each chunk's class counts
+(they depend on the base alone), whose prefix sums tell each chunk the rank each class starts at, so which
+ranks (a binary search per class) and which slice of the output are its own; then every chunk runs its own
+pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass. The encoder's
+pass (each change's class and rank) is chunked the same way and writes the same stream.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -166,20 +174,18 @@ def _gamma(data: np.ndarray, p: int, total: int) -> tuple[int, int]:
 
 
 @numba.njit(nogil=True, cache=True)
-def _decode(
-    data: np.ndarray, n_used: int, nbits: int, n_classes: int, base: np.ndarray, s1: int, m1: int,
-    s2: int, m2: int, w1: int, out: np.ndarray,
+def _decode_ranks(
+    data: np.ndarray, n_used: int, nbits: int, n_classes: int, numel: int, first: np.ndarray, end: np.ndarray,
+    ranks: np.ndarray,
 ) -> int:  # fmt: skip
-    """Read the table and the rank gaps, then turn ranks into positions in one pass over ``base``."""
+    """Read the table and the rank gaps: each used class's ranks land in ``ranks[first[c]:end[c]]`` (rising);
+    an unused class has ``first[c] == -1``. Returns OK or a status."""
     total = data.shape[0] * 8
-    n = out.shape[0]
+    n = ranks.shape[0]
     if n_used * (nbits + 2) > total:
         return TRUNCATED
     p = 0
-    first = np.full(n_classes, -1, dtype=np.int64)  # each used class's first rank slot
-    end = np.zeros(n_classes, dtype=np.int64)
     ks = np.zeros(n_used, dtype=np.int64)
-    cls_of = np.zeros(n_used, dtype=np.int64)
     cnt = np.zeros(n_used, dtype=np.int64)
     prev = -1
     filled = 0
@@ -197,18 +203,24 @@ def _decode(
         if c >= n_classes or k < 0 or k > 62 or k_c > n - filled:
             return CORRUPT
         prev = c
-        cls_of[u], cnt[u], ks[u] = c, k_c, k
+        cnt[u], ks[u] = k_c, k
         first[c] = filled
         filled += k_c
         end[c] = filled
     if filled != n:
         return CORRUPT
-    ranks = np.empty(n, dtype=np.int64)
-    used = rice_decode_runs(data, p, ks, cnt, ranks, base.shape[0])  # ranks within each class, below numel
+    used = rice_decode_runs(data, p, ks, cnt, ranks, numel)  # ranks within each class, below numel
     if used < 0:
         return used
     if (p + used + 7) // 8 != data.shape[0]:
         return CORRUPT  # bytes no rank claims
+    return OK
+
+
+@numba.njit(nogil=True, cache=True)
+def _emit_all(base, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
+    """The one-thread pass over the whole base (it stops at the last change); OK or CORRUPT."""
+    n_classes = first.shape[0]
     nxt = np.full(n_classes, -1, dtype=np.int64)
     ptr = np.zeros(n_classes, dtype=np.int64)
     for c in range(n_classes):
@@ -216,19 +228,22 @@ def _decode(
             ptr[c] = first[c]
             nxt[c] = ranks[first[c]]
     seen = np.zeros(n_classes, dtype=np.int64)
-    emitted = _emit(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out)
-    return OK if emitted == n else CORRUPT  # else some class names ranks past its size in this base
+    emitted = _emit(base, 0, base.shape[0], s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out)
+    return OK if emitted == out.shape[0] else CORRUPT  # else some class names ranks past its size in this base
 
 
 @numba.njit(nogil=True, cache=True)
-def _emit(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out):  # type: ignore[no-untyped-def]
-    """The pass: emit, in order, the elements whose rank in their class is the next one that class expects;
-    stop at the last. Signed shifts, and the second field only when the rule has one (packed FP4 bytes): the
-    loop-invariant test is hoisted by the compiler, and a one-field pass runs about twice as fast."""
+def _emit(base, lo, hi, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out):  # type: ignore[no-untyped-def]
+    """The pass over ``base[lo:hi]``: emit, in order, the elements whose rank in their class is the next one
+    that class expects; stop at the last. Signed shifts, and the second field only when the rule has one
+    (packed FP4 bytes): the loop-invariant test is hoisted by the compiler, and a one-field pass runs about
+    twice as fast."""
     n = out.shape[0]
     emitted = 0
+    if n == 0:
+        return 0
     two = m2 != 0
-    for i in range(base.shape[0]):
+    for i in range(lo, hi):
         u = np.int64(base[i])
         c = (u >> s1) & m1
         if two:
@@ -244,6 +259,63 @@ def _emit(base, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out):  # type: i
             ptr[c] = q
             nxt[c] = ranks[q] if q < end[c] else -1
     return emitted
+
+
+@numba.njit(nogil=True, cache=True)
+def _count(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
+    """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
+    histograms, so that runs of one class do not wait on the previous store to the same counter."""
+    n_classes = counts.shape[0]
+    h = np.zeros((4, n_classes), dtype=np.int64)
+    two = m2 != 0
+    i = lo
+    while i + 4 <= hi:
+        for t in range(4):
+            u = np.int64(base[i + t])
+            c = (u >> s1) & m1
+            if two:
+                c |= ((u >> s2) & m2) << w1
+            h[t, c] += 1
+        i += 4
+    while i < hi:
+        u = np.int64(base[i])
+        c = (u >> s1) & m1
+        if two:
+            c |= ((u >> s2) & m2) << w1
+        h[0, c] += 1
+        i += 1
+    for c in range(n_classes):
+        counts[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+
+
+@numba.njit(nogil=True, cache=True)
+def _offsets(before: np.ndarray, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, offs: np.ndarray) -> None:
+    """``offs[j]``: how many changes lie before chunk j, given ``before[j, c]``, class c's elements before it
+    (row K: the whole tensor's counts, so ``offs[K]`` is every change whose rank its class holds)."""
+    for j in range(before.shape[0]):
+        o = 0
+        for c in range(first.shape[0]):
+            if first[c] >= 0:
+                o += np.searchsorted(ranks[first[c] : end[c]], before[j, c])
+        offs[j] = o
+
+
+@numba.njit(nogil=True, cache=True)
+def _emit_chunk(base, lo, hi, s1, m1, s2, m2, w1, before, first, end, ranks, out):  # type: ignore[no-untyped-def]
+    """One chunk's pass, independent of the others: ``before`` holds each class's count before ``lo``, and
+    ``out`` is the chunk's share of the positions. OK, or CORRUPT if the chunk does not hold them all."""
+    n_classes = first.shape[0]
+    seen = before.copy()
+    nxt = np.full(n_classes, -1, dtype=np.int64)
+    ptr = np.zeros(n_classes, dtype=np.int64)
+    for c in range(n_classes):
+        if first[c] >= 0:
+            q = first[c] + np.searchsorted(ranks[first[c] : end[c]], before[c])
+            ptr[c] = q
+            if q < end[c]:
+                nxt[c] = ranks[q]
+    emitted = _emit(base, lo, hi, s1, m1, s2, m2, w1, seen, nxt, ptr, end, ranks, out)
+    return OK if emitted == out.shape[0] else CORRUPT
 
 
 def classes_and_ranks(base: np.ndarray, positions: np.ndarray, d: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -283,6 +355,14 @@ class ContextCoder(PositionCoder):
     codec_id: ClassVar[str] = "ctx"
     needs_base: ClassVar[bool] = True
 
+    def __init__(self, *, chunk: int = 1 << 20, parallel_from: int = 1 << 22, workers: int | None = None) -> None:
+        """``chunk``: elements per chunk of the decoding pass (a base of at least ``parallel_from`` elements is
+        decoded in chunks on ``workers`` threads; default: every core, from 4 cores). The stream is the same
+        either way."""
+        self.chunk = max(1, chunk)
+        self.parallel_from = parallel_from
+        self.workers = workers
+
     def accepts(self, positions: np.ndarray, base: Any = None) -> bool:
         return isinstance(base, BaseBits) and positions.size > 0 and class_rule(base.dtype).n_classes > 1
 
@@ -290,7 +370,7 @@ class ContextCoder(PositionCoder):
         if not isinstance(base, BaseBits):
             raise ValueError("the ctx coder needs the base tensor")
         rule = class_rule(base.dtype)
-        _, cls, rank = classes_and_ranks(base.bits, positions, base.dtype)
+        cls, rank = self._classes_and_ranks(np.ascontiguousarray(base.bits).reshape(-1), positions, rule)
         per_class = np.bincount(cls, minlength=rule.n_classes)
         used = np.flatnonzero(per_class)
         k_of = per_class[used]
@@ -317,10 +397,75 @@ class ContextCoder(PositionCoder):
         bits = np.ascontiguousarray(base.bits).reshape(-1)
         if bits.size != numel:
             raise CorruptPatchError(f"ctx stream: the base holds {bits.size} elements, the section {numel}")
-        out = np.empty(n, dtype=np.int64)
         data = np.frombuffer(blob, dtype=np.uint8)
-        status = _decode(data, n_used, nbits, rule.n_classes, bits, rule.s1, rule.m1, rule.s2, rule.m2,
-                         rule.w1, out)  # fmt: skip
+        first = np.full(rule.n_classes, -1, dtype=np.int64)
+        end = np.zeros(rule.n_classes, dtype=np.int64)
+        ranks = np.empty(n, dtype=np.int64)
+        status = _decode_ranks(data, n_used, nbits, rule.n_classes, numel, first, end, ranks)
+        out = np.empty(n, dtype=np.int64)
+        if status == OK:
+            status = self._positions(bits, rule, first, end, ranks, out)
         if status != OK:
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
+
+    def _workers(self) -> int:
+        # The counting pass adds about half a pass of work, and stage already spreads a patch's sections over
+        # the cores: by default, chunks only where there are at least 4 (on 2 busy cores they measured slower).
+        cores = os.cpu_count() or 1
+        return self.workers or (cores if cores >= 4 else 1)
+
+    def _classes_and_ranks(self, bits: np.ndarray, positions: np.ndarray, rule: ClassRule) -> tuple[np.ndarray, ...]:
+        """Each position's class and rank in it: one pass, or for a large base the decoder's chunks (counts,
+        then each chunk's ranks from the counts before it)."""
+        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        positions = np.ascontiguousarray(positions, np.int64)
+        cls = np.empty(positions.size, dtype=np.int64)
+        rank = np.empty(positions.size, dtype=np.int64)
+        workers = self._workers()
+        n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
+        if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
+            _ranks(bits, positions, *r, np.zeros(rule.n_classes, dtype=np.int64), cls, rank)
+            return cls, rank
+        bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
+        cuts = np.searchsorted(positions, bounds)
+        before = np.zeros((n_chunks, rule.n_classes), dtype=np.int64)
+
+        def ranks(j: int) -> None:
+            lo, hi, a, b = bounds[j], bounds[j + 1], cuts[j], cuts[j + 1]
+            _ranks(bits[lo:hi], positions[a:b] - lo, *r, before[j].copy(), cls[a:b], rank[a:b])
+
+        with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
+            list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
+            np.cumsum(before, axis=0, out=before)
+            list(pool.map(ranks, range(n_chunks)))
+        return cls, rank
+
+    def _positions(
+        self, bits: np.ndarray, rule: ClassRule, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, out: np.ndarray
+    ) -> int:
+        """Ranks to positions: one pass over the base on this thread, or, for a large base, chunks on a pool."""
+        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        workers = self._workers()
+        n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
+        if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
+            return int(_emit_all(bits, *r, first, end, ranks, out))
+        bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
+        # Each chunk's class counts (what depends on the base alone), then each chunk's own pass: a chunk knows
+        # from the counts before it which ranks it holds, and where in ``out`` its positions go.
+        before = np.zeros((n_chunks, rule.n_classes), dtype=np.int64)
+        with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
+            list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
+            np.cumsum(before, axis=0, out=before)
+            offs = np.empty(n_chunks + 1, dtype=np.int64)
+            _offsets(before, first, end, ranks, offs[:-1])
+            offs[-1] = out.size  # a rank past its class's size in this base: the last chunk cannot emit it
+
+            def emit(j: int) -> int:
+                lo, hi = int(offs[j]), int(offs[j + 1])
+                if lo == hi:
+                    return OK
+                return int(_emit_chunk(bits, bounds[j], bounds[j + 1], *r, before[j], first, end, ranks, out[lo:hi]))
+
+            statuses = list(pool.map(emit, range(n_chunks)))
+        return OK if all(st == OK for st in statuses) else CORRUPT

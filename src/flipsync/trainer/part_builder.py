@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from flipsync.codec import (
     DiffEngine,
@@ -65,11 +66,14 @@ def _code(
     new: np.ndarray,
     dtype: str,
     emit: Emit | None,
+    base: torch.Tensor | None = None,
 ) -> tuple[SectionHeader, bytes]:
     """One piece's section as `build_part` would code it, with blank fingerprints (run on the coder), handed
-    to ``emit`` as soon as it is coded."""
+    to ``emit`` as soon as it is coded. ``base``: the whole tensor the change applies to, on the host, to also
+    try coding the positions against it (``ctx``; the replica then needs it to decode)."""
     d = dtype_named(dtype)
-    section, blob = encode_change(TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0))
+    change = TensorChange(name, d, shape, positions, key_steps(old, new, d), None, 0, 0)
+    section, blob = encode_change(change, base)
     if emit is not None:
         emit(name, blob)
     return section, blob
@@ -95,6 +99,7 @@ def diff_pieces(
     hasher: Hasher,
     coder: Executor | None = None,
     emit: Emit | None = None,
+    context: bool = False,
 ) -> list[PieceChange]:
     """Changed elements of every piece (same layout on both sides, checked by the caller).
 
@@ -114,7 +119,9 @@ def diff_pieces(
         digest = hasher.digest_soon(tb) if b.whole else None
         coded = None
         if coder is not None:
-            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name, emit)
+            # ctx ranks are counted over the whole tensor: a row shard cannot count the rows it does not hold
+            held = ta if context and a.whole and ta.device.type == "cpu" else None
+            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name, emit, held)
         found.append((name, positions, changes.old, changes.new, delta, digest, coded))
     return [PieceChange(n, p, o, w, d, dg() if dg else None, c) for n, p, o, w, d, dg, c in found]
 

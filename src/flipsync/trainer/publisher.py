@@ -145,6 +145,7 @@ class Publisher:
             spans=cfg.spans,
             meta=run_meta,
             chunk_bytes=cfg.chunk_bytes,
+            context=cfg.context,
         )
         layout, table = self.rounds.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.

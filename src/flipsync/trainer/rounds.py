@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +149,18 @@ def from_wire(
     }
 
 
+class _Inline(Executor):
+    """Runs what is submitted at once, on the caller's thread."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+
 class VersionRounds:
     """Publishes versions of one run; holds the view of the last published version (this rank's pieces)."""
 
@@ -166,6 +178,7 @@ class VersionRounds:
         spans: bool,
         meta: Mapping[str, str | int],
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        context: bool = False,
     ) -> None:
         if (group.rank == 0) != (board is not None):
             raise ConfigError("exactly rank 0 holds the board publisher")
@@ -179,6 +192,7 @@ class VersionRounds:
         self.coder: Executor | None = None  # codes sections while the next piece is diffed (the worker's)
         self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (the worker's)
         self.chunk_bytes = chunk_bytes
+        self.context = context  # code whole host pieces' positions against the previous view (ctx)
         self._release = release
         self.meta = dict(meta)
         self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
@@ -248,7 +262,11 @@ class VersionRounds:
         rank = self.group.rank
         t0 = time.perf_counter()
         try:
-            changes = diff_pieces(self.base, item.view, self.differ, self.hasher, self.coder, stream.add)
+            # Without the worker's coder (inline publishing), ctx sections are coded as each piece is diffed.
+            coder = self.coder or (_Inline() if self.context else None)
+            changes = diff_pieces(
+                self.base, item.view, self.differ, self.hasher, coder, stream.add, context=self.context
+            )
             failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
             changes, failure = [], f"rank {rank}: {_first_line(e)}"
@@ -334,6 +352,8 @@ class VersionRounds:
                 err = f"rank {self.group.rank}: {_first_line(e)}"
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()
+                if patch.needs_base:  # rank 0 squashes spans without the views in between: no ctx there
+                    data = self._base_free(patch) if self.group.size == 1 else self._base_free(patch).to_bytes()
         reports = self.group.gather((err, info, data), f"the parts of v{version}")
         result: tuple[str, Any] = ("fatal", "no result")
         spans_input: list[Patch] = []
@@ -366,6 +386,15 @@ class VersionRounds:
         else:
             stream.abort()  # unreferenced now; retention would remove it later anyway
         return result, spans_input, 0 if info is None else info.size
+
+    def _base_free(self, patch: Patch) -> Patch:
+        """``patch`` with every section coded by version 1 coders, decoded against this rank's base pieces."""
+        assert self.base is not None
+        held = {n: p.tensor for n, p in self.base.items() if p.whole}
+        h = patch.header
+        return Patch.from_changes(
+            list(patch.changes(held)), base=h.base, target=h.target, served_format=h.served_format, meta=h.meta
+        )
 
     def _finish(
         self,

@@ -453,8 +453,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if patch.needs_base:
             raise PatchError(
                 "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
-                "engine's sidecar does not hold (they live in the workers): publish it through a board, whose "
-                "publisher writes version 1 patches, or rebuild it with diff_views(..., context=False)"
+                "engine's sidecar does not hold (they live in the workers): publish with "
+                "PublisherConfig(context=False) (the default), or rebuild it with diff_views(..., context=False)"
             )
         changes = {s.name: patch.change(s.name) for s in patch.sections}
         # where each changed element lives, and who reports its old bits
