@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
@@ -76,6 +77,22 @@ class MeteredStore(ThrottledStore):
             self.meters.bytes_read.value += n
 
 
+def serve_commands(conn: Connection, engine: Engine, version: Callable[[], int | None]) -> None:
+    """Answer the parent's commands until it says ``stop`` or goes away."""
+    try:
+        while True:
+            command, arg = conn.recv()
+            if command == "stop":
+                return
+            if command == "audit":
+                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
+                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
+                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
+                conn.send(("audit", {"version": version(), "view_fp": table.view_fp(), "tensors": tensors}))
+    except EOFError:
+        pass  # the parent went away
+
+
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
     # Islands stand for machines elsewhere: on the demo's shared cores they yield to the trainer and its
@@ -109,18 +126,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     sidecar.start()
     conn.send(("ready", sidecar.url))
     try:
-        while True:
-            command, arg = conn.recv()
-            if command == "stop":
-                break
-            if command == "audit":
-                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
-                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
-                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
-                version = sidecar.replica.version
-                conn.send(("audit", {"version": version, "view_fp": table.view_fp(), "tensors": tensors}))
-    except EOFError:
-        pass  # the parent went away
+        serve_commands(conn, engine, lambda: sidecar.replica.version)
     finally:
         sidecar.stop()
         stop_engine()
