@@ -245,7 +245,7 @@ class BoardWriter:
         meta: Meta | None,
     ) -> Manifest:
         """Create a checked patch version's manifest; HEAD moves to it, lengthening the chain since the keyframe."""
-        m = self._commit(
+        m = self._artifacts.commit(
             self.layout.version_dir(target_version),
             parts,
             Kind.PATCH,
@@ -350,7 +350,7 @@ class BoardWriter:
                 )
         folder = self.layout.span_dir(base_version, target_version)
         files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        return self._commit(
+        return self._artifacts.commit(
             folder,
             self._artifacts.upload(folder, files),
             Kind.SPAN,
@@ -375,8 +375,9 @@ class BoardWriter:
         *,
         existing: Callable[[], Manifest] | None = None,
     ) -> Manifest:
-        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (see ``_commit``)."""
-        return self._commit(
+        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (``existing``: see
+        ``ArtifactWriter.commit``)."""
+        return self._artifacts.commit(
             folder,
             self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
             Kind.KEYFRAME,
@@ -387,45 +388,6 @@ class BoardWriter:
             {**meta, "tensors": len(tensors)},
             existing=existing,
         )
-
-    def _commit(
-        self,
-        folder: str,
-        parts: Sequence[Part],
-        kind: Kind,
-        version: int,
-        base: tuple[int, str] | None,
-        view_fp: str,
-        served_format: str,
-        meta: Meta,
-        *,
-        existing: Callable[[], Manifest] | None = None,
-    ) -> Manifest:
-        """Create the manifest of uploaded ``parts``.
-
-        Without ``existing`` it is a version's manifest and fences: whoever created it first wins. With it, the
-        artifact (an extra keyframe, a span) is idempotent: if one with the same end views is already there,
-        ``existing()`` reads it and it is returned.
-        """
-        try:
-            return self._artifacts.commit(
-                folder,
-                parts,
-                kind=kind,
-                version=version,
-                base=base,
-                target_view_fp=view_fp,
-                served_format=served_format,
-                meta=meta,
-                fence=existing is None,
-            )
-        except ConflictError:
-            if existing is None:
-                raise
-            m = existing()
-            if (m.base_view_fp, m.target_view_fp) != (base[1] if base else None, view_fp):
-                raise
-            return m
 
     def _advance(self, m: Manifest) -> None:
         self._head = m
