@@ -37,16 +37,8 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
     """The ranks' model: a larger tiny Llama (two layers, four heads)."""
     from trainer_helpers import tiny_llama as build
 
-    return build(
-        seed,
-        hidden=64,
-        layers=2,
-        vocab=128,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    more = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return build(seed, hidden=64, layers=2, vocab=128, intermediate_size=96, **more)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
