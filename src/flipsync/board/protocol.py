@@ -2,9 +2,11 @@
 
 `ArtifactWriter` puts an artifact's files in a fresh attempt folder and makes them durable (``upload``), then
 creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``commit``). A conflict means
-someone else's manifest is there: our parts are unreferenced and removed. A failed or timed-out create may
-still have landed: it is read back, and retried within ``manifest_retry_s``, never followed by deleting
-parts. `flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
+someone else's manifest is there: our parts are unreferenced and removed, and a version's publisher is fenced
+off, while an extra keyframe or span that someone published with the same end views is theirs to return
+(idempotent). A failed or timed-out create may still have landed: it is read back, and retried within
+``manifest_retry_s``, never followed by deleting parts. `flipsync.board.writer` decides what to publish and
+when (fences, HEAD, cadence) on top of this.
 """
 
 from __future__ import annotations
