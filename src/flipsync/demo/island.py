@@ -164,7 +164,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
-        from flipsync.engines.vllm.wire import EXTENSION_CLS
+        from flipsync.engines.vllm.engine import serve_command
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -172,31 +172,9 @@ class VllmServer:
         iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu wants Intel OpenMP preloaded
         if iomp.exists():
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
-        cmd = [
-            # vllm-cpu's `vllm` command asks for a distribution named "vllm" and fails; the module entry works
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model_dir,
-            "--served-model-name",
-            "flipsync-demo",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--enforce-eager",
-            "--max-model-len",
-            "128",
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
-            "--worker-extension-cls",
-            EXTENSION_CLS,
-        ]
+        model = ["--served-model-name", "flipsync-demo", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
+        limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
+        cmd = serve_command(self.python, self.model_dir, self.port, *model, *limits)
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
