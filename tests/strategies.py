@@ -99,12 +99,14 @@ def view_pairs(draw: st.DrawFn, max_tensors: int = 4, max_numel: int = 3000) -> 
     return old, new
 
 
-def patch_chain(
-    rng: np.random.Generator, start: dict[str, torch.Tensor], steps: int
-) -> tuple[list[dict[str, torch.Tensor]], list[Patch]]:
-    """``steps`` edits of ``start`` (ulp, bits and runs in turn, 20% of the values each) and the patches between
-    consecutive views, each coded as steps or, three times in ten, as raw values; every patch read back from its
-    bytes. Returns the ``steps + 1`` views and the ``steps`` patches."""
+@st.composite
+def patch_chains(draw: st.DrawFn, max_steps: int) -> tuple[list[dict[str, torch.Tensor]], list[Patch]]:
+    """2 to ``max_steps`` edits of a drawn view (ulp, bits and runs in turn, 20% of the values each) and the
+    patches between consecutive views, each coded as steps or, three times in ten, as raw values; every patch
+    read back from its bytes. Draws the ``steps + 1`` views and the ``steps`` patches."""
+    start = draw(view_pairs(max_tensors=3, max_numel=2000))[0]
+    steps = draw(st.integers(2, max_steps))
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     views = [start]
     for i in range(steps):
         views.append({k: edit(rng, v, 0.2, style=["ulp", "bits", "runs"][i % 3]) for k, v in views[-1].items()})

@@ -11,6 +11,7 @@ import subprocess
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -25,6 +26,8 @@ AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 S3_CREDS = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
 BACKENDS = ["file", "memory", "s3", "azure"]
+
+SilentS3 = Callable[..., ObstoreStore]  # the ``silent_s3`` fixture (conftest)
 
 
 def free_port() -> int:

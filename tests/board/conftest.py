@@ -14,12 +14,17 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import pytest
 from board_helpers import (
     AZURITE_ACCOUNT,
+    S3_CREDS,
+    SilentS3,
     fast_options,
     free_port,
     make_azure_store,
@@ -111,3 +116,36 @@ def store_factory(request: pytest.FixtureRequest, tmp_path: object) -> Iterator[
 @pytest.fixture
 def store(store_factory: StoreFactory) -> ObstoreStore:
     return store_factory()
+
+
+@pytest.fixture
+def silent_s3() -> Iterator[SilentS3]:
+    """``silent_s3(max_retries=n)``: an S3 store whose endpoint, on loopback, accepts connections and never
+    answers (0.3 s request timeout, 1 s retry budget)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    conns: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        srv.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conns.append(srv.accept()[0])
+            except OSError:
+                continue
+
+    def make(*, max_retries: int) -> ObstoreStore:
+        opts = fast_options(**S3_CREDS, endpoint=f"http://127.0.0.1:{srv.getsockname()[1]}")
+        opts = replace(opts, request_timeout_s=0.3, max_retries=max_retries, retry_timeout_s=1.0)
+        return open_store("s3://bucket/board", opts)
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    yield make
+    stop.set()
+    t.join(timeout=2)
+    for c in conns:
+        c.close()
+    srv.close()

@@ -4,18 +4,14 @@ on the board is lost or overwritten."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
-from board_helpers import S3_CREDS, Recorder, backend_params, build_run, fast_options, fp, patch_bytes
+from board_helpers import Recorder, SilentS3, backend_params, build_run, fp, patch_bytes
 
 from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader, Step
-from flipsync.board.store import ObstoreStore, open_store
+from flipsync.board.store import ObstoreStore
 from flipsync.errors import BoardError, IntegrityError, StoreError
 
 L = RunLayout("run")
@@ -137,40 +133,8 @@ def test_apply_failure_keeps_last_good_version(store: ObstoreStore) -> None:
     assert f.sync(Recorder()) == 4  # once the engine recovers, it carries on
 
 
-@pytest.fixture
-def black_hole() -> Iterator[int]:
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    stop = threading.Event()
-    conns: list[socket.socket] = []
-
-    def accept() -> None:
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conns.append(srv.accept()[0])
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join(timeout=2)
-    for c in conns:
-        c.close()
-    srv.close()
-
-
-def test_store_timing_out_keeps_last_good_version(black_hole: int) -> None:
-    opts = replace(
-        fast_options(**S3_CREDS, endpoint=f"http://127.0.0.1:{black_hole}"),
-        request_timeout_s=0.3,
-        max_retries=1,
-        retry_timeout_s=1.0,
-    )
-    store = open_store("s3://bucket/board", opts)
+def test_store_timing_out_keeps_last_good_version(silent_s3: SilentS3) -> None:
+    store = silent_s3(max_retries=1)
     f = Follower(BoardReader(store, "run"), version=7, view_fp=fp(7))
     with pytest.raises(StoreError, match="failed"):
         f.sync(Recorder())

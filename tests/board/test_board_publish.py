@@ -4,6 +4,7 @@ crashes at every step, and catch-up over chains, spans and keyframes."""
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -22,15 +23,21 @@ from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundE
 ALL = backend_params()
 
 
+def ends(
+    base: int, target: int, lineage: str = "a", *, base_lineage: str = "a", served_format: str = "bf16"
+) -> dict[str, Any]:
+    """The keyword arguments naming a patch's or a span's two ends: v``base`` to v``target`` of ``lineage``."""
+    return {
+        "base_version": base,
+        "target_version": target,
+        "base_view_fp": fp(base, base_lineage),
+        "target_view_fp": fp(target, lineage),
+        "served_format": served_format,
+    }
+
+
 def patch(pub: BoardWriter, v: int, lineage: str = "a", size: int = 2000) -> None:
-    pub.publish_patch(
-        [patch_bytes(v, size)],
-        base_version=v - 1,
-        target_version=v,
-        base_view_fp=fp(v - 1, lineage),
-        target_view_fp=fp(v, lineage),
-        served_format="bf16",
-    )
+    pub.publish_patch([patch_bytes(v, size)], **ends(v - 1, v, lineage, base_lineage=lineage))
 
 
 @pytest.mark.parametrize("store_factory", ALL, indirect=True)
@@ -78,14 +85,7 @@ def test_racing_publishers_exactly_one_creates_the_version(store: ObstoreStore) 
     def go(i: int) -> None:
         barrier.wait(timeout=10)
         try:
-            results[i] = pubs[i].publish_patch(
-                [patch_bytes(100 + i)],
-                base_version=1,
-                target_version=2,
-                base_view_fp=fp(1),
-                target_view_fp=fp(2, lineage=f"trainer{i}"),
-                served_format="bf16",
-            )
+            results[i] = pubs[i].publish_patch([patch_bytes(100 + i)], **ends(1, 2, f"trainer{i}"))
         except ConflictError as e:
             results[i] = e
 
@@ -118,28 +118,14 @@ def test_stale_and_restarted_trainers_are_fenced(store: ObstoreStore) -> None:
     assert b.resume() is not None and b.head is not None and b.head.version == 2
     patch(a, 3)  # a moves on; b still believes HEAD is v2
     with pytest.raises(ConflictError, match=r"v3 of run 'run' was already published by trainer-a"):
-        b.publish_patch(
-            [b"b's patch"],
-            base_version=2,
-            target_version=3,
-            base_view_fp=fp(2),
-            target_view_fp=fp(3, "b"),
-            served_format="bf16",
-        )
+        b.publish_patch([b"b's patch"], **ends(2, 3, "b"))
     # A trainer restarted from an older checkpoint (its base is v1) is fenced with a clear message.
     c = BoardWriter(store, "run", publisher_id="trainer-c")
     with pytest.raises(ConflictError, match=r"its base is v1 .* board's HEAD is v3"):
         patch(c, 2)
     # Same version number but a different view (a second trainer in lock step) is fenced too.
     with pytest.raises(ConflictError, match="fenced off"):
-        c.publish_patch(
-            [b"x"],
-            base_version=3,
-            target_version=4,
-            base_view_fp=fp(3, "other"),
-            target_view_fp=fp(4, "other"),
-            served_format="bf16",
-        )
+        c.publish_patch([b"x"], **ends(3, 4, "other", base_lineage="other"))
     # Taking over explicitly: a snapshot on top of HEAD; patches then continue from it.
     c.publish_snapshot(small_view(9), version=4, view_fp=fp(4, "c"), served_format="bf16")
     patch(c, 5, lineage="c")
@@ -161,57 +147,22 @@ def test_publish_arguments_are_checked(store: ObstoreStore) -> None:
         pub.publish_snapshot(small_view(), version=3, view_fp=fp(3), served_format="bf16")
     pub.publish_snapshot(small_view(), version=0, view_fp=fp(0), served_format="bf16")
     with pytest.raises(BoardError, match="publish_span"):
-        pub.publish_patch(
-            [b"x"],
-            base_version=0,
-            target_version=2,
-            base_view_fp=fp(0),
-            target_view_fp=fp(2),
-            served_format="bf16",
-        )
+        pub.publish_patch([b"x"], **ends(0, 2))
     with pytest.raises(BoardError, match="served format"):
-        pub.publish_patch(
-            [b"x"],
-            base_version=0,
-            target_version=1,
-            base_view_fp=fp(0),
-            target_view_fp=fp(1),
-            served_format="fp8",
-        )
+        pub.publish_patch([b"x"], **ends(0, 1, served_format="fp8"))
     patch(pub, 1)
     with pytest.raises(IntegrityError, match="not v1's view"):
         pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1, "zz"), served_format="bf16")
     with pytest.raises(IntegrityError, match="span's target view"):
-        pub.publish_span(
-            [b"x"],
-            base_version=0,
-            target_version=1,
-            base_view_fp=fp(0),
-            target_view_fp=fp(7),
-            served_format="bf16",
-        )
+        pub.publish_span([b"x"], **{**ends(0, 1), "target_view_fp": fp(7)})
     with pytest.raises(NotFoundError):
         pub.publish_keyframe(small_view(1), version=5, view_fp=fp(5), served_format="bf16")
     # Keyframes and spans are idempotent: a second publisher doing the same work gets the same answer.
     k1 = pub.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16")
     other = BoardWriter(store, "run", publisher_id="t2")
     assert other.publish_keyframe(small_view(1), version=1, view_fp=fp(1), served_format="bf16") == k1
-    s1 = pub.publish_span(
-        [span_bytes(0, 1)],
-        base_version=0,
-        target_version=1,
-        base_view_fp=fp(0),
-        target_view_fp=fp(1),
-        served_format="bf16",
-    )
-    s2 = other.publish_span(
-        [b"different bytes"],
-        base_version=0,
-        target_version=1,
-        base_view_fp=fp(0),
-        target_view_fp=fp(1),
-        served_format="bf16",
-    )
+    s1 = pub.publish_span([span_bytes(0, 1)], **ends(0, 1))
+    s2 = other.publish_span([b"different bytes"], **ends(0, 1))
     assert s1 == s2
     # A snapshot version is its own keyframe.
     assert pub.publish_keyframe(small_view(), version=0, view_fp=fp(0), served_format="bf16").version == 0
@@ -249,14 +200,7 @@ def test_crash_at_any_step_leaves_a_usable_board(store: ObstoreStore, crash_on: 
     crashing = BoardWriter(CrashingStore(store, crash_on=crash_on), "run", publisher_id="trainer-0")
     crashing.resume()
     with pytest.raises(KeyboardInterrupt):
-        crashing.publish_patch(
-            [patch_bytes(4), patch_bytes(-4)],
-            base_version=3,
-            target_version=4,
-            base_view_fp=fp(3),
-            target_view_fp=fp(4),
-            served_format="bf16",
-        )
+        crashing.publish_patch([patch_bytes(4), patch_bytes(-4)], **ends(3, 4))
     published = crash_on == "hint"  # the manifest was written before the crash
     reader = BoardReader(store, "run")
     assert reader.head() == (4 if published else 3)
@@ -276,14 +220,7 @@ def test_ambiguous_manifest_write_is_resolved_by_reading_back(store: ObstoreStor
     build_run(store, 1)
     crashing = CrashingStore(store, crash_on="manifest", land_first=True)
     pub = BoardWriter(crashing, "run", publisher_id="trainer-0")
-    m = pub.publish_patch(
-        [patch_bytes(2)],
-        base_version=1,
-        target_version=2,
-        base_view_fp=fp(1),
-        target_view_fp=fp(2),
-        served_format="bf16",
-    )
+    m = pub.publish_patch([patch_bytes(2)], **ends(1, 2))
     assert BoardReader(store, "run").catalog.version(2) == m
 
 
@@ -326,15 +263,7 @@ def upload(store: ObstoreStore, version: int, attempt: str, parts: list[bytes]) 
 
 
 def commit(pub: BoardWriter, parts: list[Part], v: int, lineage: str = "a") -> Manifest:
-    return pub.commit_uploaded_patch(
-        parts,
-        base_version=v - 1,
-        target_version=v,
-        base_view_fp=fp(v - 1),
-        target_view_fp=fp(v, lineage),
-        served_format="bf16",
-        meta={"ranks": len(parts)},
-    )
+    return pub.commit_uploaded_patch(parts, **ends(v - 1, v, lineage), meta={"ranks": len(parts)})
 
 
 @pytest.mark.parametrize("store_factory", ALL, indirect=True)
@@ -374,14 +303,8 @@ def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore)
     with pytest.raises(ConflictError, match=r"its base is v2 .* board's HEAD is v3"):
         commit(c, upload(store, 3, new_attempt_id(), [patch_bytes(-32)]), 3, lineage="c")
     with pytest.raises(BoardError, match="served format"):
-        c.commit_uploaded_patch(
-            upload(store, 4, new_attempt_id(), [patch_bytes(-40)]),
-            base_version=3,
-            target_version=4,
-            base_view_fp=fp(3),
-            target_view_fp=fp(4),
-            served_format="fp8",
-        )
+        parts = upload(store, 4, new_attempt_id(), [patch_bytes(-40)])
+        c.commit_uploaded_patch(parts, **ends(3, 4, served_format="fp8"))
     assert BoardReader(store, "run").head() == 3
 
 

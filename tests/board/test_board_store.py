@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
-from board_helpers import S3_CREDS, backend_params, fast_options, free_port
+from board_helpers import S3_CREDS, SilentS3, backend_params, fast_options, free_port
 from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
 
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
@@ -177,42 +175,8 @@ def test_options_are_validated() -> None:
 # -- faults ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def black_hole() -> Iterator[int]:
-    """A loopback server that accepts connections and never answers."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(64)
-    conns: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        srv.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                c, _ = srv.accept()
-                conns.append(c)
-            except OSError:
-                continue
-
-    t = threading.Thread(target=accept, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join(timeout=2)
-    for c in conns:
-        c.close()
-    srv.close()
-
-
-def test_store_that_times_out_gives_a_clear_bounded_error(black_hole: int) -> None:
-    opts = replace(
-        fast_options(**S3_CREDS, endpoint=f"http://127.0.0.1:{black_hole}"),
-        request_timeout_s=0.3,
-        max_retries=2,
-        retry_timeout_s=1.0,
-    )
-    s = open_store("s3://bucket/board", opts)
+def test_store_that_times_out_gives_a_clear_bounded_error(silent_s3: SilentS3) -> None:
+    s = silent_s3(max_retries=2)
     t0 = time.monotonic()
     with pytest.raises(StoreError, match="failed") as err:
         s.get("runs/r/latest.json")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -100,23 +103,33 @@ def test_tampered_values_fail_verification_before_any_write(chain: list) -> None
     assert unchanged(work, chain[0])
 
 
+@contextlib.contextmanager
+def int_view_failing_at(monkeypatch: pytest.MonkeyPatch, call: int, error: BaseException) -> Iterator[None]:
+    """Inside: the ``call``-th integer view apply takes raises ``error`` (a write that fails midway)."""
+    real = apply_mod.int_view
+    calls = 0
+
+    def failing(t: torch.Tensor) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == call:
+            raise error
+        return real(t)
+
+    monkeypatch.setattr(apply_mod, "int_view", failing)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(apply_mod, "int_view", real)
+
+
 def test_failure_midway_through_commit_rolls_back(chain: list, monkeypatch: pytest.MonkeyPatch) -> None:
     p01, _ = diff_views(chain[0], chain[1])
     work = snapshot(chain[0])
     table = FingerprintTable.of(work)
-    real = apply_mod.int_view
-    calls = {"n": 0}
-
-    def flaky(t: torch.Tensor) -> torch.Tensor:
-        calls["n"] += 1
-        if calls["n"] == 3:  # the third tensor's scatter fails
-            raise RuntimeError("device lost")
-        return real(t)
-
-    monkeypatch.setattr(apply_mod, "int_view", flaky)
-    with pytest.raises(RuntimeError, match="device lost"):
+    lost = RuntimeError("device lost")
+    with int_view_failing_at(monkeypatch, 3, lost), pytest.raises(RuntimeError, match="device lost"):  # 3rd tensor
         apply_patch(work, p01, table)
-    monkeypatch.setattr(apply_mod, "int_view", real)
     assert unchanged(work, chain[0])
     assert table == FingerprintTable.of(chain[0])
 
@@ -125,19 +138,8 @@ def test_interrupt_midway_rolls_back(chain: list, monkeypatch: pytest.MonkeyPatc
     p01, _ = diff_views(chain[0], chain[1])
     work = snapshot(chain[0])
     table = FingerprintTable.of(work)
-    real = apply_mod.int_view
-    calls = {"n": 0}
-
-    def interrupted(t: torch.Tensor) -> torch.Tensor:
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real(t)
-
-    monkeypatch.setattr(apply_mod, "int_view", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with int_view_failing_at(monkeypatch, 2, KeyboardInterrupt()), pytest.raises(KeyboardInterrupt):
         apply_patch(work, p01, table)
-    monkeypatch.setattr(apply_mod, "int_view", real)
     assert unchanged(work, chain[0])
 
 

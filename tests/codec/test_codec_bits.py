@@ -67,19 +67,14 @@ def test_one_ulp_is_one_step() -> None:
     assert np.all(to_key(nxt, d) - to_key(bits, d) == 1)
 
 
-@given(st.lists(st.integers(min_value=0, max_value=(1 << 32) - 1), min_size=1, max_size=200))
-def test_key_round_trip_32(values: list[int]) -> None:
-    for name in ("F32", "I32"):
+@pytest.mark.parametrize(("names", "np_dtype"), [(("F32", "I32"), np.uint32), (("F64", "I64"), np.uint64)])
+@given(data=st.data())
+def test_key_round_trip_wide(names: tuple[str, ...], np_dtype: type, data: st.DataObject) -> None:
+    top = int(np.iinfo(np_dtype).max)
+    values = data.draw(st.lists(st.integers(min_value=0, max_value=top), min_size=1, max_size=200))
+    for name in names:
         d = dtype_named(name)
-        bits = np.array(values, dtype=np.uint32)
-        assert np.array_equal(from_key(to_key(bits, d), d), bits)
-
-
-@given(st.lists(st.integers(min_value=0, max_value=(1 << 64) - 1), min_size=1, max_size=200))
-def test_key_round_trip_64(values: list[int]) -> None:
-    for name in ("F64", "I64"):
-        d = dtype_named(name)
-        bits = np.array(values, dtype=np.uint64)
+        bits = np.array(values, dtype=np_dtype)
         assert np.array_equal(from_key(to_key(bits, d), d), bits)
 
 

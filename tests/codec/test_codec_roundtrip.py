@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
-from tests.strategies import edit, patch_chain, same_bits, view_pairs
+from tests.strategies import edit, patch_chains, same_bits, view_pairs
 
 
 def clone(view: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -37,13 +37,9 @@ def test_round_trip_is_bitwise(pair: tuple[dict, dict], mode: str) -> None:
     assert (len(decoded) == 0) == (changed == 0)
 
 
-@given(
-    st.lists(view_pairs(max_tensors=3, max_numel=2000), min_size=1, max_size=1),
-    st.integers(2, 5),
-    st.integers(0, 2**31),
-)
-def test_squash_equals_sequential_apply(pairs: list, steps: int, seed: int) -> None:
-    views, patches = patch_chain(np.random.default_rng(seed), pairs[0][0], steps)
+@given(patch_chains(max_steps=5))
+def test_squash_equals_sequential_apply(chain: tuple) -> None:
+    views, patches = chain
     merged = Patch.from_bytes(squash(patches).to_bytes())
     work = clone(views[0])
     wt = FingerprintTable.of(work)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from flipsync.codec import squash
 from flipsync.codec.bits import dtype_named
 from flipsync.codec.patch import TensorChange
-from tests.strategies import patch_chain, view_pairs
+from tests.strategies import patch_chains
 
 # The package re-exports the function ``squash`` under the submodule's name.
 squash_module = importlib.import_module("flipsync.codec.squash")
@@ -128,13 +128,9 @@ def test_merge_edge_cases() -> None:
         assert_same(squash_module._merge(a, b), reference_merge(a, b))
 
 
-@given(
-    st.lists(view_pairs(max_tensors=3, max_numel=2000), min_size=1, max_size=1),
-    st.integers(2, 4),
-    st.integers(0, 2**31),
-)
-def test_squash_bytes_match_the_numpy_definition(pairs: list, steps: int, seed: int) -> None:
-    _, patches = patch_chain(np.random.default_rng(seed), pairs[0][0], steps)
+@given(patch_chains(max_steps=4))
+def test_squash_bytes_match_the_numpy_definition(chain: tuple) -> None:
+    _, patches = chain
     got = squash(patches)
     with mock.patch.object(squash_module, "_merge", reference_merge):
         want = squash(patches)

@@ -13,29 +13,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich.console import Console
 from typer.testing import CliRunner
 
 from flipsync.cli import app
-from flipsync.demo.run import CONTROL, DemoConfig, run_demo, summary_lines, write_outputs
+from flipsync.demo.run import CONTROL, summary_lines, write_outputs
+from tests.demo.demo_helpers import run_short_demo
 
 FLIPSYNC = ("island-0", "island-1")
 
 
 def test_short_demo_run(tmp_path: Path) -> None:
-    cfg = DemoConfig(
-        model="llama-1m",
-        steps=3,
-        islands=2,
-        warm_start_steps=20,
-        prompts_per_step=3,
-        group_size=3,
-        lr=1e-5,
-        max_staleness=3,  # the loaded CI machine may be slow to start; this test checks plumbing, not lag
-        bandwidth="200mbit",
-        out=tmp_path,
-    )
-    report = run_demo(cfg, Console(width=200, record=True))
+    report = run_short_demo(tmp_path, islands=2)
     assert report.bitwise_equal == dict.fromkeys(FLIPSYNC, True)
     final = report.versions[-1].version
     assert final >= 1 and all(report.audits[n]["version"] == final for n in FLIPSYNC)

@@ -10,9 +10,9 @@ import os
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 
-from flipsync.demo.run import CONTROL, DemoConfig, run_demo
+from flipsync.demo.run import CONTROL
+from tests.demo.demo_helpers import run_short_demo
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("FLIPSYNC_VLLM_PYTHON"),
@@ -22,20 +22,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_demo_on_vllm_islands(tmp_path: Path) -> None:
-    cfg = DemoConfig(
-        model="llama-1m",
-        engine="vllm",
-        steps=3,
-        islands=1,
-        warm_start_steps=20,
-        prompts_per_step=3,
-        group_size=3,
-        lr=1e-5,
-        max_staleness=3,
-        bandwidth="200mbit",
-        out=tmp_path,
-    )
-    report = run_demo(cfg, Console(width=200, record=True))
+    report = run_short_demo(tmp_path, engine="vllm", islands=1)
     # vLLM's weights stay in its workers: equality is of the fingerprints recomputed from them
     assert report.bitwise_equal == {"island-0": True}
     final = report.versions[-1].version

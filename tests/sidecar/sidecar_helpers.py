@@ -4,6 +4,8 @@ engines and stores, loopback servers."""
 from __future__ import annotations
 
 import collections
+import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -287,3 +289,15 @@ class FlakyStore:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 15.0) -> int:
+    """SIGTERM ``proc`` if it still runs and wait ``timeout_s`` for it (then kill it); its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    return proc.returncode

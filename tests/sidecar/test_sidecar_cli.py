@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from typer.testing import CliRunner
 
 from flipsync.board.store import ObstoreStore
 from flipsync.sidecar.cli import sidecar_app
-from tests.sidecar.sidecar_helpers import Trainer
+from tests.sidecar.sidecar_helpers import Trainer, stop_process
 
 
 def _free_port() -> int:
@@ -32,17 +31,6 @@ def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         module = "flipsync.relay.cli" if args[0] == "relay" else "flipsync.sidecar.cli"
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-    return proc.returncode
 
 
 def _wait_http(url: str, timeout: float, procs: list[subprocess.Popen[bytes]]) -> None:
@@ -95,7 +83,7 @@ def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str,
         stats = httpx.get(f"http://127.0.0.1:{relay_port}/relay/stats", timeout=10).json()
         assert stats["upstream"] > 0 and stats["board"].startswith("file://")
     finally:
-        codes = (_stop(side), _stop(relay))
+        codes = (stop_process(side), stop_process(relay))
     logs = (tmp_path / "sidecar.log").read_text() + (tmp_path / "relay.log").read_text()
     assert codes == (0, 0), logs
 

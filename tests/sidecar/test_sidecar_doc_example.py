@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import pytest
 
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
+from tests.sidecar.sidecar_helpers import stop_process
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "sidecar.md"
 
@@ -112,13 +112,8 @@ def test_the_trainer_and_sidecar_example_runs_as_written(tmp_path: Path) -> None
             time.sleep(0.2)
         assert status["version"] == head and status["view_fp"] == want, status
     finally:
-        if sidecar is not None and sidecar.poll() is None:
-            sidecar.send_signal(signal.SIGTERM)
-            try:
-                sidecar.wait(20)
-            except subprocess.TimeoutExpired:
-                sidecar.kill()
-                sidecar.wait(5)
+        if sidecar is not None:
+            stop_process(sidecar, 20)
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes], log: Path, timeout_s: float = 180) -> None:

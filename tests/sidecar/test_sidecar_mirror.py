@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.serving import ServerThread
 from flipsync.sidecar.cli import sidecar_app
 from flipsync.sidecar.service import Sidecar
-from tests.sidecar.sidecar_helpers import FAST, Trainer, fast_replica, tiny_engine, wait_until
+from tests.sidecar.sidecar_helpers import FAST, Trainer, fast_replica, stop_process, tiny_engine, wait_until
 
 
 def test_sidecar_exports_mirror_metrics(trainer: Trainer, board_dir: str) -> None:
@@ -111,11 +110,5 @@ def test_sidecar_cli_follows_a_mirror_that_lacks_every_part(
         assert metric(text, "flipsync_mirror_waits_total") >= 1
         assert metric(text, "flipsync_mirror_manifests_total") >= 1  # v1's manifest appeared while it looked
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        stop_process(proc)
     assert proc.returncode == 0, log.read_text()

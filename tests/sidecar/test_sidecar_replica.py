@@ -170,30 +170,29 @@ def test_unsigned_manifests_are_refused_with_a_verifier(store: ObstoreStore) -> 
     assert rep.sync_once() and rep.version == 3 and same_bits(served(rep), trainer.views[3])
 
 
-def test_an_engine_that_rejects_a_commit_keeps_its_version(store: ObstoreStore, trainer: Trainer) -> None:
+def fail_one_commit(store: ObstoreStore, trainer: Trainer, fault: str, kind: str) -> tuple[Replica, FaultyEngine]:
+    """Sync v0, then let the engine's ``fault`` spoil v1's commit: the replica stays at v0, failed with ``kind``."""
     eng = FaultyEngine(tiny_engine())
     rep = make_replica(store, eng)
     assert rep.sync_once()
     trainer.step()
-    eng.fail_commits = 1
+    setattr(eng, fault, 1)
     assert not rep.sync_once()
     assert rep.version == 0
-    assert_failed(rep, "engine_rejected")
-    assert "refused the commit" in rep.status()["error"]["message"]
+    assert_failed(rep, kind)
     assert same_bits(served(rep), trainer.views[0])
+    return rep, eng
+
+
+def test_an_engine_that_rejects_a_commit_keeps_its_version(store: ObstoreStore, trainer: Trainer) -> None:
+    rep, _ = fail_one_commit(store, trainer, "fail_commits", "engine_rejected")
+    assert "refused the commit" in rep.status()["error"]["message"]
     assert rep.sync_once() and rep.version == 1 and same_bits(served(rep), trainer.views[1])
 
 
 def test_a_commit_that_fails_verification_is_rolled_back(store: ObstoreStore, trainer: Trainer) -> None:
-    eng = FaultyEngine(tiny_engine())
-    rep = make_replica(store, eng)
-    assert rep.sync_once()
-    trainer.step()
-    eng.corrupt_after_commit = 1
-    assert not rep.sync_once()
-    assert rep.version == 0
-    assert_failed(rep, "verification")
-    assert same_bits(served(rep), trainer.views[0]) and eng.table.view_fp() == trainer.fps[0]
+    rep, eng = fail_one_commit(store, trainer, "corrupt_after_commit", "verification")
+    assert eng.table.view_fp() == trainer.fps[0]
     assert rep.sync_once() and rep.version == 1
 
 

@@ -24,23 +24,13 @@ def ddp_trainer(rank: int, world: int, init_file: str, board: str, out_dir: str)
     torch.set_num_threads(1)
     from datasets import Dataset
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+    from trainer_helpers import tiny_llama
+    from transformers import Trainer, TrainingArguments
 
     from flipsync.formats import served_view
     from flipsync.integrations.hf import FlipsyncCallback
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg)
+    model = tiny_llama(0, tie=False)
     ids = torch.randint(0, 64, (16, 12), generator=torch.Generator().manual_seed(0))
     data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     args = TrainingArguments(

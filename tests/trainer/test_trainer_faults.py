@@ -7,16 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import (
-    RefusingStore,
-    Replica,
-    adam,
-    assert_bitwise,
-    expected_view,
-    tiny_llama,
-    train,
-    versions_are_whole,
-)
+from trainer_helpers import RefusingStore, adam, follow_and_check, tiny_llama, train, versions_are_whole
 
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
@@ -51,10 +42,8 @@ def test_a_shape_change_is_refused_then_a_snapshot_continues(tmp_path: Path) -> 
     pub.snapshot()  # the new layout goes out as a full view; patches continue from it
     pub.step()
     pub.close()
-    replica = Replica(store, "resize")
-    replica.follow_each()
+    replica = follow_and_check(store, "resize", model)
     assert [s.manifest.kind for s in replica.steps] == [Kind.KEYFRAME, Kind.PATCH, Kind.KEYFRAME, Kind.PATCH]
-    assert_bitwise(expected_view(model), replica.tensors)
 
 
 def test_dtype_changes_are_refused_by_name(tmp_path: Path) -> None:
@@ -71,9 +60,7 @@ def test_dtype_changes_are_refused_by_name(tmp_path: Path) -> None:
             pub.step()
         model.model.counter = torch.ones(3, dtype=torch.int64)
         pub.step()
-    replica = Replica(store, "dtypes")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(store, "dtypes", model)
     assert versions_are_whole(store, "dtypes") == [0, 1]
 
 
@@ -97,9 +84,7 @@ def test_non_finite_weights_are_refused_and_nothing_is_published(tmp_path: Path,
         w.copy_(saved)
     train(model, opt, 1)
     pub.close()
-    replica = Replica(store, "nan")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(store, "nan", model)
 
 
 @pytest.mark.parametrize("where", ["manifest", "part"])
@@ -127,9 +112,7 @@ def test_a_refused_write_skips_the_version_and_the_next_one_covers_it(tmp_path: 
     ) as pub:
         train(model, opt, 4)
     assert store.refused >= 2 and pub.stats.store_failures == 0
-    replica = Replica(inner, "flaky")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(inner, "flaky", model)
     steps = [s.manifest.meta["steps"] for s in replica.patches]
     assert sum(steps) == 4 and steps[0] == 3  # steps 1 and 2 went out with step 3
     assert versions_are_whole(inner, "flaky") == [0, 1, 2]
@@ -171,9 +154,7 @@ def test_a_last_step_whose_publication_failed_is_published_again_by_flush(tmp_pa
     assert store.refused == 1 and published is not None and (published.version, published.step) == (2, 2)
     assert pub.stats.store_failures == 0
     pub.close()
-    replica = Replica(inner, "last")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(inner, "last", model)
 
 
 def test_a_fenced_off_background_publisher_raises_on_the_next_step(tmp_path: Path) -> None:
@@ -211,9 +192,7 @@ def test_a_non_finite_view_computed_in_the_background_stops_the_next_optimizer_s
         w[3] = 1.0
     train(model, opt, 1)
     pub.close()
-    replica = Replica(store, "nan-bg")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(store, "nan-bg", model)
 
 
 def test_the_slot_hears_that_an_item_is_done_only_after_the_workers_bookkeeping(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Replica, assert_bitwise, expected_view
+from trainer_helpers import Replica, assert_bitwise, expected_view, tiny_llama
 
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
@@ -50,23 +50,10 @@ def tokenizer() -> Any:
 
 
 def tiny_model(vocab: int, seed: int = 0) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
+    """Untied, with the tokenizer's special tokens."""
+    return tiny_llama(
+        seed, tie=False, vocab=vocab, max_position_embeddings=64, bos_token_id=0, eos_token_id=1, pad_token_id=2
     )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
 
 
 def board_versions(board: Path, run: str) -> dict[int, Any]:

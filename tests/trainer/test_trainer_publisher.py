@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import Replica, adam, assert_bitwise, expected_view, tiny_llama, train
+from trainer_helpers import Replica, adam, assert_bitwise, expected_view, follow_and_check, tiny_llama, train
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
@@ -86,9 +86,7 @@ def test_runs_are_named_and_never_mix(tmp_path: Path) -> None:
         assert b.started == "adopt" and b.stats.head == 0
         train(model, opt, 1)
     assert b.stats.head == 1
-    replica = Replica(store, a.run)
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(store, a.run, model)
 
 
 def test_a_second_trainer_fences_off_the_first(tmp_path: Path) -> None:
@@ -135,9 +133,7 @@ def test_step_returns_while_uploads_are_slow_and_versions_are_squashed(tmp_path:
     assert stepping < 8 * 0.5  # the steps did not wait for the uploads
     assert st.squashed_steps > 0 and st.versions < st.steps + 1
     assert st.peak_view_bytes <= 3 * st.view_bytes  # base + in flight + the step being computed
-    replica = Replica(store, "slow")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(store, "slow", model)
     steps = [s.manifest.meta["steps"] for s in replica.patches]
     assert replica.steps[0].manifest.meta["step"] == 0  # v0 is the initial weights, never folded with step 1
     assert sum(steps) == 8 and max(steps) > 1  # every step is in exactly one version
@@ -224,9 +220,7 @@ def test_bf16_masters_are_snapshotted_not_aliased(tmp_path: Path) -> None:
     opt = adam(model)
     with Publisher(model, store, run="b", optimizer=opt, config=PublisherConfig(background=False)):
         train(model, opt, 2)
-    replica = Replica(store, "b")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    follow_and_check(store, "b", model)
 
 
 def test_resuming_with_another_model_is_refused_unless_new_weights(tmp_path: Path) -> None:

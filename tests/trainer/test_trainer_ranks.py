@@ -15,11 +15,9 @@ import pytest
 import torch
 from trainer_helpers import (
     RefusingStore,
-    Replica,
     ThreadRanks,
     adam,
-    assert_bitwise,
-    expected_view,
+    follow_and_check,
     run_threads,
     tiny_llama,
     train,
@@ -80,9 +78,7 @@ def test_partitioned_ranks_publish_one_version_of_several_parts(tmp_path: Path, 
         train(model, opt, 1)
         assert step_all(pubs) == [None, None]
     assert step_all(pubs, "close") == [None, None]
-    replica = Replica(store, "parts")
-    replica.follow_each()
-    assert_bitwise(expected_view(model, fmt), replica.tensors)
+    replica = follow_and_check(store, "parts", model, fmt)
     assert replica.patches and all(len(s.manifest.parts) == 2 for s in replica.patches)  # one part per rank
     assert {s.manifest.meta["ranks"] for s in replica.patches} == {2}
 
@@ -127,9 +123,7 @@ def test_replicated_ranks_split_the_tensors_and_keep_fused_groups_together(tmp_p
         train(model, opt, 1)
         step_all(pubs)
     step_all(pubs, "close")
-    replica = Replica(store, "ddp")
-    replica.follow_each()
-    assert_bitwise(expected_view(model, "nvfp4"), replica.tensors)
+    follow_and_check(store, "ddp", model, "nvfp4")
 
 
 def test_a_rank_that_cannot_serve_a_step_makes_every_rank_skip_it(tmp_path: Path) -> None:
@@ -154,9 +148,7 @@ def test_a_rank_that_cannot_serve_a_step_makes_every_rank_skip_it(tmp_path: Path
     train(model, opt, 1)
     step_all(pubs)
     assert step_all(pubs, "close") == [None, None]
-    replica = Replica(store, "nan")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(store, "nan", model)
     assert [s.manifest.meta["step"] for s in replica.patches] == [1, 3]  # step 2 was skipped everywhere
 
 
@@ -177,9 +169,7 @@ def test_a_rank_whose_upload_fails_holds_the_version_back_on_every_rank(tmp_path
         train(model, opt, 1)
         assert step_all(pubs) == [None, None]
     step_all(pubs, "close")
-    replica = Replica(inner, "flaky")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(inner, "flaky", model)
     assert [s.manifest.meta["steps"] for s in replica.patches] == [2, 1]
     assert versions_are_whole(inner, "flaky") == [0, 1, 2]
     assert not inner.list("runs/flaky/versions/000000000003")  # rank 0's part of the failed try was removed

@@ -12,7 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_trainer_ranks import NO_KEYFRAMES, partitions, start, step_all
-from trainer_helpers import RefusingStore, Replica, adam, assert_bitwise, expected_view, tiny_llama, train
+from trainer_helpers import (
+    RefusingStore,
+    Replica,
+    adam,
+    assert_bitwise,
+    expected_view,
+    follow_and_check,
+    tiny_llama,
+    train,
+)
 
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
@@ -145,10 +154,7 @@ def publish_three_steps(pub: Publisher, model: Any, opt: Any, board: Store, run:
         train(model, opt, 1, vocab=256)
         pub.step()
     pub.close()
-    replica = Replica(board, run)
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
-    return replica
+    return follow_and_check(board, run, model)
 
 
 @pytest.mark.parametrize("background", [True, False])
@@ -177,9 +183,7 @@ def test_sharded_ranks_stream_their_parts(tmp_path: Path) -> None:
         train(model, opt, 1, vocab=256)
         assert step_all(pubs) == [None, None]
     assert step_all(pubs, "close") == [None, None]
-    replica = Replica(store, "ss")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(store, "ss", model)
     # A busy machine may fold step 1 into step 2's version (the publisher is in the background): count per version.
     assert replica.patches and all(len(s.manifest.parts) == 2 for s in replica.patches)  # one part per rank
     assert all(len(p.chunks) >= 2 for s in replica.patches for p in s.manifest.parts)  # each streamed in several
@@ -270,9 +274,7 @@ def test_random_chunk_failures_lose_nothing_and_leave_no_stray_objects(tmp_path:
     train(model, opt, 12, vocab=256)
     pub.close()
     assert store.refused > 0  # type: ignore[attr-defined]
-    replica = Replica(inner, "r")
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(inner, "r", model)
     assert sum(s.manifest.meta["steps"] for s in replica.patches) == 12  # every step is in some version
     referenced = {
         f"runs/r/versions/{s.manifest.version:012d}/{path}"

@@ -34,20 +34,11 @@ def init(rank: int, world: int, init_file: str) -> None:
 
 
 def tiny_llama(seed: int = 0) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The ranks' model: a larger tiny Llama (two layers, four heads)."""
+    from trainer_helpers import tiny_llama as build
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(cfg)
+    more = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+    return build(seed, hidden=64, layers=2, vocab=128, intermediate_size=96, **more)
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:

@@ -17,20 +17,24 @@ from flipsync.errors import BoardError, StoreError
 from flipsync.formats import served_view
 
 
-def tiny_llama(seed: int = 0, *, tie: bool = True, hidden: int = 32, layers: int = 1, vocab: int = 64) -> Any:
+def tiny_llama(
+    seed: int = 0, *, tie: bool = True, hidden: int = 32, layers: int = 1, vocab: int = 64, **config: Any
+) -> Any:
+    """A tiny Llama from a config (``config``: more `LlamaConfig` fields, or other values for these)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=tie,
-    )
+    fields: dict[str, Any] = {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32,
+        "tie_word_embeddings": tie,
+    }
+    cfg = LlamaConfig(**{**fields, **config})
     return LlamaForCausalLM(cfg)
 
 
@@ -102,6 +106,14 @@ class Replica:
     @property
     def patches(self) -> list[PatchStep]:
         return [s for s in self.steps if isinstance(s, PatchStep)]
+
+
+def follow_and_check(store: Store, run: str, model: torch.nn.Module, fmt: str = "bf16") -> Replica:
+    """A replica that follows ``run`` version by version and ends serving ``model``'s view bit for bit."""
+    replica = Replica(store, run)
+    replica.follow_each()
+    assert_bitwise(expected_view(model, fmt), replica.tensors)
+    return replica
 
 
 class ThreadRanks:

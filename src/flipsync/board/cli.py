@@ -60,6 +60,12 @@ def _open(url: str, options: list[str] | None) -> ObstoreStore:
     return open_store(url, parse_store_options(options))
 
 
+def _open_run(url: str, options: list[str] | None, run: str | None) -> tuple[ObstoreStore, str]:
+    """Open a board to look at and pick the run: ``run`` if it exists there, else the board's only run."""
+    store = _open(url, options)
+    return store, _pick_run(store, run)
+
+
 def _runs(store: ObstoreStore) -> list[str]:
     return store.list_dirs(RUNS)
 
@@ -206,8 +212,7 @@ def show(
     """Show one manifest: what it carries, every part with its size and hash."""
     console = output_console()
     try:
-        store = _open(url, store_option)
-        run_name = _pick_run(store, run)
+        store, run_name = _open_run(url, store_option, run)
         verifier = Verifier.from_pem(public_key) if public_key else None
         cat = Catalog(store, run_name, verifier=verifier)
         if span:
@@ -283,8 +288,7 @@ def gc(
     """Delete old versions, keyframes and spans outside the retention window, and stale orphan parts."""
     console = output_console()
     try:
-        store = _open(url, store_option)
-        run_name = _pick_run(store, run)
+        store, run_name = _open_run(url, store_option, run)
         policy = RetentionPolicy(keep_versions=keep, keep_seconds=keep_seconds, orphan_grace_s=grace)
         r = collect_garbage(store, run_name, policy, dry_run=dry_run)
     except FlipsyncError as e:

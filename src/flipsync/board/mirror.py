@@ -325,21 +325,13 @@ class MirrorCollector(Collector):
             value=-1.0 if s.lag_last_s is None else s.lag_last_s,
         )
         yield GaugeMetricFamily("flipsync_mirror_lag_max_seconds", "Largest replication lag seen", value=s.lag_max_s)
-        yield CounterMetricFamily(
-            "flipsync_mirror_manifests", "Version manifests seen to appear (lag samples)", value=s.manifests
-        )
-        yield CounterMetricFamily(
-            "flipsync_mirror_waits", "Reads that waited for an object the mirror did not have yet", value=s.waits
-        )
-        yield CounterMetricFamily(
-            "flipsync_mirror_wait_seconds", "Time reads waited for late objects", value=s.waited_s
-        )
-        yield CounterMetricFamily(
-            "flipsync_mirror_origin_reads", "Objects read from the origin board instead", value=s.origin_reads
-        )
-        yield CounterMetricFamily(
-            "flipsync_mirror_origin_bytes", "Bytes read from the origin board instead", value=s.origin_bytes
-        )
-        yield CounterMetricFamily(
-            "flipsync_mirror_unavailable", "Reads that gave up on an object (the replica retries)", value=s.unavailable
-        )
+        counters: list[tuple[str, str, float]] = [
+            ("manifests", "Version manifests seen to appear (lag samples)", s.manifests),
+            ("waits", "Reads that waited for an object the mirror did not have yet", s.waits),
+            ("wait_seconds", "Time reads waited for late objects", s.waited_s),
+            ("origin_reads", "Objects read from the origin board instead", s.origin_reads),
+            ("origin_bytes", "Bytes read from the origin board instead", s.origin_bytes),
+            ("unavailable", "Reads that gave up on an object (the replica retries)", s.unavailable),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(f"flipsync_mirror_{name}", doc, value=value)

@@ -2,9 +2,11 @@
 
 `ArtifactWriter` puts an artifact's files in a fresh attempt folder and makes them durable (``upload``), then
 creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``commit``). A conflict means
-someone else's manifest is there: our parts are unreferenced and removed. A failed or timed-out create may
-still have landed: it is read back, and retried within ``manifest_retry_s``, never followed by deleting
-parts. `flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
+someone else's manifest is there: our parts are unreferenced and removed, and a version's publisher is fenced
+off, while an extra keyframe or span that someone published with the same end views is theirs to return
+(idempotent). A failed or timed-out create may still have landed: it is read back, and retried within
+``manifest_retry_s``, never followed by deleting parts. `flipsync.board.writer` decides what to publish and
+when (fences, HEAD, cadence) on top of this.
 """
 
 from __future__ import annotations
@@ -70,16 +72,21 @@ class ArtifactWriter:
         self,
         folder: str,
         parts: Sequence[Part],
-        *,
         kind: Kind,
         version: int,
         base: tuple[int, str] | None,
         target_view_fp: str,
         served_format: str,
         meta: Meta,
-        fence: bool,
+        *,
+        existing: Callable[[], Manifest] | None = None,
     ) -> Manifest:
-        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only."""
+        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only.
+
+        Without ``existing`` it is a version's manifest and fences: whoever created it first wins, the others
+        are fenced off (ConflictError). With it, the artifact (an extra keyframe, a span) is idempotent: if one
+        with the same end views is already there, ``existing()`` reads it and it is returned.
+        """
         if not parts:
             raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
         m = Manifest(
@@ -100,7 +107,15 @@ class ArtifactWriter:
             m = self.signer.sign(m)
         payload = m.to_json().encode("ascii")
         written = [f"{folder}/{path}" for p in parts for path, _ in p.objects]
-        self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=fence)
+        try:
+            self._create_manifest(f"{folder}/{MANIFEST}", payload, written, version=version, fence=existing is None)
+        except ConflictError:
+            if existing is None:
+                raise
+            other = existing()
+            if (other.base_view_fp, other.target_view_fp) != (m.base_view_fp, m.target_view_fp):
+                raise
+            return other
         log.info(
             "published %s v%d (%d parts, %d bytes) to %s/%s",
             kind.value,

@@ -197,7 +197,13 @@ class Store(Protocol):
         """Metadata of one object; NotFoundError if it does not exist."""
         ...
 
-    def exists(self, path: str) -> bool: ...
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` is an object (by default: whether ``head`` finds it)."""
+        try:
+            self.head(path)
+        except NotFoundError:
+            return False
+        return True
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         """Every object under ``prefix`` (a folder), recursively."""
@@ -267,12 +273,20 @@ class StoreWrapper:
         self.inner.close()
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:400] if text else type(e).__name__
 
 
-class ObstoreStore:
+class ObstoreStore(Store):
     """The Store port over an obstore ``ObjectStore``."""
 
     def __init__(
@@ -380,23 +394,13 @@ class ObstoreStore:
         for path in paths:
             full = self._local_root / path
             try:
-                fd = os.open(full, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync(full)
             except OSError as e:
                 raise StoreError(f"cannot fsync {full}: {e}") from e
             dirs.add(full.parent)
         for d in dirs:
-            try:
-                fd = os.open(d, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            except OSError:  # some filesystems cannot fsync a directory; the file itself is durable
-                pass
+            with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the file itself is durable
+                _fsync(d)
 
     # -- reads ----------------------------------------------------------------------------------------
 
@@ -430,13 +434,6 @@ class ObstoreStore:
     def head(self, path: str) -> ObjectInfo:
         meta = self._call("head", path, lambda: obstore.head(self._inner, path))
         return ObjectInfo(meta["path"], meta["size"], meta["last_modified"], meta.get("e_tag"))
-
-    def exists(self, path: str) -> bool:
-        try:
-            self.head(path)
-        except NotFoundError:
-            return False
-        return True
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         prefix = prefix.rstrip("/")

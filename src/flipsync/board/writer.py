@@ -248,13 +248,12 @@ class BoardWriter:
         m = self._artifacts.commit(
             self.layout.version_dir(target_version),
             parts,
-            kind=Kind.PATCH,
-            version=target_version,
-            base=(base_version, base_view_fp),
-            target_view_fp=target_view_fp,
-            served_format=served_format,
-            meta={**(meta or {}), "origin": self._cadence.lineage_origin},
-            fence=True,
+            Kind.PATCH,
+            target_version,
+            (base_version, base_view_fp),
+            target_view_fp,
+            served_format,
+            {**(meta or {}), "origin": self._cadence.lineage_origin},
         )
         self._advance(m)
         self._cadence.patch_published(m)
@@ -282,17 +281,13 @@ class BoardWriter:
             raise ConflictError(
                 f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
-        folder = self.layout.version_dir(version)
-        m = self._artifacts.commit(
-            folder,
-            self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
-            kind=Kind.KEYFRAME,
-            version=version,
-            base=None,
-            target_view_fp=view_fp,
-            served_format=served_format,
-            meta={**(meta or {}), "origin": version, "tensors": len(tensors)},
-            fence=True,
+        m = self._commit_keyframe(
+            self.layout.version_dir(version),
+            tensors,
+            version,
+            view_fp,
+            served_format,
+            {**(meta or {}), "origin": version},
         )
         self._advance(m)
         self._cadence.snapshot_published(m)
@@ -319,24 +314,15 @@ class BoardWriter:
             )
         if vm.kind is Kind.KEYFRAME:
             return vm  # the version is a snapshot: it is its own keyframe
-        folder = self.layout.keyframe_dir(version)
-        try:
-            m = self._artifacts.commit(
-                folder,
-                self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
-                kind=Kind.KEYFRAME,
-                version=version,
-                base=None,
-                target_view_fp=view_fp,
-                served_format=served_format,
-                meta={"tensors": len(tensors)},
-                fence=False,
-            )
-        except ConflictError:
-            existing = self.catalog.keyframe(version)
-            if existing.target_view_fp != view_fp:
-                raise
-            m = existing
+        m = self._commit_keyframe(
+            self.layout.keyframe_dir(version),
+            tensors,
+            version,
+            view_fp,
+            served_format,
+            {},
+            existing=lambda: self.catalog.keyframe(version),
+        )
         self._cadence.keyframe_published(m, self._head.version if self._head is not None else m.version)
         return m
 
@@ -364,25 +350,44 @@ class BoardWriter:
                 )
         folder = self.layout.span_dir(base_version, target_version)
         files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        try:
-            return self._artifacts.commit(
-                folder,
-                self._artifacts.upload(folder, files),
-                kind=Kind.SPAN,
-                version=target_version,
-                base=(base_version, base_view_fp),
-                target_view_fp=target_view_fp,
-                served_format=served_format,
-                meta=dict(meta or {}),
-                fence=False,
-            )
-        except ConflictError:
-            existing = self.catalog.span(base_version, target_version)
-            if (existing.base_view_fp, existing.target_view_fp) != (base_view_fp, target_view_fp):
-                raise
-            return existing
+        return self._artifacts.commit(
+            folder,
+            self._artifacts.upload(folder, files),
+            Kind.SPAN,
+            target_version,
+            (base_version, base_view_fp),
+            target_view_fp,
+            served_format,
+            dict(meta or {}),
+            existing=lambda: self.catalog.span(base_version, target_version),
+        )
 
     # -- internals ------------------------------------------------------------------------------------
+
+    def _commit_keyframe(
+        self,
+        folder: str,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        view_fp: str,
+        served_format: str,
+        meta: Meta,
+        *,
+        existing: Callable[[], Manifest] | None = None,
+    ) -> Manifest:
+        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (``existing``: see
+        ``ArtifactWriter.commit``)."""
+        return self._artifacts.commit(
+            folder,
+            self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
+            Kind.KEYFRAME,
+            version,
+            None,
+            view_fp,
+            served_format,
+            {**meta, "tensors": len(tensors)},
+            existing=existing,
+        )
 
     def _advance(self, m: Manifest) -> None:
         self._head = m

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -84,7 +84,7 @@ class CheckpointShelf:
 
 def control_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The control island process: a torch engine that reloads the newest full checkpoint, forever."""
-    from flipsync.demo.island import MeteredStore
+    from flipsync.demo.island import MeteredStore, serve_commands
     from flipsync.sidecar.service import start_torch_engine
 
     torch.set_num_threads(1)
@@ -118,17 +118,7 @@ def control_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     follower.start()
     conn.send(("ready", handle.url))
     try:
-        while True:
-            command, arg = conn.recv()
-            if command == "stop":
-                break
-            if command == "audit":
-                table = engine.recompute_table()
-                tensors = {k: v.detach().cpu().clone() for k, v in engine.served.items()} if arg else None
-                audit: dict[str, Any] = {"version": engine.version, "view_fp": table.view_fp(), "tensors": tensors}
-                conn.send(("audit", audit))
-    except EOFError:
-        pass
+        serve_commands(conn, engine, lambda: engine.version)
     finally:
         stop.set()
         follower.join(30)

@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
@@ -76,6 +77,22 @@ class MeteredStore(ThrottledStore):
             self.meters.bytes_read.value += n
 
 
+def serve_commands(conn: Connection, engine: Engine, version: Callable[[], int | None]) -> None:
+    """Answer the parent's commands until it says ``stop`` or goes away."""
+    try:
+        while True:
+            command, arg = conn.recv()
+            if command == "stop":
+                return
+            if command == "audit":
+                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
+                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
+                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
+                conn.send(("audit", {"version": version(), "view_fp": table.view_fp(), "tensors": tensors}))
+    except EOFError:
+        pass  # the parent went away
+
+
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
     # Islands stand for machines elsewhere: on the demo's shared cores they yield to the trainer and its
@@ -109,18 +126,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     sidecar.start()
     conn.send(("ready", sidecar.url))
     try:
-        while True:
-            command, arg = conn.recv()
-            if command == "stop":
-                break
-            if command == "audit":
-                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
-                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
-                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
-                version = sidecar.replica.version
-                conn.send(("audit", {"version": version, "view_fp": table.view_fp(), "tensors": tensors}))
-    except EOFError:
-        pass  # the parent went away
+        serve_commands(conn, engine, lambda: sidecar.replica.version)
     finally:
         sidecar.stop()
         stop_engine()
@@ -158,7 +164,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
-        from flipsync.engines.vllm.wire import EXTENSION_CLS
+        from flipsync.engines.vllm.engine import serve_command
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -166,31 +172,9 @@ class VllmServer:
         iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu wants Intel OpenMP preloaded
         if iomp.exists():
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
-        cmd = [
-            # vllm-cpu's `vllm` command asks for a distribution named "vllm" and fails; the module entry works
-            self.python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            self.model_dir,
-            "--served-model-name",
-            "flipsync-demo",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--enforce-eager",
-            "--max-model-len",
-            "128",
-            "--max-num-seqs",
-            "8",
-            "--seed",
-            "0",
-            "--worker-extension-cls",
-            EXTENSION_CLS,
-        ]
+        model = ["--served-model-name", "flipsync-demo", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
+        limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
+        cmd = serve_command(self.python, self.model_dir, self.port, *model, *limits)
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import torch
@@ -173,7 +173,24 @@ class StepIndex:
             return self._steps[version]
 
 
-class RolloutPool:
+class Workers:
+    """Threads that run until ``stop`` is set: ``start`` starts them all, ``close`` stops and joins them."""
+
+    stop: threading.Event
+    _threads: list[threading.Thread]
+
+    def start(self) -> Self:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(10)
+
+
+class RolloutPool(Workers):
     """Keeps rollout requests in flight on every island; each answer is a group of samples for one prompt."""
 
     def __init__(
@@ -197,16 +214,6 @@ class RolloutPool:
             for island in islands
             for k in range(2)
         ]
-
-    def start(self) -> RolloutPool:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(10)
 
     def _request(self, island: Island, problem: Problem, seed: int) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -287,7 +294,7 @@ class RolloutPool:
         return out, dropped
 
 
-class Monitor:
+class Monitor(Workers):
     """Watches the board and the islands: version rows, and which trainer step each island serves.
 
     One thread per source (the board, each flipsync island's status, the control island's counter and the
@@ -320,16 +327,9 @@ class Monitor:
         ]
         self._threads.append(threading.Thread(target=self._sample_loop, daemon=True, name="demo-monitor-samples"))
 
-    def start(self) -> Monitor:
+    def start(self) -> Self:
         self.t0 = time.monotonic()
-        for t in self._threads:
-            t.start()
-        return self
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(10)
+        return super().start()
 
     def _new_version(self, v: int, now: float) -> VersionRow:
         m = self.reader.catalog.version(v)

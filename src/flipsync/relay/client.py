@@ -50,7 +50,7 @@ def _parse_time(text: str | None) -> datetime:
     return datetime.fromtimestamp(0, UTC)
 
 
-class HttpStore:
+class HttpStore(Store):
     """A read-only Store that reads a board through a ``flipsync relay``."""
 
     def __init__(
@@ -154,13 +154,6 @@ class HttpStore:
         if size is None or not size.isdigit():
             raise StoreError(f"HEAD {self.url}/{path} gave no Content-Length")
         return ObjectInfo(path, int(size), _parse_time(r.headers.get("last-modified")), r.headers.get("etag"))
-
-    def exists(self, path: str) -> bool:
-        try:
-            self.head(path)
-        except NotFoundError:
-            return False
-        return True
 
     def wait_exists(self, path: str, timeout_s: float) -> bool | None:
         """Wait (a long poll at the relay) until ``path`` exists: True, or False after ``timeout_s``; None

