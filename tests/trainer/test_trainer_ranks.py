@@ -15,6 +15,7 @@ import pytest
 import torch
 from trainer_helpers import (
     RefusingStore,
+    Replica,
     ThreadRanks,
     adam,
     follow_and_check,
@@ -92,9 +93,7 @@ def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base
         train(model, opt, 1)
         step_all(pubs)
     step_all(pubs, "close")
-    replica = Replica(store, "ctxparts")  # joins each version's two parts with its tensors as the base
-    replica.follow_each()
-    assert_bitwise(expected_view(model), replica.tensors)
+    replica = follow_and_check(store, "ctxparts", model)  # joins each version's two parts with its tensors as the base
     parts = [Patch.from_bytes(p) for s in replica.patches for p in s.parts]
     assert len(parts) == 2 * len(replica.patches) and any(p.needs_base for p in parts)
     # rank 0 squashed spans from every rank's part, re-coded without ctx: a new replica catches up by them
