@@ -2,7 +2,9 @@
 
 ``fixtures/v1`` holds patch files made by the version 1 codec (commit da543db; the cases of
 ``tests/fuzz/seeds.patch_cases`` and a long section whose values use four interleaved rANS lanes), each
-beside a safetensors file with its base (``old/``) and target (``new/``) views.
+beside a safetensors file with its base (``old/``) and target (``new/``) views. ``fixtures/v2`` holds a
+container version 2 patch (JSON header with per-section fingerprints and digests, ``ctx`` positions; commit
+22e74bd), written before the compact version 3 container replaced it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from flipsync.codec.patch import encode_change
 
 FIXTURES = Path(__file__).parent / "fixtures"
 V1_CASES = sorted(p.stem for p in (FIXTURES / "v1").glob("*.patch"))
+CASES = [("v1", name) for name in V1_CASES] + [("v2", "ctx")]
 
 
-def _views(name: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    loaded = safetensors.torch.load_file(FIXTURES / "v1" / f"{name}.views.safetensors")
+def _views(name: str, version: str = "v1") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    loaded = safetensors.torch.load_file(FIXTURES / version / f"{name}.views.safetensors")
     old = {k.removeprefix("old/"): v for k, v in loaded.items() if k.startswith("old/")}
     new = {k.removeprefix("new/"): v for k, v in loaded.items() if k.startswith("new/")}
     return old, new
@@ -35,22 +38,23 @@ def test_every_fixture_is_present() -> None:
     assert V1_CASES == ["lanes", "mixed", "runs_raw", "small"]
 
 
-@pytest.mark.parametrize("name", V1_CASES)
-def test_v1_patches_apply_bitwise(name: str) -> None:
-    old, new = _views(name)
-    patch = Patch.load(FIXTURES / "v1" / f"{name}.patch")
+@pytest.mark.parametrize(("version", "name"), CASES)
+def test_old_patches_apply_bitwise(version: str, name: str) -> None:
+    old, new = _views(name, version)
+    patch = Patch.load(FIXTURES / version / f"{name}.patch")
     tensors = {k: v.clone() for k, v in old.items()}
     apply_patch(tensors, patch, FingerprintTable.of(tensors), verify="digest")
     assert tensors.keys() == new.keys()
     assert all(_same_bits(tensors[k], new[k]) for k in new)
 
 
-@pytest.mark.parametrize("name", V1_CASES)
-def test_v1_sections_reencode_to_the_same_bytes(name: str) -> None:
-    data = (FIXTURES / "v1" / f"{name}.patch").read_bytes()
+@pytest.mark.parametrize(("version", "name"), CASES)
+def test_old_sections_reencode_to_the_same_bytes(version: str, name: str) -> None:
+    data = (FIXTURES / version / f"{name}.patch").read_bytes()
     patch = Patch.from_bytes(data)
-    assert patch.to_bytes() == data
-    for change in patch.changes():
-        section, blob = encode_change(change)
+    assert patch.to_bytes() == data  # a patch read from a file is written back in its own container
+    old, _ = _views(name, version)
+    for change in patch.changes(old):
+        section, blob = encode_change(change, old[change.name])
         assert blob == bytes(patch.section_blob(change.name))
         assert section == patch.header.sections[[s.name for s in patch.sections].index(change.name)]
