@@ -29,12 +29,13 @@ class PatchCase:
 
     old: dict[str, torch.Tensor]
     new: dict[str, torch.Tensor]
-    data: bytes
+    data: bytes  # container version 3 (compact header)
+    legacy: bytes  # the same patch in the version 1/2 container (JSON header, per-section fingerprints)
 
 
 def _case(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kw: object) -> PatchCase:
     patch, _ = diff_views(old, new, **kw)  # type: ignore[arg-type]
-    return PatchCase(old, new, patch.to_bytes())
+    return PatchCase(old, new, patch.to_bytes(), patch.to_bytes(legacy=True))
 
 
 def patch_cases() -> list[PatchCase]:
@@ -70,7 +71,8 @@ def patch_cases() -> list[PatchCase]:
     third = {k: edit(rng, v, 0.05, style="bits") for k, v in small_new.items()}
     first, _ = diff_views(small, small_new)
     second, _ = diff_views(small_new, third, mode="raw")
-    cases.append(PatchCase(small, third, squash([first, second]).to_bytes()))
+    squashed = squash([first, second])
+    cases.append(PatchCase(small, third, squashed.to_bytes(), squashed.to_bytes(legacy=True)))
     # Version 2: small values change more often than large ones, so positions are coded against the base (ctx).
     mags = torch.randn(20000, generator=g) * torch.rand(20000, generator=g).pow(4)
     ctx_old = {"i.weight": mags.to(torch.bfloat16), "j.weight": mags[:4000].to(torch.float8_e4m3fn)}
@@ -90,10 +92,12 @@ def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
 
 
 def split_sections(data: bytes) -> bytes:
-    """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
+    """A patch as the sections target reads it: header JSON (compact for a version 3 file), NUL, every
+    section's streams in order."""
     patch = Patch.from_bytes(data)
     blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
-    return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
+    header = patch.header.to_json() if patch.container != "3" else patch.header.to_compact()
+    return header.encode() + SEPARATOR + b"".join(blobs)
 
 
 def manifests() -> list[Manifest]:

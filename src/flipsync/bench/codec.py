@@ -393,7 +393,8 @@ def table(rows: list[CodecRow]) -> Table:
 METHODS_MD = """Methods, all applied to the same pair of served views in this process:
 
 - **flipsync**: the whole patch file from `flipsync.codec.diff_views` (safetensors container, compressed
-  header with per-tensor fingerprints and xxh3-128 digests, Rice-coded positions, rANS-coded value steps);
+  compact header with the view fingerprints and one xxh3-128 digest of the changed tensors, Rice- or
+  ctx-coded positions, rANS-coded value steps);
 - **XOR+zstd-1**: XOR of the old and new served bytes of every tensor, compressed by zstd level 1 (what Modal
   Stitch and slime ship);
 - **int32+val**: a 4-byte index and the raw new element per changed value (HF TRL);
@@ -406,8 +407,10 @@ METHODS_MD = """Methods, all applied to the same pair of served views in this pr
 - **v1 coders**: flipsync's patch with today's coders only (`diff_views(..., context=False)`), side by side.
 
 *stage ns/chg* is `codec.stage` (decode, the pass over the base for `ctx` sections, new bits, fingerprint
-checks) per changed value, for the patch and for the v1-coder patch; *hdr B/tensor* is the patch file's
-bytes outside its coded sections (container, compressed header: names, fingerprints, digests) per tensor.
+checks) per changed value, for the patch and for the v1-coder patch; *hdr B/tensor* (*header B/changed
+tensor*) is the patch file's bytes outside its coded sections (the safetensors table and the compressed
+compact header: names, shapes, counts, codec parameters, the two view fingerprints and one content digest)
+per changed tensor.
 
 Columns: *changed %* is the share of served values that differ after the step; *B/chg* is bytes per changed
 value (the patch, or the method's output, divided by the number of changed values); the ratio columns
@@ -501,8 +504,9 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
             "XOR+zstd-1 / flipsync",
             "int32+val / flipsync",
             "int64+val / flipsync",
+            "flipsync header B/changed tensor",
         ),
-        (_size_cells(r, bold="**") for r in rows),
+        ((*_size_cells(r, bold="**"), f"{r.header_bpt:.1f}") for r in rows),
         left=2,
     )
     speed = md_table(
