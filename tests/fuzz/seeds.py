@@ -83,7 +83,32 @@ def patch_cases() -> list[PatchCase]:
         bits[moved] += 1
         ctx_new[k] = bits.view(v.dtype)
     cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
+    # Version 3: many small step sections, whose value steps go into one grouped stream (flipsync.values).
+    g_old, g_new, grouped = grouped_case(seed=9)
+    cases.append(PatchCase(g_old, g_new, grouped.to_bytes(), grouped.to_bytes(legacy=True)))
     return cases
+
+
+def _steps(rng: np.random.Generator, t: torch.Tensor, frac: float) -> torch.Tensor:
+    """A copy with a fraction of elements moved by small steps, mostly one ulp, a few larger (as Adam does)."""
+    out = t.clone()
+    flat = out.view(torch.int16).reshape(-1)
+    idx = torch.from_numpy(rng.choice(t.numel(), size=max(1, int(t.numel() * frac)), replace=False))
+    steps = rng.choice([1, -1, 2, -2, 3, -5, 17], size=idx.numel(), p=[0.4, 0.4, 0.06, 0.06, 0.04, 0.02, 0.02])
+    flat[idx] += torch.from_numpy(steps).to(torch.int16)
+    return out
+
+
+def grouped_case(seed: int = 5, tensors: int = 24) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Patch]:
+    """Many small tensors with a few steps each: their value steps are grouped into one stream."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    old = {f"layers.{i}.weight": torch.randn(3000, generator=g).to(torch.bfloat16) for i in range(tensors)}
+    new = {k: _steps(rng, v, 0.01) for k, v in old.items()}
+    old["norm.weight"] = torch.randn(64, generator=g)  # arbitrary new bits: large steps, grouped all the same
+    new["norm.weight"] = edit(rng, old["norm.weight"], 0.1, style="bits")
+    patch, _ = diff_views(old, new, context=False)
+    return old, new, patch
 
 
 def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
