@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
-from flipsync.codec.patch import GROUP, HEADER_TENSOR, VALUES_TENSOR, overhead_bytes
+from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, overhead_bytes, squash
+from flipsync.codec.patch import GROUP, HEADER_TENSOR, pack_tail
 from flipsync.errors import CorruptPatchError, FlipsyncError
-from tests.codec.test_codec_hostile import relayout
+from tests.codec.test_codec_hostile import relayout, tail_parts
 from tests.fuzz.seeds import grouped_case
 from tests.strategies import same_bits, view_pairs
 
@@ -27,12 +27,6 @@ def _tensors(data: bytes) -> tuple[dict, int]:
     return json.loads(data[8 : 8 + hlen]), 8 + hlen
 
 
-def _part(data: bytes, name: str) -> bytes:
-    doc, start = _tensors(data)
-    a, b = doc[name]["data_offsets"]
-    return data[start + a : start + b]
-
-
 def _apply(old: dict, data: bytes) -> dict:
     work = {k: v.clone() for k, v in old.items()}
     apply_patch(work, Patch.from_bytes(data), FingerprintTable.of(work), verify="digest")
@@ -40,7 +34,8 @@ def _apply(old: dict, data: bytes) -> dict:
 
 
 def test_small_step_sections_share_one_value_stream() -> None:
-    assert VALUES_TENSOR in _tensors(DATA)[0]
+    assert tail_parts(DATA)[1]  # grouped values
+    assert list(_tensors(DATA)[0]) == ["__metadata__", HEADER_TENSOR]  # every section small: one table entry
     back = Patch.from_bytes(DATA)
     # read back, every section is an ordinary one again (fixed-width values), and it writes the same file
     assert all(s.val["codec"] != GROUP for s in back.sections)
@@ -72,7 +67,8 @@ def test_any_patch_round_trips_through_the_compact_container(pair: tuple[dict, d
 
 
 def _with_values(values: bytes) -> bytes:
-    return relayout(DATA, {VALUES_TENSOR: values})
+    packed, _, small = tail_parts(DATA)
+    return relayout(DATA, {HEADER_TENSOR: pack_tail(packed, values, small)})
 
 
 def _preamble(params: object, stream: bytes = b"") -> bytes:
@@ -83,7 +79,7 @@ def _preamble(params: object, stream: bytes = b"") -> bytes:
 def _compact_doc(data: bytes) -> dict:
     import zstandard
 
-    return json.loads(zstandard.ZstdDecompressor().decompress(_part(data, HEADER_TENSOR)))
+    return json.loads(zstandard.ZstdDecompressor().decompress(tail_parts(data)[0]))
 
 
 def _with_doc(mutate: object) -> bytes:
@@ -91,7 +87,9 @@ def _with_doc(mutate: object) -> bytes:
 
     doc = _compact_doc(DATA)
     mutate(doc)  # type: ignore[operator]
-    return relayout(DATA, {HEADER_TENSOR: zstandard.ZstdCompressor().compress(json.dumps(doc).encode())})
+    _, values, small = tail_parts(DATA)
+    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    return relayout(DATA, {HEADER_TENSOR: pack_tail(packed, values, small)})
 
 
 def _first_grouped(doc: dict) -> list:
@@ -110,9 +108,7 @@ CRAFTED = {
     "ans bomb": lambda: _with_values(
         _preamble({"codec": "ans", "alphabet": 1, "escapes": 0, "esc_width": 1}, b"\xff" * 40)
     ),
-    "no values tensor": lambda: relayout(DATA, {VALUES_TENSOR: b""}).replace(
-        VALUES_TENSOR.encode(), b"flipsync.valuez"
-    ),
+    "no grouped values": lambda: _with_values(b""),
     "a raw section grouped": lambda: _with_doc(lambda d: _first_grouped(d).__setitem__(4, "raw")),
     "zstd positions grouped": lambda: _with_doc(lambda d: _first_grouped(d)[5].update(codec="zstd")),
     "more values than positions": lambda: _with_doc(  # as many as the tensors hold: more than 1 bit each

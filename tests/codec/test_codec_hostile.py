@@ -10,13 +10,14 @@ import struct
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
-from flipsync.codec.patch import HEADER_TENSOR
+from flipsync.codec.patch import HEADER_TENSOR, SMALL_SECTIONS, pack_tail, split_tail
 from flipsync.domain.headers import COMPACT_ROW
 from flipsync.errors import CorruptPatchError, FlipsyncError
 from tests.strategies import edit, same_bits
@@ -108,14 +109,22 @@ def relayout(data: bytes, replace: dict[str, bytes]) -> bytes:
 
 def _with_compact_header(mutate: object) -> bytes:
     """The valid patch (version 3) with its compact header changed by ``mutate(doc)``, sections as objects."""
-    hlen = struct.unpack_from("<Q", VALID)[0]
-    a, b = json.loads(VALID[8 : 8 + hlen])[HEADER_TENSOR]["data_offsets"]
-    doc = json.loads(zstandard.ZstdDecompressor().decompress(VALID[8 + hlen + a : 8 + hlen + b]))
+    packed, values, small = tail_parts(VALID)
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
     doc["sections"] = [dict(zip(COMPACT_ROW, row, strict=False)) for row in doc["sections"]]
     mutate(doc)  # type: ignore[operator]
     if isinstance(doc["sections"], list):
         doc["sections"] = [[s.get(k) for k in COMPACT_ROW if k in s] for s in doc["sections"]]
-    return relayout(VALID, {HEADER_TENSOR: zstandard.ZstdCompressor().compress(json.dumps(doc).encode())})
+    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    return relayout(VALID, {HEADER_TENSOR: pack_tail(packed, values, small)})
+
+
+def tail_parts(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """(compressed header, grouped values, small sections) of a version 3 file's header tensor."""
+    hlen = struct.unpack_from("<Q", data)[0]
+    a, b = json.loads(data[8 : 8 + hlen])[HEADER_TENSOR]["data_offsets"]
+    packed, values, small = split_tail(data[8 + hlen + a : 8 + hlen + b])
+    return bytes(packed), bytes(values or b""), bytes(small)
 
 
 CRAFTED = {
@@ -164,14 +173,26 @@ def test_crafted_compact_headers(case: str) -> None:
 
 
 def test_compact_container_damage() -> None:
-    """A version 3 file without its header tensor, with a header that is no zstd frame or declares too much."""
-    with pytest.raises(CorruptPatchError, match="lacks its header tensor"):
+    """A version 3 file without its header tensor, with a truncated one, with a header that is no zstd frame or
+    declares too much, with small sections outside it."""
+    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
         _decode_everything(VALID.replace(HEADER_TENSOR.encode(), b"flipsync.headex"))
+    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
+        packed, values, small = tail_parts(VALID)
+        arrays = {
+            HEADER_TENSOR: np.frombuffer(pack_tail(packed, values, b""), np.uint8),
+            SMALL_SECTIONS: np.frombuffer(small, np.uint8),
+        }
+        _decode_everything(safetensors.numpy.save(arrays, metadata={"flipsync_patch": "3"}))
+    for cut in (b"", b"\x01", b"\x05\x00\x00\x00abc", pack_tail(b"abc", b"", b"")[:-1], b"\x00" * 4 + b"\x09\x00"):
+        with pytest.raises(CorruptPatchError, match=r"truncated|cannot be decoded"):
+            _decode_everything(relayout(VALID, {HEADER_TENSOR: cut}))
+    _, values, small = tail_parts(VALID)
     with pytest.raises(CorruptPatchError, match="cannot be decoded"):
-        _decode_everything(relayout(VALID, {HEADER_TENSOR: b"not zstd"}))
+        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(b"not zstd", values, small)}))
     bomb = zstandard.ZstdCompressor().compress(b" " * ((64 << 20) + 1))
     with pytest.raises(CorruptPatchError, match="declares"):
-        _decode_everything(relayout(VALID, {HEADER_TENSOR: bomb}))
+        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(bomb, values, small)}))
     for version in ("4", "0", "x"):  # same length: only the version differs
         with pytest.raises(CorruptPatchError, match="unsupported patch container"):
             _decode_everything(VALID.replace(b'"flipsync_patch":"3"', f'"flipsync_patch":"{version}"'.encode()))

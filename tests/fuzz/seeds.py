@@ -83,7 +83,7 @@ def patch_cases() -> list[PatchCase]:
         bits[moved] += 1
         ctx_new[k] = bits.view(v.dtype)
     cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
-    # Version 3: many small step sections, whose value steps go into one grouped stream (flipsync.values).
+    # Version 3: many small step sections, whose value steps go into one grouped stream.
     g_old, g_new, grouped = grouped_case(seed=9)
     cases.append(PatchCase(g_old, g_new, grouped.to_bytes(), grouped.to_bytes(legacy=True)))
     return cases

@@ -53,7 +53,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
     from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
-    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER
+    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, pack_tail
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
@@ -151,10 +151,10 @@ def wrap_sections(data: bytes) -> bytes:
     compact header (it starts with its version, 3) goes into a version 3 container, any other into version 2."""
     header, _, blob = data.partition(SEPARATOR)
     packed = zstandard.ZstdCompressor(level=1).compress(header)
-    arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
     if header.startswith(b'{"flipsync_patch":3'):
-        arrays[HEADER_TENSOR] = np.frombuffer(packed, dtype=np.uint8)
+        arrays = {HEADER_TENSOR: np.frombuffer(pack_tail(packed, b"", blob), dtype=np.uint8)}
         return safetensors.numpy.save(arrays, metadata={"flipsync_patch": CONTAINER_VERSION})
+    arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
     meta = {"flipsync_patch": V2_CONTAINER, "flipsync_header": base64.b64encode(packed).decode()}
     return safetensors.numpy.save(arrays, metadata=meta)
 

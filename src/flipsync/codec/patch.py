@@ -5,14 +5,16 @@ A patch file is a plain safetensors file:
 - ``__metadata__["flipsync_patch"]`` is the container version. Version 3 (what this code writes): the
   :class:`~flipsync.domain.headers.PatchHeader` in its compact form (``PatchHeader.to_compact``: the
   version's ends, one digest, one row per section, no per-section fingerprints or digests), zstd-compressed,
-  is the uint8 tensor ``HEADER_TENSOR``, placed after the large sections. Versions 1 and 2 (still read, and
+  goes into the uint8 tensor ``HEADER_TENSOR`` after the large sections, with the grouped values of small
+  sections and the small sections themselves (``pack_tail``). Versions 1 and 2 (still read, and
   written back when a patch read from one is saved): ``__metadata__["flipsync_header"]`` holds the JSON header
   with per-section fingerprints and digests, zstd-compressed and base64-encoded. At 0.015% changed the
   version 2 header cost ~72 bytes per changed tensor, as much as the tensor's coded changes.
 - A changed tensor whose coded streams reach ``OWN_TENSOR_BYTES`` is a uint8 tensor of the same name holding
   its streams back to back (positions, values, kind flags; lengths in the header), so any safetensors reader
   lists the large changes and a store can range-read one. Smaller sections are concatenated, in header order,
-  into the one tensor ``SMALL_SECTIONS``: a table entry per tiny tensor would outweigh its changes.
+  into one tensor (``HEADER_TENSOR``; ``SMALL_SECTIONS`` in versions 1 and 2): a table entry per tiny tensor
+  would outweigh its changes.
 
 """
 
@@ -51,10 +53,11 @@ LEGACY_CONTAINERS = (V1_CONTAINER, V2_CONTAINER)
 READABLE_CONTAINERS = (*LEGACY_CONTAINERS, CONTAINER_VERSION)
 OWN_TENSOR_BYTES = 4096
 SMALL_SECTIONS = "flipsync.small_sections"
-HEADER_TENSOR = "flipsync.header"  # container version 3: the compressed compact header
-VALUES_TENSOR = "flipsync.values"  # container version 3: the value steps of the grouped small sections
-RESERVED_NAMES = ("__metadata__", SMALL_SECTIONS, HEADER_TENSOR, VALUES_TENSOR)
-GROUP = "group"  # a section's value codec in a version 3 file: its values are in VALUES_TENSOR
+# Container version 3: one tensor after the large sections holds the compressed compact header, the grouped
+# values and the small sections (see pack_tail): one table entry per version instead of three.
+HEADER_TENSOR = "flipsync.header"
+RESERVED_NAMES = ("__metadata__", SMALL_SECTIONS, HEADER_TENSOR)
+GROUP = "group"  # a section's value codec in a version 3 file: its values are in the grouped values
 # Position coders that spend at least one bit per position, so that the positions' bytes bound how many
 # values grouped sections may declare before anything is decoded.
 GROUP_POSITION_CODERS = frozenset({"rice", "ctx"})
@@ -303,15 +306,13 @@ class PatchFileWriter:
             if header.digest is None:
                 header = replace(header, digest=sections_digest(header.sections))
             header, small_blobs, values = _group_values(header, self._small)
-            small = b"".join(small_blobs)
             packed = zstandard.ZstdCompressor(level=19).compress(header.to_compact().encode())
-            entries[HEADER_TENSOR] = (self._offset, self._offset + len(packed))
-            if values:
-                entries[VALUES_TENSOR] = (self._offset + len(packed), self._offset + len(packed) + len(values))
+            tail = pack_tail(packed, values, b"".join(small_blobs))
+            entries[HEADER_TENSOR] = (self._offset, self._offset + len(tail))
             meta = {"flipsync_patch": CONTAINER_VERSION}
-            tail = packed + values + small
+            small = b""  # inside the header tensor
         if small:
-            entries[SMALL_SECTIONS] = (self._offset + len(tail) - len(small), self._offset + len(tail))
+            entries[SMALL_SECTIONS] = (self._offset, self._offset + len(small))
         doc: dict[str, object] = {"__metadata__": meta}
         for name, (a, b) in entries.items():
             doc[name] = {"dtype": "U8", "shape": [b - a], "data_offsets": [a, b]}
@@ -435,10 +436,13 @@ class Patch:
                 f"unsupported patch container {version!r} (this flipsync reads {READABLE_CONTAINERS})"
             )
         if version == CONTAINER_VERSION:
-            if HEADER_TENSOR not in tensors:
-                raise CorruptPatchError(f"patch container {version} lacks its header tensor {HEADER_TENSOR!r}")
-            header = PatchHeader.from_compact(_inflate(tensors.pop(HEADER_TENSOR)))
-            values = tensors.pop(VALUES_TENSOR, None)
+            if HEADER_TENSOR not in tensors or SMALL_SECTIONS in tensors:
+                raise CorruptPatchError(
+                    f"patch container {version} must hold its header tensor {HEADER_TENSOR!r}, and its small "
+                    "sections only there"
+                )
+            packed, values, tensors[SMALL_SECTIONS] = split_tail(tensors.pop(HEADER_TENSOR))
+            header = PatchHeader.from_compact(_inflate(packed))
             if values is not None or any(s.val.get("codec") == GROUP for s in header.sections):
                 return cls(*_ungroup_values(header, _locate_sections(header, tensors), values), version)
         else:
@@ -538,7 +542,27 @@ def _groupable(s: SectionHeader) -> bool:
     return s.mode == "step" and s.tag is None and s.pos.get("codec") in GROUP_POSITION_CODERS
 
 
-_PREAMBLE = struct.Struct("<H")  # VALUES_TENSOR: length of the JSON params of its stream, then both
+_PREAMBLE = struct.Struct("<H")  # grouped values: length of the JSON params of their stream, then both
+_LENGTH = struct.Struct("<I")
+
+
+def pack_tail(header: bytes, values: bytes, small: bytes) -> bytes:
+    """The version 3 header tensor: the compressed header and the grouped values, each after its length
+    (u32), then the small sections."""
+    return _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(values)) + values + small
+
+
+def split_tail(blob: memoryview | bytes) -> tuple[memoryview, memoryview | None, memoryview]:
+    """(compressed header, grouped values or None, small sections) of a version 3 header tensor."""
+    view = memoryview(blob)
+    parts = []
+    for what in ("header", "grouped values"):
+        if len(view) < _LENGTH.size or _LENGTH.size + _LENGTH.unpack_from(view)[0] > len(view):
+            raise CorruptPatchError(f"the patch's header tensor is truncated (its {what})")
+        end = _LENGTH.size + _LENGTH.unpack_from(view)[0]
+        parts.append(view[_LENGTH.size : end])
+        view = view[end:]
+    return parts[0], parts[1] if len(parts[1]) else None, view
 
 
 def _group_values(
@@ -547,7 +571,7 @@ def _group_values(
     """Container version 3: the value steps of the small step sections coded as one stream (one frequency
     table per version instead of one per tensor), when that is smaller; their sections then hold only their
     positions. Returns the header (grouped sections' value codec ``GROUP``), the small sections' bytes in
-    order, and the ``VALUES_TENSOR`` bytes (empty: nothing grouped)."""
+    order, and the grouped values' bytes (empty: nothing grouped)."""
     by_name = {s.name: s for s in header.sections}
     picked = [
         i for i, (name, _) in enumerate(small) if _groupable(by_name[name]) and by_name[name].val.get("codec") != GROUP
@@ -579,7 +603,7 @@ def _ungroup_values(
     rest of the codec sees ordinary sections; every inconsistency is a CorruptPatchError."""
     grouped = [s for s in header.sections if s.val.get("codec") == GROUP]
     if values is None or not grouped:
-        raise CorruptPatchError("patch has grouped value steps without their values tensor, or the reverse")
+        raise CorruptPatchError("patch has grouped value steps without their grouped values, or the reverse")
     if not all(_groupable(s) for s in grouped):
         raise CorruptPatchError("only step sections with rice or ctx positions may group their values")
     n = sum(s.n for s in grouped)
@@ -587,7 +611,7 @@ def _ungroup_values(
     if n > 8 * sum(len(blobs[s.name]) for s in grouped):
         raise CorruptPatchError(f"grouped sections declare {n} values, more than their positions' bytes can hold")
     if len(values) < _PREAMBLE.size or _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0] > len(values):
-        raise CorruptPatchError("the grouped values tensor is truncated")
+        raise CorruptPatchError("the patch's grouped values are truncated")
     end = _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0]
     try:
         params = json.loads(bytes(values[_PREAMBLE.size : end]))
@@ -613,13 +637,13 @@ def overhead_bytes(data: bytes | memoryview) -> int:
     header (version 3), the grouped values' parameters."""
     buf = memoryview(data)
     _, tensors = _parse_safetensors(buf)
-    hlen = 8 + struct.unpack_from("<Q", buf)[0]
-    values = tensors.get(VALUES_TENSOR)
-    return (
-        hlen
-        + len(tensors.get(HEADER_TENSOR, b""))
-        + (_PREAMBLE.size + _PREAMBLE.unpack_from(values)[0] if values is not None and len(values) >= 2 else 0)
-    )
+    size = 8 + struct.unpack_from("<Q", buf)[0]
+    if HEADER_TENSOR in tensors:
+        packed, values, _ = split_tail(tensors[HEADER_TENSOR])
+        size += 2 * _LENGTH.size + len(packed)
+        if values is not None and len(values) >= _PREAMBLE.size:
+            size += _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0]
+    return size
 
 
 def _locate_sections(header: PatchHeader, tensors: Mapping[str, memoryview]) -> dict[str, memoryview]:
