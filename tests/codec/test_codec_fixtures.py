@@ -2,9 +2,11 @@
 
 ``fixtures/v1`` holds patch files made by the version 1 codec (commit da543db; the cases of
 ``tests/fuzz/seeds.patch_cases`` and a long section whose values use four interleaved rANS lanes), each
-beside a safetensors file with its base (``old/``) and target (``new/``) views. ``fixtures/v2`` holds version 2
-patches whose positions are coded against the base (``ctx``), written before its decoder learnt to work in
-chunks (commit 22e74bd; ``fixtures/make_v2.py``): BF16, F16, FP8 (E4M3) and packed FP4 (U8) sections.
+beside a safetensors file with its base (``old/``) and target (``new/``) views. ``fixtures/v2`` holds container
+version 2 patches (JSON header with per-section fingerprints and digests) whose positions are coded against
+the base (``ctx``), written at commit 22e74bd before the decoder learnt to work in chunks and before the
+compact version 3 container (``fixtures/make_v2.py``; ``ctx`` by the container change): BF16, F16, FP8
+(E4M3) and packed FP4 (U8).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flipsync.codec.patch import encode_change
 FIXTURES = Path(__file__).parent / "fixtures"
 V1_CASES = sorted(p.stem for p in (FIXTURES / "v1").glob("*.patch"))
 V2_CASES = sorted(p.stem for p in (FIXTURES / "v2").glob("*.patch"))
+CASES = [("v1", name) for name in V1_CASES] + [("v2", name) for name in V2_CASES]
 
 
 def _views(name: str, version: str = "v1") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -41,29 +44,30 @@ def test_every_fixture_is_present() -> None:
     assert V1_CASES == ["lanes", "mixed", "runs_raw", "small"]
 
 
-@pytest.mark.parametrize("name", V1_CASES)
-def test_v1_patches_apply_bitwise(name: str) -> None:
-    old, new = _views(name)
-    patch = Patch.load(FIXTURES / "v1" / f"{name}.patch")
+@pytest.mark.parametrize(("version", "name"), CASES)
+def test_old_patches_apply_bitwise(version: str, name: str) -> None:
+    old, new = _views(name, version)
+    patch = Patch.load(FIXTURES / version / f"{name}.patch")
     tensors = {k: v.clone() for k, v in old.items()}
     apply_patch(tensors, patch, FingerprintTable.of(tensors), verify="digest")
     assert tensors.keys() == new.keys()
     assert all(_same_bits(tensors[k], new[k]) for k in new)
 
 
-@pytest.mark.parametrize("name", V1_CASES)
-def test_v1_sections_reencode_to_the_same_bytes(name: str) -> None:
-    data = (FIXTURES / "v1" / f"{name}.patch").read_bytes()
+@pytest.mark.parametrize(("version", "name"), CASES)
+def test_old_sections_reencode_to_the_same_bytes(version: str, name: str) -> None:
+    data = (FIXTURES / version / f"{name}.patch").read_bytes()
     patch = Patch.from_bytes(data)
-    assert patch.to_bytes() == data
-    for change in patch.changes():
-        section, blob = encode_change(change)
+    assert patch.to_bytes() == data  # a patch read from a file is written back in its own container
+    old, _ = _views(name, version)
+    for change in patch.changes(old):
+        section, blob = encode_change(change, old[change.name])
         assert blob == bytes(patch.section_blob(change.name))
         assert section == patch.header.sections[[s.name for s in patch.sections].index(change.name)]
 
 
 def test_every_v2_fixture_is_present_and_uses_ctx() -> None:
-    assert V2_CASES == ["bf16", "fp16", "fp8_block", "mxfp4"]
+    assert V2_CASES == ["bf16", "ctx", "fp16", "fp8_block", "mxfp4"]
     dtypes = set()
     for name in V2_CASES:
         patch = Patch.load(FIXTURES / "v2" / f"{name}.patch")
@@ -90,15 +94,3 @@ def test_v2_ctx_patches_apply_bitwise(name: str, chunked: bool) -> None:
                 assert np.array_equal(positions, change.positions)
     apply_patch(tensors, patch, FingerprintTable.of(tensors), verify="digest")
     assert all(_same_bits(tensors[k], new[k]) for k in new)
-
-
-@pytest.mark.parametrize("name", V2_CASES)
-def test_v2_sections_reencode_to_the_same_bytes(name: str) -> None:
-    old, _ = _views(name, "v2")
-    data = (FIXTURES / "v2" / f"{name}.patch").read_bytes()
-    patch = Patch.from_bytes(data)
-    assert patch.to_bytes() == data
-    for change in patch.changes(old):
-        section, blob = encode_change(change, old[change.name])
-        assert blob == bytes(patch.section_blob(change.name))
-        assert section == patch.header.sections[[s.name for s in patch.sections].index(change.name)]

@@ -10,17 +10,20 @@ import struct
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
+from flipsync.codec.patch import HEADER_TENSOR, SMALL_SECTIONS, pack_tail, split_tail
+from flipsync.domain.headers import COMPACT_ROW
 from flipsync.errors import CorruptPatchError, FlipsyncError
 from tests.strategies import edit, same_bits
 
 
-def _valid_patch() -> tuple[dict, dict, bytes]:
+def _valid_patch() -> tuple[dict, dict, bytes, bytes]:
     rng = np.random.default_rng(11)
     old = {
         "a": torch.randn(4000).to(torch.bfloat16),
@@ -29,10 +32,10 @@ def _valid_patch() -> tuple[dict, dict, bytes]:
     }
     new = {k: edit(rng, v, 0.05, style="ulp" if k != "c" else "bits") for k, v in old.items()}
     patch, _ = diff_views(old, new)
-    return old, new, patch.to_bytes()
+    return old, new, patch.to_bytes(), patch.to_bytes(legacy=True)
 
 
-OLD, NEW, VALID = _valid_patch()
+OLD, NEW, VALID, LEGACY = _valid_patch()  # LEGACY: the same patch in a version 1 container
 
 
 def _decode_everything(data: bytes) -> None:
@@ -75,16 +78,53 @@ def test_random_bytes(data: bytes) -> None:
 
 
 def _with_header(mutate: object) -> bytes:
-    """Re-serialise the valid patch with its flipsync header JSON changed by ``mutate(doc)``."""
-    hlen = struct.unpack_from("<Q", VALID)[0]
-    outer = json.loads(VALID[8 : 8 + hlen])
+    """Re-serialise the valid patch (version 1 container) with its header JSON changed by ``mutate(doc)``."""
+    hlen = struct.unpack_from("<Q", LEGACY)[0]
+    outer = json.loads(LEGACY[8 : 8 + hlen])
     packed = base64.b64decode(outer["__metadata__"]["flipsync_header"])
     doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
     mutate(doc)  # type: ignore[operator]
     packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
     outer["__metadata__"]["flipsync_header"] = base64.b64encode(packed).decode()
     head = json.dumps(outer).encode()
-    return struct.pack("<Q", len(head)) + head + VALID[8 + hlen :]
+    return struct.pack("<Q", len(head)) + head + LEGACY[8 + hlen :]
+
+
+def relayout(data: bytes, replace: dict[str, bytes]) -> bytes:
+    """The safetensors file ``data`` with some tensors' bytes replaced, every offset moved to match."""
+    hlen = struct.unpack_from("<Q", data)[0]
+    outer = json.loads(data[8 : 8 + hlen])
+    body, cursor = [], 0
+    for name, e in sorted(
+        ((k, v) for k, v in outer.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
+    ):
+        a, b = e["data_offsets"]
+        blob = replace.get(name, data[8 + hlen + a : 8 + hlen + b])
+        e.update(shape=[len(blob)], data_offsets=[cursor, cursor + len(blob)])
+        body.append(blob)
+        cursor += len(blob)
+    head = json.dumps(outer).encode()
+    return struct.pack("<Q", len(head)) + head + b"".join(body)
+
+
+def _with_compact_header(mutate: object) -> bytes:
+    """The valid patch (version 3) with its compact header changed by ``mutate(doc)``, sections as objects."""
+    packed, values, small = tail_parts(VALID)
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
+    doc["sections"] = [dict(zip(COMPACT_ROW, row, strict=False)) for row in doc["sections"]]
+    mutate(doc)  # type: ignore[operator]
+    if isinstance(doc["sections"], list):
+        doc["sections"] = [[s.get(k) for k in COMPACT_ROW if k in s] for s in doc["sections"]]
+    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    return relayout(VALID, {HEADER_TENSOR: pack_tail(packed, values, small)})
+
+
+def tail_parts(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """(compressed header, grouped values, small sections) of a version 3 file's header tensor."""
+    hlen = struct.unpack_from("<Q", data)[0]
+    a, b = json.loads(data[8 : 8 + hlen])[HEADER_TENSOR]["data_offsets"]
+    packed, values, small = split_tail(data[8 + hlen + a : 8 + hlen + b])
+    return bytes(packed), bytes(values or b""), bytes(small)
 
 
 CRAFTED = {
@@ -97,6 +137,7 @@ CRAFTED = {
     "stream past the end": lambda d: d["sections"][0]["val"].update(bytes=10**9),
     "mixed without flags": lambda d: d["sections"][0].update(mode="mixed"),
     "bad fingerprint": lambda d: d["sections"][0].update(base_fp="xyz"),
+    "bad digest": lambda d: d.update(digest="xyz"),
     "sections not a list": lambda d: d.update(sections={"a": 1}),
     "wrong format version": lambda d: d.update(flipsync_patch=99),
     "deep nesting": lambda d: d.update(meta={"a": [[[[[[]]]]]]}),
@@ -106,12 +147,65 @@ CRAFTED = {
 }
 
 
+COMPACT_ONLY = {  # fields only the compact header has, or that it lays out differently
+    "short row": lambda d: d["sections"][0].pop("val"),
+    "long row": lambda d: d["sections"][0].update(tag={"codec": "bits"}, extra=1),
+    "row not a list": lambda d: d.update(sections=[{"name": "a"}]),
+    "wrong compact version": lambda d: d.update(flipsync_patch=1),
+}
+
+
 @pytest.mark.parametrize("case", sorted(CRAFTED))
 def test_crafted_headers(case: str) -> None:
     data = _with_header(CRAFTED[case])
     with pytest.raises(CorruptPatchError):
         _decode_everything(data)
     _apply_or_refuse(data)
+
+
+@pytest.mark.parametrize("case", sorted(set(CRAFTED) - {"bad fingerprint"} | set(COMPACT_ONLY)))
+def test_crafted_compact_headers(case: str) -> None:
+    """The same crafted fields in a version 3 container (which has no per-section fingerprint to corrupt)."""
+    data = _with_compact_header({**CRAFTED, **COMPACT_ONLY}[case])
+    with pytest.raises(CorruptPatchError):
+        _decode_everything(data)
+    _apply_or_refuse(data)
+
+
+def test_compact_container_damage() -> None:
+    """A version 3 file without its header tensor, with a truncated one, with a header that is no zstd frame or
+    declares too much, with small sections outside it."""
+    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
+        _decode_everything(VALID.replace(HEADER_TENSOR.encode(), b"flipsync.headex"))
+    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
+        packed, values, small = tail_parts(VALID)
+        arrays = {
+            HEADER_TENSOR: np.frombuffer(pack_tail(packed, values, b""), np.uint8),
+            SMALL_SECTIONS: np.frombuffer(small, np.uint8),
+        }
+        _decode_everything(safetensors.numpy.save(arrays, metadata={"flipsync_patch": "3"}))
+    for cut in (b"", b"\x01", b"\x05\x00\x00\x00abc", pack_tail(b"abc", b"", b"")[:-1], b"\x00" * 4 + b"\x09\x00"):
+        with pytest.raises(CorruptPatchError, match=r"truncated|cannot be decoded"):
+            _decode_everything(relayout(VALID, {HEADER_TENSOR: cut}))
+    _, values, small = tail_parts(VALID)
+    with pytest.raises(CorruptPatchError, match="cannot be decoded"):
+        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(b"not zstd", values, small)}))
+    bomb = zstandard.ZstdCompressor().compress(b" " * ((64 << 20) + 1))
+    with pytest.raises(CorruptPatchError, match="declares"):
+        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(bomb, values, small)}))
+    for version in ("4", "0", "x"):  # same length: only the version differs
+        with pytest.raises(CorruptPatchError, match="unsupported patch container"):
+            _decode_everything(VALID.replace(b'"flipsync_patch":"3"', f'"flipsync_patch":"{version}"'.encode()))
+
+
+def test_legacy_and_compact_containers_hold_the_same_patch() -> None:
+    legacy, compact = Patch.from_bytes(LEGACY), Patch.from_bytes(VALID)
+    assert legacy.container == "1" and compact.container == "3" and len(VALID) < len(LEGACY)
+    assert compact.header.digest is not None and all(s.base_fp is None for s in compact.sections)
+    for a, b in zip(legacy.changes(), compact.changes(), strict=True):
+        assert np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
+    _apply_or_refuse(LEGACY)
+    _apply_or_refuse(VALID)
 
 
 def test_not_a_patch() -> None:

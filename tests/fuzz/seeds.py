@@ -31,12 +31,13 @@ class PatchCase:
 
     old: dict[str, torch.Tensor]
     new: dict[str, torch.Tensor]
-    data: bytes
+    data: bytes  # container version 3 (compact header)
+    legacy: bytes  # the same patch in the version 1/2 container (JSON header, per-section fingerprints)
 
 
 def _case(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kw: object) -> PatchCase:
     patch, _ = diff_views(old, new, **kw)  # type: ignore[arg-type]
-    return PatchCase(old, new, patch.to_bytes())
+    return PatchCase(old, new, patch.to_bytes(), patch.to_bytes(legacy=True))
 
 
 def patch_cases() -> list[PatchCase]:
@@ -72,7 +73,8 @@ def patch_cases() -> list[PatchCase]:
     third = {k: edit(rng, v, 0.05, style="bits") for k, v in small_new.items()}
     first, _ = diff_views(small, small_new)
     second, _ = diff_views(small_new, third, mode="raw")
-    cases.append(PatchCase(small, third, squash([first, second]).to_bytes()))
+    squashed = squash([first, second])
+    cases.append(PatchCase(small, third, squashed.to_bytes(), squashed.to_bytes(legacy=True)))
     # Version 2: small values change more often than large ones, so positions are coded against the base (ctx).
     mags = torch.randn(20000, generator=g) * torch.rand(20000, generator=g).pow(4)
     ctx_old = {"i.weight": mags.to(torch.bfloat16), "j.weight": mags[:4000].to(torch.float8_e4m3fn)}
@@ -83,7 +85,32 @@ def patch_cases() -> list[PatchCase]:
         bits[moved] += 1
         ctx_new[k] = bits.view(v.dtype)
     cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
+    # Version 3: many small step sections, whose value steps go into one grouped stream.
+    g_old, g_new, grouped = grouped_case(seed=9)
+    cases.append(PatchCase(g_old, g_new, grouped.to_bytes(), grouped.to_bytes(legacy=True)))
     return cases
+
+
+def _steps(rng: np.random.Generator, t: torch.Tensor, frac: float) -> torch.Tensor:
+    """A copy with a fraction of elements moved by small steps, mostly one ulp, a few larger (as Adam does)."""
+    out = t.clone()
+    flat = out.view(torch.int16).reshape(-1)
+    idx = torch.from_numpy(rng.choice(t.numel(), size=max(1, int(t.numel() * frac)), replace=False))
+    steps = rng.choice([1, -1, 2, -2, 3, -5, 17], size=idx.numel(), p=[0.4, 0.4, 0.06, 0.06, 0.04, 0.02, 0.02])
+    flat[idx] += torch.from_numpy(steps).to(torch.int16)
+    return out
+
+
+def grouped_case(seed: int = 5, tensors: int = 24) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Patch]:
+    """Many small tensors with a few steps each: their value steps are grouped into one stream."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    old = {f"layers.{i}.weight": torch.randn(3000, generator=g).to(torch.bfloat16) for i in range(tensors)}
+    new = {k: _steps(rng, v, 0.01) for k, v in old.items()}
+    old["norm.weight"] = torch.randn(64, generator=g)  # arbitrary new bits: large steps, grouped all the same
+    new["norm.weight"] = edit(rng, old["norm.weight"], 0.1, style="bits")
+    patch, _ = diff_views(old, new, context=False)
+    return old, new, patch
 
 
 def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
@@ -92,10 +119,12 @@ def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
 
 
 def split_sections(data: bytes) -> bytes:
-    """A patch as the sections target reads it: header JSON, NUL, every section's streams in order."""
+    """A patch as the sections target reads it: header JSON (compact for a version 3 file), NUL, every
+    section's streams in order."""
     patch = Patch.from_bytes(data)
     blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
-    return patch.header.to_json().encode() + SEPARATOR + b"".join(blobs)
+    header = patch.header.to_json() if patch.container != "3" else patch.header.to_compact()
+    return header.encode() + SEPARATOR + b"".join(blobs)
 
 
 def ctx_seeds() -> tuple[list[BaseBits], list[tuple[int, int, dict, bytes]]]:

@@ -7,9 +7,10 @@ without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in
 - ``patch``: a patch file (safetensors container) -> ``Patch.from_bytes``, every section decoded, a
   re-encode round trip, and an apply onto the seed's base view that either refuses and leaves the tensors
   untouched or yields exactly the verified target.
-- ``sections``: the patch header JSON and the section streams, re-wrapped into a valid container, so that
-  mutations reach the header validation and the stream decoders (rice, zstd, bits, rANS, kind flags)
-  instead of dying in the container's own zstd/base64 layer.
+- ``sections``: the patch header JSON (version 1 or the compact version 3) and the section streams,
+  re-wrapped into a valid container of that version, so that mutations reach the header validation and the
+  stream decoders (rice, zstd, bits, rANS, ctx, kind flags) instead of dying in the container's own zstd
+  (and base64) layer.
 - ``ctx``: a ``ctx`` position stream with its parameters (``CTX_PARAMS`` bytes: base index, n, classes,
   nbits) decoded against one of a few seed bases by the one-thread pass and by the chunked pass on a pool:
   both refuse it (``CorruptPatchError``) or both give the same n sorted positions inside the tensor.
@@ -56,6 +57,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.store import ObstoreStore
     from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
     from flipsync.codec.context import BaseBits, ContextCoder
+    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, pack_tail
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
@@ -186,11 +188,15 @@ def container_end(data: bytes) -> int:
 
 
 def wrap_sections(data: bytes) -> bytes:
-    """A container around ``header JSON NUL section streams``: every section reads the shared tensor."""
+    """A container around ``header JSON NUL section streams``: every section reads the shared tensor. A
+    compact header (it starts with its version, 3) goes into a version 3 container, any other into version 2."""
     header, _, blob = data.partition(SEPARATOR)
     packed = zstandard.ZstdCompressor(level=1).compress(header)
-    meta = {"flipsync_patch": CONTAINER_VERSION, "flipsync_header": base64.b64encode(packed).decode()}
+    if header.startswith(b'{"flipsync_patch":3'):
+        arrays = {HEADER_TENSOR: np.frombuffer(pack_tail(packed, b"", blob), dtype=np.uint8)}
+        return safetensors.numpy.save(arrays, metadata={"flipsync_patch": CONTAINER_VERSION})
     arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
+    meta = {"flipsync_patch": V2_CONTAINER, "flipsync_header": base64.b64encode(packed).decode()}
     return safetensors.numpy.save(arrays, metadata=meta)
 
 
@@ -260,8 +266,8 @@ def build(name: str) -> tuple[Target, list[bytes]]:
         cases = seeds.patch_cases()
         pairs = [(c.old, c.new) for c in cases]
         if name == "patch":
-            return PatchTarget(pairs), [c.data for c in cases] + seeds.spliced_patches(cases)
-        inputs = [seeds.split_sections(c.data) for c in cases]
+            return PatchTarget(pairs), [d for c in cases for d in (c.data, c.legacy)] + seeds.spliced_patches(cases)
+        inputs = [seeds.split_sections(d) for c in cases for d in (c.data, c.legacy)]
         return SectionsTarget(pairs), inputs
     if name == "ctx":
         bases, inputs = seeds.ctx_seeds()

@@ -73,7 +73,7 @@ def test_a_streamed_part_with_a_chunk_too_many_is_refused() -> None:
     assert len(part.objects) > 2
     chunks = [store.get(f"v/{path}") for path, _ in part.objects]
     whole = b"".join(chunks)
-    assert Patch.from_bytes(whole).header == patch.header
+    assert Patch.from_bytes(whole).to_bytes() == patch.to_bytes()  # read back, it writes the same file
     for spliced in (chunks + chunks[-1:], chunks[:-1] + chunks[-2:]):
         data = b"".join(spliced)
         with pytest.raises(CorruptPatchError, match=f"{len(data) - len(whole):,} extra bytes past the end"):
@@ -117,10 +117,10 @@ def test_abort_removes_every_object_unless_the_version_kept_it() -> None:
     patch = random_patch([9000, 9000], seed=2)
     store, stream = stream_out(patch, 4096)
     stream.finish(patch)
-    assert len(on_board(store)) == 3
+    assert len(on_board(store)) == 4  # head, two large sections, tail (the compact header)
     stream.keep()
     stream.abort()
-    assert len(on_board(store)) == 3
+    assert len(on_board(store)) == 4
     store, stream = stream_out(patch, 4096)
     assert on_board(store)  # the first chunks went up while "coding"
     stream.abort()

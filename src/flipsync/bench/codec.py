@@ -47,6 +47,7 @@ from flipsync.codec import (
     conditional_position_bits,
     diff_views,
     dtype_of,
+    overhead_bytes,
     stage,
     to_key,
     zigzag,
@@ -188,7 +189,7 @@ def measure_pair(
         cond_bound_bpc=base["cond"] / changed,
         ours_bpc=len(data) / changed,
         v1_bpc=v1_bytes / changed,
-        header_bpt=(len(data) - patch.nbytes) / max(1, len(patch.sections)),
+        header_bpt=overhead_bytes(data) / max(1, len(patch.sections)),
         stage_ns=stage_s / changed * 1e9,
         stage_v1_ns=stage_v1_s / changed * 1e9,
         stage_ns_b=stage_s / view_bytes * 1e9,
@@ -401,7 +402,8 @@ def table(rows: list[CodecRow]) -> Table:
 METHODS_MD = """Methods, all applied to the same pair of served views in this process:
 
 - **flipsync**: the whole patch file from `flipsync.codec.diff_views` (safetensors container, compressed
-  header with per-tensor fingerprints and xxh3-128 digests, Rice-coded positions, rANS-coded value steps);
+  compact header with the view fingerprints and one xxh3-128 digest of the changed tensors, Rice- or
+  ctx-coded positions, rANS-coded value steps);
 - **XOR+zstd-1**: XOR of the old and new served bytes of every tensor, compressed by zstd level 1 (what Modal
   Stitch and slime ship);
 - **int32+val**: a 4-byte index and the raw new element per changed value (HF TRL);
@@ -415,8 +417,9 @@ METHODS_MD = """Methods, all applied to the same pair of served views in this pr
 
 *stage ns/chg* is `codec.stage` (decode, the pass over the base for `ctx` sections, new bits, fingerprint
 checks) per changed value, for the patch and for the v1-coder patch; *stage ns/B* the same per byte of the
-base view; *hdr B/tensor* is the patch file's
-bytes outside its coded sections (container, compressed header: names, fingerprints, digests) per tensor.
+base view; *hdr B/tensor* (*header B/changed tensor*) is the patch file's bytes outside its coded sections
+(the safetensors table and the compact header: names, shapes, counts, codec parameters, the two view
+fingerprints and one content digest) per changed tensor.
 
 Columns: *changed %* is the share of served values that differ after the step; *B/chg* is bytes per changed
 value (the patch, or the method's output, divided by the number of changed values); the ratio columns
@@ -510,8 +513,9 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
             "XOR+zstd-1 / flipsync",
             "int32+val / flipsync",
             "int64+val / flipsync",
+            "flipsync header B/changed tensor",
         ),
-        (_size_cells(r, bold="**") for r in rows),
+        ((*_size_cells(r, bold="**"), f"{r.header_bpt:.1f}") for r in rows),
         left=2,
     )
     speed = md_table(

@@ -33,6 +33,7 @@ from flipsync.codec.patch import (
     PatchFileWriter,
     TensorChange,
     encode_change,
+    overhead_bytes,
 )
 from flipsync.codec.squash import squash
 from flipsync.codec.streams import decode_symbols
@@ -71,6 +72,7 @@ __all__ = [
     "from_key",
     "int_view",
     "key_steps",
+    "overhead_bytes",
     "scatter",
     "squash",
     "stage",

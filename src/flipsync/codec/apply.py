@@ -30,7 +30,7 @@ from numba.extending import intrinsic
 
 from flipsync.codec.bits import DType, bits_numpy, dtype_of, int_view
 from flipsync.codec.encode import gather_bits
-from flipsync.codec.fingerprint import FP_SEED, FingerprintTable, Hasher, TensorId, fmix64, fp_hex
+from flipsync.codec.fingerprint import FP_SEED, FingerprintTable, Hasher, TensorId, combine_digests, fmix64, fp_hex
 from flipsync.codec.patch import Patch, decode_streams
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
@@ -242,8 +242,8 @@ def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: 
             + (f" (version {version})" if version is not None else "")
             + f", but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
         )
-    for s in patch.sections:
-        if fp_hex(table[s.name].fp) != s.base_fp:
+    for s in patch.sections:  # a compact header has no per-section fingerprints: the view check covers them
+        if s.base_fp is not None and fp_hex(table[s.name].fp) != s.base_fp:
             raise BaseMismatchError(f"tensor {s.name!r} is not the patch's base (fingerprint differs)")
 
 
@@ -279,7 +279,8 @@ def stage(
         dec = _decode_section(s, patch.section_blob(s.name), t)
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
         fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
-        target_fp = int(s.target_fp, 16)
+        # Without a per-section target (compact header), the target view check below vouches for fp.
+        target_fp = fp if s.target_fp is None else int(s.target_fp, 16)
         if check and fp != target_fp:
             raise VerificationError(
                 f"tensor {s.name!r} would not match the patch's target fingerprint; the patch is corrupt "
@@ -329,8 +330,13 @@ def commit(
     verify: Verify = "fingerprint",
     full_fingerprint: bool = False,
     hasher: Hasher | None = None,
+    digest: str | None = None,
 ) -> UndoRecord:
-    """Scatter staged writes in place; on any failure restore every byte and re-raise."""
+    """Scatter staged writes in place; on any failure restore every byte and re-raise.
+
+    ``digest``: the patch's combined target digest (``PatchHeader.digest``), checked with ``verify="digest"``
+    against the touched tensors' digests, as each write's own ``target_digest`` is.
+    """
     undo = UndoRecord(table_before={w.name: table[w.name] for w in staged})
     own = hasher is None and (verify == "digest" or full_fingerprint)
     h = hasher or (Hasher() if own else None)
@@ -343,12 +349,17 @@ def commit(
             for w in staged:
                 table[w.name] = TensorId(w.target.dtype, w.target.shape, h.fingerprint(tensors[w.name]))
         if verify == "digest" and h is not None:
+            held = {w.name: h.digest(tensors[w.name]) for w in staged}
             for w in staged:
-                if w.target_digest is not None and h.digest(tensors[w.name]) != w.target_digest:
+                if w.target_digest is not None and held[w.name] != w.target_digest:
                     raise VerificationError(
                         f"tensor {w.name!r} does not match the patch's target content digest after applying; "
                         "rolled back"
                     )
+            if digest is not None and combine_digests(held.items()) != digest:
+                raise VerificationError(
+                    "the changed tensors do not match the patch's target content digest after applying; rolled back"
+                )
     except BaseException:
         undo.rollback(tensors, table)
         raise
@@ -371,7 +382,9 @@ def apply_patch(
     t0 = time.perf_counter()
     staged = stage(tensors, patch, table, check=check)
     t1 = time.perf_counter()
-    undo = commit(tensors, staged, table, verify=verify, full_fingerprint=not check, hasher=hasher)
+    undo = commit(
+        tensors, staged, table, verify=verify, full_fingerprint=not check, hasher=hasher, digest=patch.header.digest
+    )
     t2 = time.perf_counter()
     return ApplyResult(
         undo=undo, n_changed=sum(int(w.positions.numel()) for w in staged), stage_s=t1 - t0, commit_s=t2 - t1

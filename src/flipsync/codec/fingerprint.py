@@ -13,7 +13,7 @@ A *view fingerprint* names a whole served view: a hash of every tensor's name, d
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -63,6 +63,18 @@ def fingerprint_of(positions: np.ndarray, bits: np.ndarray) -> int:
 
 def fp_hex(fp: int) -> str:
     return f"{fp & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def combine_digests(named: Iterable[tuple[str, str]]) -> str:
+    """One digest for a set of (tensor name, content digest) pairs: the XOR of xxh3-128(name NUL digest).
+
+    Order-free, so the combined digests of disjoint sets (one per trainer rank's shard) XOR into the
+    digest of their union; a patch carries this one digest instead of one per changed tensor.
+    """
+    acc = 0
+    for name, digest in named:
+        acc ^= xxhash.xxh3_128_intdigest(name.encode() + b"\0" + bytes.fromhex(digest))
+    return f"{acc:032x}"
 
 
 def _chunks(n: int, step: int) -> Iterator[tuple[int, int]]:

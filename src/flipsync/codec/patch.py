@@ -2,14 +2,19 @@
 
 A patch file is a plain safetensors file:
 
-- ``__metadata__["flipsync_patch"]`` is the container version and ``__metadata__["flipsync_header"]`` the
-  JSON :class:`~flipsync.domain.headers.PatchHeader` (per-tensor codec parameters, fingerprints and
-  digests), zstd-compressed and base64-encoded: uncompressed it would cost more than the coded changes of
-  a small tensor (``flipsync inspect --json`` prints it).
+- ``__metadata__["flipsync_patch"]`` is the container version. Version 3 (what this code writes): the
+  :class:`~flipsync.domain.headers.PatchHeader` in its compact form (``PatchHeader.to_compact``: the
+  version's ends, one digest, one row per section, no per-section fingerprints or digests), zstd-compressed,
+  goes into the uint8 tensor ``HEADER_TENSOR`` after the large sections, with the grouped values of small
+  sections and the small sections themselves (``pack_tail``). Versions 1 and 2 (still read, and
+  written back when a patch read from one is saved): ``__metadata__["flipsync_header"]`` holds the JSON header
+  with per-section fingerprints and digests, zstd-compressed and base64-encoded. At 0.015% changed the
+  version 2 header cost ~72 bytes per changed tensor, as much as the tensor's coded changes.
 - A changed tensor whose coded streams reach ``OWN_TENSOR_BYTES`` is a uint8 tensor of the same name holding
   its streams back to back (positions, values, kind flags; lengths in the header), so any safetensors reader
   lists the large changes and a store can range-read one. Smaller sections are concatenated, in header order,
-  into the one tensor ``SMALL_SECTIONS``: a table entry per tiny tensor would outweigh its changes.
+  into one tensor (``HEADER_TENSOR``; ``SMALL_SECTIONS`` in versions 1 and 2): a table entry per tiny tensor
+  would outweigh its changes.
 
 """
 
@@ -27,9 +32,10 @@ import torch
 import zstandard
 
 from flipsync.codec import streams
+from flipsync.codec.bitpack import FixedWidthCoder
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
 from flipsync.codec.context import BaseBits
-from flipsync.codec.fingerprint import fp_hex
+from flipsync.codec.fingerprint import combine_digests, fp_hex
 from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
 
@@ -40,11 +46,23 @@ DECODED_BYTES_PER_CHANGE = 17
 # declare up to 2**48 changes per tensor and the coded streams expand ~32,000x (zstd) or more (ans), so a
 # small crafted file could otherwise ask for terabytes; apply bounds them by the real tensors instead.
 DEFAULT_MAX_DECODED_BYTES = 8 << 30
-CONTAINER_VERSION = "2"  # written when a section uses a version 2 coder (``ctx``); otherwise "1"
-V1_CONTAINER = "1"
-READABLE_CONTAINERS = (V1_CONTAINER, CONTAINER_VERSION)
+CONTAINER_VERSION = "3"  # what this code writes: the compact header, fixed cost per version
+V2_CONTAINER = "2"  # JSON header in the metadata, with a ctx section (still read; written back by to_bytes)
+V1_CONTAINER = "1"  # the same without version 2 coders
+LEGACY_CONTAINERS = (V1_CONTAINER, V2_CONTAINER)
+READABLE_CONTAINERS = (*LEGACY_CONTAINERS, CONTAINER_VERSION)
 OWN_TENSOR_BYTES = 4096
 SMALL_SECTIONS = "flipsync.small_sections"
+# Container version 3: one tensor after the large sections holds the compressed compact header, the grouped
+# values and the small sections (see pack_tail): one table entry per version instead of three.
+HEADER_TENSOR = "flipsync.header"
+RESERVED_NAMES = ("__metadata__", SMALL_SECTIONS, HEADER_TENSOR)
+GROUP = "group"  # a section's value codec in a version 3 file: its values are in the grouped values
+# Position coders that spend at least one bit per position, so that the positions' bytes bound how many
+# values grouped sections may declare before anything is decoded.
+GROUP_POSITION_CODERS = frozenset({"rice", "ctx"})
+TABLE_ENTRY_BYTES = 64  # about what one more tensor costs in the container's table
+_FIXED = FixedWidthCoder()
 
 
 @dataclass
@@ -61,8 +79,8 @@ class TensorChange:
     positions: np.ndarray
     values: np.ndarray
     raw: np.ndarray | None
-    base_fp: int
-    target_fp: int
+    base_fp: int | None  # None: decoded from a compact header, which leaves them to the view fingerprints
+    target_fp: int | None
     target_digest: str | None = None
 
     @property
@@ -130,8 +148,8 @@ def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None =
         mode=mode,  # type: ignore[arg-type]
         pos=pos_params,
         val=val_params,
-        base_fp=fp_hex(change.base_fp),
-        target_fp=fp_hex(change.target_fp),
+        base_fp=None if change.base_fp is None else fp_hex(change.base_fp),
+        target_fp=None if change.target_fp is None else fp_hex(change.target_fp),
         target_digest=change.target_digest,
         tag=tag_params,
     )
@@ -203,8 +221,8 @@ def decode_change(
         positions=positions,
         values=values,
         raw=raw,
-        base_fp=int(section.base_fp, 16),
-        target_fp=int(section.target_fp, 16),
+        base_fp=None if section.base_fp is None else int(section.base_fp, 16),
+        target_fp=None if section.target_fp is None else int(section.target_fp, 16),
         target_digest=section.target_digest,
     )
 
@@ -222,7 +240,7 @@ class PatchBuilder:
 
     def add_encoded(self, section: SectionHeader, blob: bytes) -> None:
         """A section ``encode_change`` already coded (e.g. on another thread, its fingerprints filled in later)."""
-        if section.name in self._blobs or section.name in ("__metadata__", SMALL_SECTIONS):
+        if section.name in self._blobs or section.name in RESERVED_NAMES:
             raise PatchError(f"tensor name {section.name!r} is used twice or reserved")
         self._blobs[section.name] = blob
         self._sections.append(section)
@@ -252,32 +270,50 @@ class PatchFileWriter:
     def __init__(self) -> None:
         self._names: list[str] = []
         self._entries: dict[str, tuple[int, int]] = {}
-        self._small: list[bytes | memoryview] = []
+        self._small: list[tuple[str, bytes | memoryview]] = []
         self._offset = 0
 
     def add(self, name: str, blob: bytes | memoryview) -> bytes | memoryview | None:
         """Place one section (in header order); its bytes when they go into the data area now, else None."""
         self._names.append(name)
         if len(blob) < OWN_TENSOR_BYTES:
-            self._small.append(blob)
+            self._small.append((name, blob))
             return None
         self._entries[name] = (self._offset, self._offset + len(blob))
         self._offset += len(blob)
         return blob
 
-    def finish(self, header: PatchHeader) -> tuple[bytes, bytes]:
-        """(head, tail) of the file whose sections, in ``header``'s order, are the ones added."""
+    def finish(self, header: PatchHeader, *, legacy: bool = False) -> tuple[bytes, bytes]:
+        """(head, tail) of the file whose sections, in ``header``'s order, are the ones added.
+
+        ``legacy``: write container version 1 or 2 (JSON header in the metadata, per-section fingerprints
+        and digests, which every section must then carry) instead of version 3.
+        """
         if [s.name for s in header.sections] != self._names:
             raise PatchError("the patch header does not list the sections that were laid out, in their order")
         entries = dict(self._entries)
-        tail = b"".join(self._small)
-        if tail:
-            entries[SMALL_SECTIONS] = (self._offset, self._offset + len(tail))
-        packed = zstandard.ZstdCompressor(level=19).compress(header.to_json().encode())
-        version = container_version(header)
-        doc: dict[str, object] = {
-            "__metadata__": {"flipsync_patch": version, "flipsync_header": base64.b64encode(packed).decode()}
-        }
+        small = b"".join(b for _, b in self._small)
+        if legacy:
+            if any(s.base_fp is None or s.target_fp is None for s in header.sections):
+                raise PatchError(
+                    "this patch has no per-section fingerprints (it was read from a compact, version 3 file): "
+                    "it can only be written as version 3"
+                )
+            packed = zstandard.ZstdCompressor(level=19).compress(header.to_json().encode())
+            meta = {"flipsync_patch": container_version(header), "flipsync_header": base64.b64encode(packed).decode()}
+            tail = small
+        else:
+            if header.digest is None:
+                header = replace(header, digest=sections_digest(header.sections))
+            header, small_blobs, values = _group_values(header, self._small)
+            packed = zstandard.ZstdCompressor(level=19).compress(header.to_compact().encode())
+            tail = pack_tail(packed, values, b"".join(small_blobs))
+            entries[HEADER_TENSOR] = (self._offset, self._offset + len(tail))
+            meta = {"flipsync_patch": CONTAINER_VERSION}
+            small = b""  # inside the header tensor
+        if small:
+            entries[SMALL_SECTIONS] = (self._offset, self._offset + len(small))
+        doc: dict[str, object] = {"__metadata__": meta}
         for name, (a, b) in entries.items():
             doc[name] = {"dtype": "U8", "shape": [b - a], "data_offsets": [a, b]}
         text = json.dumps(doc, separators=(",", ":")).encode()
@@ -288,10 +324,14 @@ class PatchFileWriter:
 class Patch:
     """A patch: its header plus the coded section streams, decoded on demand."""
 
-    def __init__(self, header: PatchHeader, blobs: Mapping[str, bytes | memoryview]) -> None:
+    def __init__(
+        self, header: PatchHeader, blobs: Mapping[str, bytes | memoryview], container: str | None = None
+    ) -> None:
         self.header = header
         self._blobs = blobs
         self._sections = {s.name: s for s in header.sections}
+        # The container version it was read from; to_bytes writes a version 1 or 2 patch back in its own.
+        self.container = container
 
     # -------------------------------------------------------------------------------- construction
     @classmethod
@@ -317,13 +357,17 @@ class Patch:
         decoded. Every tensor may appear in one shard only; the caller names the ends of the whole."""
         sections: list[SectionHeader] = []
         blobs: dict[str, bytes | memoryview] = {}
+        digests: list[str | None] = []
         for p in patches:
             for s in p.sections:
                 if s.name in blobs:
                     raise PatchError(f"tensor {s.name!r} appears in more than one shard")
                 sections.append(s)
                 blobs[s.name] = p._blobs[s.name]
-        return cls(PatchHeader(base, target, tuple(sections), served_format), blobs)
+            digests.append(p.header.digest or sections_digest(p.sections))
+        # Disjoint shards: the XOR of their combined digests is the digest of the union (combine_digests).
+        digest = None if None in digests else f"{_xor_hex(d for d in digests if d is not None):032x}"
+        return cls(PatchHeader(base, target, tuple(sections), served_format, digest=digest), blobs)
 
     # ------------------------------------------------------------------------------------- access
     @property
@@ -367,13 +411,17 @@ class Patch:
     def with_refs(self, *, base: ViewRef | None = None, target: ViewRef | None = None) -> Patch:
         """The same patch with its ends renamed (e.g. stamped with board version numbers)."""
         header = replace(self.header, base=base or self.header.base, target=target or self.header.target)
-        return Patch(header, self._blobs)
+        return Patch(header, self._blobs, self.container)
 
     # ---------------------------------------------------------------------------------- container
-    def to_bytes(self) -> bytes:
+    def to_bytes(self, *, legacy: bool | None = None) -> bytes:
+        """The patch file; ``legacy``: a version 1/2 container (see ``PatchFileWriter.finish``); by default
+        version 3, or for a patch read from a version 1/2 file that container again (the same bytes)."""
+        if legacy is None:
+            legacy = self.container in LEGACY_CONTAINERS
         writer = PatchFileWriter()
         data = [writer.add(s.name, self._blobs[s.name]) for s in self.header.sections]
-        head, tail = writer.finish(self.header)
+        head, tail = writer.finish(self.header, legacy=legacy)
         return b"".join([head, *(d for d in data if d is not None), tail])
 
     def save(self, path: str | Path) -> None:
@@ -381,11 +429,27 @@ class Patch:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> Patch:
-        meta, tensors = _parse_safetensors(memoryview(data), require_meta="flipsync_header")
-        if meta.get("flipsync_patch") not in READABLE_CONTAINERS:
-            raise CorruptPatchError(f"unsupported patch container {meta.get('flipsync_patch')!r}")
-        header = PatchHeader.from_json(_inflate_header(meta["flipsync_header"]))
-        return cls(header, _locate_sections(header, tensors))
+        meta, tensors = _parse_safetensors(memoryview(data))
+        version = meta.get("flipsync_patch")
+        if version not in READABLE_CONTAINERS:
+            raise CorruptPatchError(
+                f"unsupported patch container {version!r} (this flipsync reads {READABLE_CONTAINERS})"
+            )
+        if version == CONTAINER_VERSION:
+            if HEADER_TENSOR not in tensors or SMALL_SECTIONS in tensors:
+                raise CorruptPatchError(
+                    f"patch container {version} must hold its header tensor {HEADER_TENSOR!r}, and its small "
+                    "sections only there"
+                )
+            packed, values, tensors[SMALL_SECTIONS] = split_tail(tensors.pop(HEADER_TENSOR))
+            header = PatchHeader.from_compact(_inflate(packed))
+            if values is not None or any(s.val.get("codec") == GROUP for s in header.sections):
+                return cls(*_ungroup_values(header, _locate_sections(header, tensors), values), version)
+        else:
+            if "flipsync_header" not in meta:
+                raise CorruptPatchError(f"patch container {version} lacks its 'flipsync_header' metadata")
+            header = PatchHeader.from_json(_inflate_header(meta["flipsync_header"]))
+        return cls(header, _locate_sections(header, tensors), version)
 
     @classmethod
     def load(cls, path: str | Path) -> Patch:
@@ -410,9 +474,24 @@ def _needs_base(section: SectionHeader) -> bool:
 
 
 def container_version(header: PatchHeader) -> str:
-    """ "2" when a section uses a version 2 coder, else "1": a version 1 reader then refuses it cleanly, and a
-    patch that needs none of them stays byte for byte what version 1 wrote."""
-    return CONTAINER_VERSION if any(_needs_base(s) for s in header.sections) else V1_CONTAINER
+    """The legacy container of a header: "2" when a section uses a version 2 coder, else "1" (a version 1
+    reader then refuses it cleanly, and a patch that needs none of them stays byte for byte what it wrote)."""
+    return V2_CONTAINER if any(_needs_base(s) for s in header.sections) else V1_CONTAINER
+
+
+def sections_digest(sections: Iterable[SectionHeader]) -> str | None:
+    """The combined target digest of these sections (``combine_digests``), None unless every one has its own."""
+    named = [(s.name, s.target_digest) for s in sections]
+    if any(d is None for _, d in named):
+        return None
+    return combine_digests(named)  # type: ignore[arg-type]
+
+
+def _xor_hex(digests: Iterable[str]) -> int:
+    acc = 0
+    for d in digests:
+        acc ^= int(d, 16)
+    return acc
 
 
 def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:
@@ -432,6 +511,15 @@ def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DE
 def _inflate_header(text: str) -> str:
     try:
         packed = base64.b64decode(text, validate=True)
+    except ValueError as e:
+        raise CorruptPatchError(f"patch header cannot be decoded: {e}") from None
+    return _inflate(packed)
+
+
+def _inflate(packed: bytes | memoryview) -> str:
+    """A zstd frame that must declare its size, at most MAX_HEADER_BYTES: bounded memory on any input."""
+    try:
+        packed = bytes(packed)
         size = zstandard.frame_content_size(packed)
         if not 0 <= size <= MAX_HEADER_BYTES:
             raise CorruptPatchError(f"patch header declares {size} bytes (at most {MAX_HEADER_BYTES})")
@@ -441,10 +529,121 @@ def _inflate_header(text: str) -> str:
 
 
 def _section_size(section: SectionHeader) -> int:
-    sizes = [p.get("bytes") for p in (section.pos, section.val, section.tag) if p is not None]
+    # grouped values (version 3) are not in the section's bytes
+    sizes = [
+        p.get("bytes") for p in (section.pos, section.val, section.tag) if p is not None and p.get("codec") != GROUP
+    ]
     if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes):
         raise CorruptPatchError(f"section {section.name!r} has invalid stream lengths")
     return sum(sizes)  # type: ignore[arg-type]
+
+
+def _groupable(s: SectionHeader) -> bool:
+    return s.mode == "step" and s.tag is None and s.pos.get("codec") in GROUP_POSITION_CODERS
+
+
+_PREAMBLE = struct.Struct("<H")  # grouped values: length of the JSON params of their stream, then both
+_LENGTH = struct.Struct("<I")
+
+
+def pack_tail(header: bytes, values: bytes, small: bytes) -> bytes:
+    """The version 3 header tensor: the compressed header and the grouped values, each after its length
+    (u32), then the small sections."""
+    return _LENGTH.pack(len(header)) + header + _LENGTH.pack(len(values)) + values + small
+
+
+def split_tail(blob: memoryview | bytes) -> tuple[memoryview, memoryview | None, memoryview]:
+    """(compressed header, grouped values or None, small sections) of a version 3 header tensor."""
+    view = memoryview(blob)
+    parts = []
+    for what in ("header", "grouped values"):
+        if len(view) < _LENGTH.size or _LENGTH.size + _LENGTH.unpack_from(view)[0] > len(view):
+            raise CorruptPatchError(f"the patch's header tensor is truncated (its {what})")
+        end = _LENGTH.size + _LENGTH.unpack_from(view)[0]
+        parts.append(view[_LENGTH.size : end])
+        view = view[end:]
+    return parts[0], parts[1] if len(parts[1]) else None, view
+
+
+def _group_values(
+    header: PatchHeader, small: list[tuple[str, bytes | memoryview]]
+) -> tuple[PatchHeader, list[bytes | memoryview], bytes]:
+    """Container version 3: the value steps of the small step sections coded as one stream (one frequency
+    table per version instead of one per tensor), when that is smaller; their sections then hold only their
+    positions. Returns the header (grouped sections' value codec ``GROUP``), the small sections' bytes in
+    order, and the grouped values' bytes (empty: nothing grouped)."""
+    by_name = {s.name: s for s in header.sections}
+    picked = [
+        i for i, (name, _) in enumerate(small) if _groupable(by_name[name]) and by_name[name].val.get("codec") != GROUP
+    ]
+    if len(picked) < 2:
+        return header, [b for _, b in small], b""
+    positions: dict[int, bytes] = {}
+    symbols = []
+    for i in picked:
+        name, blob = small[i]
+        s = by_name[name]
+        parts = split_streams(s, blob)
+        positions[i] = parts["pos"]
+        symbols.append(streams.decode_symbols(s.val, parts["val"], s.n))
+    params, stream = streams.encode_symbols(np.concatenate(symbols))
+    text = json.dumps(params, separators=(",", ":")).encode()
+    values = _PREAMBLE.pack(len(text)) + text + stream
+    if len(values) + TABLE_ENTRY_BYTES >= sum(len(small[i][1]) - len(positions[i]) for i in picked):
+        return header, [b for _, b in small], b""
+    grouped = {small[i][0] for i in picked}
+    sections = tuple(replace(s, val={"codec": GROUP}) if s.name in grouped else s for s in header.sections)
+    return replace(header, sections=sections), [positions.get(i, b) for i, (_, b) in enumerate(small)], values
+
+
+def _ungroup_values(
+    header: PatchHeader, blobs: dict[str, memoryview], values: memoryview | None
+) -> tuple[PatchHeader, dict[str, bytes | memoryview]]:
+    """Give every grouped section its own value stream again (fixed width: exact, no search), so that the
+    rest of the codec sees ordinary sections; every inconsistency is a CorruptPatchError."""
+    grouped = [s for s in header.sections if s.val.get("codec") == GROUP]
+    if values is None or not grouped:
+        raise CorruptPatchError("patch has grouped value steps without their grouped values, or the reverse")
+    if not all(_groupable(s) for s in grouped):
+        raise CorruptPatchError("only step sections with rice or ctx positions may group their values")
+    n = sum(s.n for s in grouped)
+    # at least one bit per position: the declared counts are bounded before anything is decoded
+    if n > 8 * sum(len(blobs[s.name]) for s in grouped):
+        raise CorruptPatchError(f"grouped sections declare {n} values, more than their positions' bytes can hold")
+    if len(values) < _PREAMBLE.size or _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0] > len(values):
+        raise CorruptPatchError("the patch's grouped values are truncated")
+    end = _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0]
+    try:
+        params = json.loads(bytes(values[_PREAMBLE.size : end]))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CorruptPatchError(f"the grouped values' parameters are not valid JSON: {e}") from None
+    if not isinstance(params, dict) or not all(isinstance(v, str | int) for v in params.values()):
+        raise CorruptPatchError("the grouped values' parameters must map names to strings or integers")
+    symbols = streams.decode_symbols(params, bytes(values[end:]), n)
+    out: dict[str, bytes | memoryview] = dict(blobs)
+    sections, at = [], 0
+    for s in header.sections:
+        if s.val.get("codec") == GROUP:
+            val_params, val_blob = _FIXED.encode(symbols[at : at + s.n])
+            at += s.n
+            s = replace(s, val={"codec": _FIXED.codec_id, **val_params, "bytes": len(val_blob)})
+            out[s.name] = bytes(blobs[s.name]) + val_blob
+        sections.append(s)
+    return replace(header, sections=tuple(sections)), out
+
+
+def overhead_bytes(data: bytes | memoryview) -> int:
+    """Bytes of a patch file that are no coded stream: the container's table and metadata, the compressed
+    header (version 3), the grouped values' parameters."""
+    buf = memoryview(data)
+    _, tensors = _parse_safetensors(buf)
+    size = 8 + struct.unpack_from("<Q", buf)[0]
+    if HEADER_TENSOR in tensors:
+        packed, values, _ = split_tail(tensors[HEADER_TENSOR])
+        size += 2 * _LENGTH.size + len(packed)
+        if values is not None and len(values) >= _PREAMBLE.size:
+            size += _PREAMBLE.size + _PREAMBLE.unpack_from(values)[0]
+    return size
 
 
 def _locate_sections(header: PatchHeader, tensors: Mapping[str, memoryview]) -> dict[str, memoryview]:
@@ -466,7 +665,7 @@ def _locate_sections(header: PatchHeader, tensors: Mapping[str, memoryview]) -> 
     return blobs
 
 
-def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, str], dict[str, memoryview]]:
+def _parse_safetensors(buf: memoryview) -> tuple[dict[str, str], dict[str, memoryview]]:
     """Read a safetensors container of uint8 tensors, checking every length and offset."""
     if len(buf) < 8:
         raise CorruptPatchError("patch is truncated: shorter than a safetensors header")
@@ -482,8 +681,8 @@ def _parse_safetensors(buf: memoryview, require_meta: str) -> tuple[dict[str, st
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CorruptPatchError("patch container metadata must map names to strings")
-    if require_meta not in meta:
-        raise CorruptPatchError(f"this safetensors file is not a flipsync patch (no {require_meta!r} metadata)")
+    if "flipsync_patch" not in meta and "flipsync_header" not in meta:
+        raise CorruptPatchError("this safetensors file is not a flipsync patch (no 'flipsync_patch' metadata)")
     data = buf[8 + hlen :]
     blobs: dict[str, memoryview] = {}
     spans: list[tuple[int, int]] = []

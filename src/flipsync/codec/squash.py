@@ -87,8 +87,9 @@ def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
         positions=positions[:n],
         values=values[:n],
         raw=raw if raw.any() else None,
-        base_fp=a.base_fp,
-        target_fp=b.target_fp,
+        # both ends or neither: a compact header leaves them to the view fingerprints
+        base_fp=a.base_fp if b.target_fp is not None else None,
+        target_fp=b.target_fp if a.base_fp is not None else None,
         target_digest=b.target_digest,
     )
 
@@ -143,7 +144,7 @@ def squash(
     builder = PatchBuilder()
     for name in sorted(merged):
         change = merged[name]
-        if change.n == 0 and change.base_fp == change.target_fp:
+        if change.n == 0 and (change.base_fp is None or change.base_fp == change.target_fp):
             continue
         if change.n == 0:
             raise PatchError(f"tensor {name!r} returns to its base bits but its fingerprints disagree")

@@ -17,6 +17,8 @@ from typing import Any, Literal
 from flipsync.errors import CorruptPatchError
 
 PATCH_FORMAT = 1
+COMPACT_FORMAT = 3  # the header of container version 3: sections as rows, no per-section fingerprints
+COMPACT_ROW = ("name", "dtype", "shape", "n", "mode", "pos", "val", "tag")  # one section's fields, in order
 MAX_SECTIONS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME = 1024
@@ -40,7 +42,9 @@ class SectionHeader:
     ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
     new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
     ``base_fp``/``target_fp`` are the additive fingerprints before and after; ``target_digest`` the content
-    digest of the whole tensor after the patch.
+    digest of the whole tensor after the patch. A compact (container version 3) header carries none of them:
+    None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
+    are what a receiver checks (the digests of the changed tensors are combined into ``PatchHeader.digest``).
     """
 
     name: str
@@ -50,8 +54,8 @@ class SectionHeader:
     mode: ValueMode
     pos: dict[str, Any]
     val: dict[str, Any]
-    base_fp: str
-    target_fp: str
+    base_fp: str | None
+    target_fp: str | None
     target_digest: str | None = None
     tag: dict[str, Any] | None = None  # mixed mode: codec of the per-value kind flags (0 step, 1 raw)
 
@@ -67,6 +71,9 @@ class PatchHeader:
     sections: tuple[SectionHeader, ...]
     served_format: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
+    # The changed tensors' target content digests, combined (codec.fingerprint.combine_digests); compact headers
+    # carry this one digest instead of one per section.
+    digest: str | None = None
 
     @property
     def n_changed(self) -> int:
@@ -79,8 +86,26 @@ class PatchHeader:
 
     def to_json(self) -> str:
         doc = {"flipsync_patch": PATCH_FORMAT, **asdict(self)}
+        if doc["digest"] is None:  # a version 1 header has none: its bytes stay what version 1 wrote
+            del doc["digest"]
         doc["sections"] = [{k: v for k, v in s.items() if v is not None} for s in doc["sections"]]
         return json.dumps(doc, separators=(",", ":"), sort_keys=True)
+
+    def to_compact(self) -> str:
+        """The container version 3 header: the version's fields once, then one row per section (the fields of
+        ``COMPACT_ROW``); per-section fingerprints and digests are left out (see :class:`SectionHeader`)."""
+        doc: dict[str, Any] = {"flipsync_patch": COMPACT_FORMAT}
+        doc.update(base=asdict(self.base), target=asdict(self.target))
+        for key in ("served_format", "digest"):
+            if getattr(self, key) is not None:
+                doc[key] = getattr(self, key)
+        if self.meta:
+            doc["meta"] = self.meta
+        doc["sections"] = [
+            [s.name, s.dtype, list(s.shape), s.n, s.mode, s.pos, s.val, *([s.tag] if s.tag is not None else [])]
+            for s in self.sections
+        ]
+        return json.dumps(doc, separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> PatchHeader:
@@ -89,6 +114,14 @@ class PatchHeader:
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
         return _parse_header(doc)
+
+    @staticmethod
+    def from_compact(text: str) -> PatchHeader:
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+            raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
+        return _parse_header(doc, compact=True)
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -139,9 +172,13 @@ def _view(v: Any, what: str) -> ViewRef:
     )
 
 
-def _section(v: Any, i: int) -> SectionHeader:
-    d = _obj(v, f"section {i}")
+def _section(v: Any, i: int, *, compact: bool = False) -> SectionHeader:
     what = f"section {i}"
+    if compact:  # a row: the fields of COMPACT_ROW in order, the last (tag) only for mixed sections
+        if not isinstance(v, list) or not len(COMPACT_ROW) - 1 <= len(v) <= len(COMPACT_ROW):
+            raise _fail(f"{what} must be a list of {len(COMPACT_ROW) - 1} or {len(COMPACT_ROW)} fields")
+        v = dict(zip(COMPACT_ROW, v, strict=False))
+    d = _obj(v, what)
     shape_v = d.get("shape")
     if not isinstance(shape_v, list) or len(shape_v) > MAX_DIMS:
         raise _fail(f"{what}.shape must be a list of at most {MAX_DIMS} sizes")
@@ -165,21 +202,22 @@ def _section(v: Any, i: int) -> SectionHeader:
         mode=mode,
         pos=_codec_params(d.get("pos"), f"{what}.pos"),
         val=_codec_params(d.get("val"), f"{what}.val"),
-        base_fp=_hex(d.get("base_fp"), f"{what}.base_fp"),
-        target_fp=_hex(d.get("target_fp"), f"{what}.target_fp"),
-        target_digest=_hex(d.get("target_digest"), f"{what}.target_digest", optional=True),
+        base_fp=None if compact else _hex(d.get("base_fp"), f"{what}.base_fp"),
+        target_fp=None if compact else _hex(d.get("target_fp"), f"{what}.target_fp"),
+        target_digest=None if compact else _hex(d.get("target_digest"), f"{what}.target_digest", optional=True),
         tag=_codec_params(d["tag"], f"{what}.tag") if d.get("tag") is not None else None,
     )
 
 
-def _parse_header(doc: Any) -> PatchHeader:
+def _parse_header(doc: Any, *, compact: bool = False) -> PatchHeader:
     d = _obj(doc, "the header")
-    if d.get("flipsync_patch") != PATCH_FORMAT:
-        raise _fail(f"unsupported patch format {d.get('flipsync_patch')!r} (this flipsync reads {PATCH_FORMAT})")
+    expected = COMPACT_FORMAT if compact else PATCH_FORMAT
+    if d.get("flipsync_patch") != expected:
+        raise _fail(f"unsupported patch format {d.get('flipsync_patch')!r} (this container holds {expected})")
     sections_v = d.get("sections")
     if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
         raise _fail("sections must be a list")
-    sections = tuple(_section(s, i) for i, s in enumerate(sections_v))
+    sections = tuple(_section(s, i, compact=compact) for i, s in enumerate(sections_v))
     names = [s.name for s in sections]
     if len(set(names)) != len(names):
         raise _fail("a tensor appears in more than one section")
@@ -192,4 +230,5 @@ def _parse_header(doc: Any) -> PatchHeader:
         sections=sections,
         served_format=_str(d.get("served_format"), "served_format", optional=True),
         meta=meta,
+        digest=_hex(d.get("digest"), "digest", optional=True),
     )

@@ -452,7 +452,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 f"but the engine holds view {held}; fetch the patches in between or resync from a keyframe"
             )
         for s in patch.sections:
-            if fp_hex(self._table[s.name].fp) != s.base_fp:
+            if s.base_fp is not None and fp_hex(self._table[s.name].fp) != s.base_fp:  # else the view check vouches
                 raise BaseMismatchError(f"tensor {s.name!r} is not the patch's base (fingerprint differs)")
             if s.name in self.unheld:
                 raise EngineError(
@@ -506,7 +506,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             pos = ch.positions.astype(np.int64, copy=False)
             fp = self._table[name].fp - fingerprint_of(pos, old[name]) + fingerprint_of(pos, new)
             fp &= (1 << 64) - 1
-            if fp != ch.target_fp:
+            if ch.target_fp is not None and fp != ch.target_fp:
                 raise VerificationError(
                     f"tensor {name!r} would not match the patch's target fingerprint; the patch is corrupt or was "
                     "built from other tensors (nothing was changed)"
@@ -517,6 +517,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             n_changed += ch.n
         after = self._table.copy()
         after.update(targets)
+        if after.view_fp() != patch.header.target.view:  # what per-section targets (compact headers: none) miss
+            raise VerificationError(
+                f"applying this patch would give view {after.view_fp()}, not its target view "
+                f"{patch.header.target.view}; the patch is corrupt or crafted (nothing was changed)"
+            )
         return VllmStaged(
             base_view=held,
             target_view=after.view_fp(),
