@@ -108,20 +108,17 @@ class PatchHeader:
         return json.dumps(doc, separators=(",", ":"))
 
     @staticmethod
-    def from_json(text: str) -> PatchHeader:
+    def from_json(text: str, *, compact: bool = False) -> PatchHeader:
+        """A header from its JSON: the version 1/2 layout, or with ``compact`` the version 3 rows."""
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
-        return _parse_header(doc)
+        return _parse_header(doc, compact=compact)
 
     @staticmethod
     def from_compact(text: str) -> PatchHeader:
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-            raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
-        return _parse_header(doc, compact=True)
+        return PatchHeader.from_json(text, compact=True)
 
 
 # ----------------------------------------------------------------------------------------- validation
