@@ -1,0 +1,340 @@
+"""One fused pass for the element-wise served formats: cast an FP32 master and diff it against a served view.
+
+The publisher used to cast each master (`cast_master`), then read the new view and the previous one again
+to find the changed elements. `FusedCaster.cast_diff` does both in one pass over the master and the
+previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
+emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
+
+CPU: a numba kernel works on 64-bit words of four 16-bit lanes: it rounds four masters, stores the word,
+XORs it with the previous view's word and only for a differing word (sparse at RL learning rates) visits
+the changed lanes. Chunks run on a thread pool with the GIL released. Any other device (CUDA) or master
+dtype takes the torch path: `cast_master`, then a compare on the tensors' device; both give the same bits.
+
+Masters that are not finite, or values that round beyond the format's range, are not handled here: the
+kernel flags them and the tensor goes through `cast_master`, which raises the formats module's error
+(`NonFiniteError` / `FormatError`) word for word.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from flipsync.errors import FormatError
+from flipsync.formats.base import cast_master
+
+#: Served dtypes the CPU kernel computes (an element-wise RNE cast of an FP32 master).
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+CHUNK_ELEMENTS = 1 << 21  # per task: 8 MiB of masters, enough to amortise the hand-over to the pool
+MIN_CHUNK_ELEMENTS = 1 << 18
+
+# |x| bit patterns (sign cleared) from which the cast gives inf or NaN: refused by `cast_master`.
+_BF16_LIMIT = 0x7F7F8000  # rounds to bf16 inf (and every inf / NaN)
+_FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
+
+_BF16, _FP16 = 0, 1
+_BLOCK = 1024  # elements cast, then scanned for changes, while in L1
+
+# Lowest-set-bit index by de Bruijn multiplication (bit i of an isolated bit t maps to slot (t * M) >> 58).
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_BIT_INDEX = np.zeros(64, dtype=np.int64)
+for _i in range(64):
+    _BIT_INDEX[((1 << _i) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _i
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _round16(u: np.uint32, kind: int) -> np.uint32:
+    """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs).
+
+    Branch-free (every case computed, then selected) so that the block loop vectorizes.
+    """
+    if kind == _BF16:  # c10's round_to_nearest_even
+        return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
+    a = u & np.uint32(0x7FFFFFFF)
+    # a normal fp16: rebias the exponent (127 -> 15), round the mantissa at bit 13
+    an = a - np.uint32(0x38000000)
+    normal = (an + np.uint32(0xFFF) + ((an >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    # an fp16 subnormal: the mantissa with its hidden bit, in units of 2**-24, rounded at bit `shift`
+    e = a >> np.uint32(23)
+    shift = min(np.uint32(126) - e, np.uint32(25))  # wraps for normal inputs, clamped: that result is unused
+    m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+    half = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
+    sub = (m + half + ((m >> shift) & np.uint32(1))) >> shift
+    sub = sub if e >= np.uint32(102) else np.uint32(0)  # below 2**-25 (ties included) rounds to zero
+    return sign | (normal if a >= np.uint32(0x38800000) else sub)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _cast_block(src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int) -> tuple[int, np.uint32]:
+    """Cast one block (L1-sized) into ``out``: (how many lanes differ from ``ref``, max |master| bits)."""
+    count = 0
+    top = np.uint32(0)
+    for i in range(src.shape[0]):
+        u = src[i]
+        r = np.uint16(_round16(u, kind))
+        top = max(top, u & np.uint32(0x7FFFFFFF))
+        count += r != ref[i]
+        out[i] = r
+    return count, top
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _emit_sparse(
+    ref: np.ndarray,
+    out: np.ndarray,
+    bit_index: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    n: int,
+    first: int,
+) -> int:
+    """The changed lanes of one block, from uint64 words of four lanes: equal words cost one XOR; in a
+    differing word each lane is folded onto its lowest bit and only the set bits are visited."""
+    low = np.uint64(0x0001000100010001)
+    lane = np.uint64(0xFFFF)
+    for w in range(ref.shape[0]):
+        was = ref[w]
+        word = out[w]
+        x = word ^ was
+        if x != 0:
+            x |= x >> np.uint64(8)
+            x |= x >> np.uint64(4)
+            x |= x >> np.uint64(2)
+            x |= x >> np.uint64(1)
+            x &= low
+            while x != 0:
+                bit = x & (~x + np.uint64(1))
+                at = bit_index[(bit * _DEBRUIJN) >> np.uint64(58)]
+                pos[n] = first + w * 4 + (at >> 4)
+                old[n] = (was >> np.uint64(at)) & lane
+                new[n] = (word >> np.uint64(at)) & lane
+                n += 1
+                x &= x - np.uint64(1)
+    return n
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _emit_dense(
+    ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int, first: int
+) -> int:
+    """The changed lanes of one block by branch-free compaction (faster once a tenth or so changed)."""
+    for i in range(ref.shape[0]):
+        x, y = ref[i], out[i]
+        pos[n] = first + i
+        old[n] = x
+        new[n] = y
+        n += x != y
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _cast_diff(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    ref64: np.ndarray,
+    out64: np.ndarray,
+    kind: int,
+    bit_index: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``.
+
+    ``ref64``/``out64`` are uint64 views of the whole words of ``ref``/``out`` (empty when their buffers are not
+    8-byte aligned): a block they do not cover (the tail) is scanned lane by lane. ``out`` must not overlap
+    ``ref``: a block's changes are found by reading both after the cast.
+    Returns (changes written to pos/old/new, max |master| bits: the caller checks the range).
+    """
+    n = 0
+    top = np.uint32(0)
+    size = src.shape[0]
+    for b0 in range(0, size, _BLOCK):
+        b1 = min(size, b0 + _BLOCK)
+        count, t = _cast_block(src[b0:b1], ref[b0:b1], out[b0:b1], kind)
+        top = max(top, t)
+        if count == 0:
+            continue
+        if count * 10 > b1 - b0 or b1 > 4 * ref64.shape[0]:
+            n = _emit_dense(ref[b0:b1], out[b0:b1], pos, old, new, n, b0)
+        else:
+            n = _emit_sparse(ref64[b0 // 4 : b1 // 4], out64[b0 // 4 : b1 // 4], bit_index, pos, old, new, n, b0)
+    return n, top
+
+
+@dataclass(frozen=True)
+class CastChanges:
+    """The elements of a new served view whose bits differ from the previous view's."""
+
+    positions: np.ndarray  # sorted int64 flat indices
+    old: np.ndarray  # uint16 bit patterns before
+    new: np.ndarray  # and after
+
+    @property
+    def size(self) -> int:
+        return int(self.positions.size)
+
+
+@dataclass
+class _Scratch:
+    pos: np.ndarray  # int64, chunk-relative
+    old: np.ndarray
+    new: np.ndarray
+
+
+class _OutOfRange(Exception):
+    """A chunk held a master the kernel does not cast (non-finite, or out of the format's range)."""
+
+
+class FusedCaster:
+    """`cast_diff` with a thread pool for the CPU kernel's chunks (one per served view's computation)."""
+
+    def __init__(self, threads: int | None = None, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        self.threads = max(1, threads or os.cpu_count() or 1)
+        self.chunk_elements = max(_BLOCK, chunk_elements)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-fused")
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> FusedCaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def kernel_covers(master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> bool:
+        """True when the CPU kernel runs (else `cast_diff` takes the torch path, with the same result)."""
+        return (
+            dtype in FUSED_DTYPES
+            and master.dtype == torch.float32
+            and master.device.type == "cpu"
+            and ref.device.type == "cpu"
+            and master.is_contiguous()
+            and ref.is_contiguous()
+        )
+
+    def cast_diff(
+        self,
+        name: str,
+        master: torch.Tensor,
+        dtype: torch.dtype,
+        ref: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        torch_path: bool = False,
+    ) -> tuple[torch.Tensor, CastChanges]:
+        """``cast_master(name, master, dtype)`` and its changes against ``ref`` (the previous view of it).
+
+        ``out``: where the view is written (a contiguous tensor of the result's shape and dtype on the
+        master's device, not ``ref``'s memory), else a new tensor. ``torch_path`` forces the path that CUDA
+        tensors take. Raises what `cast_master` raises; `FormatError` when ``ref`` is not of the same
+        shape and dtype.
+        """
+        if tuple(ref.shape) != tuple(master.shape) or ref.dtype != dtype:
+            raise FormatError(
+                f"the previous view of {name!r} is {tuple(ref.shape)} {ref.dtype}, not the "
+                f"{tuple(master.shape)} {dtype} its master casts to"
+            )
+        if torch_path or not self.kernel_covers(master, dtype, ref):
+            return _torch_cast_diff(name, master, dtype, ref, out)
+        if out is None or not _fits(out, master, dtype) or _overlap(out, ref):
+            out = torch.empty(master.shape, dtype=dtype)
+        try:
+            changes = self._kernel(master, dtype, ref, out)
+        except _OutOfRange:
+            cast_master(name, master, dtype)  # raises the formats module's error for this master
+            raise AssertionError(f"the fused cast refused {name!r}, but cast_master accepted it") from None
+        return out, changes
+
+    def _scratch(self, count: int) -> _Scratch:
+        buf: _Scratch | None = getattr(self._local, "buf", None)
+        if buf is None or buf.pos.shape[0] < count:
+            buf = self._local.buf = _Scratch(
+                np.empty(count, np.int64), np.empty(count, np.uint16), np.empty(count, np.uint16)
+            )
+        return buf
+
+    def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> CastChanges:
+        numel = master.numel()
+        kind, limit = (_BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (_FP16, _FP16_LIMIT)
+        src = master.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        chunk = min(self.chunk_elements, max(MIN_CHUNK_ELEMENTS, -(-numel // self.threads)))
+        chunk += -chunk % _BLOCK  # whole blocks, so every chunk but the last starts on a word
+        spans = [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
+
+        def run(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            s, e = span
+            buf = self._scratch(chunk)
+            words = (e - s) // 4 * 4 if _aligned(was[s:e], dst[s:e]) else 0
+            n, top = _cast_diff(
+                src[s:e],
+                was[s:e],
+                dst[s:e],
+                was[s : s + words].view(np.uint64),
+                dst[s : s + words].view(np.uint64),
+                kind,
+                _BIT_INDEX,
+                buf.pos,
+                buf.old,
+                buf.new,
+            )
+            if top >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + s, buf.old[:n].copy(), buf.new[:n].copy()
+
+        found = list(self._pool.map(run, spans)) if len(spans) > 1 else [run(spans[0])] if spans else []
+        if not found:
+            empty = np.empty(0, np.uint16)
+            return CastChanges(np.empty(0, np.int64), empty, empty)
+        if len(found) == 1:
+            return CastChanges(*found[0])
+        return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+
+
+def _aligned(*arrays: np.ndarray) -> bool:
+    return all(a.ctypes.data % 8 == 0 for a in arrays)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _fits(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
+    return out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous() and out.numel() == master.numel()
+
+
+def _torch_cast_diff(
+    name: str, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, CastChanges]:
+    """The device path: `cast_master` and a compare of integer views where the tensors live."""
+    if out is not None and (_overlap(out, ref) or out.device != master.device):
+        out = None  # the compare below reads ref after the cast: never write the cast over it
+    new = cast_master(name, master, dtype, out)
+    other = ref.detach().to(new.device).reshape(-1)
+    a = other.view(torch.int16) if other.element_size() == 2 else other.view(torch.uint8)
+    b = new.detach().reshape(-1).view(a.dtype)
+    idx = torch.nonzero(a != b).reshape(-1)
+    ubits = np.uint16 if a.dtype == torch.int16 else np.uint8
+    return new, CastChanges(
+        idx.cpu().numpy().astype(np.int64),
+        a[idx].cpu().numpy().view(ubits),
+        b[idx].cpu().numpy().view(ubits),
+    )

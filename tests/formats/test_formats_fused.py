@@ -1,0 +1,177 @@
+"""The fused cast-and-diff pass gives exactly `served_view`'s bits and the integer diff's changes.
+
+Bitwise: the new view is compared with `served_view` and with the numpy/ml_dtypes reference as integer
+views, and the changes with ``np.flatnonzero`` over integer views of the previous and new view. Both the
+CPU kernel and the torch path (what CUDA tensors take, forced here on the CPU) are checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from formats_reference import RefOverflow, reference
+from hypothesis import given
+from hypothesis import strategies as st
+from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
+
+from flipsync.errors import FormatError, NonFiniteError
+from flipsync.formats import served_view
+from flipsync.formats.fused import FusedCaster
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def caster() -> FusedCaster:
+    with FusedCaster(2, chunk_elements=4096) as c:  # small chunks: several per tensor, on both threads
+        yield c
+
+
+def ints(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+
+
+def check(caster: FusedCaster, fmt: str, master: torch.Tensor, ref: torch.Tensor, *, torch_path: bool) -> None:
+    """One cast_diff against served_view and flatnonzero, bit for bit."""
+    dtype = DTYPES[fmt]
+    before = ints(ref).copy()
+    out = torch.full(master.shape, 7.0, dtype=dtype)  # stale bits must never show through
+    new, changes = caster.cast_diff("w", master, dtype, ref, out, torch_path=torch_path)
+    expected = ints(served_view({"w": master}, fmt)["w"])
+    assert new.dtype == dtype and tuple(new.shape) == tuple(master.shape)
+    np.testing.assert_array_equal(ints(new), expected)
+    positions = np.flatnonzero(before != expected)
+    assert changes.positions.dtype == np.int64 and changes.old.dtype == changes.new.dtype == np.uint16
+    np.testing.assert_array_equal(changes.positions, positions)
+    np.testing.assert_array_equal(changes.old, before[positions])
+    np.testing.assert_array_equal(changes.new, expected[positions])
+    np.testing.assert_array_equal(ints(ref), before)  # the previous view is only read
+
+
+@st.composite
+def previous_views(draw: st.DrawFn, x: np.ndarray, fmt: str) -> torch.Tensor:
+    """A previous served view of the same shape: the cast of a nearby master, random bits, or identical."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from(["nearby", "random", "same", "sparse"]))
+    dtype = DTYPES[fmt]
+    if kind == "random":
+        return torch.from_numpy(rng.integers(0, 1 << 16, x.shape, dtype=np.uint16).view(np.int16)).view(dtype)
+    base = torch.from_numpy(x).to(dtype)
+    if kind == "same":
+        return base.clone()
+    if kind == "sparse":  # a few lanes off by one step of their integer pattern, as an optimizer step does
+        bits = base.view(torch.int16).clone().reshape(-1)
+        picks = rng.random(bits.numel()) < draw(st.sampled_from([0.001, 0.02, 0.3]))
+        bits[torch.from_numpy(picks)] ^= 1
+        return bits.view(dtype).reshape(x.shape)
+    step = np.float32(draw(st.sampled_from([1e-7, 1e-5, 1e-3]))) * rng.standard_normal(x.shape).astype(np.float32)
+    return torch.from_numpy(x - step * np.abs(x)).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", list(DTYPES))
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_cast_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, torch_path: bool, data: st.DataObject):
+    x = data.draw(master_arrays(big=True), label="master")
+    try:
+        reference(fmt, "w", x)
+    except RefOverflow:  # covered by test_refuses_what_cast_master_refuses
+        x = np.clip(x, -60000.0, 60000.0)
+    ref = data.draw(previous_views(x, fmt), label="previous view")
+    check(caster, fmt, torch.from_numpy(x), ref, torch_path=torch_path)
+    np.testing.assert_array_equal(
+        ints(caster.cast_diff("w", torch.from_numpy(x), DTYPES[fmt], ref)[0]),
+        reference(fmt, "w", x)["w"].reshape(-1).view(np.uint16),
+    )
+
+
+def edge_masters(fmt: str) -> np.ndarray:
+    """Every finite 16-bit value's fp32 image, the midpoints between neighbours (ties) and one fp32 step
+    either side of each midpoint, both signs; plus fp32 subnormals and the specials."""
+    dtype = DTYPES[fmt]
+    every = torch.arange(0, 1 << 15, dtype=torch.int32).to(torch.int16).view(dtype).float().numpy()
+    every = every[np.isfinite(every)]
+    lo, hi = every[:-1].astype(np.float64), every[1:].astype(np.float64)
+    mid = ((lo + hi) / 2).astype(np.float32)  # exact: a 16-bit format's midpoint fits fp32
+    below = np.nextafter(mid, np.float32(0))
+    above = np.nextafter(mid, np.float32(np.inf))
+    sub = np.arange(0, 1 << 16, 37, dtype=np.uint32).view(np.float32)
+    x = np.concatenate([every, mid, below, above, sub, SPECIALS])
+    limit = np.float32(3.3e38 if fmt == "bf16" else 65519.0)
+    x = x[np.isfinite(x) & (np.abs(x) <= limit)]
+    x = np.concatenate([x, -x]).astype(np.float32)
+    return x[np.abs(x) < (np.float32(3.389e38) if fmt == "bf16" else np.float32(65520.0))]
+
+
+@pytest.mark.parametrize("fmt", list(DTYPES))
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+def test_every_value_and_tie(caster: FusedCaster, fmt: str, torch_path: bool) -> None:
+    x = edge_masters(fmt)
+    rng = np.random.default_rng(0)
+    prev = torch.from_numpy(x).to(DTYPES[fmt]).clone()
+    flip = torch.from_numpy(rng.random(x.size) < 0.05)
+    prev.view(torch.int16)[flip] ^= 1
+    check(caster, fmt, torch.from_numpy(x), prev, torch_path=torch_path)
+    # odd sizes and offsets: tails shorter than a word, buffers that are not 8-byte aligned
+    for start, stop in ((1, 4099), (3, 2050), (0, 5), (2, 3)):
+        check(caster, fmt, torch.from_numpy(x[start:stop]), prev[start:stop], torch_path=torch_path)
+
+
+@pytest.mark.parametrize("fmt", list(DTYPES))
+def test_random_bit_patterns(caster: FusedCaster, fmt: str) -> None:
+    """Uniform fp32 bit patterns (every exponent, every mantissa bit) below the format's limit."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    limit = np.float32(3.389e38 if fmt == "bf16" else 65519.0)
+    x = np.where(np.isfinite(x) & (np.abs(x) < limit), x, np.float32(1.5))
+    check(caster, fmt, torch.from_numpy(x), torch.from_numpy(x[::-1].copy()).to(DTYPES[fmt]), torch_path=False)
+
+
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+def test_never_written_over_the_previous_view(caster: FusedCaster, torch_path: bool) -> None:
+    x = torch.randn(10_001) * 0.02
+    prev = (x + 1e-5).to(torch.bfloat16)
+    before = ints(prev).copy()
+    new, changes = caster.cast_diff("w", x, torch.bfloat16, prev, prev, torch_path=torch_path)
+    assert new.data_ptr() != prev.data_ptr()
+    np.testing.assert_array_equal(ints(prev), before)
+    expected = ints(x.to(torch.bfloat16))
+    np.testing.assert_array_equal(ints(new), expected)
+    np.testing.assert_array_equal(changes.positions, np.flatnonzero(before != expected))
+    np.testing.assert_array_equal(changes.old, before[changes.positions])
+
+
+@pytest.mark.parametrize("fmt", list(DTYPES))
+@pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3.4e38, -70000.0, 65520.0])
+def test_refuses_what_cast_master_refuses(caster: FusedCaster, fmt: str, torch_path: bool, bad: float) -> None:
+    x = torch.randn(9000)
+    x[8191] = bad
+    try:
+        served_view({"w": x}, fmt)
+    except (NonFiniteError, FormatError) as e:
+        expected: BaseException = e
+    else:
+        assert fmt == "bf16" and abs(bad) < 3.39e38  # in bf16's range: cast as usual
+        check(caster, fmt, x, torch.zeros(9000, dtype=DTYPES[fmt]), torch_path=torch_path)
+        return
+    with pytest.raises(type(expected)) as got:
+        caster.cast_diff("w", x, DTYPES[fmt], torch.zeros(9000, dtype=DTYPES[fmt]), torch_path=torch_path)
+    assert str(got.value) == str(expected)
+
+
+def test_other_masters_take_the_torch_path(caster: FusedCaster) -> None:
+    x = torch.randn(64, 33)
+    for master in (x.to(torch.bfloat16), x.t()):  # a bf16 master; a non-contiguous one
+        assert not caster.kernel_covers(master, torch.bfloat16, x.to(torch.bfloat16))
+        check(caster, "bf16", master, torch.zeros(master.shape, dtype=torch.bfloat16), torch_path=False)
+
+
+def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
+    x = torch.randn(16)
+    with pytest.raises(FormatError, match="previous view"):
+        caster.cast_diff("w", x, torch.bfloat16, torch.zeros(16, dtype=torch.float16))
+    with pytest.raises(FormatError, match="previous view"):
+        caster.cast_diff("w", x, torch.bfloat16, torch.zeros(17, dtype=torch.bfloat16))
