@@ -13,6 +13,11 @@ served view is computed and compared with the previous one three ways, timed bac
 
 Costs are nanoseconds per served byte (the new view's bytes); the ratios are the baselines' time over the
 fused pass's. All three must find the same changed positions (checked).
+
+Then the whole publication: two inline publishers (``background=False``, no spans, no keyframes) serve the
+same masters as bf16 to one in-memory board, one with ``fused_diff`` and one without, stepping in turns
+after every Adam step; the table gives each phase of `Published.timings` (view, diff, code, commit) per
+served byte, median over the steps.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from rich.table import Table
 
 from flipsync.bench.report import md_table
 from flipsync.bench.workload import FULL, QUICK, AdamSteps, llm_like_masters
+from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
 from flipsync.formats.base import cast_master
 from flipsync.formats.fused import FusedCaster
+from flipsync.trainer import Publisher, PublisherConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LR = 1e-6
@@ -46,6 +53,10 @@ class FusedRow:
     fused_ns_per_byte: float
     torch_flatnonzero_ns_per_byte: float
     cast_diffengine_ns_per_byte: float
+    # process CPU time, the same three: on a loaded machine the wall clock also counts time not running
+    fused_cpu_ns_per_byte: float = 0.0
+    torch_flatnonzero_cpu_ns_per_byte: float = 0.0
+    cast_diffengine_cpu_ns_per_byte: float = 0.0
 
     @property
     def vs_flatnonzero(self) -> float:
@@ -87,22 +98,69 @@ def measure(
 
         methods: list[Callable[[], None]] = [fused, torch_flatnonzero, cast_diffengine]
         best = [float("inf")] * len(methods)
+        cpu = [float("inf")] * len(methods)
         try:
             torch.set_num_threads(threads)
             for method in methods:  # untimed: page faults of fresh buffers, kernels compiled
                 method()
             for _ in range(repeat):
                 for i, method in enumerate(methods):
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     method()
                     best[i] = min(best[i], time.perf_counter() - t0)
+                    cpu[i] = min(cpu[i], time.process_time() - c0)
         finally:
             torch.set_num_threads(old_threads)
     if len(set(counts.values())) != 1:
         raise AssertionError(f"the methods found different numbers of changes: {counts}")
     elements = served // 2
-    ns = [b / served * 1e9 for b in best]
+    ns = [b / served * 1e9 for b in (*best, *cpu)]
     return FusedRow(fmt, threads, served, 100 * counts["fused"] / elements, *ns)
+
+
+PHASES = ("view", "diff", "code", "commit")
+
+
+def publish_phases(masters: dict[str, torch.Tensor], steps: int, threads: int) -> dict[str, dict[str, float]]:
+    """ns per served byte of each publication phase, fused on and off, median over ``steps`` Adam steps."""
+    adam = AdamSteps(masters, LR)
+    store = open_store("memory://")
+    never = KeyframePolicy(chain_fraction=1e9, max_interval=1 << 30)
+    pubs = {
+        on: Publisher(
+            lambda: {k: p.detach() for k, p in adam.params.items()},
+            store,
+            run=f"fused-{'on' if on else 'off'}",
+            format="bf16",
+            config=PublisherConfig(
+                background=False, spans=False, keyframe_policy=never, fused_diff=on, threads=threads
+            ),
+        )
+        for on in (True, False)
+    }
+    seen: dict[bool, list[dict[str, float]]] = {True: [], False: []}
+    served = 0
+    try:
+        adam.step()  # Adam's first step moves every weight by lr: publish the typical ones after it
+        for pub in pubs.values():
+            pub.step()
+        for i in range(steps + 1):
+            adam.step()
+            for on in (True, False) if i % 2 == 0 else (False, True):
+                pubs[on].step()
+                published = pubs[on].flush()
+                assert published is not None
+                served = pubs[on].stats.view_bytes
+                if i:  # the first one warms the buffers up
+                    seen[on].append(dict(published.timings))
+    finally:
+        for pub in pubs.values():
+            pub.close()
+    out: dict[str, dict[str, float]] = {}
+    for on, rows in seen.items():
+        phases = {k: float(np.median([r[k] for r in rows])) / served * 1e9 for k in PHASES}
+        out["fused" if on else "separate"] = phases | {"total": sum(phases.values())}
+    return out
 
 
 def run(console: Console, quick: bool = False, threads: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
@@ -118,8 +176,25 @@ def run(console: Console, quick: bool = False, threads: tuple[int, ...] = (1, 2)
             for n in threads:
                 status.update(f"fused bench: {fmt}, {n} thread(s)")
                 rows.append(measure(before, after, fmt, n, repeat=3 if quick else 5))
+        status.update("fused bench: publications")
+        phases = {n: publish_phases(masters, 3 if quick else 5, n) for n in threads}
     console.print(table(rows))
-    return {"lr": LR, "rows": [asdict(r) | {"vs_flatnonzero": r.vs_flatnonzero} for r in rows]}
+    console.print(phase_table(phases))
+    return {
+        "lr": LR,
+        "rows": [asdict(r) | {"vs_flatnonzero": r.vs_flatnonzero} for r in rows],
+        "publish_ns_per_byte": {str(n): p for n, p in phases.items()},
+    }
+
+
+def phase_table(phases: dict[int, dict[str, dict[str, float]]]) -> Table:
+    t = Table(title="bf16 publication, ns per served byte by phase (inline publisher, median over steps)")
+    for i, col in enumerate(("threads", "pass", *PHASES, "total")):
+        t.add_column(col, justify="left" if i < 2 else "right")
+    for n, by in phases.items():
+        for name, p in by.items():
+            t.add_row(str(n), name, *(f"{p[k]:.3f}" for k in (*PHASES, "total")))
+    return t
 
 
 def _cells(r: FusedRow) -> tuple[str, ...]:
@@ -133,6 +208,8 @@ def _cells(r: FusedRow) -> tuple[str, ...]:
         f"{r.cast_diffengine_ns_per_byte:.3f}",
         f"{r.vs_flatnonzero:.2f}x",
         f"{r.vs_diffengine:.2f}x",
+        f"{r.fused_cpu_ns_per_byte:.2f} / {r.torch_flatnonzero_cpu_ns_per_byte:.2f} / "
+        f"{r.cast_diffengine_cpu_ns_per_byte:.2f}",
     )
 
 
@@ -146,6 +223,7 @@ HEAD = (
     "cast + DiffEngine ns/B",
     "fused vs flatnonzero",
     "fused vs DiffEngine",
+    "CPU ns/B: fused / flatnonzero / DiffEngine",
 )
 
 

@@ -49,6 +49,11 @@ for _i in range(64):
     _BIT_INDEX[((1 << _i) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _i
 
 
+_U = np.uint32
+
+
+# Every step is wrapped in a uint32 cast: numba widens integer arithmetic to 64 bits, which would halve the
+# lanes per vector of the block loop; truncated back at each step, LLVM keeps it in 32-bit lanes.
 @numba.njit(nogil=True, cache=True, inline="always")
 def _round16(u: np.uint32, kind: int) -> np.uint32:
     """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs).
@@ -56,32 +61,32 @@ def _round16(u: np.uint32, kind: int) -> np.uint32:
     Branch-free (every case computed, then selected) so that the block loop vectorizes.
     """
     if kind == _BF16:  # c10's round_to_nearest_even
-        return (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    a = u & np.uint32(0x7FFFFFFF)
+        return _U(_U(_U(u + _U(0x7FFF)) + _U(_U(u >> _U(16)) & _U(1))) >> _U(16))
+    sign = _U(_U(u >> _U(16)) & _U(0x8000))
+    a = _U(u & _U(0x7FFFFFFF))
     # a normal fp16: rebias the exponent (127 -> 15), round the mantissa at bit 13
-    an = a - np.uint32(0x38000000)
-    normal = (an + np.uint32(0xFFF) + ((an >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
+    an = _U(a - _U(0x38000000))
+    normal = _U(_U(_U(an + _U(0xFFF)) + _U(_U(an >> _U(13)) & _U(1))) >> _U(13))
     # an fp16 subnormal: the mantissa with its hidden bit, in units of 2**-24, rounded at bit `shift`
-    e = a >> np.uint32(23)
-    shift = min(np.uint32(126) - e, np.uint32(25))  # wraps for normal inputs, clamped: that result is unused
-    m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-    half = (np.uint32(1) << (shift - np.uint32(1))) - np.uint32(1)
-    sub = (m + half + ((m >> shift) & np.uint32(1))) >> shift
-    sub = sub if e >= np.uint32(102) else np.uint32(0)  # below 2**-25 (ties included) rounds to zero
-    return sign | (normal if a >= np.uint32(0x38800000) else sub)
+    e = _U(a >> _U(23))
+    shift = min(_U(_U(126) - e), _U(25))  # wraps for normal inputs, clamped: that result is unused
+    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
+    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
+    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
+    sub = sub if e >= _U(102) else _U(0)  # below 2**-25 (ties included) rounds to zero
+    return _U(sign | (normal if a >= _U(0x38800000) else sub))
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _cast_block(src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int) -> tuple[int, np.uint32]:
+def _cast_block(src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int) -> tuple[np.uint32, np.uint32]:
     """Cast one block (L1-sized) into ``out``: (how many lanes differ from ``ref``, max |master| bits)."""
-    count = 0
-    top = np.uint32(0)
+    count = _U(0)
+    top = _U(0)
     for i in range(src.shape[0]):
         u = src[i]
         r = np.uint16(_round16(u, kind))
-        top = max(top, u & np.uint32(0x7FFFFFFF))
-        count += r != ref[i]
+        top = max(top, _U(u & _U(0x7FFFFFFF)))
+        count = _U(count + _U(r != ref[i]))
         out[i] = r
     return count, top
 
@@ -165,7 +170,7 @@ def _cast_diff(
         top = max(top, t)
         if count == 0:
             continue
-        if count * 10 > b1 - b0 or b1 > 4 * ref64.shape[0]:
+        if count * 10 > _U(b1 - b0) or b1 > 4 * ref64.shape[0]:
             n = _emit_dense(ref[b0:b1], out[b0:b1], pos, old, new, n, b0)
         else:
             n = _emit_sparse(ref64[b0 // 4 : b1 // 4], out64[b0 // 4 : b1 // 4], bit_index, pos, old, new, n, b0)
