@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from flipsync.bench.report import md_table
-from flipsync.bench.workload import FULL, QUICK, AdamSteps, llm_like_masters
+from flipsync.bench.workload import FULL, QUICK, AdamSteps, Shape, llm_like_masters
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
 from flipsync.formats.base import cast_master
@@ -163,9 +163,11 @@ def publish_phases(masters: dict[str, torch.Tensor], steps: int, threads: int) -
     return out
 
 
-def run(console: Console, quick: bool = False, threads: tuple[int, ...] = (1, 2)) -> dict[str, Any]:
-    """Measure and print; returns the rows."""
-    masters = llm_like_masters(QUICK if quick else FULL)
+def run(
+    console: Console, quick: bool = False, threads: tuple[int, ...] = (1, 2), shape: Shape | None = None
+) -> dict[str, Any]:
+    """Measure and print; returns the rows (``shape``: another size than QUICK / FULL, for tests)."""
+    masters = llm_like_masters(shape or (QUICK if quick else FULL))
     steps = AdamSteps(masters, LR)
     steps.step()  # Adam's first step moves every weight by lr: take two later, typical ones
     before = steps.step()
