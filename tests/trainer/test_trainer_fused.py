@@ -122,3 +122,20 @@ def test_squashed_and_background_steps_stay_bitwise(tmp_path: Path) -> None:
     replica = Replica(store, "r")
     assert replica.follow_each() == pub.stats.head
     assert_bitwise(expected_view(model), replica.tensors)
+
+
+def test_the_device_path_publishes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA masters take the torch path (cast and compare where the tensors live): forced here on the CPU."""
+    plain, _ = publish(tmp_path / "plain", "bf16", False, 3)
+    diffed: list[int] = []
+    real_changes = DiffEngine.changes
+
+    def changes(self: DiffEngine, old: torch.Tensor, new: torch.Tensor):  # type: ignore[no-untyped-def]
+        diffed.append(new.numel())
+        return real_changes(self, old, new)
+
+    monkeypatch.setattr(DiffEngine, "changes", changes)
+    monkeypatch.setattr(FusedCaster, "kernel_covers", staticmethod(lambda *_args: False))
+    device, _ = publish(tmp_path / "device", "bf16", True, 3)
+    assert [k for k in plain if plain[k] != device.get(k)] == [] and plain.keys() == device.keys()
+    assert diffed == []
