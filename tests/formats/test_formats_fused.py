@@ -16,10 +16,11 @@ from hypothesis import strategies as st
 from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
 
 from flipsync.errors import FormatError, NonFiniteError
-from flipsync.formats import served_view
+from flipsync.formats import get_format, served_view
 from flipsync.formats.fused import FusedCaster
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+E4M3 = torch.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +176,103 @@ def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
         caster.cast_diff("w", x, torch.bfloat16, torch.zeros(16, dtype=torch.float16))
     with pytest.raises(FormatError, match="previous view"):
         caster.cast_diff("w", x, torch.bfloat16, torch.zeros(17, dtype=torch.bfloat16))
+
+
+# --- fp8-tensor / fp8-channel: quantize and diff the payload in one pass -------------------------------
+
+FP8 = ("fp8-tensor", "fp8-channel")
+
+
+def bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def check_fp8(
+    caster: FusedCaster, fmt: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool, group_amax=None
+) -> None:
+    before = bytes_of(ref).copy()
+    got = caster.quantize_diff(fmt, "w.weight", x, ref, group_amax, from_fp32=from_fp32)
+    assert got is not None
+    parts, changes = got
+    if group_amax is None:
+        want = served_view({"w.weight": x}, fmt, from_fp32=from_fp32)
+    else:
+        want = get_format(fmt).encode("w.weight", x, group_amax)
+    assert list(parts) == list(want)
+    for key in want:
+        assert parts[key].dtype == want[key].dtype and parts[key].shape == want[key].shape, key
+        np.testing.assert_array_equal(bytes_of(parts[key]), bytes_of(want[key]), err_msg=key)
+    expected = bytes_of(want["w.weight"])
+    positions = np.flatnonzero(before != expected)
+    np.testing.assert_array_equal(changes.positions, positions)
+    np.testing.assert_array_equal(changes.old, before[positions])
+    np.testing.assert_array_equal(changes.new, expected[positions])
+
+
+@pytest.mark.parametrize("fmt", FP8)
+@PROPERTY_SETTINGS
+@given(data=st.data())
+def test_fp8_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, data: st.DataObject) -> None:
+    x = data.draw(master_arrays(big=True), label="master")
+    from_fp32 = data.draw(st.booleans(), label="from_fp32")
+    master = torch.from_numpy(x)
+    try:
+        expected = reference(fmt, "w.weight", x, from_fp32=from_fp32)
+    except RefOverflow:  # the recipe refuses it: so does the fused pass (the caller then raises the error)
+        assert caster.quantize_diff(fmt, "w.weight", master, torch.zeros(x.shape, dtype=E4M3), None,
+                                    from_fp32=from_fp32) is None  # fmt: skip
+        return
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    if data.draw(st.booleans(), label="random previous bytes"):
+        ref = torch.from_numpy(rng.integers(0, 256, x.shape, dtype=np.uint8)).view(E4M3)
+    else:
+        nearby = x * (1 + np.float32(1e-3) * rng.standard_normal(x.shape).astype(np.float32))
+        ref = served_view({"w.weight": torch.from_numpy(nearby.astype(np.float32))}, fmt)["w.weight"]
+    check_fp8(caster, fmt, master, ref, from_fp32=from_fp32)
+    parts, _ = caster.quantize_diff(fmt, "w.weight", master, ref, None, from_fp32=from_fp32)  # type: ignore[misc]
+    for key, bits in expected.items():
+        np.testing.assert_array_equal(
+            parts[key].contiguous().view(torch.uint8 if parts[key].element_size() == 1 else torch.int32).numpy()
+            .reshape(-1).view(bits.dtype), bits.reshape(-1), err_msg=key,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_edge_values(caster: FusedCaster, fmt: str) -> None:
+    """Every e4m3 value, its midpoints and one fp32 step either side (times 2**k scales), zero rows, -0."""
+    every = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float().numpy().astype(np.float64)
+    mid = (every[:-1] + every[1:]) / 2
+    vals = np.concatenate([every, mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf)]).astype(np.float32)
+    vals = np.concatenate([vals, -vals, SPECIALS[np.abs(SPECIALS) < 60000]])
+    rows = [vals * np.float32(2.0**s) for s in (-20, -8, 0, 3)]
+    x = np.zeros((len(rows) + 2, vals.size), np.float32)
+    x[: len(rows)] = rows
+    x[-1] = -0.0  # an all -0 row
+    for from_fp32 in (False, True):
+        check_fp8(caster, fmt, torch.from_numpy(x), torch.zeros(x.shape, dtype=E4M3), from_fp32=from_fp32)
+    zeros = torch.zeros(3, 40)
+    check_fp8(caster, fmt, zeros, torch.zeros(3, 40, dtype=E4M3), from_fp32=False)  # tensor: every byte 0x7E
+
+
+def test_fp8_tensor_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 70, generator=g) * 0.02).bfloat16().float()  # what served_view prepares for a group
+    amax = torch.tensor(0.5)  # a fused group's, above this member's own
+    check_fp8(caster, "fp8-tensor", x, torch.zeros(33, 70, dtype=E4M3), from_fp32=False, group_amax=amax)
+
+
+@pytest.mark.parametrize("fmt", FP8)
+def test_fp8_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaster, fmt: str) -> None:
+    x = torch.randn(8, 16)
+    ref = torch.zeros(8, 16, dtype=E4M3)
+    bad = x.clone()
+    bad[3, 3] = float("nan")
+    for args in (
+        ("bf16", x, ref),  # another format
+        (fmt, x.t(), ref.t()),  # not contiguous
+        (fmt, x.reshape(-1), ref.reshape(-1)),  # not 2-D
+        (fmt, x, torch.zeros(8, 17, dtype=E4M3)),  # a previous view of another layout
+        (fmt, bad, ref),  # non-finite: the recipe raises NonFiniteError
+        (fmt, torch.full((8, 16), 3.4e38), ref),  # bf16 overflow: the recipe raises FormatError
+    ):
+        assert caster.quantize_diff(args[0], "w.weight", args[1], args[2], None, from_fp32=False) is None

@@ -56,7 +56,7 @@ def publish(root: Path, fmt: str, fused: bool, steps: int) -> tuple[dict[str, by
     return board_objects(root), replica.tensors
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block"])
 def test_fused_and_separate_passes_publish_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
@@ -72,8 +72,18 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
         kernel.append(args[0].numel())
         return real_kernel(self, *args)
 
+    quantized: list[str] = []
+    real_quantize = FusedCaster.quantize_diff
+
+    def quantize_diff(self: FusedCaster, fmt: str, name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+        got = real_quantize(self, fmt, name, *args, **kwargs)
+        if got is not None:
+            quantized.append(name)
+        return got
+
     monkeypatch.setattr(DiffEngine, "changes", changes)
     monkeypatch.setattr(FusedCaster, "_kernel", counted)
+    monkeypatch.setattr(FusedCaster, "quantize_diff", quantize_diff)
     steps = 4
     plain, _ = publish(tmp_path / "plain", fmt, False, steps)
     assert not kernel
@@ -86,8 +96,12 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
     assert kernel  # the fused pass ran on the masters it covers ...
     if fmt in ("bf16", "fp16"):  # ... and every plain cast's changes came from it, never from a second diff
         assert diffed == [] and separate > 0
-    else:  # the quantized tensors are still diffed after they are computed
+    else:  # scales, and quantized tensors without a fused pass, are still diffed after they are computed
         assert 0 < len(diffed) < separate
+    # fp8-tensor / fp8-channel payloads (fused groups included) are quantized and diffed in one pass
+    assert bool(quantized) == (fmt in ("fp8-tensor", "fp8-channel"))
+    if fmt == "fp8-tensor":
+        assert any(n.endswith("q_proj.weight") for n in quantized)
 
 
 def test_a_row_piece_diffs_against_the_piece_at_its_offset() -> None:

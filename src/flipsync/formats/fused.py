@@ -177,6 +177,79 @@ def _cast_diff(
     return n, top
 
 
+_E4M3_MAX = np.float32(448.0)
+_EPS32 = np.float32(2.0**-23)  # compressed-tensors' replacement of a zero channel scale
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _e4m3(v: np.uint32) -> np.uint8:
+    """fp32 bits of a finite ``|y| <= 448`` -> e4m3fn bits, round to nearest even (subnormals from 2**-9)."""
+    sign = _U(_U(v >> _U(24)) & _U(0x80))
+    a = _U(v & _U(0x7FFFFFFF))
+    an = _U(a - _U(0x3C000000))  # rebias the exponent 127 -> 7, round the mantissa at bit 20
+    normal = _U(_U(_U(an + _U(0x7FFFF)) + _U(_U(an >> _U(20)) & _U(1))) >> _U(20))
+    e = _U(a >> _U(23))
+    shift = min(_U(_U(141) - e), _U(25))  # subnormal: the mantissa in units of 2**-9
+    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
+    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
+    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
+    sub = sub if e >= _U(117) else _U(0)  # below 2**-10 (ties included) rounds to zero
+    return np.uint8(sign | (normal if a >= _U(0x3C800000) else sub))
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _fp8_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scales: np.ndarray,
+    channel: bool,
+    inv: np.float32,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> e4m3 ``out``, and the changes against ``ref`` (positions from the
+    first row). ``channel``: compressed-tensors (row scale amax/448 into ``scales``, a zero one 2**-23,
+    ``clamp(x / scale)``); else vLLM per-tensor (``fmax(-448, fmin(x * inv, 448))``, NaN-ignoring: 0 * inf
+    gives 448). ``round_bf16``: the input is bf16(master). Returns (changes, max |master| bits)."""
+    rows, k = src.shape
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        if channel:
+            amax = np.float32(0.0)
+            for j in range(k):
+                amax = max(amax, abs(vals[j]))
+            scale = np.float32(amax / _E4M3_MAX)
+            if scale == 0:
+                scale = _EPS32
+            scales[r] = scale
+            for j in range(k):
+                vals[j] = min(max(np.float32(vals[j] / scale), -_E4M3_MAX), _E4M3_MAX)
+        else:
+            for j in range(k):
+                y = np.float32(vals[j] * inv)
+                vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
+        for j in range(k):
+            q = _e4m3(bits[j])
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * k + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
 @dataclass(frozen=True)
 class CastChanges:
     """The elements of a new served view whose bits differ from the previous view's."""
@@ -263,6 +336,85 @@ class FusedCaster:
             cast_master(name, master, dtype)  # raises the formats module's error for this master
             raise AssertionError(f"the fused cast refused {name!r}, but cast_master accepted it") from None
         return out, changes
+
+    def quantize_diff(
+        self,
+        fmt: str,
+        name: str,
+        x: torch.Tensor,
+        ref: torch.Tensor,
+        group_amax: torch.Tensor | None,
+        *,
+        from_fp32: bool,
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """fp8-tensor / fp8-channel: ``x``'s components (payload, ``_scale``) and the payload's changes
+        against ``ref`` (its previous payload), or None when this pass does not cover the tensor (another
+        format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize it as usual.
+
+        ``x`` is the master, or the recipe's prepared input (bf16(master) as fp32: rounding it again is
+        exact). Masters the recipe refuses (non-finite, bf16 overflow) return None too, so that the
+        format's own path raises its error. The scale component is left to the ordinary diff.
+        """
+        if (
+            fmt not in ("fp8-tensor", "fp8-channel")
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or ref.device.type != "cpu"
+            or x.dim() != 2
+            or x.numel() == 0
+            or not x.is_contiguous()
+            or tuple(ref.shape) != tuple(x.shape)
+            or ref.dtype != torch.float8_e4m3fn
+            or not ref.is_contiguous()
+        ):
+            return None
+        channel = fmt == "fp8-channel"
+        rows, k = x.shape
+        inv = np.float32(0.0)
+        if not channel:
+            amax = group_amax
+            if amax is None:
+                top = x.detach().abs().amax()
+                amax = top if from_fp32 else top.to(torch.bfloat16).float()  # RNE is monotone: max of bf16(|x|)
+            if not bool(torch.isfinite(amax)):
+                return None
+            scale = amax.float().reshape(()) / 448.0
+            inv = np.float32((1.0 / scale).item())
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
+        dst = q.view(torch.uint8).numpy()
+        scales = np.empty(rows, np.float32)
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * k)
+            n, top_bits = _fp8_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], channel, inv, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
+        return {name: q, name + "_scale": scale_out}, changes
+
+    def _scratch8(self, count: int) -> _Scratch:
+        buf: _Scratch | None = getattr(self._local, "buf8", None)
+        if buf is None or buf.pos.shape[0] < count:
+            buf = self._local.buf8 = _Scratch(
+                np.empty(count, np.int64), np.empty(count, np.uint8), np.empty(count, np.uint8)
+            )
+        return buf
 
     def _scratch(self, count: int) -> _Scratch:
         buf: _Scratch | None = getattr(self._local, "buf", None)

@@ -122,6 +122,19 @@ class Fuse:
 
         return cast
 
+    def quantize(
+        self, f: ServedFormat, name: str, x: torch.Tensor, group_amax: torch.Tensor | None, from_fp32: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """The `served_view` quantize hook (whole tensors): fp8-tensor / fp8-channel payloads diffed as made."""
+        prev = self.ref.get(name)
+        if prev is None or prev.offset != 0:
+            return None
+        got = self.caster.quantize_diff(f.name, name, x, prev.tensor, group_amax, from_fp32=from_fp32)
+        if got is None:
+            return None
+        parts, self.found[name] = got
+        return parts
+
 
 @dataclass(frozen=True)
 class MasterInfo:
@@ -317,6 +330,7 @@ class ViewPlan:
                 keep=self.keep,
                 alloc=alloc,
                 cast=fuse.hook(0) if fuse is not None else None,
+                quantize=fuse.quantize if fuse is not None else None,
             )
             held = _storages(inputs.whole.values())
             for key, t in served.items():
