@@ -180,7 +180,7 @@ def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
 
 # --- fp8-tensor / fp8-channel: quantize and diff the payload in one pass -------------------------------
 
-FP8 = ("fp8-tensor", "fp8-channel")
+FP8 = ("fp8-tensor", "fp8-channel", "fp8-block")
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:

@@ -250,6 +250,59 @@ def _fp8_rows(
     return n, top
 
 
+_TILE = 128  # fp8-block: DeepGEMM's 128x128 tiles
+_TILE_AMAX_FLOOR = np.float32(1e-4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _fp8_tile_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    sf: np.ndarray,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """One row of 128x128 tiles (``src`` [<= 128, K] fp32 bits) -> e4m3 ``out`` and its tiles' ``sf``
+    (amax floored at 1e-4, / 448), ``x * (1 / sf)`` clamped: DeepGEMM's `per_block_cast_to_fp8`. Returns
+    (changes against ``ref``, positions from the first row; max |master| bits)."""
+    rows, k = src.shape
+    vals = np.empty((rows, k), np.float32)
+    bits = vals.view(np.uint32)
+    tiles = sf.shape[0]
+    amax = np.zeros(tiles, np.float32)
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[r, j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+            t = j // _TILE
+            amax[t] = max(amax[t], abs(vals[r, j]))
+    inv = np.empty(tiles, np.float32)
+    for t in range(tiles):
+        s = np.float32(max(amax[t], _TILE_AMAX_FLOOR) / _E4M3_MAX)
+        sf[t] = s
+        inv[t] = np.float32(np.float32(1.0) / s)
+    n = 0
+    for r in range(rows):
+        for j in range(k):
+            y = np.float32(vals[r, j] * inv[j // _TILE])
+            vals[r, j] = min(max(y, -_E4M3_MAX), _E4M3_MAX)
+        for j in range(k):
+            q = _e4m3(bits[r, j])
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * k + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
 @dataclass(frozen=True)
 class CastChanges:
     """The elements of a new served view whose bits differ from the previous view's."""
@@ -347,7 +400,7 @@ class FusedCaster:
         *,
         from_fp32: bool,
     ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
-        """fp8-tensor / fp8-channel: ``x``'s components (payload, ``_scale``) and the payload's changes
+        """fp8-tensor / fp8-channel / fp8-block: ``x``'s components (payload, scale) and the payload's changes
         against ``ref`` (its previous payload), or None when this pass does not cover the tensor (another
         format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize it as usual.
 
@@ -356,7 +409,7 @@ class FusedCaster:
         format's own path raises its error. The scale component is left to the ordinary diff.
         """
         if (
-            fmt not in ("fp8-tensor", "fp8-channel")
+            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block")
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or ref.device.type != "cpu"
@@ -368,6 +421,8 @@ class FusedCaster:
             or not ref.is_contiguous()
         ):
             return None
+        if fmt == "fp8-block":
+            return self._fp8_block(name, x, ref, from_fp32=from_fp32)
         channel = fmt == "fp8-channel"
         rows, k = x.shape
         inv = np.float32(0.0)
@@ -407,6 +462,36 @@ class FusedCaster:
         changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
         return {name: q, name + "_scale": scale_out}, changes
+
+    def _fp8_block(
+        self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """fp8-block: one row of 128x128 tiles per task (their amax needs all 128 rows first)."""
+        rows, k = x.shape
+        nb, kb = -(-rows // _TILE), -(-k // _TILE)
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
+        dst = q.view(torch.uint8).numpy()
+        sf = np.empty((nb, kb), np.float32)
+
+        def run(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r0, r1 = b * _TILE, min(rows, (b + 1) * _TILE)
+            buf = self._scratch8((r1 - r0) * k)
+            n, top_bits = _fp8_tile_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sf[b], not from_fp32, buf.pos, buf.old, buf.new
+            )
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
+
+        try:
+            found = list(self._pool.map(run, range(nb))) if nb > 1 else [run(0)]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
 
     def _scratch8(self, count: int) -> _Scratch:
         buf: _Scratch | None = getattr(self._local, "buf8", None)
