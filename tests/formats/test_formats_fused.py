@@ -178,16 +178,23 @@ def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
         caster.cast_diff("w", x, torch.bfloat16, torch.zeros(17, dtype=torch.bfloat16))
 
 
-# --- fp8-tensor / fp8-channel: quantize and diff the payload in one pass -------------------------------
+# --- fp8 and MX: quantize and diff the payload in one pass ---------------------------------------------
 
-FP8 = ("fp8-tensor", "fp8-channel", "fp8-block")
+QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4")
+
+
+def zero_payload(fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A previous payload of the right layout, all zero bytes."""
+    if fmt == "mxfp4":
+        return torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8)
+    return torch.zeros(shape, dtype=E4M3)
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def check_fp8(
+def check_quantized(
     caster: FusedCaster, fmt: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool, group_amax=None
 ) -> None:
     before = bytes_of(ref).copy()
@@ -209,26 +216,27 @@ def check_fp8(
     np.testing.assert_array_equal(changes.new, expected[positions])
 
 
-@pytest.mark.parametrize("fmt", FP8)
+@pytest.mark.parametrize("fmt", QUANTIZED)
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_fp8_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, data: st.DataObject) -> None:
-    x = data.draw(master_arrays(big=True), label="master")
+def test_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, data: st.DataObject) -> None:
+    x = data.draw(master_arrays(big=True, even_k=fmt == "mxfp4"), label="master")
     from_fp32 = data.draw(st.booleans(), label="from_fp32")
     master = torch.from_numpy(x)
     try:
         expected = reference(fmt, "w.weight", x, from_fp32=from_fp32)
     except RefOverflow:  # the recipe refuses it: so does the fused pass (the caller then raises the error)
-        assert caster.quantize_diff(fmt, "w.weight", master, torch.zeros(x.shape, dtype=E4M3), None,
+        assert caster.quantize_diff(fmt, "w.weight", master, zero_payload(fmt, x.shape), None,
                                     from_fp32=from_fp32) is None  # fmt: skip
         return
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     if data.draw(st.booleans(), label="random previous bytes"):
-        ref = torch.from_numpy(rng.integers(0, 256, x.shape, dtype=np.uint8)).view(E4M3)
+        prev = zero_payload(fmt, x.shape)
+        ref = torch.from_numpy(rng.integers(0, 256, tuple(prev.shape), dtype=np.uint8)).view(prev.dtype)
     else:
         nearby = x * (1 + np.float32(1e-3) * rng.standard_normal(x.shape).astype(np.float32))
         ref = served_view({"w.weight": torch.from_numpy(nearby.astype(np.float32))}, fmt)["w.weight"]
-    check_fp8(caster, fmt, master, ref, from_fp32=from_fp32)
+    check_quantized(caster, fmt, master, ref, from_fp32=from_fp32)
     parts, _ = caster.quantize_diff(fmt, "w.weight", master, ref, None, from_fp32=from_fp32)  # type: ignore[misc]
     for key, bits in expected.items():
         np.testing.assert_array_equal(
@@ -237,41 +245,45 @@ def test_fp8_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt:
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", FP8)
-def test_fp8_edge_values(caster: FusedCaster, fmt: str) -> None:
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
     """Every e4m3 value, its midpoints and one fp32 step either side (times 2**k scales), zero rows, -0."""
     every = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float().numpy().astype(np.float64)
     mid = (every[:-1] + every[1:]) / 2
     vals = np.concatenate([every, mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf)]).astype(np.float32)
     vals = np.concatenate([vals, -vals, SPECIALS[np.abs(SPECIALS) < 60000]])
+    vals = vals[: vals.size // 2 * 2]
     rows = [vals * np.float32(2.0**s) for s in (-20, -8, 0, 3)]
     x = np.zeros((len(rows) + 2, vals.size), np.float32)
     x[: len(rows)] = rows
     x[-1] = -0.0  # an all -0 row
     for from_fp32 in (False, True):
-        check_fp8(caster, fmt, torch.from_numpy(x), torch.zeros(x.shape, dtype=E4M3), from_fp32=from_fp32)
+        check_quantized(caster, fmt, torch.from_numpy(x), zero_payload(fmt, x.shape), from_fp32=from_fp32)
     zeros = torch.zeros(3, 40)
-    check_fp8(caster, fmt, zeros, torch.zeros(3, 40, dtype=E4M3), from_fp32=False)  # tensor: every byte 0x7E
+    check_quantized(caster, fmt, zeros, zero_payload(fmt, (3, 40)), from_fp32=False)  # tensor: every byte 0x7E
+    tiny = torch.full((2, 64), 2.0**-130)  # MX: a zero exponent field, the 2**-126 divisor
+    tiny[1] = torch.linspace(-(2.0**-120), 2.0**-121, 64)
+    check_quantized(caster, fmt, tiny, zero_payload(fmt, (2, 64)), from_fp32=True)
 
 
 def test_fp8_tensor_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster) -> None:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(33, 70, generator=g) * 0.02).bfloat16().float()  # what served_view prepares for a group
     amax = torch.tensor(0.5)  # a fused group's, above this member's own
-    check_fp8(caster, "fp8-tensor", x, torch.zeros(33, 70, dtype=E4M3), from_fp32=False, group_amax=amax)
+    check_quantized(caster, "fp8-tensor", x, torch.zeros(33, 70, dtype=E4M3), from_fp32=False, group_amax=amax)
 
 
-@pytest.mark.parametrize("fmt", FP8)
-def test_fp8_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaster, fmt: str) -> None:
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaster, fmt: str) -> None:
     x = torch.randn(8, 16)
-    ref = torch.zeros(8, 16, dtype=E4M3)
+    ref = zero_payload(fmt, (8, 16))
     bad = x.clone()
     bad[3, 3] = float("nan")
     for args in (
         ("bf16", x, ref),  # another format
         (fmt, x.t(), ref.t()),  # not contiguous
         (fmt, x.reshape(-1), ref.reshape(-1)),  # not 2-D
-        (fmt, x, torch.zeros(8, 17, dtype=E4M3)),  # a previous view of another layout
+        (fmt, x, zero_payload(fmt, (8, 18))),  # a previous view of another layout
         (fmt, bad, ref),  # non-finite: the recipe raises NonFiniteError
         (fmt, torch.full((8, 16), 3.4e38), ref),  # bf16 overflow: the recipe raises FormatError
     ):

@@ -56,7 +56,7 @@ def publish(root: Path, fmt: str, fused: bool, steps: int) -> tuple[dict[str, by
     return board_objects(root), replica.tensors
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4"])
 def test_fused_and_separate_passes_publish_the_same_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
 ) -> None:
@@ -98,8 +98,8 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
         assert diffed == [] and separate > 0
     else:  # scales, and quantized tensors without a fused pass, are still diffed after they are computed
         assert 0 < len(diffed) < separate
-    # fp8 payloads (fused groups included) are quantized and diffed in one pass
-    assert bool(quantized) == fmt.startswith("fp8")
+    # fp8 and MX payloads (fused groups included) are quantized and diffed in one pass
+    assert bool(quantized) == (fmt.startswith(("fp8", "mx")))
     if fmt == "fp8-tensor":
         assert any(n.endswith("q_proj.weight") for n in quantized)
 

@@ -303,6 +303,89 @@ def _fp8_tile_rows(
     return n, top
 
 
+_MX = 32  # MX block: 32 consecutive elements along K
+_F32_MIN_NORMAL = np.float32(2.0**-126)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _e2m1(y: np.float32, sign_bits: np.uint32) -> np.uint8:
+    """fp32 -> e2m1 code: RNE saturating at 6 by counting thresholds passed; sign = signbit (-0.0 -> 0x8)."""
+    a = abs(y)
+    idx = (
+        np.uint8(a > 0.25)
+        + np.uint8(a >= 0.75)
+        + np.uint8(a > 1.25)
+        + np.uint8(a >= 1.75)
+        + np.uint8(a > 2.5)
+        + np.uint8(a >= 3.5)
+        + np.uint8(a > 5.0)
+    )
+    return np.uint8(idx | np.uint8((sign_bits >> _U(31)) << _U(3)))
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _mx_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scale: np.ndarray,
+    emax: int,
+    fp4: bool,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> MX (torchao FLOOR) payload ``out`` (e4m3 [R, K], or e2m1 codes
+    packed two per byte [R, K/2], element 2i low) and E8M0 ``scale`` [R, ceil(K/32)]; the payload's changes
+    against ``ref``, positions from the first row. Returns (changes, max |master| bits)."""
+    rows, k = src.shape
+    width = out.shape[1]
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
+    pw = np.empty(1, np.uint32)  # the divisor's bits, read as fp32 through a view
+    pf = pw.view(np.float32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        for b0 in range(0, k, _MX):
+            b1 = min(k, b0 + _MX)
+            amax = _U(0)
+            for j in range(b0, b1):
+                amax = max(amax, _U(bits[j] & _U(0x7FFFFFFF)))  # |x| as bits: same order as the values
+            field = np.int64(amax >> _U(23)) & 0xFF
+            e = min(max(field - 127 - emax, -127), 127)
+            byte = e + 127
+            scale[r, b0 // _MX] = byte
+            pw[0] = _U(byte) << _U(23)
+            divisor = max(pf[0], _F32_MIN_NORMAL)
+            for j in range(b0, b1):
+                vals[j] = np.float32(vals[j] / divisor)
+        if fp4:
+            for j in range(k):
+                codes[j] = _e2m1(vals[j], bits[j])
+        else:
+            for j in range(k):
+                vals[j] = min(max(vals[j], -_E4M3_MAX), _E4M3_MAX)
+            for j in range(k):
+                codes[j] = _e4m3(bits[j])
+        for j in range(width):
+            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4)) if fp4 else codes[j]
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * width + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
 @dataclass(frozen=True)
 class CastChanges:
     """The elements of a new served view whose bits differ from the previous view's."""
@@ -400,29 +483,33 @@ class FusedCaster:
         *,
         from_fp32: bool,
     ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
-        """fp8-tensor / fp8-channel / fp8-block: ``x``'s components (payload, scale) and the payload's changes
-        against ``ref`` (its previous payload), or None when this pass does not cover the tensor (another
-        format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize it as usual.
+        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4: ``x``'s components (payload, scale) and the
+        payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
+        tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize
+        it as usual.
 
         ``x`` is the master, or the recipe's prepared input (bf16(master) as fp32: rounding it again is
         exact). Masters the recipe refuses (non-finite, bf16 overflow) return None too, so that the
         format's own path raises its error. The scale component is left to the ordinary diff.
         """
         if (
-            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block")
+            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4")
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or ref.device.type != "cpu"
             or x.dim() != 2
             or x.numel() == 0
             or not x.is_contiguous()
-            or tuple(ref.shape) != tuple(x.shape)
-            or ref.dtype != torch.float8_e4m3fn
+            or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt == "mxfp4" else x.shape[1])
+            or ref.dtype != (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
             or not ref.is_contiguous()
+            or (fmt == "mxfp4" and x.shape[1] % 2 != 0)  # the recipe refuses it
         ):
             return None
         if fmt == "fp8-block":
             return self._fp8_block(name, x, ref, from_fp32=from_fp32)
+        if fmt in ("mxfp8", "mxfp4"):
+            return self._mx(fmt, name, x, ref, from_fp32=from_fp32)
         channel = fmt == "fp8-channel"
         rows, k = x.shape
         inv = np.float32(0.0)
@@ -492,6 +579,41 @@ class FusedCaster:
             return None
         changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
+
+    def _mx(
+        self, fmt: str, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """mxfp8 / mxfp4 (torchao FLOOR): rows in chunks; blocks of 32 never span rows."""
+        rows, k = x.shape
+        fp4 = fmt == "mxfp4"
+        width = k // 2 if fp4 else k
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        payload = torch.empty((rows, width), dtype=torch.uint8 if fp4 else torch.float8_e4m3fn)
+        dst = payload.view(torch.uint8).numpy()
+        scale = torch.empty((rows, -(-k // _MX)), dtype=torch.uint8)
+        sc = scale.numpy()
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * width)
+            n, top_bits = _mx_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], 2 if fp4 else 8, fp4, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        return {name: payload, name + "_scale": scale}, changes
 
     def _scratch8(self, count: int) -> _Scratch:
         buf: _Scratch | None = getattr(self._local, "buf8", None)
