@@ -180,12 +180,13 @@ def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
 
 # --- fp8 and MX: quantize and diff the payload in one pass ---------------------------------------------
 
-QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4")
+QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
+FP4 = ("mxfp4", "nvfp4")
 
 
 def zero_payload(fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A previous payload of the right layout, all zero bytes."""
-    if fmt == "mxfp4":
+    if fmt in FP4:
         return torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8)
     return torch.zeros(shape, dtype=E4M3)
 
@@ -220,7 +221,7 @@ def check_quantized(
 @PROPERTY_SETTINGS
 @given(data=st.data())
 def test_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, data: st.DataObject) -> None:
-    x = data.draw(master_arrays(big=True, even_k=fmt == "mxfp4"), label="master")
+    x = data.draw(master_arrays(big=True, even_k=fmt in FP4), label="master")
     from_fp32 = data.draw(st.booleans(), label="from_fp32")
     master = torch.from_numpy(x)
     try:
@@ -266,11 +267,12 @@ def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
     check_quantized(caster, fmt, tiny, zero_payload(fmt, (2, 64)), from_fp32=True)
 
 
-def test_fp8_tensor_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster) -> None:
+@pytest.mark.parametrize("fmt", ["fp8-tensor", "nvfp4"])
+def test_a_shared_scale_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster, fmt: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(33, 70, generator=g) * 0.02).bfloat16().float()  # what served_view prepares for a group
     amax = torch.tensor(0.5)  # a fused group's, above this member's own
-    check_quantized(caster, "fp8-tensor", x, torch.zeros(33, 70, dtype=E4M3), from_fp32=False, group_amax=amax)
+    check_quantized(caster, fmt, x, zero_payload(fmt, (33, 70)), from_fp32=False, group_amax=amax)
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)

@@ -98,9 +98,9 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
         assert diffed == [] and separate > 0
     else:  # scales, and quantized tensors without a fused pass, are still diffed after they are computed
         assert 0 < len(diffed) < separate
-    # fp8 and MX payloads (fused groups included) are quantized and diffed in one pass
-    assert bool(quantized) == (fmt.startswith(("fp8", "mx")))
-    if fmt == "fp8-tensor":
+    # quantized payloads (fused groups included) are quantized and diffed in one pass
+    assert bool(quantized) == (fmt not in ("bf16", "fp16"))
+    if fmt in ("fp8-tensor", "nvfp4"):  # shared scales: q_proj is prepared with its group
         assert any(n.endswith("q_proj.weight") for n in quantized)
 
 

@@ -40,6 +40,7 @@ _BF16_LIMIT = 0x7F7F8000  # rounds to bf16 inf (and every inf / NaN)
 _FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
 
 _BF16, _FP16 = 0, 1
+_FP4 = ("mxfp4", "nvfp4")  # two e2m1 codes per payload byte
 _BLOCK = 1024  # elements cast, then scanned for changes, while in L1
 
 # Lowest-set-bit index by de Bruijn multiplication (bit i of an isolated bit t maps to slot (t * M) >> 58).
@@ -386,6 +387,68 @@ def _mx_rows(
     return n, top
 
 
+_NV = 16  # NVFP4 block: 16 consecutive elements along K
+_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _nv_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scale: np.ndarray,
+    s2: np.float32,
+    six_s2: np.float32,
+    e4m3_values: np.ndarray,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> NVFP4 (ModelOpt) codes packed two per byte ``out`` [R, K/2] and
+    e4m3 block scales ``scale`` [R, ceil(K/16)] (as bytes), given the global ``s2`` and ``6 * s2`` (fp32);
+    the payload's changes against ``ref``, positions from the first row. Returns (changes, max |master|)."""
+    rows, k = src.shape
+    width = out.shape[1]
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        for b0 in range(0, k, _NV):
+            b1 = min(k, b0 + _NV)
+            amax = np.float32(0.0)
+            for j in range(b0, b1):
+                amax = max(amax, abs(vals[j]))
+            bs = np.float32(amax / six_s2)
+            if bs == 0:
+                bs = np.float32(1.0)
+            one[0] = min(max(bs, np.float32(2.0**-9)), _E4M3_MAX)
+            bs8 = _e4m3(one_bits[0])
+            scale[r, b0 // _NV] = bs8
+            d = np.float32(e4m3_values[bs8] * s2)
+            for j in range(b0, b1):
+                y = np.float32(vals[j] / d)
+                codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
+        for j in range(width):
+            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * width + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
 @dataclass(frozen=True)
 class CastChanges:
     """The elements of a new served view whose bits differ from the previous view's."""
@@ -483,8 +546,8 @@ class FusedCaster:
         *,
         from_fp32: bool,
     ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
-        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4: ``x``'s components (payload, scale) and the
-        payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
+        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4: ``x``'s components (payload, scales)
+        and the payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
         tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize
         it as usual.
 
@@ -493,17 +556,17 @@ class FusedCaster:
         format's own path raises its error. The scale component is left to the ordinary diff.
         """
         if (
-            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4")
+            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or ref.device.type != "cpu"
             or x.dim() != 2
             or x.numel() == 0
             or not x.is_contiguous()
-            or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt == "mxfp4" else x.shape[1])
-            or ref.dtype != (torch.uint8 if fmt == "mxfp4" else torch.float8_e4m3fn)
+            or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt in _FP4 else x.shape[1])
+            or ref.dtype != (torch.uint8 if fmt in _FP4 else torch.float8_e4m3fn)
             or not ref.is_contiguous()
-            or (fmt == "mxfp4" and x.shape[1] % 2 != 0)  # the recipe refuses it
+            or (fmt in _FP4 and x.shape[1] % 2 != 0)  # the recipe refuses it
         ):
             return None
         if fmt == "fp8-block":
@@ -514,13 +577,12 @@ class FusedCaster:
         rows, k = x.shape
         inv = np.float32(0.0)
         if not channel:
-            amax = group_amax
+            amax = _tensor_amax(x, group_amax, from_fp32=from_fp32)
             if amax is None:
-                top = x.detach().abs().amax()
-                amax = top if from_fp32 else top.to(torch.bfloat16).float()  # RNE is monotone: max of bf16(|x|)
-            if not bool(torch.isfinite(amax)):
                 return None
-            scale = amax.float().reshape(()) / 448.0
+            if fmt == "nvfp4":
+                return self._nvfp4(name, x, ref, amax, from_fp32=from_fp32)
+            scale = amax / 448.0
             inv = np.float32((1.0 / scale).item())
         limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
         src = x.detach().view(torch.int32).numpy().view(np.uint32)
@@ -615,6 +677,45 @@ class FusedCaster:
         changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         return {name: payload, name + "_scale": scale}, changes
 
+    def _nvfp4(
+        self, name: str, x: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """nvfp4 (ModelOpt): the global scale from the tensor's (or group's) amax, then rows in chunks."""
+        rows, k = x.shape
+        width = k // 2
+        s2 = amax / (6.0 * 448.0)
+        s2 = torch.where(amax == 0, torch.ones_like(s2), s2)
+        six_s2 = 6.0 * s2
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        payload = torch.empty((rows, width), dtype=torch.uint8)
+        dst = payload.numpy()
+        scale = torch.empty((rows, -(-k // _NV)), dtype=torch.uint8)
+        sc = scale.numpy()
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+        s2_32, six_32 = np.float32(s2.item()), np.float32(six_s2.item())
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * width)
+            n, top_bits = _nv_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, _E4M3_VALUES, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
+        return parts, changes
+
     def _scratch8(self, count: int) -> _Scratch:
         buf: _Scratch | None = getattr(self._local, "buf8", None)
         if buf is None or buf.pos.shape[0] < count:
@@ -668,6 +769,17 @@ class FusedCaster:
         if len(found) == 1:
             return CastChanges(*found[0])
         return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+
+
+def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
+    """The amax a per-tensor recipe starts from (0-dim fp32): the group's, or max |bf16(x)| (RNE is
+    monotone, so that is bf16(max |x|): no cast of the whole tensor); None when it is not finite."""
+    amax = group_amax
+    if amax is None:
+        top = x.detach().abs().amax()
+        amax = top if from_fp32 else top.to(torch.bfloat16).float()
+    amax = amax.float().reshape(())
+    return amax if bool(torch.isfinite(amax)) else None
 
 
 def _aligned(*arrays: np.ndarray) -> bool:
