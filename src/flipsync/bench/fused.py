@@ -12,7 +12,9 @@ served view is computed and compared with the previous one three ways, timed bac
   `flipsync.codec.DiffEngine.changes` on ``threads`` threads.
 
 Costs are nanoseconds per served byte (the new view's bytes); the ratios are the baselines' time over the
-fused pass's. All three must find the same changed positions (checked).
+fused pass's. All three must find the same changed positions (checked). Quantized formats get the same three
+rows over their whole served view (`measure_quantized`): the publisher's fused pass (payloads and plain
+casts in one pass, scales diffed after), and `served_view` followed by ``np.flatnonzero`` or `DiffEngine`.
 
 Then the whole publication: two inline publishers (``background=False``, no spans, no keyframes) serve the
 same masters as bf16 to one in-memory board, one with ``fused_diff`` and one without, stepping in turns
@@ -36,11 +38,14 @@ from flipsync.bench.report import md_table
 from flipsync.bench.workload import FULL, QUICK, AdamSteps, Shape, llm_like_masters
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
+from flipsync.formats import served_view
 from flipsync.formats.base import cast_master
 from flipsync.formats.fused import FusedCaster
 from flipsync.trainer import Publisher, PublisherConfig
+from flipsync.trainer.pieces import Fuse, Piece
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
 LR = 1e-6
 
 
@@ -118,6 +123,60 @@ def measure(
     return FusedRow(fmt, threads, served, 100 * counts["fused"] / elements, *ns)
 
 
+def _bits(t: torch.Tensor) -> np.ndarray:
+    t = t.reshape(-1)
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).numpy()
+
+
+def measure_quantized(
+    before: dict[str, torch.Tensor], after: dict[str, torch.Tensor], fmt: str, threads: int, repeat: int
+) -> FusedRow:
+    """A quantized format's whole served view and its changes (every component), the three ways: the
+    publisher's fused pass (`Fuse`: payloads and plain casts in one pass, scales then diffed by the
+    engine), `served_view` + ``np.flatnonzero`` per component, and `served_view` + `DiffEngine`."""
+    prev = served_view(before, fmt)
+    pieces = {k: Piece(t, 0, tuple(t.shape)) for k, t in prev.items()}
+    prev_bits = {k: _bits(t) for k, t in prev.items()}
+    served = sum(t.numel() * t.element_size() for t in prev.values())
+    counts: dict[str, int] = {}
+    old_threads = torch.get_num_threads()
+    with FusedCaster(threads) as caster, DiffEngine(threads) as engine:
+
+        def fused() -> None:
+            fuse = Fuse(caster, pieces)
+            new = served_view(after, fmt, cast=fuse.hook(0), quantize=fuse.quantize)
+            rest = [(prev[k], t) for k, t in new.items() if k not in fuse.found]
+            counts["fused"] = sum(c.size for c in fuse.found.values()) + sum(c.size for c in engine.changes_many(rest))
+
+        def view_flatnonzero() -> None:
+            new = served_view(after, fmt)
+            counts["torch"] = sum(np.flatnonzero(prev_bits[k] != _bits(t)).size for k, t in new.items())
+
+        def view_diffengine() -> None:
+            new = served_view(after, fmt)
+            counts["engine"] = sum(c.size for c in engine.changes_many([(prev[k], t) for k, t in new.items()]))
+
+        methods: list[Callable[[], None]] = [fused, view_flatnonzero, view_diffengine]
+        best, cpu = [float("inf")] * 3, [float("inf")] * 3
+        try:
+            torch.set_num_threads(threads)
+            for method in methods:
+                method()
+            for _ in range(repeat):
+                for i, method in enumerate(methods):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    method()
+                    best[i] = min(best[i], time.perf_counter() - t0)
+                    cpu[i] = min(cpu[i], time.process_time() - c0)
+        finally:
+            torch.set_num_threads(old_threads)
+    if len(set(counts.values())) != 1:
+        raise AssertionError(f"the methods found different numbers of changes: {counts}")
+    values = sum(t.numel() for t in prev.values())
+    ns = [b / served * 1e9 for b in (*best, *cpu)]
+    return FusedRow(fmt, threads, served, 100 * counts["fused"] / values, *ns)
+
+
 PHASES = ("view", "diff", "code", "commit")
 
 
@@ -178,6 +237,10 @@ def run(
             for n in threads:
                 status.update(f"fused bench: {fmt}, {n} thread(s)")
                 rows.append(measure(before, after, fmt, n, repeat=3 if quick else 5))
+        for fmt in QUANTIZED:
+            for n in threads:
+                status.update(f"fused bench: {fmt}, {n} thread(s)")
+                rows.append(measure_quantized(before, after, fmt, n, repeat=2 if quick else 3))
         status.update("fused bench: publications")
         phases = {n: publish_phases(masters, 3 if quick else 5, n) for n in threads}
     console.print(table(rows))
@@ -230,7 +293,10 @@ HEAD = (
 
 
 def table(rows: list[FusedRow]) -> Table:
-    t = Table(title=f"Served view + changes, per served byte: fused pass vs cast then compare (Adam lr {LR:g})")
+    t = Table(
+        title=f"Served view + changes, per served byte: fused pass vs cast then compare (Adam lr {LR:g}; "
+        "quantized rows: the whole view, baselines served_view + flatnonzero / DiffEngine)"
+    )
     for i, col in enumerate(HEAD):
         t.add_column(col, justify="left" if i == 0 else "right")
     for r in rows:
