@@ -461,6 +461,10 @@ class CastChanges:
     def size(self) -> int:
         return int(self.positions.size)
 
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.old.nbytes + self.new.nbytes
+
 
 @dataclass
 class _Scratch:

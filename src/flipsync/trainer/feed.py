@@ -145,7 +145,10 @@ class ViewFeed:
             raise
         staged = self.stager.stage(view)
         self.account.add(view_bytes(staged.view))
-        fused = FusedDiff(ref[1], fuse.found) if fuse is not None and ref is not None and fuse.found else None
+        # Dense changes (Adam's first step) would take more memory than their piece while the view waits:
+        # those pieces are diffed again by the worker instead.
+        kept = {n: c for n, c in fuse.found.items() if c.nbytes <= view[n].nbytes} if fuse is not None else {}
+        fused = FusedDiff(ref[1], kept) if ref is not None and kept else None
         item = Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0, fused=fused)
         self._ref = (staged.view, item.token)
         self._submit(item)
