@@ -1,4 +1,4 @@
-"""``flipsync bench codec|board|trainer|sidecar|crossregion|scaling|all``: the benchmarks from a shell.
+"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|all``: the benchmarks from a shell.
 
 ``bench_app`` is a Typer sub-application; ``flipsync.cli`` mounts it as ``flipsync bench``. Each benchmark
 module is imported when its command runs, so ``flipsync --help`` stays fast.
@@ -66,6 +66,12 @@ def bench_sidecar(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
 def bench_trainer(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """Time the publisher adds to a training step, and its peak extra memory."""
     _run(lambda: _bench("trainer", quick, json_out))
+
+
+@bench_app.command("fused")
+def bench_fused(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """The publisher's fused cast-and-diff pass beside a torch cast + np.flatnonzero, per served byte."""
+    _run(lambda: _bench("fused", quick, json_out))
 
 
 @bench_app.command("crossregion")

@@ -15,6 +15,11 @@ from flipsync.formats.registry import get_format
 KeepFn = Callable[[str, torch.Tensor], bool]
 # (shape, dtype, device) -> a tensor for a plain cast to write into, or None to allocate a new one.
 Alloc = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None]
+# (name, master, dtype, out) -> the plain cast `cast_master` gives (a publisher fuses it with its diff).
+Cast = Callable[[str, torch.Tensor, torch.dtype, torch.Tensor | None], torch.Tensor]
+# (format, name, master or prepared input, group amax, from_fp32) -> the components the format's recipe gives,
+# or None to run the recipe (a publisher fuses some recipes with their diff).
+Quantize = Callable[[ServedFormat, str, torch.Tensor, torch.Tensor | None, bool], dict[str, torch.Tensor] | None]
 FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
 
 # Fused shards an engine loads into one parameter (qkv_proj, gate_up_proj / w13), in engine order.
@@ -93,6 +98,8 @@ def served_view(
     fused_groups: FusedGroups = "auto",
     keep: KeepFn | None = None,
     alloc: Alloc | None = None,
+    cast: Cast | None = None,
+    quantize: Quantize | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint-format tensors an engine holds for `masters` under format `fmt`.
 
@@ -103,7 +110,9 @@ def served_view(
     Members of a fused group (``"auto"``: `fused_groups_auto`; or explicit lists of names) share one
     per-tensor fp8 scale / nvfp4 global scale; other formats ignore groups. Members the format does
     not quantize are left out of their group. ``alloc``: where plain casts of fp32 masters write their
-    result (a publisher passes reused buffers); by default every output is newly allocated.
+    result (a publisher passes reused buffers); by default every output is newly allocated. ``cast``: what
+    computes those plain casts instead of `cast_master` (it must give the same bits and errors); ``quantize``
+    likewise for the quantized tensors, given the master or (fused-group members) the prepared input.
 
     Output keys: the master's name for the payload plus the format's scale names (e.g.
     ``X.weight_scale``), in master order. Each output lives on its master's device.
@@ -135,14 +144,19 @@ def served_view(
                     amaxes = [tensor_amax(prepared[member]).cpu() for member in groups[gid]]
                     group_amax[gid] = torch.stack(amaxes).amax()
                 amax = group_amax[gid].to(tensor.device)
-            if name in prepared:
-                parts = f.encode(name, prepared.pop(name), amax)
+            ready = name in prepared
+            x = prepared.pop(name) if ready else tensor
+            got = quantize(f, name, x, amax, from_fp32) if quantize is not None else None
+            if got is not None:
+                parts = got
+            elif ready:
+                parts = f.encode(name, x, amax)
             else:
-                parts = f.components(name, tensor, amax, from_fp32=from_fp32)
+                parts = f.components(name, x, amax, from_fp32=from_fp32)
         else:  # a plain cast: every float tensor of bf16/fp16 views, the kept ones of quantized views
             dtype = f.payload_dtype if name in selected else f.unquantized_dtype
             buf = alloc(tuple(tensor.shape), dtype, tensor.device) if alloc is not None else None
-            parts = {name: cast_master(name, tensor, dtype, out=buf)}
+            parts = {name: (cast or cast_master)(name, tensor, dtype, buf)}
         for key, value in parts.items():
             if key in out:
                 raise ConfigError(

@@ -38,6 +38,10 @@ class PublisherConfig:
     # The served view (passed to the format's recipe): fused groups share one fp8 / nvfp4 scale.
     fused_groups: FusedGroups = "auto"
     from_fp32: bool = False
+    # Plain casts (bf16 / fp16, and what quantized formats leave unquantized) of FP32 CPU masters, and of
+    # device masters kept on the device, find their changes while they are cast (`flipsync.formats.fused`)
+    # instead of in a second pass over both views; False: the separate cast and diff (same patches).
+    fused_diff: bool = True
     keep: KeepFn | None = None  # which tensors are served in the format (the rest as they are)
     # Threads: background=False publishes inside step(); defer_view computes an attached step's view off-thread.
     background: bool = True

@@ -13,9 +13,12 @@ import time
 from collections.abc import Callable
 
 from flipsync.errors import FlipsyncError
+from flipsync.formats.fused import FusedCaster
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import (
+    Fuse,
+    FusedDiff,
     Inputs,
     LocalView,
     PieceSpec,
@@ -63,6 +66,10 @@ class ViewFeed:
         self._read: StreamFence | None = None  # GPU: the deferred view's reads of the masters
         self.plan = self._make_plan()
         self.expected: dict[str, PieceSpec] = {}
+        # The newest view handed on and its item's token: the next view's casts diff against it (`Fuse`).
+        # The worker uses those changes only if that view is still its base when it publishes the next one.
+        self._ref: tuple[LocalView, object] | None = None
+        self._caster: FusedCaster | None = None
 
     def _make_plan(self) -> ViewPlan:
         drop_first = tied_targets(self.model)
@@ -89,7 +96,13 @@ class ViewFeed:
         view = staged.view
         self.account.add(view_bytes(view))
         self.expected = {n: p.spec(n, self.group.rank) for n, p in view.items()}
+        self._ref = (view, object())
         return view
+
+    def token_of(self, view: LocalView) -> object:
+        """The token for an item of ``view``: the next view's changes name it when it is the newest view."""
+        ref = self._ref
+        return ref[1] if ref is not None and ref[0] is view else object()
 
     def snapshot(self, step: int) -> Item:
         """A new plan and full view after a layout change (single process): the item of a snapshot."""
@@ -97,7 +110,9 @@ class ViewFeed:
         staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
         self.account.add(view_bytes(staged.view))
         self.expected = {n: p.spec(n, 0) for n, p in staged.view.items()}
-        return Item(step, staged.view, staged.wait, snapshot=True)
+        item = Item(step, staged.view, staged.wait, snapshot=True)
+        self._ref = (staged.view, item.token)
+        return item
 
     # -- per step -----------------------------------------------------------------------------------------
 
@@ -119,16 +134,30 @@ class ViewFeed:
         if self._drop_pending is not None:
             self._drop_pending()  # about to be superseded: free it before computing the next
         t0 = time.perf_counter()
+        ref = self._ref
+        fuse = Fuse(self._fused_caster(), ref[0]) if ref is not None and self.config.fused_diff else None
         try:
             with self.stager.buffers() as alloc:
-                view = self.plan.compute(inputs, alloc)
+                view = self.plan.compute(inputs, alloc, fuse)
                 check_layout(view, self.expected)
         except FlipsyncError as e:
             self._no_view(step, e)
             raise
         staged = self.stager.stage(view)
         self.account.add(view_bytes(staged.view))
-        self._submit(Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0))
+        # Dense changes (Adam's first step) would take more memory than their piece while the view waits:
+        # those pieces are diffed again by the worker instead.
+        kept = {n: c for n, c in fuse.found.items() if c.nbytes <= view[n].nbytes} if fuse is not None else {}
+        fused = FusedDiff(ref[1], kept) if ref is not None and kept else None
+        item = Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0, fused=fused)
+        self._ref = (staged.view, item.token)
+        self._submit(item)
+
+    def _fused_caster(self) -> FusedCaster:
+        # made by the first view computed (the view thread once deferred): its pool inherits that priority
+        if self._caster is None:
+            self._caster = FusedCaster(self.config.pool_threads)
+        return self._caster
 
     def after_optimizer_step(self, step: int) -> None:
         """The post-step hook's work: gather here, compute here or on the view thread."""
@@ -168,10 +197,16 @@ class ViewFeed:
     def close_viewer(self) -> None:
         if self.viewer is not None:
             self.viewer.close()
+        if self._caster is not None:
+            self._caster.close()
+            self._caster = None
 
     # -- memory -------------------------------------------------------------------------------------------
 
     def release_view(self, view: LocalView | None) -> None:
+        ref = self._ref
+        if ref is not None and ref[0] is view:  # its buffers go back to the pool: never diff against it
+            self._ref = None
         if view:
             self.stager.release(view)
             self.account.sub(view_bytes(view))

@@ -99,6 +99,7 @@ def diff_pieces(
     hasher: Hasher,
     coder: Executor | None = None,
     emit: Emit | None = None,
+    known: Mapping[str, Any] | None = None,
     context: bool = False,
 ) -> list[PieceChange]:
     """Changed elements of every piece (same layout on both sides, checked by the caller).
@@ -106,12 +107,15 @@ def diff_pieces(
     While the next piece is diffed, a changed whole tensor's content digest is hashed on the hasher's pool
     and, with a ``coder``, each piece's section is coded on it (only its fingerprints wait for the other
     ranks' deltas: `build_part` fills them in) and handed to ``emit`` (name, coded bytes), in piece order.
+    ``known``: changes of pieces already diffed against ``old`` (`FusedDiff`), used instead of a diff.
     """
     found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None, Any]] = []
     for name in sorted(new):
         a, b = old[name], new[name]
         ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
-        changes = engine.changes(ta, tb)
+        changes = known.get(name) if known is not None else None
+        if changes is None:
+            changes = engine.changes(ta, tb)
         if not changes.size:
             continue
         positions = changes.positions + b.offset

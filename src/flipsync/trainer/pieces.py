@@ -29,8 +29,9 @@ import torch
 from flipsync.codec import dtype_of
 from flipsync.errors import ConfigError, PatchError
 from flipsync.formats import fused_groups_auto, get_format, served_view
-from flipsync.formats.base import ServedFormat
-from flipsync.formats.view import Alloc
+from flipsync.formats.base import ServedFormat, cast_master
+from flipsync.formats.fused import CastChanges, FusedCaster
+from flipsync.formats.view import Alloc, Cast
 
 KeepFn = Callable[[str, torch.Tensor], bool]
 StateSource = torch.nn.Module | Callable[[], Mapping[str, torch.Tensor]]
@@ -78,6 +79,61 @@ class PieceSpec:
     offset: int
     numel: int
     rank: int
+
+
+@dataclass(frozen=True)
+class FusedDiff:
+    """Changes found while a view was computed (`Fuse`), against the view of the item whose token is ``base``.
+
+    The worker uses them only when that view is the base it diffs against; otherwise it diffs as usual.
+    """
+
+    base: object
+    changes: dict[str, CastChanges]
+
+
+@dataclass
+class Fuse:
+    """Plain casts that diff against a previous view as they run (`flipsync.formats.fused`).
+
+    Pieces whose previous piece lies elsewhere (another offset, layout or device: a CUDA view kept in host
+    memory) are cast by `cast_master` and diffed later, as every piece was before.
+    """
+
+    caster: FusedCaster
+    ref: LocalView
+    found: dict[str, CastChanges] = field(default_factory=dict)
+
+    def hook(self, offset: int) -> Cast:
+        """The `served_view` cast hook for pieces starting at flat element ``offset``."""
+
+        def cast(name: str, master: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+            prev = self.ref.get(name)
+            if (
+                prev is None
+                or prev.offset != offset
+                or prev.tensor.dtype != dtype
+                or prev.tensor.device != master.device
+                or tuple(prev.tensor.shape) != tuple(master.shape)
+            ):
+                return cast_master(name, master, dtype, out)
+            new, self.found[name] = self.caster.cast_diff(name, master, dtype, prev.tensor, out)
+            return new
+
+        return cast
+
+    def quantize(
+        self, f: ServedFormat, name: str, x: torch.Tensor, group_amax: torch.Tensor | None, from_fp32: bool
+    ) -> dict[str, torch.Tensor] | None:
+        """The `served_view` quantize hook (whole tensors): fp8-tensor / fp8-channel payloads diffed as made."""
+        prev = self.ref.get(name)
+        if prev is None or prev.offset != 0:
+            return None
+        got = self.caster.quantize_diff(f.name, name, x, prev.tensor, group_amax, from_fp32=from_fp32)
+        if got is None:
+            return None
+        parts, self.found[name] = got
+        return parts
 
 
 @dataclass(frozen=True)
@@ -261,9 +317,9 @@ class ViewPlan:
             rows.append((name, local, _row_offset(name, t, local), tuple(t.shape)))
         return Inputs(whole, rows)
 
-    def compute(self, inputs: Inputs, alloc: Alloc | None = None) -> LocalView:
+    def compute(self, inputs: Inputs, alloc: Alloc | None = None, fuse: Fuse | None = None) -> LocalView:
         """This rank's served pieces from `gather`'s inputs (torch ops on their devices; any thread);
-        ``alloc`` gives plain casts their output buffers (see `served_view`)."""
+        ``alloc`` gives plain casts their output buffers (see `served_view`), ``fuse`` diffs them as they run."""
         out: LocalView = {}
         if inputs.whole:
             served = served_view(
@@ -273,12 +329,17 @@ class ViewPlan:
                 fused_groups=self.groups,
                 keep=self.keep,
                 alloc=alloc,
+                cast=fuse.hook(0) if fuse is not None else None,
+                quantize=fuse.quantize if fuse is not None else None,
             )
             held = _storages(inputs.whole.values())
             for key, t in served.items():
                 out[key] = Piece(_own(t, held), 0, tuple(t.shape))
         for name, local, offset, shape in inputs.rows:
-            cast = served_view({name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True, alloc=alloc)[name]
+            hook = fuse.hook(offset) if fuse is not None else None
+            cast = served_view(
+                {name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True, alloc=alloc, cast=hook
+            )[name]
             out[name] = Piece(_own(cast, _storages([local])), offset, shape)
         return out
 

@@ -180,7 +180,7 @@ class Publisher:
             self.rounds.differ.close()
             self.worker.start()
         if kind != "adopt":
-            self._submit(Item(0, view, snapshot=True, meta=dict(cfg.meta)))
+            self._submit(Item(0, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
         if optimizer is not None:
             self.attach(optimizer)
 

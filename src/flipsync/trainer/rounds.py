@@ -198,6 +198,7 @@ class VersionRounds:
         self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
         self.spans = SpanMaker(board.spans_due) if spans and board is not None else None
         self.base: LocalView | None = None
+        self.base_token: object | None = None  # the token of the item whose view is the base (`FusedDiff`)
         self.base_step = 0
         self.specs: dict[str, PieceSpec] = {}
         self.table: FingerprintTable | None = None
@@ -264,8 +265,10 @@ class VersionRounds:
         try:
             # Without the worker's coder (inline publishing), ctx sections are coded as each piece is diffed.
             coder = self.coder or (_Inline() if self.context else None)
+            fused = item.fused
+            found = fused.changes if fused is not None and fused.base is self.base_token else None
             changes = diff_pieces(
-                self.base, item.view, self.differ, self.hasher, coder, stream.add, context=self.context
+                self.base, item.view, self.differ, self.hasher, coder, stream.add, found, context=self.context
             )
             failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
@@ -414,6 +417,7 @@ class VersionRounds:
             raise BoardError(f"publishing v{published.version} failed: {detail}")
         self._release(self.base)
         self.base, self.base_step, self.table, self.specs = item.view, item.step, table, layout
+        self.base_token = item.token
         self.head, self.head_fp = published.version, table.view_fp()
         self.last = published
         log.info(

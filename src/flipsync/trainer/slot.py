@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flipsync.errors import BoardError
-from flipsync.trainer.pieces import LocalView, view_bytes
+from flipsync.trainer.pieces import FusedDiff, LocalView, view_bytes
 
 
 class MemoryAccount:
@@ -53,6 +53,8 @@ class Item:
     error: str | None = None  # the view could not be computed on this rank (sharded runs report it)
     meta: dict[str, str | int] = field(default_factory=dict)  # extra manifest metadata for this step
     view_s: float = 0.0  # seconds computing the view took (for `Published.timings`)
+    token: object = field(default_factory=object)  # this item's view, as a `FusedDiff` names its base
+    fused: FusedDiff | None = None  # changes found while the view was computed, against another item's view
 
     def __post_init__(self) -> None:
         if self.first_step is None:

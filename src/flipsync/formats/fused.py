@@ -1,0 +1,820 @@
+"""One fused pass for the element-wise served formats: cast an FP32 master and diff it against a served view.
+
+The publisher used to cast each master (`cast_master`), then read the new view and the previous one again
+to find the changed elements. `FusedCaster.cast_diff` does both in one pass over the master and the
+previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
+emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
+
+CPU: a numba kernel works on 64-bit words of four 16-bit lanes: it rounds four masters, stores the word,
+XORs it with the previous view's word and only for a differing word (sparse at RL learning rates) visits
+the changed lanes. Chunks run on a thread pool with the GIL released. Any other device (CUDA) or master
+dtype takes the torch path: `cast_master`, then a compare on the tensors' device; both give the same bits.
+
+Masters that are not finite, or values that round beyond the format's range, are not handled here: the
+kernel flags them and the tensor goes through `cast_master`, which raises the formats module's error
+(`NonFiniteError` / `FormatError`) word for word.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from flipsync.errors import FormatError
+from flipsync.formats.base import cast_master
+
+#: Served dtypes the CPU kernel computes (an element-wise RNE cast of an FP32 master).
+FUSED_DTYPES = (torch.bfloat16, torch.float16)
+
+CHUNK_ELEMENTS = 1 << 21  # per task: 8 MiB of masters, enough to amortise the hand-over to the pool
+MIN_CHUNK_ELEMENTS = 1 << 18
+
+# |x| bit patterns (sign cleared) from which the cast gives inf or NaN: refused by `cast_master`.
+_BF16_LIMIT = 0x7F7F8000  # rounds to bf16 inf (and every inf / NaN)
+_FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
+
+_BF16, _FP16 = 0, 1
+_FP4 = ("mxfp4", "nvfp4")  # two e2m1 codes per payload byte
+_BLOCK = 1024  # elements cast, then scanned for changes, while in L1
+
+# Lowest-set-bit index by de Bruijn multiplication (bit i of an isolated bit t maps to slot (t * M) >> 58).
+_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
+_BIT_INDEX = np.zeros(64, dtype=np.int64)
+for _i in range(64):
+    _BIT_INDEX[((1 << _i) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _i
+
+
+_U = np.uint32
+
+
+# Every step is wrapped in a uint32 cast: numba widens integer arithmetic to 64 bits, which would halve the
+# lanes per vector of the block loop; truncated back at each step, LLVM keeps it in 32-bit lanes.
+@numba.njit(nogil=True, cache=True, inline="always")
+def _round16(u: np.uint32, kind: int) -> np.uint32:
+    """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs).
+
+    Branch-free (every case computed, then selected) so that the block loop vectorizes.
+    """
+    if kind == _BF16:  # c10's round_to_nearest_even
+        return _U(_U(_U(u + _U(0x7FFF)) + _U(_U(u >> _U(16)) & _U(1))) >> _U(16))
+    sign = _U(_U(u >> _U(16)) & _U(0x8000))
+    a = _U(u & _U(0x7FFFFFFF))
+    # a normal fp16: rebias the exponent (127 -> 15), round the mantissa at bit 13
+    an = _U(a - _U(0x38000000))
+    normal = _U(_U(_U(an + _U(0xFFF)) + _U(_U(an >> _U(13)) & _U(1))) >> _U(13))
+    # an fp16 subnormal: the mantissa with its hidden bit, in units of 2**-24, rounded at bit `shift`
+    e = _U(a >> _U(23))
+    shift = min(_U(_U(126) - e), _U(25))  # wraps for normal inputs, clamped: that result is unused
+    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
+    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
+    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
+    sub = sub if e >= _U(102) else _U(0)  # below 2**-25 (ties included) rounds to zero
+    return _U(sign | (normal if a >= _U(0x38800000) else sub))
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _cast_block(src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int) -> tuple[np.uint32, np.uint32]:
+    """Cast one block (L1-sized) into ``out``: (how many lanes differ from ``ref``, max |master| bits)."""
+    count = _U(0)
+    top = _U(0)
+    for i in range(src.shape[0]):
+        u = src[i]
+        r = np.uint16(_round16(u, kind))
+        top = max(top, _U(u & _U(0x7FFFFFFF)))
+        count = _U(count + _U(r != ref[i]))
+        out[i] = r
+    return count, top
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _emit_sparse(
+    ref: np.ndarray,
+    out: np.ndarray,
+    bit_index: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    n: int,
+    first: int,
+) -> int:
+    """The changed lanes of one block, from uint64 words of four lanes: equal words cost one XOR; in a
+    differing word each lane is folded onto its lowest bit and only the set bits are visited."""
+    low = np.uint64(0x0001000100010001)
+    lane = np.uint64(0xFFFF)
+    for w in range(ref.shape[0]):
+        was = ref[w]
+        word = out[w]
+        x = word ^ was
+        if x != 0:
+            x |= x >> np.uint64(8)
+            x |= x >> np.uint64(4)
+            x |= x >> np.uint64(2)
+            x |= x >> np.uint64(1)
+            x &= low
+            while x != 0:
+                bit = x & (~x + np.uint64(1))
+                at = bit_index[(bit * _DEBRUIJN) >> np.uint64(58)]
+                pos[n] = first + w * 4 + (at >> 4)
+                old[n] = (was >> np.uint64(at)) & lane
+                new[n] = (word >> np.uint64(at)) & lane
+                n += 1
+                x &= x - np.uint64(1)
+    return n
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _emit_dense(
+    ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int, first: int
+) -> int:
+    """The changed lanes of one block by branch-free compaction (faster once a tenth or so changed)."""
+    for i in range(ref.shape[0]):
+        x, y = ref[i], out[i]
+        pos[n] = first + i
+        old[n] = x
+        new[n] = y
+        n += x != y
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def _cast_diff(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    ref64: np.ndarray,
+    out64: np.ndarray,
+    kind: int,
+    bit_index: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``.
+
+    ``ref64``/``out64`` are uint64 views of the whole words of ``ref``/``out`` (empty when their buffers are not
+    8-byte aligned): a block they do not cover (the tail) is scanned lane by lane. ``out`` must not overlap
+    ``ref``: a block's changes are found by reading both after the cast.
+    Returns (changes written to pos/old/new, max |master| bits: the caller checks the range).
+    """
+    n = 0
+    top = np.uint32(0)
+    size = src.shape[0]
+    for b0 in range(0, size, _BLOCK):
+        b1 = min(size, b0 + _BLOCK)
+        count, t = _cast_block(src[b0:b1], ref[b0:b1], out[b0:b1], kind)
+        top = max(top, t)
+        if count == 0:
+            continue
+        if count * 10 > _U(b1 - b0) or b1 > 4 * ref64.shape[0]:
+            n = _emit_dense(ref[b0:b1], out[b0:b1], pos, old, new, n, b0)
+        else:
+            n = _emit_sparse(ref64[b0 // 4 : b1 // 4], out64[b0 // 4 : b1 // 4], bit_index, pos, old, new, n, b0)
+    return n, top
+
+
+_E4M3_MAX = np.float32(448.0)
+_EPS32 = np.float32(2.0**-23)  # compressed-tensors' replacement of a zero channel scale
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _e4m3(v: np.uint32) -> np.uint8:
+    """fp32 bits of a finite ``|y| <= 448`` -> e4m3fn bits, round to nearest even (subnormals from 2**-9)."""
+    sign = _U(_U(v >> _U(24)) & _U(0x80))
+    a = _U(v & _U(0x7FFFFFFF))
+    an = _U(a - _U(0x3C000000))  # rebias the exponent 127 -> 7, round the mantissa at bit 20
+    normal = _U(_U(_U(an + _U(0x7FFFF)) + _U(_U(an >> _U(20)) & _U(1))) >> _U(20))
+    e = _U(a >> _U(23))
+    shift = min(_U(_U(141) - e), _U(25))  # subnormal: the mantissa in units of 2**-9
+    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
+    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
+    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
+    sub = sub if e >= _U(117) else _U(0)  # below 2**-10 (ties included) rounds to zero
+    return np.uint8(sign | (normal if a >= _U(0x3C800000) else sub))
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _fp8_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scales: np.ndarray,
+    channel: bool,
+    inv: np.float32,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> e4m3 ``out``, and the changes against ``ref`` (positions from the
+    first row). ``channel``: compressed-tensors (row scale amax/448 into ``scales``, a zero one 2**-23,
+    ``clamp(x / scale)``); else vLLM per-tensor (``fmax(-448, fmin(x * inv, 448))``, NaN-ignoring: 0 * inf
+    gives 448). ``round_bf16``: the input is bf16(master). Returns (changes, max |master| bits)."""
+    rows, k = src.shape
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        if channel:
+            amax = np.float32(0.0)
+            for j in range(k):
+                amax = max(amax, abs(vals[j]))
+            scale = np.float32(amax / _E4M3_MAX)
+            if scale == 0:
+                scale = _EPS32
+            scales[r] = scale
+            for j in range(k):
+                vals[j] = min(max(np.float32(vals[j] / scale), -_E4M3_MAX), _E4M3_MAX)
+        else:
+            for j in range(k):
+                y = np.float32(vals[j] * inv)
+                vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
+        for j in range(k):
+            q = _e4m3(bits[j])
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * k + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
+_TILE = 128  # fp8-block: DeepGEMM's 128x128 tiles
+_TILE_AMAX_FLOOR = np.float32(1e-4)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _fp8_tile_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    sf: np.ndarray,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """One row of 128x128 tiles (``src`` [<= 128, K] fp32 bits) -> e4m3 ``out`` and its tiles' ``sf``
+    (amax floored at 1e-4, / 448), ``x * (1 / sf)`` clamped: DeepGEMM's `per_block_cast_to_fp8`. Returns
+    (changes against ``ref``, positions from the first row; max |master| bits)."""
+    rows, k = src.shape
+    vals = np.empty((rows, k), np.float32)
+    bits = vals.view(np.uint32)
+    tiles = sf.shape[0]
+    amax = np.zeros(tiles, np.float32)
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[r, j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+            t = j // _TILE
+            amax[t] = max(amax[t], abs(vals[r, j]))
+    inv = np.empty(tiles, np.float32)
+    for t in range(tiles):
+        s = np.float32(max(amax[t], _TILE_AMAX_FLOOR) / _E4M3_MAX)
+        sf[t] = s
+        inv[t] = np.float32(np.float32(1.0) / s)
+    n = 0
+    for r in range(rows):
+        for j in range(k):
+            y = np.float32(vals[r, j] * inv[j // _TILE])
+            vals[r, j] = min(max(y, -_E4M3_MAX), _E4M3_MAX)
+        for j in range(k):
+            q = _e4m3(bits[r, j])
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * k + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
+_MX = 32  # MX block: 32 consecutive elements along K
+_F32_MIN_NORMAL = np.float32(2.0**-126)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def _e2m1(y: np.float32, sign_bits: np.uint32) -> np.uint8:
+    """fp32 -> e2m1 code: RNE saturating at 6 by counting thresholds passed; sign = signbit (-0.0 -> 0x8)."""
+    a = abs(y)
+    idx = (
+        np.uint8(a > 0.25)
+        + np.uint8(a >= 0.75)
+        + np.uint8(a > 1.25)
+        + np.uint8(a >= 1.75)
+        + np.uint8(a > 2.5)
+        + np.uint8(a >= 3.5)
+        + np.uint8(a > 5.0)
+    )
+    return np.uint8(idx | np.uint8((sign_bits >> _U(31)) << _U(3)))
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _mx_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scale: np.ndarray,
+    emax: int,
+    fp4: bool,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> MX (torchao FLOOR) payload ``out`` (e4m3 [R, K], or e2m1 codes
+    packed two per byte [R, K/2], element 2i low) and E8M0 ``scale`` [R, ceil(K/32)]; the payload's changes
+    against ``ref``, positions from the first row. Returns (changes, max |master| bits)."""
+    rows, k = src.shape
+    width = out.shape[1]
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
+    pw = np.empty(1, np.uint32)  # the divisor's bits, read as fp32 through a view
+    pf = pw.view(np.float32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        for b0 in range(0, k, _MX):
+            b1 = min(k, b0 + _MX)
+            amax = _U(0)
+            for j in range(b0, b1):
+                amax = max(amax, _U(bits[j] & _U(0x7FFFFFFF)))  # |x| as bits: same order as the values
+            field = np.int64(amax >> _U(23)) & 0xFF
+            e = min(max(field - 127 - emax, -127), 127)
+            byte = e + 127
+            scale[r, b0 // _MX] = byte
+            pw[0] = _U(byte) << _U(23)
+            divisor = max(pf[0], _F32_MIN_NORMAL)
+            for j in range(b0, b1):
+                vals[j] = np.float32(vals[j] / divisor)
+        if fp4:
+            for j in range(k):
+                codes[j] = _e2m1(vals[j], bits[j])
+        else:
+            for j in range(k):
+                vals[j] = min(max(vals[j], -_E4M3_MAX), _E4M3_MAX)
+            for j in range(k):
+                codes[j] = _e4m3(bits[j])
+        for j in range(width):
+            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4)) if fp4 else codes[j]
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * width + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
+_NV = 16  # NVFP4 block: 16 consecutive elements along K
+_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _nv_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scale: np.ndarray,
+    s2: np.float32,
+    six_s2: np.float32,
+    e4m3_values: np.ndarray,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> NVFP4 (ModelOpt) codes packed two per byte ``out`` [R, K/2] and
+    e4m3 block scales ``scale`` [R, ceil(K/16)] (as bytes), given the global ``s2`` and ``6 * s2`` (fp32);
+    the payload's changes against ``ref``, positions from the first row. Returns (changes, max |master|)."""
+    rows, k = src.shape
+    width = out.shape[1]
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
+    one = np.empty(1, np.float32)
+    one_bits = one.view(np.uint32)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        for j in range(k):
+            u = src[r, j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        for b0 in range(0, k, _NV):
+            b1 = min(k, b0 + _NV)
+            amax = np.float32(0.0)
+            for j in range(b0, b1):
+                amax = max(amax, abs(vals[j]))
+            bs = np.float32(amax / six_s2)
+            if bs == 0:
+                bs = np.float32(1.0)
+            one[0] = min(max(bs, np.float32(2.0**-9)), _E4M3_MAX)
+            bs8 = _e4m3(one_bits[0])
+            scale[r, b0 // _NV] = bs8
+            d = np.float32(e4m3_values[bs8] * s2)
+            for j in range(b0, b1):
+                y = np.float32(vals[j] / d)
+                codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
+        for j in range(width):
+            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+            was = ref[r, j]
+            out[r, j] = q
+            if q != was:
+                pos[n] = r * width + j
+                old[n] = was
+                new[n] = q
+                n += 1
+    return n, top
+
+
+@dataclass(frozen=True)
+class CastChanges:
+    """The elements of a new served view whose bits differ from the previous view's."""
+
+    positions: np.ndarray  # sorted int64 flat indices
+    old: np.ndarray  # uint16 bit patterns before
+    new: np.ndarray  # and after
+
+    @property
+    def size(self) -> int:
+        return int(self.positions.size)
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.old.nbytes + self.new.nbytes
+
+
+@dataclass
+class _Scratch:
+    pos: np.ndarray  # int64, chunk-relative
+    old: np.ndarray
+    new: np.ndarray
+
+
+class _OutOfRange(Exception):
+    """A chunk held a master the kernel does not cast (non-finite, or out of the format's range)."""
+
+
+class FusedCaster:
+    """`cast_diff` with a thread pool for the CPU kernel's chunks (one per served view's computation)."""
+
+    def __init__(self, threads: int | None = None, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
+        self.threads = max(1, threads or os.cpu_count() or 1)
+        self.chunk_elements = max(_BLOCK, chunk_elements)
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-fused")
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> FusedCaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @staticmethod
+    def kernel_covers(master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> bool:
+        """True when the CPU kernel runs (else `cast_diff` takes the torch path, with the same result)."""
+        return (
+            dtype in FUSED_DTYPES
+            and master.dtype == torch.float32
+            and master.device.type == "cpu"
+            and ref.device.type == "cpu"
+            and master.is_contiguous()
+            and ref.is_contiguous()
+        )
+
+    def cast_diff(
+        self,
+        name: str,
+        master: torch.Tensor,
+        dtype: torch.dtype,
+        ref: torch.Tensor,
+        out: torch.Tensor | None = None,
+        *,
+        torch_path: bool = False,
+    ) -> tuple[torch.Tensor, CastChanges]:
+        """``cast_master(name, master, dtype)`` and its changes against ``ref`` (the previous view of it).
+
+        ``out``: where the view is written (a contiguous tensor of the result's shape and dtype on the
+        master's device, not ``ref``'s memory), else a new tensor. ``torch_path`` forces the path that CUDA
+        tensors take. Raises what `cast_master` raises; `FormatError` when ``ref`` is not of the same
+        shape and dtype.
+        """
+        if tuple(ref.shape) != tuple(master.shape) or ref.dtype != dtype:
+            raise FormatError(
+                f"the previous view of {name!r} is {tuple(ref.shape)} {ref.dtype}, not the "
+                f"{tuple(master.shape)} {dtype} its master casts to"
+            )
+        if torch_path or not self.kernel_covers(master, dtype, ref):
+            return _torch_cast_diff(name, master, dtype, ref, out)
+        if out is None or not _fits(out, master, dtype) or _overlap(out, ref):
+            out = torch.empty(master.shape, dtype=dtype)
+        try:
+            changes = self._kernel(master, dtype, ref, out)
+        except _OutOfRange:
+            cast_master(name, master, dtype)  # raises the formats module's error for this master
+            raise AssertionError(f"the fused cast refused {name!r}, but cast_master accepted it") from None
+        return out, changes
+
+    def quantize_diff(
+        self,
+        fmt: str,
+        name: str,
+        x: torch.Tensor,
+        ref: torch.Tensor,
+        group_amax: torch.Tensor | None,
+        *,
+        from_fp32: bool,
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4: ``x``'s components (payload, scales)
+        and the payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
+        tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize
+        it as usual.
+
+        ``x`` is the master, or the recipe's prepared input (bf16(master) as fp32: rounding it again is
+        exact). Masters the recipe refuses (non-finite, bf16 overflow) return None too, so that the
+        format's own path raises its error. The scale component is left to the ordinary diff.
+        """
+        if (
+            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or ref.device.type != "cpu"
+            or x.dim() != 2
+            or x.numel() == 0
+            or not x.is_contiguous()
+            or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt in _FP4 else x.shape[1])
+            or ref.dtype != (torch.uint8 if fmt in _FP4 else torch.float8_e4m3fn)
+            or not ref.is_contiguous()
+            or (fmt in _FP4 and x.shape[1] % 2 != 0)  # the recipe refuses it
+        ):
+            return None
+        if fmt == "fp8-block":
+            return self._fp8_block(name, x, ref, from_fp32=from_fp32)
+        if fmt in ("mxfp8", "mxfp4"):
+            return self._mx(fmt, name, x, ref, from_fp32=from_fp32)
+        channel = fmt == "fp8-channel"
+        rows, k = x.shape
+        inv = np.float32(0.0)
+        if not channel:
+            amax = _tensor_amax(x, group_amax, from_fp32=from_fp32)
+            if amax is None:
+                return None
+            if fmt == "nvfp4":
+                return self._nvfp4(name, x, ref, amax, from_fp32=from_fp32)
+            scale = amax / 448.0
+            inv = np.float32((1.0 / scale).item())
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
+        dst = q.view(torch.uint8).numpy()
+        scales = np.empty(rows, np.float32)
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * k)
+            n, top_bits = _fp8_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], channel, inv, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
+        return {name: q, name + "_scale": scale_out}, changes
+
+    def _fp8_block(
+        self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """fp8-block: one row of 128x128 tiles per task (their amax needs all 128 rows first)."""
+        rows, k = x.shape
+        nb, kb = -(-rows // _TILE), -(-k // _TILE)
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
+        dst = q.view(torch.uint8).numpy()
+        sf = np.empty((nb, kb), np.float32)
+
+        def run(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r0, r1 = b * _TILE, min(rows, (b + 1) * _TILE)
+            buf = self._scratch8((r1 - r0) * k)
+            n, top_bits = _fp8_tile_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sf[b], not from_fp32, buf.pos, buf.old, buf.new
+            )
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
+
+        try:
+            found = list(self._pool.map(run, range(nb))) if nb > 1 else [run(0)]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
+
+    def _mx(
+        self, fmt: str, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """mxfp8 / mxfp4 (torchao FLOOR): rows in chunks; blocks of 32 never span rows."""
+        rows, k = x.shape
+        fp4 = fmt == "mxfp4"
+        width = k // 2 if fp4 else k
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        payload = torch.empty((rows, width), dtype=torch.uint8 if fp4 else torch.float8_e4m3fn)
+        dst = payload.view(torch.uint8).numpy()
+        scale = torch.empty((rows, -(-k // _MX)), dtype=torch.uint8)
+        sc = scale.numpy()
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * width)
+            n, top_bits = _mx_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], 2 if fp4 else 8, fp4, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        return {name: payload, name + "_scale": scale}, changes
+
+    def _nvfp4(
+        self, name: str, x: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+        """nvfp4 (ModelOpt): the global scale from the tensor's (or group's) amax, then rows in chunks."""
+        rows, k = x.shape
+        width = k // 2
+        s2 = amax / (6.0 * 448.0)
+        s2 = torch.where(amax == 0, torch.ones_like(s2), s2)
+        six_s2 = 6.0 * s2
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        payload = torch.empty((rows, width), dtype=torch.uint8)
+        dst = payload.numpy()
+        scale = torch.empty((rows, -(-k // _NV)), dtype=torch.uint8)
+        sc = scale.numpy()
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+        s2_32, six_32 = np.float32(s2.item()), np.float32(six_s2.item())
+
+        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            r1 = min(rows, r0 + step)
+            buf = self._scratch8((r1 - r0) * width)
+            n, top_bits = _nv_rows(
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, _E4M3_VALUES, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+            if top_bits >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
+
+        starts = list(range(0, rows, step))
+        try:
+            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+        except _OutOfRange:
+            return None
+        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
+        return parts, changes
+
+    def _scratch8(self, count: int) -> _Scratch:
+        buf: _Scratch | None = getattr(self._local, "buf8", None)
+        if buf is None or buf.pos.shape[0] < count:
+            buf = self._local.buf8 = _Scratch(
+                np.empty(count, np.int64), np.empty(count, np.uint8), np.empty(count, np.uint8)
+            )
+        return buf
+
+    def _scratch(self, count: int) -> _Scratch:
+        buf: _Scratch | None = getattr(self._local, "buf", None)
+        if buf is None or buf.pos.shape[0] < count:
+            buf = self._local.buf = _Scratch(
+                np.empty(count, np.int64), np.empty(count, np.uint16), np.empty(count, np.uint16)
+            )
+        return buf
+
+    def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> CastChanges:
+        numel = master.numel()
+        kind, limit = (_BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (_FP16, _FP16_LIMIT)
+        src = master.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+        chunk = min(self.chunk_elements, max(MIN_CHUNK_ELEMENTS, -(-numel // self.threads)))
+        chunk += -chunk % _BLOCK  # whole blocks, so every chunk but the last starts on a word
+        spans = [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
+
+        def run(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            s, e = span
+            buf = self._scratch(chunk)
+            words = (e - s) // 4 * 4 if _aligned(was[s:e], dst[s:e]) else 0
+            n, top = _cast_diff(
+                src[s:e],
+                was[s:e],
+                dst[s:e],
+                was[s : s + words].view(np.uint64),
+                dst[s : s + words].view(np.uint64),
+                kind,
+                _BIT_INDEX,
+                buf.pos,
+                buf.old,
+                buf.new,
+            )
+            if top >= limit:
+                raise _OutOfRange
+            return buf.pos[:n] + s, buf.old[:n].copy(), buf.new[:n].copy()
+
+        found = list(self._pool.map(run, spans)) if len(spans) > 1 else [run(spans[0])] if spans else []
+        if not found:
+            empty = np.empty(0, np.uint16)
+            return CastChanges(np.empty(0, np.int64), empty, empty)
+        if len(found) == 1:
+            return CastChanges(*found[0])
+        return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+
+
+def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
+    """The amax a per-tensor recipe starts from (0-dim fp32): the group's, or max |bf16(x)| (RNE is
+    monotone, so that is bf16(max |x|): no cast of the whole tensor); None when it is not finite."""
+    amax = group_amax
+    if amax is None:
+        top = x.detach().abs().amax()
+        amax = top if from_fp32 else top.to(torch.bfloat16).float()
+    amax = amax.float().reshape(())
+    return amax if bool(torch.isfinite(amax)) else None
+
+
+def _aligned(*arrays: np.ndarray) -> bool:
+    return all(a.ctypes.data % 8 == 0 for a in arrays)
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def _fits(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
+    return out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous() and out.numel() == master.numel()
+
+
+def _torch_cast_diff(
+    name: str, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor | None
+) -> tuple[torch.Tensor, CastChanges]:
+    """The device path: `cast_master` and a compare of integer views where the tensors live."""
+    if out is not None and (_overlap(out, ref) or out.device != master.device):
+        out = None  # the compare below reads ref after the cast: never write the cast over it
+    new = cast_master(name, master, dtype, out)
+    other = ref.detach().to(new.device).reshape(-1)
+    a = other.view(torch.int16) if other.element_size() == 2 else other.view(torch.uint8)
+    b = new.detach().reshape(-1).view(a.dtype)
+    idx = torch.nonzero(a != b).reshape(-1)
+    ubits = np.uint16 if a.dtype == torch.int16 else np.uint8
+    return new, CastChanges(
+        idx.cpu().numpy().astype(np.int64),
+        a[idx].cpu().numpy().view(ubits),
+        b[idx].cpu().numpy().view(ubits),
+    )
