@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -594,25 +595,16 @@ class FusedCaster:
         q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
         dst = q.view(torch.uint8).numpy()
         scales = np.empty(rows, np.float32)
-        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
 
-        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            r1 = min(rows, r0 + step)
-            buf = self._scratch8((r1 - r0) * k)
-            n, top_bits = _fp8_rows(
+        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
+            return _fp8_rows(  # type: ignore[no-any-return]
                 src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], channel, inv, not from_fp32,
                 buf.pos, buf.old, buf.new,
             )  # fmt: skip
-            if top_bits >= limit:
-                raise _OutOfRange
-            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
 
-        starts = list(range(0, rows, step))
-        try:
-            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
-        except _OutOfRange:
+        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), k, limit, kernel)
+        if changes is None:
             return None
-        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
         return {name: q, name + "_scale": scale_out}, changes
 
@@ -629,21 +621,14 @@ class FusedCaster:
         dst = q.view(torch.uint8).numpy()
         sf = np.empty((nb, kb), np.float32)
 
-        def run(b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            r0, r1 = b * _TILE, min(rows, (b + 1) * _TILE)
-            buf = self._scratch8((r1 - r0) * k)
-            n, top_bits = _fp8_tile_rows(
-                src[r0:r1], was[r0:r1], dst[r0:r1], sf[b], not from_fp32, buf.pos, buf.old, buf.new
+        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
+            return _fp8_tile_rows(  # type: ignore[no-any-return]
+                src[r0:r1], was[r0:r1], dst[r0:r1], sf[r0 // _TILE], not from_fp32, buf.pos, buf.old, buf.new
             )
-            if top_bits >= limit:
-                raise _OutOfRange
-            return buf.pos[:n] + r0 * k, buf.old[:n].copy(), buf.new[:n].copy()
 
-        try:
-            found = list(self._pool.map(run, range(nb))) if nb > 1 else [run(0)]
-        except _OutOfRange:
+        changes = self._over_rows(rows, _TILE, k, limit, kernel)
+        if changes is None:
             return None
-        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
 
     def _mx(
@@ -660,25 +645,16 @@ class FusedCaster:
         dst = payload.view(torch.uint8).numpy()
         scale = torch.empty((rows, -(-k // _MX)), dtype=torch.uint8)
         sc = scale.numpy()
-        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
 
-        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            r1 = min(rows, r0 + step)
-            buf = self._scratch8((r1 - r0) * width)
-            n, top_bits = _mx_rows(
+        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
+            return _mx_rows(  # type: ignore[no-any-return]
                 src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], 2 if fp4 else 8, fp4, not from_fp32,
                 buf.pos, buf.old, buf.new,
             )  # fmt: skip
-            if top_bits >= limit:
-                raise _OutOfRange
-            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
 
-        starts = list(range(0, rows, step))
-        try:
-            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
-        except _OutOfRange:
+        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), width, limit, kernel)
+        if changes is None:
             return None
-        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
         return {name: payload, name + "_scale": scale}, changes
 
     def _nvfp4(
@@ -697,16 +673,30 @@ class FusedCaster:
         dst = payload.numpy()
         scale = torch.empty((rows, -(-k // _NV)), dtype=torch.uint8)
         sc = scale.numpy()
-        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
         s2_32, six_32 = np.float32(s2.item()), np.float32(six_s2.item())
+
+        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
+            return _nv_rows(  # type: ignore[no-any-return]
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, _E4M3_VALUES, not from_fp32,
+                buf.pos, buf.old, buf.new,
+            )  # fmt: skip
+
+        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), width, limit, kernel)
+        if changes is None:
+            return None
+        parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
+        return parts, changes
+
+    def _over_rows(
+        self, rows: int, step: int, width: int, limit: int, kernel: Callable[[int, int, _Scratch], tuple[int, int]]
+    ) -> CastChanges | None:
+        """Runs ``kernel(r0, r1, scratch) -> (changes, top master bits)`` on chunks of ``step`` rows of ``width``
+        served elements on the pool; the changes of all rows, or None when a chunk held a master out of range."""
 
         def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             r1 = min(rows, r0 + step)
             buf = self._scratch8((r1 - r0) * width)
-            n, top_bits = _nv_rows(
-                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, _E4M3_VALUES, not from_fp32,
-                buf.pos, buf.old, buf.new,
-            )  # fmt: skip
+            n, top_bits = kernel(r0, r1, buf)
             if top_bits >= limit:
                 raise _OutOfRange
             return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
@@ -716,9 +706,7 @@ class FusedCaster:
             found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
         except _OutOfRange:
             return None
-        changes = CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
-        parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
-        return parts, changes
+        return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
 
     def _scratch8(self, count: int) -> _Scratch:
         buf: _Scratch | None = getattr(self._local, "buf8", None)
