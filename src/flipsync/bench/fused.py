@@ -87,7 +87,6 @@ def measure(
     bufs = {n: torch.empty(after[n].shape, dtype=dtype) for n in names}
     served = sum(t.numel() * t.element_size() for t in prev.values())
     counts: dict[str, int] = {}
-    old_threads = torch.get_num_threads()
     with FusedCaster(threads) as caster, DiffEngine(threads) as engine:
 
         def fused() -> None:
@@ -101,26 +100,32 @@ def measure(
                 engine.changes(prev[n], cast_master(n, after[n], dtype, bufs[n])).size for n in names
             )
 
-        methods: list[Callable[[], None]] = [fused, torch_flatnonzero, cast_diffengine]
-        best = [float("inf")] * len(methods)
-        cpu = [float("inf")] * len(methods)
-        try:
-            torch.set_num_threads(threads)
-            for method in methods:  # untimed: page faults of fresh buffers, kernels compiled
-                method()
-            for _ in range(repeat):
-                for i, method in enumerate(methods):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    method()
-                    best[i] = min(best[i], time.perf_counter() - t0)
-                    cpu[i] = min(cpu[i], time.process_time() - c0)
-        finally:
-            torch.set_num_threads(old_threads)
+        best, cpu = _time_side_by_side([fused, torch_flatnonzero, cast_diffengine], threads, repeat)
     if len(set(counts.values())) != 1:
         raise AssertionError(f"the methods found different numbers of changes: {counts}")
     elements = served // 2
     ns = [b / served * 1e9 for b in (*best, *cpu)]
     return FusedRow(fmt, threads, served, 100 * counts["fused"] / elements, *ns)
+
+
+def _time_side_by_side(methods: list[Callable[[], None]], threads: int, repeat: int) -> tuple[list[float], list[float]]:
+    """Best wall and CPU seconds of each method over ``repeat`` interleaved rounds, on ``threads`` torch threads;
+    one untimed round first (page faults of fresh buffers, kernels compiled)."""
+    best, cpu = [float("inf")] * len(methods), [float("inf")] * len(methods)
+    old_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for method in methods:
+            method()
+        for _ in range(repeat):
+            for i, method in enumerate(methods):
+                t0, c0 = time.perf_counter(), time.process_time()
+                method()
+                best[i] = min(best[i], time.perf_counter() - t0)
+                cpu[i] = min(cpu[i], time.process_time() - c0)
+    finally:
+        torch.set_num_threads(old_threads)
+    return best, cpu
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -139,7 +144,6 @@ def measure_quantized(
     prev_bits = {k: _bits(t) for k, t in prev.items()}
     served = sum(t.numel() * t.element_size() for t in prev.values())
     counts: dict[str, int] = {}
-    old_threads = torch.get_num_threads()
     with FusedCaster(threads) as caster, DiffEngine(threads) as engine:
 
         def fused() -> None:
@@ -156,20 +160,7 @@ def measure_quantized(
             new = served_view(after, fmt)
             counts["engine"] = sum(c.size for c in engine.changes_many([(prev[k], t) for k, t in new.items()]))
 
-        methods: list[Callable[[], None]] = [fused, view_flatnonzero, view_diffengine]
-        best, cpu = [float("inf")] * 3, [float("inf")] * 3
-        try:
-            torch.set_num_threads(threads)
-            for method in methods:
-                method()
-            for _ in range(repeat):
-                for i, method in enumerate(methods):
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    method()
-                    best[i] = min(best[i], time.perf_counter() - t0)
-                    cpu[i] = min(cpu[i], time.process_time() - c0)
-        finally:
-            torch.set_num_threads(old_threads)
+        best, cpu = _time_side_by_side([fused, view_flatnonzero, view_diffengine], threads, repeat)
     if len(set(counts.values())) != 1:
         raise AssertionError(f"the methods found different numbers of changes: {counts}")
     values = sum(t.numel() for t in prev.values())

@@ -199,6 +199,23 @@ def _e4m3(v: np.uint32) -> np.uint8:
     return np.uint8(sign | (normal if a >= _U(0x3C800000) else sub))
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _put(
+    q: np.uint8, out: np.ndarray, ref: np.ndarray, r: int, j: int, width: int,
+    pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int,
+) -> int:  # fmt: skip
+    """Writes code ``q`` at [r, j] and, when the previous view held another code there, records the change
+    (flat position, old, new) at slot ``n``; the next free slot."""
+    was = ref[r, j]
+    out[r, j] = q
+    if q != was:
+        pos[n] = r * width + j
+        old[n] = was
+        new[n] = q
+        n += 1
+    return n
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _fp8_rows(
     src: np.ndarray,
@@ -242,13 +259,7 @@ def _fp8_rows(
                 vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
         for j in range(k):
             q = _e4m3(bits[j])
-            was = ref[r, j]
-            out[r, j] = q
-            if q != was:
-                pos[n] = r * k + j
-                old[n] = was
-                new[n] = q
-                n += 1
+            n = _put(q, out, ref, r, j, k, pos, old, new, n)
     return n, top
 
 
@@ -295,13 +306,7 @@ def _fp8_tile_rows(
             vals[r, j] = min(max(y, -_E4M3_MAX), _E4M3_MAX)
         for j in range(k):
             q = _e4m3(bits[r, j])
-            was = ref[r, j]
-            out[r, j] = q
-            if q != was:
-                pos[n] = r * k + j
-                old[n] = was
-                new[n] = q
-                n += 1
+            n = _put(q, out, ref, r, j, k, pos, old, new, n)
     return n, top
 
 
@@ -378,13 +383,7 @@ def _mx_rows(
                 codes[j] = _e4m3(bits[j])
         for j in range(width):
             q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4)) if fp4 else codes[j]
-            was = ref[r, j]
-            out[r, j] = q
-            if q != was:
-                pos[n] = r * width + j
-                old[n] = was
-                new[n] = q
-                n += 1
+            n = _put(q, out, ref, r, j, width, pos, old, new, n)
     return n, top
 
 
@@ -440,13 +439,7 @@ def _nv_rows(
                 codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
         for j in range(width):
             q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-            was = ref[r, j]
-            out[r, j] = q
-            if q != was:
-                pos[n] = r * width + j
-                old[n] = was
-                new[n] = q
-                n += 1
+            n = _put(q, out, ref, r, j, width, pos, old, new, n)
     return n, top
 
 
