@@ -467,7 +467,7 @@ def _check(cfg: DemoConfig) -> None:
     if cfg.max_staleness < 0:
         raise ConfigError("--max-staleness must be 0 or more trainer steps")
     if cfg.lr <= 0 or cfg.head_lr_scale <= 0:
-        raise ConfigError("--lr and --head-lr-scale must be positive")
+        raise ConfigError("--lr and --head-lr-scale must be positive (1: the LM head learns at --lr)")
 
 
 def lr_text(lr: float, head_lr_scale: float | None) -> str:
