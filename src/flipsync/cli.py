@@ -65,6 +65,9 @@ def demo(
         str, typer.Option("--format", "-f", help="served format the islands hold", callback=local_cli.format_name)
     ] = "bf16",
     lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-5,
+    head_lr_scale: Annotated[
+        float, typer.Option(help="the LM head and final norm learn at this times --lr (1: the same rate)")
+    ] = 10.0,
     islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
     control: Annotated[
         bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")
@@ -77,7 +80,7 @@ def demo(
     ),
     max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
     model: Annotated[str, typer.Option(help="demo model: llama-20m (40 MB in bf16) or llama-1m")] = "llama-20m",
-    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 60,
+    warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 100,
     prompts: Annotated[int, typer.Option(help="prompts per RL step (each sampled --group times)")] = 6,
     group: Annotated[int, typer.Option(help="samples per prompt (GRPO group)")] = 4,
     out: Annotated[Path, typer.Option("--output", "-o", help="folder for the board, report and plots")] = Path(
@@ -99,6 +102,7 @@ def demo(
             steps=steps,
             served_format=fmt,
             lr=lr,
+            head_lr_scale=head_lr_scale,
             islands=islands,
             control=control,
             engine=engine,

@@ -275,6 +275,12 @@ CLI_ROWS = [
         ("unknown served format 'fp7'",),
     ),
     CliRow(
+        "a learning-rate scale of zero for the demo's LM head",
+        lambda e: ["demo", "--head-lr-scale", "0", "--steps", "1", "-o", e("demo")],
+        1,
+        ("--head-lr-scale must be positive",),
+    ),
+    CliRow(
         "unknown inference engine",
         lambda e: ["sidecar", "--board", e("board"), "--engine", "tensorrt"],
         2,

@@ -16,6 +16,7 @@ import torch
 
 from flipsync.demo.task import Problem, ReverseDigits
 from flipsync.engines.torch.tokenizer import ByteTokenizer
+from flipsync.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,22 @@ def _batch(tok: ByteTokenizer, pairs: Sequence[tuple[list[int], list[int]]]) -> 
 def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids).logits[:, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+
+
+def rl_optimizer(model: torch.nn.Module, lr: float, head_lr_scale: float = 1.0) -> torch.optim.Adam:
+    """Adam for the RL steps, in two parameter groups: the output layer (the LM head and the final norm
+    before it) learns at ``head_lr_scale`` times ``lr``, the rest at ``lr``. The head turns the body's
+    features into the few logits the reward depends on (stop or not, which digit), so a step there moves
+    the reward most for the values it changes; the body keeps the low rate whose sparse change patches
+    are made for."""
+    if head_lr_scale == 1.0:
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    head_names = ("lm_head.", "model.norm.")
+    head = [p for n, p in model.named_parameters() if n.startswith(head_names)]
+    body = [p for n, p in model.named_parameters() if not n.startswith(head_names)]
+    if not head:
+        raise ConfigError("a head learning-rate scale needs a model with an lm_head; this one has none")
+    return torch.optim.Adam([{"params": body, "lr": lr}, {"params": head, "lr": lr * head_lr_scale}])
 
 
 def policy_loss(model: torch.nn.Module, tok: ByteTokenizer, rollouts: Sequence[Rollout]) -> torch.Tensor:

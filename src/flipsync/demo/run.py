@@ -46,7 +46,7 @@ from flipsync.checkpoint import save_checkpoint
 from flipsync.codec import FingerprintTable, Patch
 from flipsync.codec import int_view as bits_view
 from flipsync.demo.control import CheckpointShelf
-from flipsync.demo.grpo import Rollout, policy_loss, warm_start
+from flipsync.demo.grpo import Rollout, policy_loss, rl_optimizer, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python
 from flipsync.demo.model import DEMO_MODELS, demo_config, write_model_dir
 from flipsync.demo.task import Problem, ReverseDigits
@@ -69,6 +69,7 @@ class DemoConfig:
     steps: int = 30
     served_format: str = "bf16"
     lr: float = 3e-5
+    head_lr_scale: float = 10.0  # the LM head and final norm learn at this times lr (see grpo.rl_optimizer)
     islands: int = 2  # flipsync islands
     control: bool = True  # one more island that reloads full checkpoints
     bandwidth: str | None = "100mbit"
@@ -76,9 +77,9 @@ class DemoConfig:
     group_size: int = 4
     prompts_per_step: int = 6
     model: str = "llama-20m"
-    warm_start_steps: int = 60
+    warm_start_steps: int = 100
     warm_start_lr: float = 3e-3
-    stop_fraction: float = 0.25
+    stop_fraction: float = 0.5
     max_tokens: int = 6
     min_digits: int = 2
     max_digits: int = 3
@@ -418,7 +419,7 @@ class StepTable:
     def render(self) -> Table:
         cfg = self.cfg
         t = Table(
-            title=f"run {self.run}: {cfg.model}, {cfg.served_format}, lr {cfg.lr:g}, "
+            title=f"run {self.run}: {cfg.model}, {cfg.served_format}, {lr_text(cfg.lr, cfg.head_lr_scale)}, "
             f"{cfg.bandwidth or 'unlimited'} link",
             caption="per island: trainer steps its weights trailed the policy when the batch was taken · rollouts "
             "dropped as too stale · MB over its "
@@ -465,6 +466,13 @@ def _check(cfg: DemoConfig) -> None:
         raise ConfigError(f"unknown demo model {cfg.model!r}; models: {', '.join(DEMO_MODELS)}")
     if cfg.max_staleness < 0:
         raise ConfigError("--max-staleness must be 0 or more trainer steps")
+    if cfg.lr <= 0 or cfg.head_lr_scale <= 0:
+        raise ConfigError("--lr and --head-lr-scale must be positive (1: the LM head learns at --lr)")
+
+
+def lr_text(lr: float, head_lr_scale: float | None) -> str:
+    head = f" (LM head and final norm {lr * head_lr_scale:g})" if head_lr_scale not in (None, 1.0) else ""
+    return f"lr {lr:g}{head}"
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
@@ -530,8 +538,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         + (link if bandwidth else "")
     )
     console.print(
-        f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with Adam at lr {cfg.lr:g}, "
-        f"{cfg.steps} steps"
+        f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with Adam at "
+        f"{lr_text(cfg.lr, cfg.head_lr_scale)}, {cfg.steps} steps"
     )
     if cfg.engine == "vllm":
         write_model_dir(model_dir, config, view0)  # vLLM starts from these weights: the board's v0
@@ -549,7 +557,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             saver.submit(save_checkpoint, masters(), path)
 
     save_masters(0)
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
+    opt = rl_optimizer(model, cfg.lr, cfg.head_lr_scale)
     model.train()
     # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
     # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
@@ -708,6 +716,7 @@ def summarize(
         "reward_last5": statistics.fmean(r.reward for r in records[-5:]) if records else None,
         "changed_pct_mean": statistics.fmean(r.changed_pct for r in rows if r.version > 0) if len(rows) > 1 else None,
         "lr": cfg.lr,
+        "head_lr_scale": cfg.head_lr_scale,
     }
     if control and flipsync and last:
         f_bytes = statistics.fmean(last[n].bytes for n in flipsync)
@@ -744,8 +753,8 @@ def summary_lines(report: DemoReport) -> list[str]:
         changed = f"{s['changed_pct_mean']:.2f}%" if s["changed_pct_mean"] is not None else "-"
         lines.append(
             f"reward: first five steps {s['reward_first5']:.3f}, last five {s['reward_last5']:.3f} "
-            f"({s['reward_last5'] - s['reward_first5']:+.3f}); served values changed per version at lr "
-            f"{s['lr']:g}: {changed} (mean)"
+            f"({s['reward_last5'] - s['reward_first5']:+.3f}); served values changed per version at "
+            f"{lr_text(s['lr'], s.get('head_lr_scale'))}: {changed} (mean)"
         )
     return lines
 
@@ -787,7 +796,10 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     ax.plot([r.version for r in patches], [r.changed_pct for r in patches], marker="o")
     ax.set_xlabel("policy version")
     ax.set_ylabel("% of served values changed")
-    ax.set_title(f"Served values changed per version ({report.config['served_format']}, lr {report.config['lr']:g})")
+    ax.set_title(
+        f"Served values changed per version ({report.config['served_format']}, "
+        f"{lr_text(report.config['lr'], report.config.get('head_lr_scale'))})"
+    )
     save(fig, "changed_fraction.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
