@@ -67,7 +67,7 @@ def demo(
     lr: Annotated[float, typer.Option(help="Adam learning rate of the RL steps")] = 3e-5,
     head_lr_scale: Annotated[
         float, typer.Option(help="the LM head and final norm learn at this times --lr (1: the same rate)")
-    ] = 10.0,
+    ] = 20.0,
     islands: Annotated[int, typer.Option(help="flipsync rollout islands (processes)")] = 2,
     control: Annotated[
         bool, typer.Option(help="also run an island that reloads each full checkpoint (what users do without flipsync)")

@@ -22,6 +22,8 @@ def test_head_group_learns_at_the_scaled_rate() -> None:
     opt = rl_optimizer(model, 3e-5, head_lr_scale=10.0)
     body, head = opt.param_groups
     assert body["lr"] == pytest.approx(3e-5) and head["lr"] == pytest.approx(3e-4)
+    # the head's eps damps the near-zero gradients of the rows of tokens the policy never samples
+    assert head["eps"] == pytest.approx(1e-5) and body["eps"] == pytest.approx(1e-8)
     names = {id(p): n for n, p in model.named_parameters()}
     assert sorted(names[id(p)] for p in head["params"]) == ["lm_head.weight", "model.norm.weight"]
     # every parameter is in exactly one group

@@ -72,7 +72,10 @@ def rl_optimizer(model: torch.nn.Module, lr: float, head_lr_scale: float = 1.0) 
     body = [p for n, p in model.named_parameters() if not n.startswith(head_names)]
     if not head:
         raise ConfigError("a head learning-rate scale needs a model with an lm_head; this one has none")
-    return torch.optim.Adam([{"params": body, "lr": lr}, {"params": head, "lr": lr * head_lr_scale}])
+    # eps 1e-5 (the usual PPO value) on the head: the rows of tokens the policy never samples get tiny
+    # gradients, which Adam at eps 1e-8 would turn into full-size steps that change their served values
+    head_group = {"params": head, "lr": lr * head_lr_scale, "eps": 1e-5}
+    return torch.optim.Adam([{"params": body, "lr": lr}, head_group])
 
 
 def policy_loss(model: torch.nn.Module, tok: ByteTokenizer, rollouts: Sequence[Rollout]) -> torch.Tensor:

@@ -69,7 +69,7 @@ class DemoConfig:
     steps: int = 30
     served_format: str = "bf16"
     lr: float = 3e-5
-    head_lr_scale: float = 10.0  # the LM head and final norm learn at this times lr (see grpo.rl_optimizer)
+    head_lr_scale: float = 20.0  # the LM head and final norm learn at this times lr (see grpo.rl_optimizer)
     islands: int = 2  # flipsync islands
     control: bool = True  # one more island that reloads full checkpoints
     bandwidth: str | None = "100mbit"
