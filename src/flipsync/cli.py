@@ -60,7 +60,7 @@ app.command("inspect")(local_cli.inspect)
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(help="RL steps")] = 30,
+    steps: Annotated[int, typer.Option(help="RL steps")] = 40,
     fmt: Annotated[
         str, typer.Option("--format", "-f", help="served format the islands hold", callback=local_cli.format_name)
     ] = "bf16",

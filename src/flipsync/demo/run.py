@@ -66,7 +66,7 @@ ENGINES = ("torch", "vllm")
 
 @dataclass
 class DemoConfig:
-    steps: int = 30
+    steps: int = 40
     served_format: str = "bf16"
     lr: float = 3e-5
     head_lr_scale: float = 20.0  # the LM head and final norm learn at this times lr (see grpo.rl_optimizer)
