@@ -216,6 +216,17 @@ def _put(
     return n
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint32) -> np.uint32:
+    """One row of fp32 master bits into ``bits`` (rounded to bf16 first when the recipe starts from bf16);
+    the running max of |master| bits, which tells a row with a non-finite or out-of-range master."""
+    for j in range(src.shape[0]):
+        u = src[j]
+        top = max(top, _U(u & _U(0x7FFFFFFF)))
+        bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+    return top
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _fp8_rows(
     src: np.ndarray,
@@ -239,10 +250,7 @@ def _fp8_rows(
     n = 0
     top = _U(0)
     for r in range(rows):
-        for j in range(k):
-            u = src[r, j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        top = _load_row(src[r], bits, round_bf16, top)
         if channel:
             amax = np.float32(0.0)
             for j in range(k):
@@ -356,10 +364,7 @@ def _mx_rows(
     n = 0
     top = _U(0)
     for r in range(rows):
-        for j in range(k):
-            u = src[r, j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        top = _load_row(src[r], bits, round_bf16, top)
         for b0 in range(0, k, _MX):
             b1 = min(k, b0 + _MX)
             amax = _U(0)
@@ -418,10 +423,7 @@ def _nv_rows(
     n = 0
     top = _U(0)
     for r in range(rows):
-        for j in range(k):
-            u = src[r, j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+        top = _load_row(src[r], bits, round_bf16, top)
         for b0 in range(0, k, _NV):
             b1 = min(k, b0 + _NV)
             amax = np.float32(0.0)
