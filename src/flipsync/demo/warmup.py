@@ -3,7 +3,7 @@
 The kernels are compiled with ``cache=True``, so only the first run on a machine pays for compilation (about
 10 s on two cores); without this warm-up that first run paid it inside the first publication, the
 publisher squashed the steps that piled up behind it, and the run looked nothing like the next one. A
-small diff, encode, decode, apply and squash in the served format exercises every kernel the publisher and
+small fused view + diff, encode, decode, apply and squash in the served format exercises every kernel the publisher and
 the islands use (sparse and dense change paths alike); later runs load them from the cache in well under
 a second.
 """
@@ -17,6 +17,8 @@ import torch
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.formats import served_view
+from flipsync.formats.fused import FusedCaster
+from flipsync.trainer.pieces import Fuse, Piece
 
 
 def compile_codec_kernels(served_format: str) -> float:
@@ -32,6 +34,10 @@ def compile_codec_kernels(served_format: str) -> float:
     for scale in (1e-4, 1e-2):
         masters = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in masters.items()}
         views.append(served_view(masters, served_format))
+    # the publisher's fused pass (view and diff in one: `flipsync.formats.fused`), as its feed runs it
+    with FusedCaster(1) as caster:
+        fuse = Fuse(caster, {k: Piece(t, 0, tuple(t.shape)) for k, t in views[-1].items()})
+        served_view(masters, served_format, cast=fuse.hook(0), quantize=fuse.quantize)
     # version 1 coders (what the trainer's publisher writes) and the ctx coder (what `flipsync diff` may pick)
     for context in (False, True):
         patches: list[Patch] = []
