@@ -32,7 +32,9 @@ def test_short_demo_run(tmp_path: Path) -> None:
         assert set(row.verified) == set(FLIPSYNC) and all(row.verified.values())
         assert all(s >= 0 for s in row.applied_s.values())
     patches = [r for r in report.versions if r.version > 0]
-    assert all(0 < r.changed < r.served_values and r.patch_bytes < r.checkpoint_bytes for r in patches)
+    # a step whose rollouts all score alike has zero advantages, hence (at Adam's first step) no change at all
+    assert all(0 <= r.changed < r.served_values and r.patch_bytes < r.checkpoint_bytes for r in patches)
+    assert any(r.changed > 0 for r in patches)
     assert report.versions[-1].step == 3  # the last version covers the last trainer step
 
     assert [s.step for s in report.steps] == [1, 2, 3]
