@@ -60,6 +60,7 @@ def test_an_engine_inherits_the_optional_capabilities() -> None:
     v1["w"].view(torch.int16)[0, :3] += 1
     engine = MinimalEngine(v0)
     assert engine.adoptable is True
+    assert engine.host_view is None  # the sidecar then cannot join parts coded against their base (ctx)
     engine.label_version(engine.table.view_fp(), 0)  # a no-op, callable on any engine
     patch, _ = diff_views(v0, v1)
     staged = engine.stage(patch)

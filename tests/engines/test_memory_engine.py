@@ -26,6 +26,7 @@ def test_stage_commit_rollback_is_bitwise() -> None:
     v0, v1 = views()
     patch, t1 = diff_views(v0, v1, base_version=0, target_version=1, served_format="bf16")
     engine = MemoryEngine(v0, served_format="bf16")
+    assert engine.host_view is engine.tensors  # the sidecar joins ctx-coded parts against it
     staged = engine.stage(patch)
     assert all(same_bits(engine.tensors[k], v0[k]) for k in v0)  # staging changes nothing
     undo = engine.commit(staged)

@@ -87,6 +87,12 @@ class Engine(ABC, Generic[StagedT, UndoT]):
         the version an engine that outlived its old sidecar holds (else it loads a keyframe)."""
         return True
 
+    @property
+    def host_view(self) -> Mapping[str, torch.Tensor] | None:
+        """The served tensors where the sidecar can read them (an engine holding its view in this process), or
+        None (they live elsewhere). With them the sidecar joins a version's parts coded against their base."""
+        return None
+
     def label_version(self, view_fp: str, version: int) -> None:
         """Name the board version of a view before it is committed (an engine that stamps its outputs with
         a version uses it); the sidecar calls it before every commit and keyframe load."""

@@ -65,6 +65,10 @@ class MemoryEngine(Engine[MemoryStaged, MemoryUndo]):
     def tensors(self) -> Mapping[str, torch.Tensor]:
         return self._served
 
+    @property
+    def host_view(self) -> Mapping[str, torch.Tensor]:
+        return self._served
+
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if set(view) != set(self._served):
             raise EngineError("the view does not have this engine's tensors")

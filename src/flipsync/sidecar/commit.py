@@ -85,8 +85,8 @@ class Committer:
         m = step.manifest
         where = f"{m.kind.value} v{m.base_version}->v{m.target_version}"
         try:
-            # an engine that holds its view on the host (MemoryEngine) can join parts coded against it (ctx)
-            patch = patch_from_parts(step.parts, m, self.engine.table, getattr(self.engine, "tensors", None))
+            # an engine that holds its view in this process can join parts coded against it (ctx)
+            patch = patch_from_parts(step.parts, m, self.engine.table, self.engine.host_view)
             staged: Staged = self.call("stage", lambda: self.engine.stage(patch))
         except (CorruptPatchError, VerificationError) as e:
             raise UnusableArtifactError(f"{where} is unusable: {e}", edge=m.edge, kind="corrupt_patch") from e
