@@ -10,6 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import rans, streams
+from flipsync.codec import rice as rice_mod
+from flipsync.codec.bitpack import pack_codes
+from flipsync.codec.coders import position_gaps
 from flipsync.errors import CorruptPatchError
 
 
@@ -162,3 +165,39 @@ def test_one_symbol_alphabets(values: list[int]) -> None:
     params, blob = rans.ans_encode(sym)
     params["codec"] = "ans"
     assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)
+
+
+def _reference_bits(values: list[int], param: int, rice: bool) -> bytes:
+    """The MSB-first bit writer, one bit at a time: what ``pack_codes`` must produce, whatever its fast paths."""
+    bits = []
+    for v in values:
+        if rice:
+            bits += [0] * (v >> param) + [1]
+        bits += [(v >> i) & 1 for i in range(param - 1, -1, -1)]
+    bits += [0] * (-len(bits) % 8)
+    return bytes(int("".join(map(str, bits[i : i + 8])), 2) for i in range(0, len(bits), 8))
+
+
+@given(
+    st.lists(st.integers(0, (1 << 64) - 1), max_size=60),
+    st.integers(0, 64),
+    st.booleans(),
+)
+def test_pack_codes_matches_a_bit_at_a_time_writer(values: list[int], param: int, rice: bool) -> None:
+    # both the accumulator's fast path and the long-code fallback (wide fields, long quotients)
+    if rice:
+        param = min(param, rice_mod.MAX_RICE_K)
+        values = [v % (401 << param) for v in values]  # quotients up to 400: past the fast path's 56
+    else:
+        param = max(1, param)
+        values = [v & ((1 << param) - 1) for v in values]
+    want = _reference_bits(values, param, rice)
+    out = np.zeros(len(want) + 8, dtype=np.uint8)
+    used = pack_codes(np.array(values, dtype=np.uint64), param, rice, out)
+    assert out[:used].tobytes() == want
+
+
+@given(position_sets())
+def test_rice_from_positions_equals_rice_of_gaps(case: tuple[np.ndarray, int]) -> None:
+    positions, _ = case
+    assert rice_mod.rice_encode_positions(positions) == rice_mod.rice_encode(position_gaps(positions))

@@ -55,18 +55,67 @@ def put_rice(out: np.ndarray, j: int, acc: np.uint64, nacc: int, g: np.uint64, k
     return put_bits(out, j, acc, nacc, g, k)  # put_bits keeps only the k low bits
 
 
+@numba.njit(inline="always")
+def _put_word(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, int]:
+    """Flush 32 bits of ``acc`` (the 32 above its low ``nacc - 32``) as four bytes once ``nacc`` reaches 32."""
+    if nacc < 32:
+        return j, nacc
+    nacc -= 32
+    word = acc >> np.uint64(nacc)
+    out[j] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
+    out[j + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
+    out[j + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
+    out[j + 3] = np.uint8(word & np.uint64(0xFF))
+    return j + 4, nacc
+
+
+@numba.njit(inline="always")
+def _put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, int]:
+    while nacc >= 8:
+        nacc -= 8
+        out[j] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+        j += 1
+    return j, nacc
+
+
 @numba.njit(nogil=True, cache=True)
-def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> int:
+def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray, gaps_of: bool = False) -> int:
     """Each value as a Rice code with parameter ``param`` (``rice``), or in ``param`` bits (1..64); returns the
-    number of bytes used."""
+    number of bytes used. ``gaps_of``: ``values`` are sorted positions and the codes are of their gaps
+    (``p[i] - p[i-1] - 1``, the first from -1), so that no gap array is built.
+
+    A code of at most 56 bits (all but very long quotients or wide fields) goes into the 64-bit accumulator
+    whole, flushed 32 bits at a time; longer ones take ``put_bits``' general path. Same bits either way.
+    """
     acc = np.uint64(0)
     nacc = 0
     j = 0
-    for v in values:
+    k = np.uint64(param)
+    low = (np.uint64(1) << k) - np.uint64(1) if param < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
+    prev = np.int64(-1)
+    for x in values:
+        v = np.uint64(x - prev - 1) if gaps_of else np.uint64(x)
+        if gaps_of:
+            prev = np.int64(x)
         if rice:
-            j, acc, nacc = put_rice(out, j, acc, nacc, v, param)
+            q = v >> k
+            width = int(q) + 1 + param if q < np.uint64(56) else 64
+            code = (np.uint64(1) << k) | (v & low)
         else:
-            j, acc, nacc = put_bits(out, j, acc, nacc, v, param)
+            width = param
+            code = v & low
+        if width > 56:
+            if rice:
+                j, acc, nacc = put_rice(out, j, acc, nacc, v, param)
+            else:
+                j, acc, nacc = put_bits(out, j, acc, nacc, v, param)
+            continue
+        if nacc + width > 64:
+            j, nacc = _put_bytes(out, j, acc, nacc)
+        acc = (acc << np.uint64(width)) | code
+        nacc += width
+        j, nacc = _put_word(out, j, acc, nacc)
+    j, nacc = _put_bytes(out, j, acc, nacc)
     return flush_bits(out, j, acc, nacc)
 
 

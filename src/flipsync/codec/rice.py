@@ -7,6 +7,7 @@ read and turns gaps into positions in the same pass, refusing any at or past the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numba
@@ -16,7 +17,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from flipsync.codec.bitpack import pack_codes
-from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int, position_gaps
+from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.errors import CorruptPatchError
 
 MAX_RICE_K = 62
@@ -137,12 +138,32 @@ def rice_unpack_positions(data: np.ndarray, k: int, out: np.ndarray, numel: int)
     return int(_rice_decode(data, k, out, numel))
 
 
+@numba.njit(nogil=True, cache=True)
+def _quotient_sums(positions: np.ndarray, k0: int, out: np.ndarray) -> bool:
+    """``out[i]`` = sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, in one pass and
+    without a gap array; False if the positions are not sorted and unique."""
+    prev = np.int64(-1)
+    for x in positions:
+        if x <= prev:
+            return False
+        g = np.uint64(x - prev - 1)
+        prev = np.int64(x)
+        for i in range(out.shape[0]):
+            out[i] += g >> np.uint64(k0 + i)
+    return True
+
+
+def _best_k(mean: float, bits_for: Callable[[int], int]) -> tuple[int, int]:
+    """(k, bits) of the cheapest Rice parameter, searched around the guess from the mean gap."""
+    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
+    return min(((k, bits_for(k)) for k in candidates), key=lambda kb: kb[1])
+
+
 def best_rice_k(gaps: np.ndarray) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
     mean = float(gaps.mean()) if gaps.size else 0.0
-    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
-    candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
-    return min(candidates, key=lambda k: rice_bits(gaps, k))
+    return _best_k(mean, lambda k: rice_bits(gaps, k))[0]
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
@@ -151,6 +172,22 @@ def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     k = best_rice_k(g)
     out = np.empty((rice_bits(g, k) + 7) // 8, dtype=np.uint8)
     used = rice_pack(g, k, out)
+    return {"k": k}, out[:used].tobytes()
+
+
+def rice_encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
+    """``rice_encode`` of the gaps of sorted unique positions, the same bytes, without building the gaps."""
+    p = np.ascontiguousarray(positions, dtype=np.int64)
+    n = p.size
+    mean = (int(p[-1]) + 1 - n) / n if n else 0.0  # the gaps sum to last + 1 - n
+    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
+    k0 = max(0, guess - 1)
+    sums = np.zeros(min(MAX_RICE_K, guess + 2) - k0, dtype=np.uint64)
+    if not _quotient_sums(p, k0, sums):
+        raise ValueError("positions must be sorted and unique")
+    k, bits = _best_k(mean, lambda k: int(sums[k - k0]) + n * (k + 1))
+    out = np.empty((bits + 7) // 8, dtype=np.uint8)
+    used = int(pack_codes(p, k, True, out, True))
     return {"k": k}, out[:used].tobytes()
 
 
@@ -179,7 +216,7 @@ class RiceCoder(PositionCoder):
     codec_id: ClassVar[str] = "rice"
 
     def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
-        return rice_encode(position_gaps(positions))
+        return rice_encode_positions(positions)
 
     def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         return rice_decode(params, blob, n, numel)
