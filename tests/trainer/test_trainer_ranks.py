@@ -18,6 +18,8 @@ from trainer_helpers import (
     Replica,
     ThreadRanks,
     adam,
+    assert_bitwise,
+    expected_view,
     follow_and_check,
     run_threads,
     tiny_llama,
@@ -25,11 +27,12 @@ from trainer_helpers import (
     versions_are_whole,
 )
 
-from flipsync.board import KeyframePolicy, open_store
+from flipsync.board import KeyframePolicy, KeyframeStep, open_store
 from flipsync.board.catalog import Catalog
 from flipsync.board.parts import patch_from_parts
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
+from flipsync.engines.torch.engine import TorchEngine
 from flipsync.errors import BoardError, NonFiniteError, PatchError
 from flipsync.trainer import Publisher, PublisherConfig
 
@@ -105,6 +108,15 @@ def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base
     step = replica.patches[-1]
     with pytest.raises(PatchError, match="pass the engine's view as base"):
         patch_from_parts(step.parts, step.manifest)
+    # the torch engine on CPU offers its served tensors as the base, so it joins the parts too
+    engine = TorchEngine(tiny_llama(tie=False, layers=2, hidden=64, vocab=128))
+    assert engine.host_view is engine.served
+    first = replica.steps[0]
+    assert isinstance(first, KeyframeStep)
+    engine.load_view(first.tensors)
+    for step in replica.patches:
+        engine.commit(engine.stage(patch_from_parts(step.parts, step.manifest, engine.table, engine.host_view)))
+    assert_bitwise(expected_view(model, "bf16"), engine.served)
 
 
 def test_replicated_ranks_split_the_tensors_and_keep_fused_groups_together(tmp_path: Path) -> None:

@@ -243,6 +243,12 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
     def table(self) -> FingerprintTable:
         return self._table
 
+    @property
+    def host_view(self) -> Mapping[str, torch.Tensor] | None:
+        # On CPU the served tensors are host memory the sidecar may read while staging (never written there);
+        # on CUDA they are not, and parts coded against their base cannot be joined here.
+        return self._served if self.device.type == "cpu" else None
+
     def _check_alive(self) -> None:
         if not self._alive:
             raise EngineUnavailableError("the torch engine was closed; restart the sidecar")
