@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flipsync.codec import rans, streams
 from flipsync.codec import rice as rice_mod
-from flipsync.codec.bitpack import pack_codes
+from flipsync.codec.bitpack import exp_golomb_bits, pack_codes, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import position_gaps
 from flipsync.errors import CorruptPatchError
 
@@ -201,3 +201,34 @@ def test_pack_codes_matches_a_bit_at_a_time_writer(values: list[int], param: int
 def test_rice_from_positions_equals_rice_of_gaps(case: tuple[np.ndarray, int]) -> None:
     positions, _ = case
     assert rice_mod.rice_encode_positions(positions) == rice_mod.rice_encode(position_gaps(positions))
+
+
+@given(st.lists(st.integers(0, (1 << 62) - 1), max_size=80), st.integers(0, 15))
+def test_exp_golomb_round_trips(values: list[int], k: int) -> None:
+    v = np.array(values, dtype=np.uint64)
+    out = np.zeros((exp_golomb_bits(v, k) + 7) // 8, dtype=np.uint8)
+    used = pack_exp_golomb(v, k, out)
+    assert used == out.size
+    back = np.zeros(v.size, dtype=np.uint64)
+    assert unpack_exp_golomb(out, k, back) == 0
+    assert back.tolist() == values
+
+
+@given(st.binary(max_size=64), st.integers(0, 200), st.integers(0, 15))
+def test_exp_golomb_garbage_is_refused_or_decoded_in_bounds(blob: bytes, n: int, k: int) -> None:
+    out = np.zeros(n, dtype=np.uint64)
+    status = unpack_exp_golomb(np.frombuffer(blob, dtype=np.uint8), k, out)
+    assert status in (0, -1, -3)  # OK, TRUNCATED, CORRUPT: never a read past the bytes
+
+
+def test_ans_tables_code_skewed_counts_compactly_and_refuse_a_cut_table() -> None:
+    rng = np.random.default_rng(3)
+    symbols = np.minimum(rng.geometric(0.02, 20_000), 255).astype(np.uint64)  # a long tail of rare steps
+    params, blob = rans.ans_encode(symbols)
+    kind = rans._ANS_HEADER.unpack_from(blob)[2]
+    assert kind >= rans._EXP_GOLOMB  # the tail's many small counts beat a fixed width
+    assert rans.ans_decode(params, blob, symbols.size).tolist() == symbols.tolist()
+    used, k, _, sym_len, _, words_len = rans._ANS_HEADER.unpack_from(blob)
+    cut = rans._ANS_HEADER.pack(used, k, kind, sym_len, 1, words_len) + blob[rans._ANS_HEADER.size :]
+    with pytest.raises(CorruptPatchError):
+        rans.ans_decode(params, cut, symbols.size)

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from flipsync.codec.coders import OK, TRUNCATED, Params, SymbolCoder, get_int
+from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
 from flipsync.errors import CorruptPatchError
 
 
@@ -117,6 +117,67 @@ def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray, gaps
         j, nacc = _put_word(out, j, acc, nacc)
     j, nacc = _put_bytes(out, j, acc, nacc)
     return flush_bits(out, j, acc, nacc)
+
+
+@numba.njit(nogil=True, cache=True)
+def exp_golomb_bits(values: np.ndarray, k: int) -> int:
+    """Bits of the order-``k`` Exp-Golomb codes of ``values`` (each below 2**62)."""
+    total = 0
+    for v in values:
+        total += 2 * (64 - int(_clz(v + (np.uint64(1) << np.uint64(k))))) - 1 - k
+    return total
+
+
+@numba.njit(inline="always")
+def _clz(x: np.uint64) -> int:
+    n = 0
+    while n < 64 and not (x >> np.uint64(63 - n)) & np.uint64(1):
+        n += 1
+    return n
+
+
+@numba.njit(nogil=True, cache=True)
+def pack_exp_golomb(values: np.ndarray, k: int, out: np.ndarray) -> int:
+    """Order-``k`` Exp-Golomb: x = v + 2**k in its bit length b, after b - 1 - k zeros; small values take
+    few bits and large ones grow with their logarithm (unlike a fixed width or one Rice parameter). Each value
+    below 2**62. Returns the number of bytes used."""
+    acc = np.uint64(0)
+    nacc = 0
+    j = 0
+    for v in values:
+        x = v + (np.uint64(1) << np.uint64(k))
+        b = 64 - _clz(x)
+        j, acc, nacc = put_bits(out, j, acc, nacc, np.uint64(0), b - 1 - k)
+        j, acc, nacc = put_bits(out, j, acc, nacc, x, b)
+    return flush_bits(out, j, acc, nacc)
+
+
+@numba.njit(nogil=True, cache=True)
+def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
+    """Decode len(out) order-``k`` Exp-Golomb codes; TRUNCATED if the bytes run out, CORRUPT for a code
+    longer than 63 bits."""
+    p = 0
+    total = data.shape[0] * 8
+    for i in range(out.shape[0]):
+        z = 0
+        while True:
+            if p >= total:
+                return TRUNCATED
+            if (data[p >> 3] >> (7 - (p & 7))) & 1:
+                break
+            z += 1
+            p += 1
+        if z + k > 62:
+            return CORRUPT
+        width = z + k + 1
+        if p + width > total:
+            return TRUNCATED
+        x = np.uint64(0)
+        for _ in range(width):
+            x = (x << np.uint64(1)) | np.uint64((data[p >> 3] >> (7 - (p & 7))) & 1)
+            p += 1
+        out[i] = x - (np.uint64(1) << np.uint64(k))
+    return OK
 
 
 @numba.njit(nogil=True, cache=True)

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import FixedWidthCoder
+from flipsync.codec.bitpack import FixedWidthCoder, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
 from flipsync.codec.rice import rice_decode, rice_encode
 from flipsync.codec.zstd import shuffled_zstd, unshuffled_zstd
@@ -210,7 +210,32 @@ def ans_unpack(words: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
     return OK
 
 
-_ANS_HEADER = struct.Struct("<HBBHHI")  # used symbols, rice k, count bits, table bytes x2, rANS bytes
+_ANS_HEADER = struct.Struct("<HBBHHI")  # used symbols, rice k, counts' coding, table bytes x2, rANS bytes
+# The counts' coding byte: 1..64 is a fixed width (every version), EXP_GOLOMB + k order-k Exp-Golomb codes,
+# which a few large counts and many small ones (a step distribution's tail) take in far fewer bits.
+_EXP_GOLOMB = 0x80
+_MAX_EG_K = 15
+
+
+def _encode_counts(c: np.ndarray) -> tuple[int, bytes]:
+    """(coding byte, bytes) of the table's counts minus one: the smaller of fixed width and Exp-Golomb."""
+    params, blob = _FIXED.encode(c)
+    k = min(range(_MAX_EG_K + 1), key=lambda k: exp_golomb_bits(c, k))
+    if (exp_golomb_bits(c, k) + 7) // 8 >= len(blob):
+        return params["bits"], blob  # ties keep the coding every reader knows
+    out = np.empty((exp_golomb_bits(c, k) + 7) // 8, dtype=np.uint8)
+    return _EXP_GOLOMB + k, out[: pack_exp_golomb(c, k, out)].tobytes()
+
+
+def _decode_counts(kind: int, blob: bytes, used: int) -> np.ndarray:
+    if kind < _EXP_GOLOMB:
+        return _FIXED.decode({"bits": kind}, blob, used)
+    if kind - _EXP_GOLOMB > _MAX_EG_K or used > 8 * len(blob):  # every code takes at least one bit
+        raise CorruptPatchError("ans frequency table's counts are coded in an unknown way, or truncated")
+    out = np.empty(used, dtype=np.uint64)
+    if unpack_exp_golomb(np.frombuffer(blob, dtype=np.uint8), kind - _EXP_GOLOMB, out) != OK:
+        raise CorruptPatchError("ans frequency table's counts are truncated or corrupt")
+    return out
 
 
 def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
@@ -228,7 +253,7 @@ def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
     off += sym_len
     counts = np.zeros(n_counts, dtype=np.uint64)
     # Stored as count - 1; a crafted 2**64 - 1 wraps to 0, which the callers' checks refuse.
-    counts[symbols] = _FIXED.decode({"bits": cbits}, blob[off : off + cnt_len], used) + np.uint64(1)
+    counts[symbols] = _decode_counts(cbits, blob[off : off + cnt_len], used) + np.uint64(1)
     return counts, off + cnt_len
 
 
@@ -264,8 +289,8 @@ def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     words = out[start:].astype("<u4").tobytes()
     used = np.flatnonzero(counts)
     sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
-    cnt_params, cnt_blob = _FIXED.encode(counts[used] - np.uint64(1))
-    header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_params["bits"], len(sym_blob), len(cnt_blob), len(words))
+    cnt_kind, cnt_blob = _encode_counts(counts[used] - np.uint64(1))
+    header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_kind, len(sym_blob), len(cnt_blob), len(words))
     n_esc = int(escaped.sum())
     # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
     esc_params, esc_blob = shuffled_zstd(symbols[escaped] - np.uint64(alphabet)) if n_esc else ({"width": 1}, b"")
