@@ -189,6 +189,44 @@ def targets(run: Run) -> list[Target]:
                     _range(b, ".3f", " B") + f" ({', '.join(dict.fromkeys(_short(r.workload) for r in bf16))})",
                 )
             )
+        out.append(
+            _per_row(
+                "codec v2: every row within 10% of the conditional bound",
+                rows,
+                lambda r: r.ours_bpc / r.cond_bound_bpc,
+                lambda v: v <= 1.10,
+                ".3f",
+            )
+        )
+        real_bf16 = [r for r in rows if r.format == "bf16" and r.lr == 1e-6 and not r.workload.startswith("llm-like")]
+        if real_bf16:
+            out.append(
+                _per_row(
+                    "codec v2: BF16 at lr 1e-6 on real weights at most 0.80x the independent bound",
+                    real_bf16,
+                    lambda r: r.ours_bpc / r.bound_bpc,
+                    lambda v: v <= 0.80,
+                    ".3f",
+                )
+            )
+            out.append(
+                _per_row(
+                    "codec v2: BF16 at lr 1e-6 on real weights at most 0.40x XOR+zstd-1",
+                    real_bf16,
+                    lambda r: r.ours_bpc / r.xor_zstd_bpc,
+                    lambda v: v <= 0.40,
+                    ".3f",
+                )
+            )
+        out.append(
+            _per_row(
+                "codec v2: stage at most 2x the version 1 coders' stage per changed value",
+                rows,
+                lambda r: r.stage_ns / r.stage_v1_ns,
+                lambda v: v <= 2.0,
+                ".2f",
+            )
+        )
         sp = [r.diff_speedup for r in rows]
         out.append(
             Target("diff at least 2.5x faster than np.flatnonzero(a != b)", min(sp) >= 2.5, _range(sp, ".2f", "x"))

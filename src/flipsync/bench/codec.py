@@ -529,6 +529,11 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
             "flipsync decode M/s",
             "diff vs flatnonzero",
             "commit / copy",
+            "stage ns/chg",
+            "v1 stage ns/chg",
+            "stage / v1 stage",
+            "stage ns/B",
+            "v1 stage ns/B",
         ),
         (
             (
@@ -541,6 +546,11 @@ def markdown(report: CodecReport, figures: Figures | None = None, *, quick: bool
                 f"{r.decode_mpos_s:.1f}",
                 f"{r.diff_speedup:.2f}x",
                 f"{r.apply_vs_copy:.3f}",
+                f"{r.stage_ns:.0f}",
+                f"{r.stage_v1_ns:.0f}",
+                f"{r.stage_ns / r.stage_v1_ns:.2f}x",
+                f"{r.stage_ns_b:.2f}",
+                f"{r.stage_v1_ns_b:.2f}",
             )
             for r in rows
         ),
