@@ -155,6 +155,7 @@ def run(
         "changed": tr.changed,
         "patch_bytes": len(tr.patch),
         "bytes_per_changed": len(tr.patch) / tr.changed,
+        "published_bytes": statistics.median(o.published_bytes for o in one),
         "apply_s": apply_s,
         "load_s": load_s,
         "calibration": {m: [o.seconds for o in os_] for m, os_ in calibration.items()},

@@ -79,6 +79,7 @@ class Outcome:
     bitwise: bool
     wan_bytes: int
     phases: Mapping[str, float] = field(default_factory=dict)  # the trainer publisher's, by phase (patches)
+    published_bytes: int = 0  # what the trainer put on the board for the version (patches)
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Fired:
     start: float
     published: float
     phases: Mapping[str, float] = field(default_factory=dict)
+    part_bytes: int = 0
 
 
 Fire = Callable[[], Fired]  # runs the step and the publication
@@ -119,7 +121,7 @@ def _race(
     if not all(done):
         raise TimeoutError(f"not every replica reached v{target} within {timeout_s:g} s")
     ok = all(isinstance(r.engine, MemoryEngine) and same_bits(r.engine.tensors, v1) for r in replicas)
-    return Outcome(max(done) - fired.start, fired.published - fired.start, ok, 0, fired.phases)
+    return Outcome(max(done) - fired.start, fired.published - fired.start, ok, 0, fired.phases, fired.part_bytes)
 
 
 def _masters_of(params: Mapping[str, torch.nn.Parameter]) -> Callable[[], dict[str, torch.Tensor]]:
@@ -154,7 +156,9 @@ def _trainer_patch_fire(tr: Trained, root: str, chunk_bytes: int) -> Trainer:
         format=FMT,
         run=RUN,
         optimizer=opt,
-        config=PublisherConfig(publisher_id="bench-trainer", chunk_bytes=chunk_bytes),
+        # context=True: the patch the codec section sizes (positions coded against the base), which these
+        # replicas (memory engines) decode; its encoding is part of the trainer's measured cost
+        config=PublisherConfig(publisher_id="bench-trainer", chunk_bytes=chunk_bytes, context=True),
     )
     pub.flush()
     for _ in range(WARM_STEPS):
@@ -165,7 +169,9 @@ def _trainer_patch_fire(tr: Trained, root: str, chunk_bytes: int) -> Trainer:
         tr.step(params, opt)  # the publisher's post-step hook runs inside
         t0 = time.perf_counter()
         published = pub.flush()
-        return Fired(t0, store.committed_at, dict(published.timings) if published is not None else {})
+        if published is None:
+            return Fired(t0, store.committed_at)
+        return Fired(t0, store.committed_at, dict(published.timings), published.part_bytes)
 
     return Trainer(fire, pub.close, WARM_STEPS)
 

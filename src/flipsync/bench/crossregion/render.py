@@ -108,7 +108,8 @@ v0 -> v1; every replica's tensors are compared bit for bit with the expected v1 
 **Clock.** From `optimizer.step()` returning to the last replica holding v1 with its fingerprint verified.
 *patch* and *patch + relay*: the step runs with the real trainer publisher attached (`flipsync.trainer.Publisher`,
 background mode: the post-step hook hands the masters to the view thread; diff, encode and upload run on the
-worker), after two versions of unchanged weights, so the measured step is a steady-state one (its buffers are
+worker; `context=True`, so its patch is the codec section's, positions coded against the base), after two
+versions of unchanged weights, so the measured step is a steady-state one (its buffers are
 reused, as in every step of a training run; the replicas start from that HEAD). *full checkpoint*: the trainer
 casts the masters to BF16, fingerprints them and writes the whole view as a snapshot
 (`board.BoardWriter.publish_snapshot`). Both include the trainer's work, the board write (a local directory), the
@@ -220,7 +221,8 @@ def markdown(result: Mapping[str, Any], figures: Figures | None = None) -> str:
     head = (
         f"Served view {result['view_bytes'] / 1e6:.1f} MB BF16 ({result['elements']:,} values); the measured step "
         f"changed {result['changed']:,} of them ({100 * result['changed'] / result['elements']:.2f}%); patch "
-        f"{result['patch_bytes'] / 1e3:.1f} kB ({result['bytes_per_changed']:.3f} B per change); stage + commit on "
+        f"{result['patch_bytes'] / 1e3:.1f} kB ({result['bytes_per_changed']:.3f} B per change; the trainer's part "
+        f"on the board {result.get('published_bytes', 0) / 1e3:.1f} kB); stage + commit on "
         f"one engine {result['apply_s'] * 1e3:.1f} ms; full snapshot read + load {result['load_s'] * 1e3:.0f} ms."
     )
     cells = [_measured_cells(r, result["patch_bytes"], markdown=True) for r in result["rows"]]
