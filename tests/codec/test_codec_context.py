@@ -20,6 +20,14 @@ CODER = ContextCoder()
 # The same coder working in chunks on a pool, whatever the base's size: its pass must give the same positions,
 # and refuse the same streams, as the one-thread pass, and its encoder the same stream.
 CHUNKED = (ContextCoder(chunk=97, parallel_from=0, workers=2), ContextCoder(chunk=4096, parallel_from=0, workers=3))
+# Each pass with its emit forced branch-free (dense_from=0) or branching (dense_from=2), whatever the density,
+# one-thread and chunked: every variant must give the same positions and refuse the same streams.
+PASSES = (
+    ContextCoder(dense_from=0.0),
+    ContextCoder(dense_from=2.0),
+    ContextCoder(chunk=97, parallel_from=0, workers=2, dense_from=0.0),
+    ContextCoder(chunk=1000, parallel_from=0, workers=2, dense_from=2.0),
+)
 DTYPES = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"]
 
 
@@ -57,6 +65,8 @@ def test_ctx_positions_round_trip(case: tuple[BaseBits, np.ndarray]) -> None:
     for coder in CHUNKED:
         assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, base), pos)
         assert coder.encode(pos, base) == (params, blob)  # the chunked encoder writes the same stream
+    for coder in PASSES:
+        assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, base), pos)
 
 
 @settings(max_examples=60, deadline=None)
@@ -79,13 +89,13 @@ def test_corrupt_ctx_streams_are_refused_cleanly(case: tuple[BaseBits, np.ndarra
     else:
         params = {**params, "classes": data.draw(st.integers(-1, class_rule(base.dtype).n_classes + 1))}
     results = []
-    for coder in (CODER, *CHUNKED):
+    for coder in (CODER, *CHUNKED, *PASSES):
         try:
             results.append(coder.decode(params, bytes(raw), n, base.bits.size, base))
         except CorruptPatchError:
             results.append(None)
     out = results[0]
-    assert all((r is None) == (out is None) for r in results), "the chunked pass and the one-thread pass disagree"
+    assert all((r is None) == (out is None) for r in results), "the passes (chunked, one-thread, branch-free) disagree"
     if out is None:
         return
     # a mutation the stream cannot detect must still give n sorted positions inside the tensor, the same ones

@@ -147,11 +147,17 @@ CTX_PARAMS = 7  # base index (1 byte), n (uint32 LE), classes (1 byte), nbits (1
 
 
 class CtxTarget:
-    """Decode a ctx position stream against a seed base with the one-thread and the chunked pass."""
+    """Decode a ctx position stream against a seed base with the one-thread and the chunked pass, each with its
+    emit branching and branch-free."""
 
     def __init__(self, bases: list[BaseBits]) -> None:
         self.bases = bases
-        self.coders = (ContextCoder(workers=1), ContextCoder(chunk=61, parallel_from=0, workers=3))
+        self.coders = (
+            ContextCoder(workers=1, dense_from=2.0),
+            ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=2.0),
+            ContextCoder(workers=1, dense_from=0.0),
+            ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=0.0),
+        )
 
     @staticmethod
     def pack(base_index: int, n: int, params: dict, blob: bytes) -> bytes:
