@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.bench import board, codec, scaling, sidecar, trainer
+from flipsync.bench import board, codec, fused, scaling, sidecar, trainer
 from flipsync.bench.all import machine, versions
 from flipsync.bench.crossregion import measure, race
 from flipsync.bench.crossregion.costs import CostModel, extrapolate, fit_line
@@ -113,6 +113,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
         "QUICK",
         board.Setup(patch_mib=0.25, patches=2, params=100_000, change=0.02, hot=0.25, versions=16, behind=(1, 4)),
     )
+    monkeypatch.setattr(fused, "QUICK", Shape(hidden=64, intermediate=128, layers=1, vocab=256))
     monkeypatch.setattr(
         trainer,
         "QUICK",
@@ -135,6 +136,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Scaling",
         "## Board",
         "## Trainer",
+        "## Trainer: the fused cast-and-diff pass",
     ):
         assert heading in text
     for header in (
@@ -147,6 +149,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| elements | bytes | changed |",
         "| store | publish MB/s |",
         "| setup | median step |",
+        "| format | threads | served | changed | fused ns/B |",
     ):
         assert header in text
     assert "```json" not in text  # tables only

@@ -319,11 +319,48 @@ def targets(run: Run) -> list[Target]:
                 f"max/min per unit over {_sizes(judged)}: " + ", ".join(spreads),
             )
         )
+    fu = run.numbers.get("fused")
+    if fu is not None:
+        out.append(
+            _per_row(
+                "fused pass at least 5x faster than torch cast + np.flatnonzero on the same tensors",
+                [_FusedRow(r, fu["lr"]) for r in fu["rows"]],
+                lambda r: r.vs_flatnonzero,
+                lambda v: v >= 5.0,
+                ".2f",
+            )
+        )
+        totals = {n: p["fused"]["total"] for n, p in fu["publish_ns_per_byte"].items()}
+        out.append(
+            Target(
+                "trainer publish cost at most 0.4 ns per served byte for BF16",
+                min(totals.values()) <= 0.4,
+                ", ".join(f"{v:.2f} ns/B at {n} thread(s)" for n, v in totals.items()),
+            )
+        )
     tr = run.numbers.get("trainer")
     if tr is not None and "background" in tr.get("configs", {}):
         a = tr["configs"]["background"]["added"]
         out.append(Target("background publisher adds at most 5% to a training step", a <= 0.05, f"{100 * a:+.1f}%"))
     return out
+
+
+class _FusedRow:
+    """A fused bench row as ``_per_row`` names it: its format and thread count in the workload's place."""
+
+    def __init__(self, row: dict[str, Any], lr: float) -> None:
+        self.workload = f"{row['threads']} thread(s)"
+        self.format = row["format"]
+        self.lr = lr
+        self.changed_pct = row["changed_pct"]
+        self.vs_flatnonzero = row["vs_flatnonzero"]
+
+
+FUSED_MD = """The publisher's fused pass (`flipsync.formats.fused.FusedCaster`: one read of the FP32 master and the
+previous served view, the new view written and its changed positions emitted) against a torch cast then
+`np.flatnonzero(old != new)` and against a cast then `DiffEngine`, on the codec section's llm-like masters moved
+by Adam at lr 1e-6, per served byte, at 1 and 2 threads; then whole BF16 publications with the fused pass on
+and off, by phase (`Published.timings`: view, diff, code, commit) per served byte."""
 
 
 # -- the document -----------------------------------------------------------------------------------------
@@ -378,7 +415,7 @@ def document(run: Run, command: str, started: datetime, seconds: float) -> str:
 
 def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -> str:
     """Run every benchmark; return the markdown document for ``out``, whose plots go to ``out``'s stem folder."""
-    from flipsync.bench import board, codec, crossregion, scaling, sidecar, trainer
+    from flipsync.bench import board, codec, crossregion, fused, scaling, sidecar, trainer
 
     figures = Figures(out.parent / out.stem, out.stem)
     started = datetime.now(UTC)
@@ -416,6 +453,12 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         lambda r: scaling.markdown(r, figures, repeat=(scaling.QUICK if quick else scaling.FULL).repeat),
     )
     run.timed("board", "Board: publish and catch-up", lambda: board.run(console, quick=quick), board.markdown)
+    run.timed(
+        "fused",
+        "Trainer: the fused cast-and-diff pass",
+        lambda: fused.run(console, quick=quick),
+        lambda r: FUSED_MD + "\n\n" + fused.markdown(r),
+    )
     run.timed(
         "trainer",
         "Trainer: what publishing adds to a step",
