@@ -1,4 +1,5 @@
-"""Container version 3 (still read, and written back): fixed cost per version. The compact header, the grouped value steps of small sections,
+"""Container version 3 (still read, and written back): fixed cost per version. The compact header, the grouped
+value steps of small sections,
 and what a replica can still refuse without per-section fingerprints; hostile variants fail cleanly."""
 
 from __future__ import annotations
