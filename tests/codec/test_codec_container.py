@@ -1,6 +1,6 @@
 """Container version 3 (still read, and written back): fixed cost per version. The compact header, the grouped
-value steps of small sections,
-and what a replica can still refuse without per-section fingerprints; hostile variants fail cleanly."""
+value steps of small sections, and what a replica can still refuse without per-section fingerprints; hostile
+variants fail cleanly."""
 
 from __future__ import annotations
 
