@@ -37,7 +37,15 @@ from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key
 from flipsync.codec.coders import position_gaps
 from flipsync.codec.context import BaseBits
 from flipsync.codec.fingerprint import combine_digests, fp_hex
-from flipsync.codec.rice import MAX_RICE_K, best_rice_k, rice_bits, rice_decode_runs, rice_encode, rice_pack
+from flipsync.codec.rice import (
+    MAX_RICE_K,
+    best_rice_k,
+    rice_bits,
+    rice_decode_runs,
+    rice_encode,
+    rice_k_guess,
+    rice_pack,
+)
 from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef, read_varint, varint
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
 
@@ -66,9 +74,10 @@ GROUP = "group"  # a stream's codec in a version 3/4 file: its values (4: or pos
 # values grouped sections may declare before anything is decoded.
 GROUP_POSITION_CODERS = frozenset({"rice", "ctx"})
 TABLE_ENTRY_BYTES = 64  # about what one more tensor costs in the container's table
-# About what a section's header row saves when its positions join the group (n, k and bytes, compressed): the
-# encoder's guess for whom to group; whether to group at all is decided on the real sizes.
-GROUPED_ROW_SAVING = 4
+# At least what a section's header row saves when its positions join the group (its n, k and stream length,
+# compressed), by which the encoder decides whom to group. An estimate, not the compressed rows' real sizes: a
+# patch read back (its members' positions in a code never smaller) must group the same sections again.
+GROUPED_ROW_SAVING = 2
 _FIXED = FixedWidthCoder()
 
 
@@ -684,7 +693,8 @@ def _group_positions(
     """Container version 4: the positions of small sections as one Rice stream over their index spaces laid end
     to end (in header order), instead of one stream per section, each byte-padded and with its own n, k and
     length in the header. Members are the small sections whose positions need no base and whose gaps cost, under
-    the group's k, no more than their own stream and row; None when fewer than two qualify. Returns the header
+    the group's k, no more than their own stream and row; None when fewer than two qualify or the group would
+    not be smaller. Returns the header
     (members' n 0 and position codec ``GROUP``), the small sections' bytes without members' positions, and the
     grouped stream: k (a byte), the number of positions (LEB128), the Rice code of their gaps."""
     by_name = {s.name: s for s in header.sections}
@@ -712,12 +722,15 @@ def _group_positions(
     offsets = np.cumsum([0] + [sections[j].numel for j in members])
     joined = np.concatenate([found[j] + int(offsets[m]) for m, j in enumerate(members)])
     params, code = rice_encode(position_gaps(joined))
+    stream = bytes([params["k"]]) + varint(joined.size) + code
+    if len(varint(len(stream))) + len(stream) >= sum(own[j] + GROUPED_ROW_SAVING for j in members):
+        return None
     grouped = {sections[j].name for j in members}
     out_sections = tuple(replace(s, n=0, pos={"codec": GROUP}) if s.name in grouped else s for s in header.sections)
     blobs = list(small)
     for j in members:
         blobs[picked[j]] = small[picked[j]][own[j] :]
-    return replace(header, sections=out_sections), blobs, bytes([params["k"]]) + varint(joined.size) + code
+    return replace(header, sections=out_sections), blobs, stream
 
 
 def _stream_bytes(params: dict[str, object], name: str) -> int:
@@ -782,30 +795,25 @@ def _ungroup_positions(
 
 def _rice_guess(positions: np.ndarray) -> bytes:
     """Sorted unique positions as Rice-coded gaps with k from their mean (one compiled pass), after k (a byte)."""
-    span = int(positions[-1]) + 1
-    k = min(MAX_RICE_K, max(0, int(np.log2(span / positions.size * 0.69 + 1.0))))
-    out = np.empty((positions.size * (k + 1) + (span >> k) + 7) // 8 + 1, dtype=np.uint8)
-    used = rice_pack(position_gaps(positions), k, out)
+    gaps = position_gaps(positions)
+    k = rice_k_guess(gaps)  # best_rice_k searches around it: its choice is never larger
+    out = np.empty((positions.size * (k + 1) + ((int(positions[-1]) + 1) >> k) + 7) // 8 + 1, dtype=np.uint8)
+    used = rice_pack(gaps, k, out)
     return bytes([k]) + out[:used].tobytes()
 
 
 def _pack_tail4(header: PatchHeader, values: bytes, names: list[str], small: list[bytes | memoryview]) -> bytes:
     """The version 4 header tensor, each part after its length (LEB128): the header's fixed fields
-    (``PatchHeader.refs_bytes``), its compressed rows, the grouped values, the grouped positions; then the
-    small sections. The positions are grouped only when that makes the tensor smaller."""
-
-    def tail(h: PatchHeader, positions: bytes, blobs: list[bytes | memoryview]) -> bytes:
-        refs = h.refs_bytes()
-        packed = zstandard.ZstdCompressor(level=19).compress(h.to_packed().encode())
-        parts = (refs, packed, values, positions)
-        return b"".join([*(b for part in parts for b in (varint(len(part)), part)), *blobs])
-
-    plain = tail(header, b"", small)
+    (``PatchHeader.refs_bytes``), its compressed rows, the grouped values, the grouped positions (see
+    ``_group_positions``); then the small sections."""
+    positions = b""
     grouped = _group_positions(header, names, small)
-    if grouped is None:
-        return plain
-    with_groups = tail(*grouped[:1], grouped[2], grouped[1])
-    return with_groups if len(with_groups) < len(plain) else plain
+    if grouped is not None:
+        header, small, positions = grouped
+    refs = header.refs_bytes()
+    packed = zstandard.ZstdCompressor(level=19).compress(header.to_packed().encode())
+    parts = (refs, packed, values, positions)
+    return b"".join([*(b for part in parts for b in (varint(len(part)), part)), *small])
 
 
 def _split_tail4(
