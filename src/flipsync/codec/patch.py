@@ -783,29 +783,31 @@ def _ungroup_positions(
     if (used + 7) // 8 != code.size:
         raise CorruptPatchError("the patch's grouped positions hold bytes no position claims")
     ends = np.cumsum([s.numel for s in grouped], dtype=np.int64)
-    cuts = np.searchsorted(found, ends).tolist()
-    out, sections, member, start = dict(blobs), [], 0, 0
+    his = np.searchsorted(found, ends)
+    counts = np.diff(his, prepend=0)
+    if counts.min() < 1:
+        name = grouped[int(np.argmin(counts))].name
+        raise CorruptPatchError(f"section {name!r} has grouped positions, but none in its tensor")
+    los = his - counts
+    # every member's gaps at once (its first from -1 in its own index space), each coded with its own k
+    local = found - np.repeat(ends - [s.numel for s in grouped], counts)
+    gaps = np.diff(local, prepend=-1) - 1
+    gaps[los] = local[los]
+    gaps = gaps.astype(np.uint64)
+    ks = [rice_k_guess(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
+    # Rice bits of n gaps below numel with parameter k: at most n (k + 1) + numel >> k
+    sizes = [(c * (k + 1) + (s.numel >> k) + 7) // 8 for c, k, s in zip(counts.tolist(), ks, grouped, strict=True)]
+    code_out = np.empty(sum(sizes), dtype=np.uint8)
+    out, sections, member, at = dict(blobs), [], 0, 0
     for s in header.sections:
         if s.pos.get("codec") == GROUP:
-            lo, hi = (cuts[member - 1] if member else 0), cuts[member]
-            if hi == lo:
-                raise CorruptPatchError(f"section {s.name!r} has grouped positions, but none in its tensor")
-            blob = _rice_guess(found[lo:hi] - start)
-            s = replace(s, n=hi - lo, pos={"codec": "rice", "k": blob[0], "bytes": len(blob) - 1})
-            blob = blob[1:]
-            out[s.name] = blob + bytes(blobs[s.name])
-            start, member = int(ends[member]), member + 1
+            lo, hi, k = int(los[member]), int(his[member]), ks[member]
+            used = rice_pack(gaps[lo:hi], k, code_out[at : at + sizes[member]])
+            s = replace(s, n=hi - lo, pos={"codec": "rice", "k": k, "bytes": used})
+            out[s.name] = code_out[at : at + used].tobytes() + bytes(blobs[s.name])
+            at, member = at + sizes[member], member + 1
         sections.append(s)
     return replace(header, sections=tuple(sections)), out
-
-
-def _rice_guess(positions: np.ndarray) -> bytes:
-    """Sorted unique positions as Rice-coded gaps with k from their mean (one compiled pass), after k (a byte)."""
-    gaps = position_gaps(positions)
-    k = rice_k_guess(gaps)  # best_rice_k searches around it: its choice is never larger
-    out = np.empty((positions.size * (k + 1) + ((int(positions[-1]) + 1) >> k) + 7) // 8 + 1, dtype=np.uint8)
-    used = rice_pack(gaps, k, out)
-    return bytes([k]) + out[:used].tobytes()
 
 
 def _pack_tail4(header: PatchHeader, values: bytes, names: list[str], small: list[bytes | memoryview]) -> bytes:
