@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -15,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, overhead_bytes
+from flipsync.codec.coders import position_gaps
 from flipsync.codec.patch import GROUP, HEADER_TENSOR, _split_tail4
+from flipsync.codec.rice import rice_encode
 from flipsync.domain.headers import read_varint, varint
 from flipsync.errors import CorruptPatchError, FlipsyncError
 from tests.codec.test_codec_hostile import relayout
@@ -214,3 +217,32 @@ def test_truncated_and_garbled_header_tensor(data: st.DataObject) -> None:
         assert all(same_bits(work[k], OLD[k]) for k in OLD)
         return
     assert all(same_bits(work[k], NEW[k]) for k in NEW)
+
+
+def test_a_huge_declared_tensor_costs_no_memory_when_ungrouped() -> None:
+    """A grouped member that declares 2^40 elements and holds one change near its start (a small k): giving it
+    its own stream back allocates by the decoded count and gaps, not by the declared size (32 GiB here)."""
+    old = {f"t{i}": torch.zeros(64, dtype=torch.bfloat16) for i in range(3)}
+    new = {k: v.clone() for k, v in old.items()}
+    for v in new.values():
+        v[5] = 1.0
+    patch, _ = diff_views(old, new)
+    data = patch.to_bytes()
+    p = [bytes(x or b"") for x in _split_tail4(_header_tensor(data))]
+    doc = json.loads(zstandard.ZstdDecompressor().decompress(p[1]))
+    assert [row[5] for row in doc["sections"]] == [GROUP] * 3
+    doc["sections"][0][2] = [1 << 40]
+    params, code = rice_encode(position_gaps(np.array([5, (1 << 40) + 5, (1 << 40) + 64 + 5], np.int64)))
+    p[1] = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
+    p[3] = bytes([params["k"]]) + varint(3) + code
+    crafted = relayout(data, {HEADER_TENSOR: b"".join(varint(len(x)) + x for x in p[:4]) + p[4]})
+    tracemalloc.start()
+    try:
+        back = Patch.from_bytes(crafted)
+        change = back.change("t0")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert change.positions.tolist() == [5] and peak < 1 << 20
+    with pytest.raises(FlipsyncError):  # and the replica refuses it: its tensor is not that shape
+        apply_patch({k: v.clone() for k, v in old.items()}, back, FingerprintTable.of(old))

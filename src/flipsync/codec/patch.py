@@ -760,7 +760,8 @@ def _ungroup_positions(
     """Give every section whose positions are grouped its own position stream and its n again, so that the rest
     of the codec sees ordinary sections: Rice with the k its mean gap suggests (no search: exact and cheap;
     never smaller than the encoder's choice, so writing the patch again groups the same sections the same
-    way). Memory is bounded before anything is decoded: the count may not exceed the stream's bits. Every
+    way). Memory is bounded before anything is decoded: the count may not exceed the stream's bits, and the
+    members' streams are sized by their decoded gaps, not by the sizes their rows declare. Every
     inconsistency is a CorruptPatchError."""
     grouped = [s for s in header.sections if s.pos.get("codec") == GROUP]
     if stream is None or not grouped:
@@ -795,8 +796,10 @@ def _ungroup_positions(
     gaps[los] = local[los]
     gaps = gaps.astype(np.uint64)
     ks = [rice_k_guess(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
-    # Rice bits of n gaps below numel with parameter k: at most n (k + 1) + numel >> k
-    sizes = [(c * (k + 1) + (s.numel >> k) + 7) // 8 for c, k, s in zip(counts.tolist(), ks, grouped, strict=True)]
+    # Rice bits of c gaps with parameter k: c (k + 1) + the sum of gap >> k, at most (sum of gaps) >> k, which
+    # k (from the mean) keeps below ~3c: bounded by the decoded count, never by a declared tensor size
+    sums = np.add.reduceat(gaps, los).tolist()
+    sizes = [(c * (k + 1) + (g >> k) + 7) // 8 for c, k, g in zip(counts.tolist(), ks, sums, strict=True)]
     code_out = np.empty(sum(sizes), dtype=np.uint8)
     out, sections, member, at = dict(blobs), [], 0, 0
     for s in header.sections:
