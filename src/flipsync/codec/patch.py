@@ -2,11 +2,13 @@
 
 A patch file is a plain safetensors file:
 
-- ``__metadata__["flipsync_patch"]`` is the container version. Version 3 (what this code writes): the
-  :class:`~flipsync.domain.headers.PatchHeader` in its compact form (``PatchHeader.to_compact``: the
-  version's ends, one digest, one row per section, no per-section fingerprints or digests), zstd-compressed,
-  goes into the uint8 tensor ``HEADER_TENSOR`` after the large sections, with the grouped values of small
-  sections and the small sections themselves (``pack_tail``). Versions 1 and 2 (still read, and
+- ``__metadata__["flipsync_patch"]`` is the container version. Version 4 (what this code writes): the uint8
+  tensor ``HEADER_TENSOR`` after the large sections holds the :class:`~flipsync.domain.headers.PatchHeader`'s
+  fixed fields in binary (``refs_bytes``: the version's ends and one digest) and its rows (``to_packed``, one
+  per section, no per-section fingerprints or digests) zstd-compressed, the grouped values and the grouped
+  positions of small sections, then the small sections themselves (``_pack_tail4``). Version 3 (still read,
+  and written back): the compact header (``to_compact``, fixed fields in hex, every section's count and
+  stream parameters), the grouped values and the small sections (``pack_tail``). Versions 1 and 2 (still read, and
   written back when a patch read from one is saved): ``__metadata__["flipsync_header"]`` holds the JSON header
   with per-section fingerprints and digests, zstd-compressed and base64-encoded. At 0.015% changed the
   version 2 header cost ~72 bytes per changed tensor, as much as the tensor's coded changes.

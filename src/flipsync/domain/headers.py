@@ -46,8 +46,8 @@ class SectionHeader:
     ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
     new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
     ``base_fp``/``target_fp`` are the additive fingerprints before and after; ``target_digest`` the content
-    digest of the whole tensor after the patch. A compact (container version 3) header carries none of them:
-    None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
+    digest of the whole tensor after the patch. A compact (container version 3/4) header carries none of
+    them: None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
     are what a receiver checks (the digests of the changed tensors are combined into ``PatchHeader.digest``).
     """
 
