@@ -79,7 +79,7 @@ TABLE_ENTRY_BYTES = 64  # about what one more tensor costs in the container's ta
 # At least what a section's header row saves when its positions join the group (its n, k and stream length,
 # compressed), by which the encoder decides whom to group. An estimate, not the compressed rows' real sizes: a
 # patch read back (its members' positions in a code never smaller) must group the same sections again.
-GROUPED_ROW_SAVING = 2
+GROUPED_ROW_SAVING = 4
 _FIXED = FixedWidthCoder()
 
 
@@ -684,9 +684,9 @@ def _ungroup_values(
 
 
 def _position_groupable(s: SectionHeader) -> bool:
-    """Positions that decode without the base (so that the reader can give each member its own stream back)."""
-    codec = s.pos.get("codec")
-    return codec in streams.POSITION_CODERS and codec not in streams.V2_POSITION_CODERS
+    """Rice positions: they decode without the base, and the reader gives each member a Rice stream back, so
+    that a patch read back groups its values the same way too (which depends on the positions' coder)."""
+    return s.pos.get("codec") == "rice"
 
 
 def _group_positions(
@@ -694,7 +694,7 @@ def _group_positions(
 ) -> tuple[PatchHeader, list[bytes | memoryview], bytes] | None:
     """Container version 4: the positions of small sections as one Rice stream over their index spaces laid end
     to end (in header order), instead of one stream per section, each byte-padded and with its own n, k and
-    length in the header. Members are the small sections whose positions need no base and whose gaps cost, under
+    length in the header. Members are the small sections with Rice positions whose gaps cost, under
     the group's k, no more than their own stream and row; None when fewer than two qualify or the group would
     not be smaller. Returns the header
     (members' n 0 and position codec ``GROUP``), the small sections' bytes without members' positions, and the
