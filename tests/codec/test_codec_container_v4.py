@@ -78,6 +78,9 @@ def test_small_sections_share_one_position_stream() -> None:
     assert back.container == "4"  # ordinary sections again, their counts restored
     assert all(s.pos["codec"] != GROUP and s.val["codec"] != GROUP and s.n >= 1 for s in back.sections)
     assert [s.n for s in back.sections] == [s.n for s in PATCH.sections]
+    for a, b in zip(PATCH.sections, back.sections, strict=True):  # each member gets its own stream back
+        assert a.pos == b.pos
+        assert bytes(back.section_blob(a.name))[: b.pos["bytes"]] == bytes(PATCH.section_blob(a.name))[: a.pos["bytes"]]
     assert back.header.base == PATCH.header.base and back.header.target == PATCH.header.target
     assert back.to_bytes() == DATA  # read back, it writes the same file
     for a, b in zip(PATCH.changes(), back.changes(), strict=True):

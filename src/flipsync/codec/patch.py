@@ -45,7 +45,6 @@ from flipsync.codec.rice import (
     rice_bits,
     rice_decode_runs,
     rice_encode,
-    rice_k_guess,
     rice_pack,
 )
 from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef, read_varint, varint
@@ -76,9 +75,10 @@ GROUP = "group"  # a stream's codec in a version 3/4 file: its values (4: or pos
 # values grouped sections may declare before anything is decoded.
 GROUP_POSITION_CODERS = frozenset({"rice", "ctx"})
 TABLE_ENTRY_BYTES = 64  # about what one more tensor costs in the container's table
-# At least what a section's header row saves when its positions join the group (its n, k and stream length,
-# compressed), by which the encoder decides whom to group. An estimate, not the compressed rows' real sizes: a
-# patch read back (its members' positions in a code never smaller) must group the same sections again.
+# About what a section's header row saves when its positions join the group (its n, k and stream length,
+# compressed), by which the encoder decides whom to group. An estimate, not the compressed rows' real sizes:
+# those depend on the other rows' values, and a patch read back (its grouped values in a simpler code) must
+# group the same sections again.
 GROUPED_ROW_SAVING = 4
 _FIXED = FixedWidthCoder()
 
@@ -760,9 +760,9 @@ def _ungroup_positions(
     header: PatchHeader, blobs: dict[str, bytes | memoryview], stream: memoryview | None
 ) -> tuple[PatchHeader, dict[str, bytes | memoryview]]:
     """Give every section whose positions are grouped its own position stream and its n again, so that the rest
-    of the codec sees ordinary sections: Rice with the k its mean gap suggests (no search: exact and cheap;
-    never smaller than the encoder's choice, so writing the patch again groups the same sections the same
-    way). Memory is bounded before anything is decoded: the count may not exceed the stream's bits, and the
+    of the codec sees ordinary sections: the Rice stream the encoder had given it (members are Rice-coded
+    sections, and Rice is deterministic), so that writing the patch again groups the same sections the same
+    way. Memory is bounded before anything is decoded: the count may not exceed the stream's bits, and the
     members' streams are sized by their decoded gaps, not by the sizes their rows declare. Every
     inconsistency is a CorruptPatchError."""
     grouped = [s for s in header.sections if s.pos.get("codec") == GROUP]
@@ -797,9 +797,9 @@ def _ungroup_positions(
     gaps = np.diff(local, prepend=-1) - 1
     gaps[los] = local[los]
     gaps = gaps.astype(np.uint64)
-    ks = [rice_k_guess(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
+    ks = [best_rice_k(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
     # Rice bits of c gaps with parameter k: c (k + 1) + the sum of gap >> k, at most (sum of gaps) >> k, which
-    # k (from the mean) keeps below ~3c: bounded by the decoded count, never by a declared tensor size
+    # k (near log2 of the mean) keeps below ~6c: bounded by the decoded count, never by a declared tensor size
     sums = np.add.reduceat(gaps, los).tolist()
     sizes = [(c * (k + 1) + (g >> k) + 7) // 8 for c, k, g in zip(counts.tolist(), ks, sums, strict=True)]
     code_out = np.empty(sum(sizes), dtype=np.uint8)

@@ -137,15 +137,10 @@ def rice_unpack_positions(data: np.ndarray, k: int, out: np.ndarray, numel: int)
     return int(_rice_decode(data, k, out, numel))
 
 
-def rice_k_guess(gaps: np.ndarray) -> int:
-    """The Rice parameter the mean gap suggests (geometric gaps: k ~ log2(0.69 mean)), without a search."""
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    return min(MAX_RICE_K, max(0, int(np.log2(mean * 0.69 + 1.0))))
-
-
 def best_rice_k(gaps: np.ndarray) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
-    guess = rice_k_guess(gaps)
+    mean = float(gaps.mean()) if gaps.size else 0.0
+    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
     candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
     return min(candidates, key=lambda k: rice_bits(gaps, k))
 
