@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
+from flipsync.codec.patch import HEADER_TENSOR, _split_tail4
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 from tests.strategies import edit, same_bits
@@ -96,7 +98,10 @@ def test_tampered_values_fail_verification_before_any_write(chain: list) -> None
     p01, _ = diff_views(chain[0], chain[1])
     data = bytearray(p01.to_bytes())
     header_len = int.from_bytes(data[:8], "little")
-    data[8 + header_len + 40] ^= 0x5A  # inside the first section's coded streams
+    start, end = json.loads(data[8 : 8 + header_len])[HEADER_TENSOR]["data_offsets"]
+    _, _, _, positions, small = _split_tail4(data[8 + header_len + start : 8 + header_len + end])
+    # inside the coded streams: past the grouped positions' k and count, or into the small sections
+    data[8 + header_len + end - len(small) - len(positions or b"") + 3] ^= 0x5A
     work = snapshot(chain[0])
     with pytest.raises((VerificationError, CorruptPatchError)):
         apply_patch(work, Patch.from_bytes(bytes(data)), FingerprintTable.of(work))

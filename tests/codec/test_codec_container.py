@@ -1,5 +1,6 @@
-"""Container version 3: fixed cost per version. The compact header, the grouped value steps of small sections,
-and what a replica can still refuse without per-section fingerprints; hostile variants fail cleanly."""
+"""Container version 3 (still read, and written back): fixed cost per version. The compact header, the grouped
+value steps of small sections, and what a replica can still refuse without per-section fingerprints; hostile
+variants fail cleanly."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.fuzz.seeds import grouped_case
 from tests.strategies import same_bits, view_pairs
 
 OLD, NEW, PATCH = grouped_case()
-DATA = PATCH.to_bytes()
+DATA = PATCH.to_bytes(container="3")
 
 
 def _tensors(data: bytes) -> tuple[dict, int]:
@@ -54,7 +55,7 @@ def test_small_step_sections_share_one_value_stream() -> None:
 def test_any_patch_round_trips_through_the_compact_container(pair: tuple[dict, dict], raw: bool) -> None:
     old, new = pair
     patch, _ = diff_views(old, new, mode="raw" if raw else "step")
-    data = patch.to_bytes()
+    data = patch.to_bytes(container="3")
     back = Patch.from_bytes(data)
     assert back.container == "3" and back.to_bytes() == data
     work = _apply(old, data)

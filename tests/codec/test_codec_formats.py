@@ -63,13 +63,13 @@ def _views(fmt: str, seed: int, rows: int, cols: int, lr: float) -> list[dict[st
 def test_compact_container_round_trips_squashes_and_merges(
     fmt: str, seed: int, rows: int, cols: int, lr: float
 ) -> None:
-    """Version 3 files (no per-section fingerprints, one digest) apply bitwise, read back from bytes they
+    """Compact (version 4) files (no per-section fingerprints, one digest) apply bitwise, read back from bytes they
     squash without a base and merge as shards, and the legacy container of the same patch says the same."""
     v0, v1, v2 = _views(fmt, seed, rows, cols, lr)
     first, _ = diff_views(v0, v1, served_format=fmt, context=False)
     second, _ = diff_views(v1, v2, served_format=fmt, context=False)
     a, b = Patch.from_bytes(first.to_bytes()), Patch.from_bytes(second.to_bytes())
-    assert a.container == "3" and all(s.base_fp is None and s.target_digest is None for s in a.sections)
+    assert a.container == "4" and all(s.base_fp is None and s.target_digest is None for s in a.sections)
     assert a.header.digest is not None  # of no tensors, when nothing changed: the XOR of none
     replica = {k: v.clone() for k, v in v0.items()}
     table = FingerprintTable.of(replica)

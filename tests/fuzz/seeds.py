@@ -31,7 +31,7 @@ class PatchCase:
 
     old: dict[str, torch.Tensor]
     new: dict[str, torch.Tensor]
-    data: bytes  # container version 3 (compact header)
+    data: bytes  # container version 4 (binary fixed fields, compact rows, grouped streams)
     legacy: bytes  # the same patch in the version 1/2 container (JSON header, per-section fingerprints)
 
 
@@ -119,11 +119,11 @@ def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
 
 
 def split_sections(data: bytes) -> bytes:
-    """A patch as the sections target reads it: header JSON (compact for a version 3 file), NUL, every
+    """A patch as the sections target reads it: header JSON (compact for a version 3/4 file), NUL, every
     section's streams in order."""
     patch = Patch.from_bytes(data)
     blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
-    header = patch.header.to_json() if patch.container != "3" else patch.header.to_compact()
+    header = patch.header.to_compact() if patch.container in ("3", "4") else patch.header.to_json()
     return header.encode() + SEPARATOR + b"".join(blobs)
 
 

@@ -55,9 +55,9 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.layout import RunLayout
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
-    from flipsync.codec import CONTAINER_VERSION, SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
+    from flipsync.codec import SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
     from flipsync.codec.context import BaseBits, ContextCoder
-    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, pack_tail
+    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, V3_CONTAINER, pack_tail
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
@@ -200,7 +200,7 @@ def wrap_sections(data: bytes) -> bytes:
     packed = zstandard.ZstdCompressor(level=1).compress(header)
     if header.startswith(b'{"flipsync_patch":3'):
         arrays = {HEADER_TENSOR: np.frombuffer(pack_tail(packed, b"", blob), dtype=np.uint8)}
-        return safetensors.numpy.save(arrays, metadata={"flipsync_patch": CONTAINER_VERSION})
+        return safetensors.numpy.save(arrays, metadata={"flipsync_patch": V3_CONTAINER})
     arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
     meta = {"flipsync_patch": V2_CONTAINER, "flipsync_header": base64.b64encode(packed).decode()}
     return safetensors.numpy.save(arrays, metadata=meta)

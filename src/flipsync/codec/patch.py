@@ -2,11 +2,13 @@
 
 A patch file is a plain safetensors file:
 
-- ``__metadata__["flipsync_patch"]`` is the container version. Version 3 (what this code writes): the
-  :class:`~flipsync.domain.headers.PatchHeader` in its compact form (``PatchHeader.to_compact``: the
-  version's ends, one digest, one row per section, no per-section fingerprints or digests), zstd-compressed,
-  goes into the uint8 tensor ``HEADER_TENSOR`` after the large sections, with the grouped values of small
-  sections and the small sections themselves (``pack_tail``). Versions 1 and 2 (still read, and
+- ``__metadata__["flipsync_patch"]`` is the container version. Version 4 (what this code writes): the uint8
+  tensor ``HEADER_TENSOR`` after the large sections holds the :class:`~flipsync.domain.headers.PatchHeader`'s
+  fixed fields in binary (``refs_bytes``: the version's ends and one digest) and its rows (``to_packed``, one
+  per section, no per-section fingerprints or digests) zstd-compressed, the grouped values and the grouped
+  positions of small sections, then the small sections themselves (``_pack_tail4``). Version 3 (still read,
+  and written back): the compact header (``to_compact``, fixed fields in hex, every section's count and
+  stream parameters), the grouped values and the small sections (``pack_tail``). Versions 1 and 2 (still read, and
   written back when a patch read from one is saved): ``__metadata__["flipsync_header"]`` holds the JSON header
   with per-section fingerprints and digests, zstd-compressed and base64-encoded. At 0.015% changed the
   version 2 header cost ~72 bytes per changed tensor, as much as the tensor's coded changes.
@@ -34,9 +36,18 @@ import zstandard
 from flipsync.codec import streams
 from flipsync.codec.bitpack import FixedWidthCoder
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
+from flipsync.codec.coders import position_gaps
 from flipsync.codec.context import BaseBits
 from flipsync.codec.fingerprint import combine_digests, fp_hex
-from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
+from flipsync.codec.rice import (
+    MAX_RICE_K,
+    best_rice_k,
+    rice_bits,
+    rice_decode_runs,
+    rice_encode,
+    rice_pack,
+)
+from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef, read_varint, varint
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
 
 MAX_HEADER_BYTES = 64 << 20
@@ -46,22 +57,29 @@ DECODED_BYTES_PER_CHANGE = 17
 # declare up to 2**48 changes per tensor and the coded streams expand ~32,000x (zstd) or more (ans), so a
 # small crafted file could otherwise ask for terabytes; apply bounds them by the real tensors instead.
 DEFAULT_MAX_DECODED_BYTES = 8 << 30
-CONTAINER_VERSION = "3"  # what this code writes: the compact header, fixed cost per version
+CONTAINER_VERSION = "4"  # what this code writes: binary fixed fields, grouped positions of small sections
+V3_CONTAINER = "3"  # the compact header (still read; written back by to_bytes)
 V2_CONTAINER = "2"  # JSON header in the metadata, with a ctx section (still read; written back by to_bytes)
 V1_CONTAINER = "1"  # the same without version 2 coders
 LEGACY_CONTAINERS = (V1_CONTAINER, V2_CONTAINER)
-READABLE_CONTAINERS = (*LEGACY_CONTAINERS, CONTAINER_VERSION)
+COMPACT_CONTAINERS = (V3_CONTAINER, CONTAINER_VERSION)  # one header tensor (pack_tail) instead of metadata
+READABLE_CONTAINERS = (*LEGACY_CONTAINERS, *COMPACT_CONTAINERS)
 OWN_TENSOR_BYTES = 4096
 SMALL_SECTIONS = "flipsync.small_sections"
 # Container version 3: one tensor after the large sections holds the compressed compact header, the grouped
 # values and the small sections (see pack_tail): one table entry per version instead of three.
 HEADER_TENSOR = "flipsync.header"
 RESERVED_NAMES = ("__metadata__", SMALL_SECTIONS, HEADER_TENSOR)
-GROUP = "group"  # a section's value codec in a version 3 file: its values are in the grouped values
+GROUP = "group"  # a stream's codec in a version 3/4 file: its values (4: or positions) are in the grouped stream
 # Position coders that spend at least one bit per position, so that the positions' bytes bound how many
 # values grouped sections may declare before anything is decoded.
 GROUP_POSITION_CODERS = frozenset({"rice", "ctx"})
 TABLE_ENTRY_BYTES = 64  # about what one more tensor costs in the container's table
+# About what a section's header row saves when its positions join the group (its n, k and stream length,
+# compressed), by which the encoder decides whom to group. An estimate, not the compressed rows' real sizes:
+# those depend on the other rows' values, and a patch read back (its grouped values in a simpler code) must
+# group the same sections again.
+GROUPED_ROW_SAVING = 4
 _FIXED = FixedWidthCoder()
 
 
@@ -273,22 +291,28 @@ class PatchFileWriter:
         self._small: list[tuple[str, bytes | memoryview]] = []
         self._offset = 0
 
-    def add(self, name: str, blob: bytes | memoryview) -> bytes | memoryview | None:
-        """Place one section (in header order); its bytes when they go into the data area now, else None."""
+    def add(self, name: str, blob: bytes | memoryview, small: bool | None = None) -> bytes | memoryview | None:
+        """Place one section (in header order); its bytes when they go into the data area now, else None.
+        ``small``: whether it goes into the shared tensor, when known (a patch read from a file keeps its
+        layout), else by its size."""
         self._names.append(name)
-        if len(blob) < OWN_TENSOR_BYTES:
+        if len(blob) < OWN_TENSOR_BYTES if small is None else small:
             self._small.append((name, blob))
             return None
         self._entries[name] = (self._offset, self._offset + len(blob))
         self._offset += len(blob)
         return blob
 
-    def finish(self, header: PatchHeader, *, legacy: bool = False) -> tuple[bytes, bytes]:
+    def finish(
+        self, header: PatchHeader, *, legacy: bool = False, container: str = CONTAINER_VERSION
+    ) -> tuple[bytes, bytes]:
         """(head, tail) of the file whose sections, in ``header``'s order, are the ones added.
 
         ``legacy``: write container version 1 or 2 (JSON header in the metadata, per-section fingerprints
-        and digests, which every section must then carry) instead of version 3.
+        and digests, which every section must then carry) instead of ``container`` (version 4, or 3).
         """
+        if not legacy and container not in COMPACT_CONTAINERS:
+            raise PatchError(f"cannot write patch container {container!r} (only {COMPACT_CONTAINERS} or legacy)")
         if [s.name for s in header.sections] != self._names:
             raise PatchError("the patch header does not list the sections that were laid out, in their order")
         entries = dict(self._entries)
@@ -306,10 +330,13 @@ class PatchFileWriter:
             if header.digest is None:
                 header = replace(header, digest=sections_digest(header.sections))
             header, small_blobs, values = _group_values(header, self._small)
-            packed = zstandard.ZstdCompressor(level=19).compress(header.to_compact().encode())
-            tail = pack_tail(packed, values, b"".join(small_blobs))
+            if container == V3_CONTAINER:
+                packed = zstandard.ZstdCompressor(level=19).compress(header.to_compact().encode())
+                tail = pack_tail(packed, values, b"".join(small_blobs))
+            else:
+                tail = _pack_tail4(header, values, [n for n, _ in self._small], small_blobs)
             entries[HEADER_TENSOR] = (self._offset, self._offset + len(tail))
-            meta = {"flipsync_patch": CONTAINER_VERSION}
+            meta = {"flipsync_patch": container}
             small = b""  # inside the header tensor
         if small:
             entries[SMALL_SECTIONS] = (self._offset, self._offset + len(small))
@@ -325,13 +352,24 @@ class Patch:
     """A patch: its header plus the coded section streams, decoded on demand."""
 
     def __init__(
-        self, header: PatchHeader, blobs: Mapping[str, bytes | memoryview], container: str | None = None
+        self,
+        header: PatchHeader,
+        blobs: Mapping[str, bytes | memoryview],
+        container: str | None = None,
+        small: frozenset[str] | None = None,
+        raw: memoryview | None = None,
     ) -> None:
         self.header = header
         self._blobs = blobs
         self._sections = {s.name: s for s in header.sections}
-        # The container version it was read from; to_bytes writes a version 1 or 2 patch back in its own.
+        # The container version it was read from; to_bytes writes a patch of an older version back in its own.
         self.container = container
+        # The sections it read from the shared small-sections tensor: written back there, although a grouped
+        # stream, given back to its section in a simpler code, may have grown past OWN_TENSOR_BYTES.
+        self._small = small
+        # The file it was read from: written back as it is (a newer encoder may code a regrouped stream in
+        # other bytes, and the file is the patch its signature and the board's records name).
+        self._raw = raw
 
     # -------------------------------------------------------------------------------- construction
     @classmethod
@@ -411,17 +449,25 @@ class Patch:
     def with_refs(self, *, base: ViewRef | None = None, target: ViewRef | None = None) -> Patch:
         """The same patch with its ends renamed (e.g. stamped with board version numbers)."""
         header = replace(self.header, base=base or self.header.base, target=target or self.header.target)
-        return Patch(header, self._blobs, self.container)
+        return Patch(header, self._blobs, self.container, self._small)
 
     # ---------------------------------------------------------------------------------- container
-    def to_bytes(self, *, legacy: bool | None = None) -> bytes:
-        """The patch file; ``legacy``: a version 1/2 container (see ``PatchFileWriter.finish``); by default
-        version 3, or for a patch read from a version 1/2 file that container again (the same bytes)."""
+    def to_bytes(self, *, legacy: bool | None = None, container: str | None = None) -> bytes:
+        """The patch file; ``legacy``: a version 1/2 container (see ``PatchFileWriter.finish``), else
+        ``container`` ("4" or "3"); by default version 4, or for a patch read from a file, that file."""
+        if legacy is None and container is None and self._raw is not None:
+            return bytes(self._raw)
         if legacy is None:
-            legacy = self.container in LEGACY_CONTAINERS
+            legacy = container is None and self.container in LEGACY_CONTAINERS
+        if container is None:
+            container = V3_CONTAINER if self.container == V3_CONTAINER else CONTAINER_VERSION
         writer = PatchFileWriter()
-        data = [writer.add(s.name, self._blobs[s.name]) for s in self.header.sections]
-        head, tail = writer.finish(self.header, legacy=legacy)
+        small = self._small
+        data = [
+            writer.add(s.name, self._blobs[s.name], None if small is None else s.name in small)
+            for s in self.header.sections
+        ]
+        head, tail = writer.finish(self.header, legacy=legacy, container=container)
         return b"".join([head, *(d for d in data if d is not None), tail])
 
     def save(self, path: str | Path) -> None:
@@ -435,21 +481,31 @@ class Patch:
             raise CorruptPatchError(
                 f"unsupported patch container {version!r} (this flipsync reads {READABLE_CONTAINERS})"
             )
-        if version == CONTAINER_VERSION:
+        if version in COMPACT_CONTAINERS:
             if HEADER_TENSOR not in tensors or SMALL_SECTIONS in tensors:
                 raise CorruptPatchError(
                     f"patch container {version} must hold its header tensor {HEADER_TENSOR!r}, and its small "
                     "sections only there"
                 )
-            packed, values, tensors[SMALL_SECTIONS] = split_tail(tensors.pop(HEADER_TENSOR))
-            header = PatchHeader.from_compact(_inflate(packed))
+            positions = None
+            if version == V3_CONTAINER:
+                packed, values, tensors[SMALL_SECTIONS] = split_tail(tensors.pop(HEADER_TENSOR))
+                header = PatchHeader.from_compact(_inflate(packed))
+            else:
+                refs, packed, values, positions, tensors[SMALL_SECTIONS] = _split_tail4(tensors.pop(HEADER_TENSOR))
+                header = PatchHeader.from_packed(refs, _inflate(packed))
+            blobs: dict[str, bytes | memoryview] = dict(_locate_sections(header, tensors))
+            small = frozenset(s.name for s in header.sections if s.name not in tensors)
+            if positions is not None or any(s.pos.get("codec") == GROUP or not s.n for s in header.sections):
+                header, blobs = _ungroup_positions(header, blobs, positions)
             if values is not None or any(s.val.get("codec") == GROUP for s in header.sections):
-                return cls(*_ungroup_values(header, _locate_sections(header, tensors), values), version)
+                header, blobs = _ungroup_values(header, blobs, values)
+            return cls(header, blobs, version, small, memoryview(data))
         else:
             if "flipsync_header" not in meta:
                 raise CorruptPatchError(f"patch container {version} lacks its 'flipsync_header' metadata")
             header = PatchHeader.from_json(_inflate_header(meta["flipsync_header"]))
-        return cls(header, _locate_sections(header, tensors), version)
+        return cls(header, _locate_sections(header, tensors), version, raw=memoryview(data))
 
     @classmethod
     def load(cls, path: str | Path) -> Patch:
@@ -632,13 +688,184 @@ def _ungroup_values(
     return replace(header, sections=tuple(sections)), out
 
 
+def _position_groupable(s: SectionHeader) -> bool:
+    """Rice positions: they decode without the base, and the reader gives each member a Rice stream back, so
+    that a patch read back groups its values the same way too (which depends on the positions' coder)."""
+    return s.pos.get("codec") == "rice"
+
+
+def _group_positions(
+    header: PatchHeader, names: list[str], small: list[bytes | memoryview]
+) -> tuple[PatchHeader, list[bytes | memoryview], bytes] | None:
+    """Container version 4: the positions of small sections as one Rice stream over their index spaces laid end
+    to end (in header order), instead of one stream per section, each byte-padded and with its own n, k and
+    length in the header. Members are the small sections with Rice positions whose gaps cost, under
+    the group's k, no more than their own stream and row; None when fewer than two qualify or the group would
+    not be smaller. Returns the header
+    (members' n 0 and position codec ``GROUP``), the small sections' bytes without members' positions, and the
+    grouped stream: k (a byte), the number of positions (LEB128), the Rice code of their gaps."""
+    by_name = {s.name: s for s in header.sections}
+    picked, found, own = [], [], []
+    for i, name in enumerate(names):
+        s = by_name[name]
+        if not _position_groupable(s):
+            continue
+        try:
+            size = _stream_bytes(s.pos, s.name)
+            found.append(streams.decode_positions(s.pos, bytes(small[i][:size]), s.n, s.numel))
+        except CorruptPatchError:  # the writer writes what it is given (e.g. a crafted test patch) as it is
+            continue
+        picked.append(i)
+        own.append(size)
+    if len(picked) < 2:
+        return None
+    sections = [by_name[names[i]] for i in picked]
+    if sum(s.numel for s in sections) >= 1 << 62:
+        return None
+    gaps = [position_gaps(p) for p in found]
+    members = list(range(len(picked)))
+    for _ in range(4):  # drop members whose gaps the shared k codes worse than their own stream did
+        k = best_rice_k(np.concatenate([gaps[j] for j in members]))
+        keep = [j for j in members if rice_bits(gaps[j], k) <= 8 * (own[j] + GROUPED_ROW_SAVING)]
+        if len(keep) < 2:
+            return None
+        if len(keep) == len(members):
+            break
+        members = keep
+    offsets = np.cumsum([0] + [sections[j].numel for j in members])
+    joined = np.concatenate([found[j] + int(offsets[m]) for m, j in enumerate(members)])
+    params, code = rice_encode(position_gaps(joined))
+    stream = bytes([params["k"]]) + varint(joined.size) + code
+    if len(varint(len(stream))) + len(stream) >= sum(own[j] + GROUPED_ROW_SAVING for j in members):
+        return None
+    grouped = {sections[j].name for j in members}
+    out_sections = tuple(replace(s, n=0, pos={"codec": GROUP}) if s.name in grouped else s for s in header.sections)
+    blobs = list(small)
+    for j in members:
+        blobs[picked[j]] = small[picked[j]][own[j] :]
+    return replace(header, sections=out_sections), blobs, stream
+
+
+def _stream_bytes(params: dict[str, object], name: str) -> int:
+    size = params.get("bytes")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise CorruptPatchError(f"section {name!r} has invalid stream lengths")
+    return size
+
+
+def _positions_preamble(stream: bytes | memoryview) -> tuple[int, int, int]:
+    """(k, number of positions, where the code starts) of a grouped positions stream."""
+    if not len(stream) or stream[0] > MAX_RICE_K:
+        raise CorruptPatchError("the patch's grouped positions are truncated or have an invalid Rice parameter")
+    n, at = read_varint(stream, 1, "the number of grouped positions")
+    return stream[0], n, at
+
+
+def _ungroup_positions(
+    header: PatchHeader, blobs: dict[str, bytes | memoryview], stream: memoryview | None
+) -> tuple[PatchHeader, dict[str, bytes | memoryview]]:
+    """Give every section whose positions are grouped its own position stream and its n again, so that the rest
+    of the codec sees ordinary sections: the Rice stream the encoder had given it (members are Rice-coded
+    sections, and Rice is deterministic), so that writing the patch again groups the same sections the same
+    way. Memory is bounded before anything is decoded: the count may not exceed the stream's bits, and the
+    members' streams are sized by their decoded gaps, not by the sizes their rows declare. Every
+    inconsistency is a CorruptPatchError."""
+    grouped = [s for s in header.sections if s.pos.get("codec") == GROUP]
+    if stream is None or not grouped:
+        raise CorruptPatchError("patch has grouped positions without their stream, or the reverse")
+    if any(s.pos != {"codec": GROUP} or s.n for s in grouped):
+        raise CorruptPatchError("a section with grouped positions declares their count or parameters itself")
+    if any(not s.n for s in header.sections if s.pos.get("codec") != GROUP):
+        raise CorruptPatchError("a section whose positions are not grouped does not declare its count")
+    k, n, at = _positions_preamble(stream)
+    space = sum(s.numel for s in grouped)
+    if space >= 1 << 62:
+        raise CorruptPatchError(f"grouped sections declare {space} elements, more than any patch holds")
+    code = np.frombuffer(stream, dtype=np.uint8)[at:]
+    if not len(grouped) <= n <= 8 * code.size:  # at least one bit per position
+        raise CorruptPatchError(f"{n} grouped positions cannot be those of {len(grouped)} sections in {code.size} B")
+    found = np.empty(n, dtype=np.int64)
+    used = rice_decode_runs(code, 0, np.array([k], np.int64), np.array([n], np.int64), found, space)
+    if used < 0:
+        raise CorruptPatchError("the patch's grouped positions are truncated or run past their sections")
+    if (used + 7) // 8 != code.size:
+        raise CorruptPatchError("the patch's grouped positions hold bytes no position claims")
+    ends = np.cumsum([s.numel for s in grouped], dtype=np.int64)
+    his = np.searchsorted(found, ends)
+    counts = np.diff(his, prepend=0)
+    if counts.min() < 1:
+        name = grouped[int(np.argmin(counts))].name
+        raise CorruptPatchError(f"section {name!r} has grouped positions, but none in its tensor")
+    los = his - counts
+    # every member's gaps at once (its first from -1 in its own index space), each coded with its own k
+    local = found - np.repeat(ends - [s.numel for s in grouped], counts)
+    gaps = np.diff(local, prepend=-1) - 1
+    gaps[los] = local[los]
+    gaps = gaps.astype(np.uint64)
+    ks = [best_rice_k(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
+    # Rice bits of c gaps with parameter k: c (k + 1) + the sum of gap >> k, at most (sum of gaps) >> k, which
+    # k (near log2 of the mean) keeps below ~6c: bounded by the decoded count, never by a declared tensor size
+    sums = np.add.reduceat(gaps, los).tolist()
+    sizes = [(c * (k + 1) + (g >> k) + 7) // 8 for c, k, g in zip(counts.tolist(), ks, sums, strict=True)]
+    code_out = np.empty(sum(sizes), dtype=np.uint8)
+    out, sections, member, at = dict(blobs), [], 0, 0
+    for s in header.sections:
+        if s.pos.get("codec") == GROUP:
+            lo, hi, k = int(los[member]), int(his[member]), ks[member]
+            used = rice_pack(gaps[lo:hi], k, code_out[at : at + sizes[member]])
+            s = replace(s, n=hi - lo, pos={"codec": "rice", "k": k, "bytes": used})
+            out[s.name] = code_out[at : at + used].tobytes() + bytes(blobs[s.name])
+            at, member = at + sizes[member], member + 1
+        sections.append(s)
+    return replace(header, sections=tuple(sections)), out
+
+
+def _pack_tail4(header: PatchHeader, values: bytes, names: list[str], small: list[bytes | memoryview]) -> bytes:
+    """The version 4 header tensor, each part after its length (LEB128): the header's fixed fields
+    (``PatchHeader.refs_bytes``), its compressed rows, the grouped values, the grouped positions (see
+    ``_group_positions``); then the small sections."""
+    positions = b""
+    grouped = _group_positions(header, names, small)
+    if grouped is not None:
+        header, small, positions = grouped
+    refs = header.refs_bytes()
+    packed = zstandard.ZstdCompressor(level=19).compress(header.to_packed().encode())
+    parts = (refs, packed, values, positions)
+    return b"".join([*(b for part in parts for b in (varint(len(part)), part)), *small])
+
+
+def _split_tail4(
+    blob: memoryview | bytes,
+) -> tuple[memoryview, memoryview, memoryview | None, memoryview | None, memoryview]:
+    """(fixed fields, compressed rows, grouped values or None, grouped positions or None, small sections) of a
+    version 4 header tensor."""
+    view, at, parts = memoryview(blob), 0, []
+    for what in ("fixed fields", "header", "grouped values", "grouped positions"):
+        size, at = read_varint(view, at, f"the length of the patch's {what}")
+        if at + size > len(view):
+            raise CorruptPatchError(f"the patch's header tensor is truncated (its {what})")
+        parts.append(view[at : at + size])
+        at += size
+    refs, packed, values, positions = parts
+    return refs, packed, values if len(values) else None, positions if len(positions) else None, view[at:]
+
+
 def overhead_bytes(data: bytes | memoryview) -> int:
     """Bytes of a patch file that are no coded stream: the container's table and metadata, the compressed
-    header (version 3), the grouped values' parameters."""
+    header (versions 3 and 4), the grouped values' parameters (and in version 4 the fixed fields, the lengths
+    and the grouped positions' parameters)."""
     buf = memoryview(data)
-    _, tensors = _parse_safetensors(buf)
+    meta, tensors = _parse_safetensors(buf)
     size = 8 + struct.unpack_from("<Q", buf)[0]
-    if HEADER_TENSOR in tensors:
+    if HEADER_TENSOR in tensors and meta.get("flipsync_patch") == CONTAINER_VERSION:
+        tail = tensors[HEADER_TENSOR]
+        _, _, values, positions, small = _split_tail4(tail)
+        size += len(tail) - len(small)  # less the coded streams of the grouped values and positions:
+        if values is not None and len(values) >= _PREAMBLE.size:
+            size -= len(values) - _PREAMBLE.size - _PREAMBLE.unpack_from(values)[0]
+        if positions is not None:
+            size -= len(positions) - _positions_preamble(positions)[2]
+    elif HEADER_TENSOR in tensors:
         packed, values, _ = split_tail(tensors[HEADER_TENSOR])
         size += 2 * _LENGTH.size + len(packed)
         if values is not None and len(values) >= _PREAMBLE.size:

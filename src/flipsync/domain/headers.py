@@ -19,6 +19,10 @@ from flipsync.errors import CorruptPatchError
 PATCH_FORMAT = 1
 COMPACT_FORMAT = 3  # the header of container version 3: sections as rows, no per-section fingerprints
 COMPACT_ROW = ("name", "dtype", "shape", "n", "mode", "pos", "val", "tag")  # one section's fields, in order
+# The header of container version 4: the ends and the digest in binary (``refs_bytes``), then the rows as in
+# version 3 less what the container derives: a stream whose params are only its codec id is written as that id,
+# and a section's ``n`` may be null when the container holds it elsewhere (0 here until the container fills it).
+PACKED_FORMAT = 4
 MAX_SECTIONS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME = 1024
@@ -42,8 +46,8 @@ class SectionHeader:
     ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
     new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
     ``base_fp``/``target_fp`` are the additive fingerprints before and after; ``target_digest`` the content
-    digest of the whole tensor after the patch. A compact (container version 3) header carries none of them:
-    None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
+    digest of the whole tensor after the patch. A compact (container version 3/4) header carries none of
+    them: None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
     are what a receiver checks (the digests of the changed tensors are combined into ``PatchHeader.digest``).
     """
 
@@ -107,6 +111,44 @@ class PatchHeader:
         ]
         return json.dumps(doc, separators=(",", ":"))
 
+    def refs_bytes(self) -> bytes:
+        """The fixed fields of a version 4 header in binary: a flags byte (which optional fields follow), the
+        base and target view fingerprints and the digest as raw bytes after their length in hex digits, then the
+        board versions (LEB128) where given. Hex would cost twice the bytes and compresses poorly."""
+        present = (self.base.version is not None, self.target.version is not None, self.digest is not None)
+        out = bytearray([sum(1 << i for i, p in enumerate(present) if p)])
+        for text in (self.base.view, self.target.view, *([self.digest] if self.digest is not None else [])):
+            out += bytes([len(text)]) + bytes.fromhex(text + "0" * (len(text) % 2))
+        for version in (self.base.version, self.target.version):
+            if version is not None:
+                out += varint(version)
+        return bytes(out)
+
+    def to_packed(self) -> str:
+        """The rows of a version 4 header (JSON; the fixed fields go in ``refs_bytes``): served format, meta and
+        one row per section, each stream's params a bare codec id where that is all they hold; ``n`` is null
+        where it is 0 (the container derives it)."""
+        doc: dict[str, Any] = {"sections": [_packed_row(s) for s in self.sections]}
+        if self.served_format is not None:
+            doc["served_format"] = self.served_format
+        if self.meta:
+            doc["meta"] = self.meta
+        return json.dumps(doc, separators=(",", ":"))
+
+    @staticmethod
+    def from_packed(refs: bytes | memoryview, text: str) -> PatchHeader:
+        """A version 4 header from its fixed fields (``refs_bytes``) and rows (``to_packed``)."""
+        try:
+            doc = json.loads(text)
+        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
+            raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
+        doc = _obj(doc, "the header")
+        if "flipsync_patch" in doc or {"base", "target", "digest"} & doc.keys():
+            raise _fail("a version 4 header holds its ends and digest in binary, not in its rows")
+        base, target, digest = _refs(bytes(refs))
+        doc.update(flipsync_patch=PACKED_FORMAT, base=asdict(base), target=asdict(target), digest=digest)
+        return _parse_header(doc, compact=True, packed=True)
+
     @staticmethod
     def from_json(text: str, *, compact: bool = False) -> PatchHeader:
         """A header from its JSON: the version 1/2 layout, or with ``compact`` the version 3 rows."""
@@ -119,6 +161,68 @@ class PatchHeader:
     @staticmethod
     def from_compact(text: str) -> PatchHeader:
         return PatchHeader.from_json(text, compact=True)
+
+
+def varint(value: int) -> bytes:
+    """An unsigned integer as LEB128: seven bits a byte, low first, the high bit set on all but the last."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def read_varint(buf: bytes | memoryview, at: int, what: str) -> tuple[int, int]:
+    """(value, offset after it) of a LEB128 integer of at most 9 bytes (63 bits) at ``buf[at]``; the shortest
+    form only, so that every value has one encoding."""
+    value = 0
+    for i in range(9):
+        if at + i >= len(buf):
+            raise _fail(f"{what} is truncated")
+        byte = buf[at + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if not byte & 0x80:
+            if byte == 0 and i:
+                raise _fail(f"{what} is not in its shortest form")
+            return value, at + i + 1
+    raise _fail(f"{what} is longer than 9 bytes")
+
+
+def _bare(params: dict[str, Any] | None) -> Any:
+    return params["codec"] if params is not None and params.keys() == {"codec"} else params
+
+
+def _packed_row(s: SectionHeader) -> list[Any]:
+    row = [s.name, s.dtype, list(s.shape), s.n or None, s.mode, _bare(s.pos), _bare(s.val)]
+    return row + ([_bare(s.tag)] if s.tag is not None else [])
+
+
+def _refs(buf: bytes) -> tuple[ViewRef, ViewRef, str | None]:
+    """Inverse of ``PatchHeader.refs_bytes``; every byte must be accounted for."""
+    if not buf or buf[0] >> 3:
+        raise _fail("its fixed fields are missing or carry unknown flags")
+    flags, at, texts = buf[0], 1, []
+    for _ in range(3 if flags & 4 else 2):
+        digits = buf[at] if at < len(buf) else 0
+        size = (digits + 1) // 2
+        if not digits or at + 1 + size > len(buf):
+            raise _fail("its fixed fields are truncated or hold an empty fingerprint")
+        text = buf[at + 1 : at + 1 + size].hex()
+        if len(text) != digits and text[-1] != "0":
+            raise _fail("a fingerprint's padding digit is not 0")
+        texts.append(text[:digits])
+        at += 1 + size
+    versions = []
+    for bit in (1, 2):
+        if flags & bit:
+            version, at = read_varint(buf, at, "a version")
+            versions.append(_int(version, "a version"))
+        else:
+            versions.append(None)
+    if at != len(buf):
+        raise _fail(f"its fixed fields hold {len(buf) - at} unexplained bytes")
+    return ViewRef(texts[0], versions[0]), ViewRef(texts[1], versions[1]), texts[2] if flags & 4 else None
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -155,7 +259,9 @@ def _hex(v: Any, what: str, *, optional: bool = False) -> Any:
     return s
 
 
-def _codec_params(v: Any, what: str) -> dict[str, Any]:
+def _codec_params(v: Any, what: str, *, packed: bool = False) -> dict[str, Any]:
+    if packed and isinstance(v, str):  # a bare codec id (version 4)
+        v = {"codec": _str(v, what, limit=64)}
     d = _obj(v, what)
     if len(d) > 16 or not all(isinstance(k, str) and isinstance(x, str | int) for k, x in d.items()):
         raise _fail(f"{what} must map names to strings or integers")
@@ -169,7 +275,7 @@ def _view(v: Any, what: str) -> ViewRef:
     )
 
 
-def _section(v: Any, i: int, *, compact: bool = False) -> SectionHeader:
+def _section(v: Any, i: int, *, compact: bool = False, packed: bool = False) -> SectionHeader:
     what = f"section {i}"
     if compact:  # a row: the fields of COMPACT_ROW in order, the last (tag) only for mixed sections
         if not isinstance(v, list) or not len(COMPACT_ROW) - 1 <= len(v) <= len(COMPACT_ROW):
@@ -195,26 +301,26 @@ def _section(v: Any, i: int, *, compact: bool = False) -> SectionHeader:
         name=_str(d.get("name"), f"{what}.name"),
         dtype=dtype,
         shape=shape,
-        n=_int(d.get("n"), f"{what}.n", lo=1, hi=max(1, numel)),
+        n=0 if packed and d.get("n") is None else _int(d.get("n"), f"{what}.n", lo=1, hi=max(1, numel)),
         mode=mode,
-        pos=_codec_params(d.get("pos"), f"{what}.pos"),
-        val=_codec_params(d.get("val"), f"{what}.val"),
+        pos=_codec_params(d.get("pos"), f"{what}.pos", packed=packed),
+        val=_codec_params(d.get("val"), f"{what}.val", packed=packed),
         base_fp=None if compact else _hex(d.get("base_fp"), f"{what}.base_fp"),
         target_fp=None if compact else _hex(d.get("target_fp"), f"{what}.target_fp"),
         target_digest=None if compact else _hex(d.get("target_digest"), f"{what}.target_digest", optional=True),
-        tag=_codec_params(d["tag"], f"{what}.tag") if d.get("tag") is not None else None,
+        tag=_codec_params(d["tag"], f"{what}.tag", packed=packed) if d.get("tag") is not None else None,
     )
 
 
-def _parse_header(doc: Any, *, compact: bool = False) -> PatchHeader:
+def _parse_header(doc: Any, *, compact: bool = False, packed: bool = False) -> PatchHeader:
     d = _obj(doc, "the header")
-    expected = COMPACT_FORMAT if compact else PATCH_FORMAT
+    expected = PACKED_FORMAT if packed else COMPACT_FORMAT if compact else PATCH_FORMAT
     if d.get("flipsync_patch") != expected:
         raise _fail(f"unsupported patch format {d.get('flipsync_patch')!r} (this container holds {expected})")
     sections_v = d.get("sections")
     if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
         raise _fail("sections must be a list")
-    sections = tuple(_section(s, i, compact=compact) for i, s in enumerate(sections_v))
+    sections = tuple(_section(s, i, compact=compact, packed=packed) for i, s in enumerate(sections_v))
     names = [s.name for s in sections]
     if len(set(names)) != len(names):
         raise _fail("a tensor appears in more than one section")
