@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from flipsync.errors import FormatError
 from flipsync.formats.base import cast_master
@@ -42,16 +43,10 @@ _FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
 
 _BF16, _FP16 = 0, 1
 _FP4 = ("mxfp4", "nvfp4")  # two e2m1 codes per payload byte
-_BLOCK = 1024  # elements cast, then scanned for changes, while in L1
-
-# Lowest-set-bit index by de Bruijn multiplication (bit i of an isolated bit t maps to slot (t * M) >> 58).
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_BIT_INDEX = np.zeros(64, dtype=np.int64)
-for _i in range(64):
-    _BIT_INDEX[((1 << _i) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _i
-
+_GROUP = 64  # lanes whose differences make one 64-bit mask
 
 _U = np.uint32
+_Q = np.uint64
 
 
 # Every step is wrapped in a uint32 cast: numba widens integer arithmetic to 64 bits, which would halve the
@@ -80,102 +75,61 @@ def _round16(u: np.uint32, kind: int) -> np.uint32:
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _cast_block(src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int) -> tuple[np.uint32, np.uint32]:
-    """Cast one block (L1-sized) into ``out``: (how many lanes differ from ``ref``, max |master| bits)."""
-    count = _U(0)
-    top = _U(0)
-    for i in range(src.shape[0]):
-        u = src[i]
-        r = np.uint16(_round16(u, kind))
-        top = max(top, _U(u & _U(0x7FFFFFFF)))
-        count = _U(count + _U(r != ref[i]))
-        out[i] = r
-    return count, top
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _emit_sparse(
-    ref: np.ndarray,
-    out: np.ndarray,
-    bit_index: np.ndarray,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-    n: int,
-    first: int,
+def _emit(
+    m: np.uint64, base: int, ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int
 ) -> int:
-    """The changed lanes of one block, from uint64 words of four lanes: equal words cost one XOR; in a
-    differing word each lane is folded onto its lowest bit and only the set bits are visited."""
-    low = np.uint64(0x0001000100010001)
-    lane = np.uint64(0xFFFF)
-    for w in range(ref.shape[0]):
-        was = ref[w]
-        word = out[w]
-        x = word ^ was
-        if x != 0:
-            x |= x >> np.uint64(8)
-            x |= x >> np.uint64(4)
-            x |= x >> np.uint64(2)
-            x |= x >> np.uint64(1)
-            x &= low
-            while x != 0:
-                bit = x & (~x + np.uint64(1))
-                at = bit_index[(bit * _DEBRUIJN) >> np.uint64(58)]
-                pos[n] = first + w * 4 + (at >> 4)
-                old[n] = (was >> np.uint64(at)) & lane
-                new[n] = (word >> np.uint64(at)) & lane
-                n += 1
-                x &= x - np.uint64(1)
-    return n
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _emit_dense(
-    ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int, first: int
-) -> int:
-    """The changed lanes of one block by branch-free compaction (faster once a tenth or so changed)."""
-    for i in range(ref.shape[0]):
-        x, y = ref[i], out[i]
-        pos[n] = first + i
-        old[n] = x
-        new[n] = y
-        n += x != y
+    """Records the lanes set in mask ``m`` (lane ``j`` is element ``base + j``) at slots ``n``...; the next free
+    slot. The first two lanes are written unconditionally and counted only when present (at RL learning
+    rates a group rarely holds more), so the common case takes no branch: the buffers need two spare slots.
+    ``trailing_zeros(0)`` is 64, masked back into the group."""
+    j = base + (trailing_zeros(m) & _Q(63))
+    pos[n], old[n], new[n] = j, ref[j], out[j]
+    n += m != 0
+    m &= m - _Q(1)
+    j = base + (trailing_zeros(m) & _Q(63))
+    pos[n], old[n], new[n] = j, ref[j], out[j]
+    n += m != 0
+    m &= m - _Q(1)
+    while m != 0:
+        j = base + trailing_zeros(m)
+        pos[n], old[n], new[n] = j, ref[j], out[j]
+        n += 1
+        m &= m - _Q(1)
     return n
 
 
 @numba.njit(nogil=True, cache=True)
 def _cast_diff(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    ref64: np.ndarray,
-    out64: np.ndarray,
-    kind: int,
-    bit_index: np.ndarray,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
+    src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray
 ) -> tuple[int, np.uint32]:
     """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``.
 
-    ``ref64``/``out64`` are uint64 views of the whole words of ``ref``/``out`` (empty when their buffers are not
-    8-byte aligned): a block they do not cover (the tail) is scanned lane by lane. ``out`` must not overlap
-    ``ref``: a block's changes are found by reading both after the cast.
+    Groups of 64 lanes: one loop casts, stores, tracks max |master| and sets a bit per lane that differs
+    (LLVM vectorizes it: vector compares into mask registers), then only the set bits are visited.
+    ``pos`` gets chunk-relative positions and needs ``len(src) + 2`` slots (see `_emit`).
     Returns (changes written to pos/old/new, max |master| bits: the caller checks the range).
     """
     n = 0
-    top = np.uint32(0)
+    top = _U(0)
     size = src.shape[0]
-    for b0 in range(0, size, _BLOCK):
-        b1 = min(size, b0 + _BLOCK)
-        count, t = _cast_block(src[b0:b1], ref[b0:b1], out[b0:b1], kind)
-        top = max(top, t)
-        if count == 0:
-            continue
-        if count * 10 > _U(b1 - b0) or b1 > 4 * ref64.shape[0]:
-            n = _emit_dense(ref[b0:b1], out[b0:b1], pos, old, new, n, b0)
-        else:
-            n = _emit_sparse(ref64[b0 // 4 : b1 // 4], out64[b0 // 4 : b1 // 4], bit_index, pos, old, new, n, b0)
+    full = size - size % _GROUP
+    for g in range(0, full, _GROUP):
+        m = _Q(0)
+        for j in range(_GROUP):
+            u = src[g + j]
+            r = np.uint16(_round16(u, kind))
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            m |= _Q(_Q(r != ref[g + j]) << _Q(j))
+            out[g + j] = r
+        n = _emit(m, g, ref, out, pos, old, new, n)
+    for i in range(full, size):
+        u = src[i]
+        r = np.uint16(_round16(u, kind))
+        top = max(top, _U(u & _U(0x7FFFFFFF)))
+        out[i] = r
+        if r != ref[i]:
+            pos[n], old[n], new[n] = i, ref[i], r
+            n += 1
     return n, top
 
 
@@ -478,7 +432,7 @@ class FusedCaster:
 
     def __init__(self, threads: int | None = None, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         self.threads = max(1, threads or os.cpu_count() or 1)
-        self.chunk_elements = max(_BLOCK, chunk_elements)
+        self.chunk_elements = max(_GROUP, chunk_elements)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-fused")
         self._local = threading.local()
 
@@ -728,25 +682,13 @@ class FusedCaster:
         was = ref.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
         dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         chunk = min(self.chunk_elements, max(MIN_CHUNK_ELEMENTS, -(-numel // self.threads)))
-        chunk += -chunk % _BLOCK  # whole blocks, so every chunk but the last starts on a word
+        chunk += -chunk % _GROUP  # whole groups: every chunk but the last starts on one
         spans = [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
 
         def run(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             s, e = span
-            buf = self._scratch(chunk)
-            words = (e - s) // 4 * 4 if _aligned(was[s:e], dst[s:e]) else 0
-            n, top = _cast_diff(
-                src[s:e],
-                was[s:e],
-                dst[s:e],
-                was[s : s + words].view(np.uint64),
-                dst[s : s + words].view(np.uint64),
-                kind,
-                _BIT_INDEX,
-                buf.pos,
-                buf.old,
-                buf.new,
-            )
+            buf = self._scratch(chunk + 2)  # `_emit`'s two spare slots
+            n, top = _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)
             if top >= limit:
                 raise _OutOfRange
             return buf.pos[:n] + s, buf.old[:n].copy(), buf.new[:n].copy()
@@ -769,10 +711,6 @@ def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32:
         amax = top if from_fp32 else top.to(torch.bfloat16).float()
     amax = amax.float().reshape(())
     return amax if bool(torch.isfinite(amax)) else None
-
-
-def _aligned(*arrays: np.ndarray) -> bool:
-    return all(a.ctypes.data % 8 == 0 for a in arrays)
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
