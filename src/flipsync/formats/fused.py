@@ -76,23 +76,32 @@ def _round16(u: np.uint32, kind: int) -> np.uint32:
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def _emit(
-    m: np.uint64, base: int, ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int
+    m: np.uint64,
+    base: int,
+    at: int,
+    ref: np.ndarray,
+    out: np.ndarray,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    n: int,
 ) -> int:
-    """Records the lanes set in mask ``m`` (lane ``j`` is element ``base + j``) at slots ``n``...; the next free
-    slot. The first two lanes are written unconditionally and counted only when present (at RL learning
-    rates a group rarely holds more), so the common case takes no branch: the buffers need two spare slots.
-    ``trailing_zeros(0)`` is 64, masked back into the group."""
+    """Records the lanes set in mask ``m`` (lane ``j``: element ``base + j`` of ``ref`` / ``out``, position
+    ``at + base + j``) at slots ``n``...; the next free slot. The first two lanes are written
+    unconditionally and counted only when present (at RL learning rates a group rarely holds more), so the
+    common case takes no branch: the buffers need two spare slots. ``trailing_zeros(0)`` is 64, masked
+    back into the group."""
     j = base + (trailing_zeros(m) & _Q(63))
-    pos[n], old[n], new[n] = j, ref[j], out[j]
+    pos[n], old[n], new[n] = at + j, ref[j], out[j]
     n += m != 0
     m &= m - _Q(1)
     j = base + (trailing_zeros(m) & _Q(63))
-    pos[n], old[n], new[n] = j, ref[j], out[j]
+    pos[n], old[n], new[n] = at + j, ref[j], out[j]
     n += m != 0
     m &= m - _Q(1)
     while m != 0:
         j = base + trailing_zeros(m)
-        pos[n], old[n], new[n] = j, ref[j], out[j]
+        pos[n], old[n], new[n] = at + j, ref[j], out[j]
         n += 1
         m &= m - _Q(1)
     return n
@@ -121,7 +130,7 @@ def _cast_diff(
             top = max(top, _U(u & _U(0x7FFFFFFF)))
             m |= _Q(_Q(r != ref[g + j]) << _Q(j))
             out[g + j] = r
-        n = _emit(m, g, ref, out, pos, old, new, n)
+        n = _emit(m, g, 0, ref, out, pos, old, new, n)
     for i in range(full, size):
         u = src[i]
         r = np.uint16(_round16(u, kind))
@@ -154,19 +163,33 @@ def _e4m3(v: np.uint32) -> np.uint8:
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def _put(
-    q: np.uint8, out: np.ndarray, ref: np.ndarray, r: int, j: int, width: int,
-    pos: np.ndarray, old: np.ndarray, new: np.ndarray, n: int,
-) -> int:  # fmt: skip
-    """Writes code ``q`` at [r, j] and, when the previous view held another code there, records the change
-    (flat position, old, new) at slot ``n``; the next free slot."""
-    was = ref[r, j]
-    out[r, j] = q
-    if q != was:
-        pos[n] = r * width + j
-        old[n] = was
-        new[n] = q
-        n += 1
+def _store_diff(
+    codes: np.ndarray,
+    out: np.ndarray,
+    ref: np.ndarray,
+    at: int,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+    n: int,
+) -> int:
+    """Copies one row of codes into ``out`` (a row of the payload) and records where ``ref`` (the previous
+    row) held another byte, positions from ``at``, in groups of 64 as `_cast_diff`; the next free slot."""
+    size = codes.shape[0]
+    full = size - size % _GROUP
+    for g in range(0, full, _GROUP):
+        m = _Q(0)
+        for j in range(_GROUP):
+            q = codes[g + j]
+            m |= _Q(_Q(q != ref[g + j]) << _Q(j))
+            out[g + j] = q
+        n = _emit(m, g, at, ref, out, pos, old, new, n)
+    for i in range(full, size):
+        q = codes[i]
+        out[i] = q
+        if q != ref[i]:
+            pos[n], old[n], new[n] = at + i, ref[i], q
+            n += 1
     return n
 
 
@@ -174,10 +197,16 @@ def _put(
 def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint32) -> np.uint32:
     """One row of fp32 master bits into ``bits`` (rounded to bf16 first when the recipe starts from bf16);
     the running max of |master| bits, which tells a row with a non-finite or out-of-range master."""
-    for j in range(src.shape[0]):
-        u = src[j]
-        top = max(top, _U(u & _U(0x7FFFFFFF)))
-        bits[j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
+    if round_bf16:  # two loops, not a select per element: each vectorizes
+        for j in range(src.shape[0]):
+            u = src[j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = _U(_round16(u, _BF16) << _U(16))
+    else:
+        for j in range(src.shape[0]):
+            u = src[j]
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            bits[j] = u
     return top
 
 
@@ -201,6 +230,7 @@ def _fp8_rows(
     rows, k = src.shape
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
     n = 0
     top = _U(0)
     for r in range(rows):
@@ -220,8 +250,8 @@ def _fp8_rows(
                 y = np.float32(vals[j] * inv)
                 vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
         for j in range(k):
-            q = _e4m3(bits[j])
-            n = _put(q, out, ref, r, j, k, pos, old, new, n)
+            codes[j] = _e4m3(bits[j])
+        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
     return n, top
 
 
@@ -248,14 +278,13 @@ def _fp8_tile_rows(
     bits = vals.view(np.uint32)
     tiles = sf.shape[0]
     amax = np.zeros(tiles, np.float32)
+    codes = np.empty(k, np.uint8)
     top = _U(0)
     for r in range(rows):
-        for j in range(k):
-            u = src[r, j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[r, j] = _U(_round16(u, _BF16) << _U(16)) if round_bf16 else u
-            t = j // _TILE
-            amax[t] = max(amax[t], abs(vals[r, j]))
+        top = _load_row(src[r], bits[r], round_bf16, top)
+        for t in range(tiles):
+            for j in range(t * _TILE, min(k, (t + 1) * _TILE)):
+                amax[t] = max(amax[t], abs(vals[r, j]))
     inv = np.empty(tiles, np.float32)
     for t in range(tiles):
         s = np.float32(max(amax[t], _TILE_AMAX_FLOOR) / _E4M3_MAX)
@@ -267,8 +296,8 @@ def _fp8_tile_rows(
             y = np.float32(vals[r, j] * inv[j // _TILE])
             vals[r, j] = min(max(y, -_E4M3_MAX), _E4M3_MAX)
         for j in range(k):
-            q = _e4m3(bits[r, j])
-            n = _put(q, out, ref, r, j, k, pos, old, new, n)
+            codes[j] = _e4m3(bits[r, j])
+        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
     return n, top
 
 
@@ -313,6 +342,7 @@ def _mx_rows(
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
     codes = np.empty(k, np.uint8)
+    packed = np.empty(width, np.uint8)
     pw = np.empty(1, np.uint32)  # the divisor's bits, read as fp32 through a view
     pf = pw.view(np.float32)
     n = 0
@@ -335,14 +365,15 @@ def _mx_rows(
         if fp4:
             for j in range(k):
                 codes[j] = _e2m1(vals[j], bits[j])
+            for j in range(width):
+                packed[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+            n = _store_diff(packed, out[r], ref[r], r * width, pos, old, new, n)
         else:
             for j in range(k):
                 vals[j] = min(max(vals[j], -_E4M3_MAX), _E4M3_MAX)
             for j in range(k):
                 codes[j] = _e4m3(bits[j])
-        for j in range(width):
-            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4)) if fp4 else codes[j]
-            n = _put(q, out, ref, r, j, width, pos, old, new, n)
+            n = _store_diff(codes, out[r], ref[r], r * width, pos, old, new, n)
     return n, top
 
 
@@ -372,6 +403,7 @@ def _nv_rows(
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
     codes = np.empty(k, np.uint8)
+    packed = np.empty(width, np.uint8)
     one = np.empty(1, np.float32)
     one_bits = one.view(np.uint32)
     n = 0
@@ -394,8 +426,8 @@ def _nv_rows(
                 y = np.float32(vals[j] / d)
                 codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
         for j in range(width):
-            q = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-            n = _put(q, out, ref, r, j, width, pos, old, new, n)
+            packed[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
+        n = _store_diff(packed, out[r], ref[r], r * width, pos, old, new, n)
     return n, top
 
 
@@ -646,7 +678,7 @@ class FusedCaster:
 
         def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             r1 = min(rows, r0 + step)
-            buf = self._scratch8((r1 - r0) * width)
+            buf = self._scratch8((r1 - r0) * width + 2)  # `_emit`'s two spare slots
             n, top_bits = kernel(r0, r1, buf)
             if top_bits >= limit:
                 raise _OutOfRange
