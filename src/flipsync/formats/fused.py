@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
-from numba.cpython.unsafe.numbers import trailing_zeros
+from numba.cpython.unsafe.numbers import trailing_zeros, viewer
 
 from flipsync.errors import FormatError
 from flipsync.formats.base import cast_master
@@ -341,10 +341,9 @@ def _mx_rows(
     width = out.shape[1]
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
+    divisors = np.empty(k, np.float32)  # each element's block divisor: the division then vectorizes
     codes = np.empty(k, np.uint8)
     packed = np.empty(width, np.uint8)
-    pw = np.empty(1, np.uint32)  # the divisor's bits, read as fp32 through a view
-    pf = pw.view(np.float32)
     n = 0
     top = _U(0)
     for r in range(rows):
@@ -358,10 +357,11 @@ def _mx_rows(
             e = min(max(field - 127 - emax, -127), 127)
             byte = e + 127
             scale[r, b0 // _MX] = byte
-            pw[0] = _U(byte) << _U(23)
-            divisor = max(pf[0], _F32_MIN_NORMAL)
+            divisor = max(viewer(_U(_U(byte) << _U(23)), np.float32), _F32_MIN_NORMAL)
             for j in range(b0, b1):
-                vals[j] = np.float32(vals[j] / divisor)
+                divisors[j] = divisor
+        for j in range(k):
+            vals[j] = np.float32(vals[j] / divisors[j])
         if fp4:
             for j in range(k):
                 codes[j] = _e2m1(vals[j], bits[j])
@@ -402,10 +402,9 @@ def _nv_rows(
     width = out.shape[1]
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
+    divisors = np.empty(k, np.float32)  # each element's block divisor: the division then vectorizes
     codes = np.empty(k, np.uint8)
     packed = np.empty(width, np.uint8)
-    one = np.empty(1, np.float32)
-    one_bits = one.view(np.uint32)
     n = 0
     top = _U(0)
     for r in range(rows):
@@ -418,13 +417,14 @@ def _nv_rows(
             bs = np.float32(amax / six_s2)
             if bs == 0:
                 bs = np.float32(1.0)
-            one[0] = min(max(bs, np.float32(2.0**-9)), _E4M3_MAX)
-            bs8 = _e4m3(one_bits[0])
+            bs8 = _e4m3(viewer(min(max(bs, np.float32(2.0**-9)), _E4M3_MAX), np.uint32))
             scale[r, b0 // _NV] = bs8
             d = np.float32(e4m3_values[bs8] * s2)
             for j in range(b0, b1):
-                y = np.float32(vals[j] / d)
-                codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
+                divisors[j] = d
+        for j in range(k):
+            y = np.float32(vals[j] / divisors[j])
+            codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
         for j in range(width):
             packed[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
         n = _store_diff(packed, out[r], ref[r], r * width, pos, old, new, n)
@@ -734,12 +734,23 @@ class FusedCaster:
         return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
 
 
+@numba.njit(nogil=True, cache=True)
+def _abs_max_bits(src: np.ndarray) -> np.uint32:
+    top = _U(0)
+    for i in range(src.shape[0]):
+        top = max(top, _U(src[i] & _U(0x7FFFFFFF)))
+    return top
+
+
 def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
     """The amax a per-tensor recipe starts from (0-dim fp32): the group's, or max |bf16(x)| (RNE is
     monotone, so that is bf16(max |x|): no cast of the whole tensor); None when it is not finite."""
     amax = group_amax
     if amax is None:
-        top = x.detach().abs().amax()
+        # max |x| from the bit patterns (sign cleared, the order of |x|; NaN's sort above inf's): one
+        # vectorized pass, no |x| tensor. ``x`` is a contiguous fp32 CPU tensor here.
+        bits = _abs_max_bits(x.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32))
+        top = torch.tensor(int(bits), dtype=torch.int32).view(torch.float32)
         amax = top if from_fp32 else top.to(torch.bfloat16).float()
     amax = amax.float().reshape(())
     return amax if bool(torch.isfinite(amax)) else None
