@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
 
 from flipsync.errors import FormatError, NonFiniteError
-from flipsync.formats import get_format, served_view
+from flipsync.formats import fused, get_format, served_view
 from flipsync.formats.fused import FusedCaster
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,6 +118,17 @@ def test_every_value_and_tie(caster: FusedCaster, fmt: str, torch_path: bool) ->
     # odd sizes and offsets: tails shorter than a word, buffers that are not 8-byte aligned
     for start, stop in ((1, 4099), (3, 2050), (0, 5), (2, 3)):
         check(caster, fmt, torch.from_numpy(x[start:stop]), prev[start:stop], torch_path=torch_path)
+
+
+def test_fp16_without_a_native_conversion(caster: FusedCaster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 takes the hardware conversion where it matches the integer recipe; the recipe's kernel (what a
+    platform without one gets) gives the same bits."""
+    x = edge_masters("fp16")
+    prev = torch.from_numpy(x[::-1].copy()).to(torch.float16)
+    check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
+    monkeypatch.setattr(fused, "_hw_fp16", lambda: False)
+    check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
+    check(caster, "fp16", torch.from_numpy(x[5:1234]), prev[5:1234], torch_path=False)
 
 
 @pytest.mark.parametrize("fmt", list(DTYPES))

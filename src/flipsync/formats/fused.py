@@ -17,6 +17,8 @@ kernel flags them and the tensor goes through `cast_master`, which raises the fo
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -26,10 +28,15 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros, viewer
 
 from flipsync.errors import FormatError
 from flipsync.formats.base import cast_master
+
+logger = logging.getLogger(__name__)
 
 #: Served dtypes the CPU kernel computes (an element-wise RNE cast of an FP32 master).
 FUSED_DTYPES = (torch.bfloat16, torch.float16)
@@ -140,6 +147,68 @@ def _cast_diff(
             pos[n], old[n], new[n] = i, ref[i], r
             n += 1
     return n, top
+
+
+@intrinsic
+def _f16_bits(typingctx, u):  # type: ignore[no-untyped-def]
+    """fp32 bits -> fp16 bits by LLVM's ``fptrunc`` (x86 F16C ``vcvtps2ph``, Arm ``fcvt``: IEEE round to
+    nearest even, subnormals kept), which vectorizes; `_hw_fp16` checks it against `_round16` first."""
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        half = builder.fptrunc(builder.bitcast(args[0], ir.FloatType()), ir.HalfType())
+        return builder.bitcast(half, ir.IntType(16))
+
+    return types.uint16(types.uint32), codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def _cast_diff_f16(
+    src: np.ndarray, ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray
+) -> tuple[int, np.uint32]:
+    """`_cast_diff` for fp16 with the hardware conversion (three times faster than `_round16`'s)."""
+    n = 0
+    top = _U(0)
+    size = src.shape[0]
+    full = size - size % _GROUP
+    for g in range(0, full, _GROUP):
+        m = _Q(0)
+        for j in range(_GROUP):
+            u = src[g + j]
+            r = _f16_bits(u)
+            top = max(top, _U(u & _U(0x7FFFFFFF)))
+            m |= _Q(_Q(r != ref[g + j]) << _Q(j))
+            out[g + j] = r
+        n = _emit(m, g, 0, ref, out, pos, old, new, n)
+    for i in range(full, size):
+        u = src[i]
+        r = _f16_bits(u)
+        top = max(top, _U(u & _U(0x7FFFFFFF)))
+        out[i] = r
+        if r != ref[i]:
+            pos[n], old[n], new[n] = i, ref[i], r
+            n += 1
+    return n, top
+
+
+@functools.cache
+def _hw_fp16() -> bool:
+    """Whether `_cast_diff_f16` compiles here and gives `_round16`'s bits on every fp16 value, every tie
+    between neighbours and one fp32 step either side (a platform without a native conversion may lack the
+    runtime routine LLVM calls instead, or round otherwise): else fp16 takes the integer recipe."""
+    every = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
+    mid = ((every[:-1].astype(np.float64) + every[1:]) / 2).astype(np.float32)
+    x = np.concatenate([every, mid, np.nextafter(mid, np.float32(0)), np.nextafter(mid, np.float32(np.inf))])
+    x = np.concatenate([x, -x, np.array([1e-40, -1e-45, 2.0**-25, 65519.0], np.float32)]).view(np.uint32)
+    want = np.empty(x.size, np.uint16)
+    got = np.empty(x.size, np.uint16)
+    scratch = (np.empty(x.size + 2, np.int64), np.empty(x.size + 2, np.uint16), np.empty(x.size + 2, np.uint16))
+    try:
+        _cast_diff(x, got, want, _FP16, *scratch)
+        _cast_diff_f16(x, want, got, *scratch)
+    except Exception:  # numba's lowering and linking errors have no common base
+        logger.info("no native fp16 conversion for the fused pass: fp16 takes the integer recipe")
+        return False
+    return bool(np.array_equal(got, want))
 
 
 _E4M3_MAX = np.float32(448.0)
@@ -710,6 +779,7 @@ class FusedCaster:
     def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> CastChanges:
         numel = master.numel()
         kind, limit = (_BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (_FP16, _FP16_LIMIT)
+        hw = kind == _FP16 and _hw_fp16()
         src = master.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
         was = ref.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
         dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
@@ -720,7 +790,10 @@ class FusedCaster:
         def run(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             s, e = span
             buf = self._scratch(chunk + 2)  # `_emit`'s two spare slots
-            n, top = _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)
+            if hw:
+                n, top = _cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)
+            else:
+                n, top = _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)
             if top >= limit:
                 raise _OutOfRange
             return buf.pos[:n] + s, buf.old[:n].copy(), buf.new[:n].copy()
