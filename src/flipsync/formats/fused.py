@@ -279,6 +279,16 @@ def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint3
     return top
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _abs_max_bits(src: np.ndarray) -> np.uint32:
+    """max |x| of fp32 bit patterns, as a bit pattern (sign cleared: the order of |x|, NaN's above inf's).
+    An integer max vectorizes; a float one does not (LLVM keeps its NaN order)."""
+    top = _U(0)
+    for i in range(src.shape[0]):
+        top = max(top, _U(src[i] & _U(0x7FFFFFFF)))
+    return top
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
 def _fp8_rows(
     src: np.ndarray,
@@ -305,9 +315,7 @@ def _fp8_rows(
     for r in range(rows):
         top = _load_row(src[r], bits, round_bf16, top)
         if channel:
-            amax = np.float32(0.0)
-            for j in range(k):
-                amax = max(amax, abs(vals[j]))
+            amax = viewer(_abs_max_bits(bits), np.float32)
             scale = np.float32(amax / _E4M3_MAX)
             if scale == 0:
                 scale = _EPS32
@@ -346,17 +354,16 @@ def _fp8_tile_rows(
     vals = np.empty((rows, k), np.float32)
     bits = vals.view(np.uint32)
     tiles = sf.shape[0]
-    amax = np.zeros(tiles, np.float32)
+    amax = np.zeros(tiles, np.uint32)  # as |x| bit patterns
     codes = np.empty(k, np.uint8)
     top = _U(0)
     for r in range(rows):
         top = _load_row(src[r], bits[r], round_bf16, top)
         for t in range(tiles):
-            for j in range(t * _TILE, min(k, (t + 1) * _TILE)):
-                amax[t] = max(amax[t], abs(vals[r, j]))
+            amax[t] = max(amax[t], _abs_max_bits(bits[r, t * _TILE : (t + 1) * _TILE]))
     inv = np.empty(tiles, np.float32)
     for t in range(tiles):
-        s = np.float32(max(amax[t], _TILE_AMAX_FLOOR) / _E4M3_MAX)
+        s = np.float32(max(viewer(amax[t], np.float32), _TILE_AMAX_FLOOR) / _E4M3_MAX)
         sf[t] = s
         inv[t] = np.float32(np.float32(1.0) / s)
     n = 0
@@ -419,9 +426,7 @@ def _mx_rows(
         top = _load_row(src[r], bits, round_bf16, top)
         for b0 in range(0, k, _MX):
             b1 = min(k, b0 + _MX)
-            amax = _U(0)
-            for j in range(b0, b1):
-                amax = max(amax, _U(bits[j] & _U(0x7FFFFFFF)))  # |x| as bits: same order as the values
+            amax = _abs_max_bits(bits[b0:b1])
             field = np.int64(amax >> _U(23)) & 0xFF
             e = min(max(field - 127 - emax, -127), 127)
             byte = e + 127
@@ -480,9 +485,7 @@ def _nv_rows(
         top = _load_row(src[r], bits, round_bf16, top)
         for b0 in range(0, k, _NV):
             b1 = min(k, b0 + _NV)
-            amax = np.float32(0.0)
-            for j in range(b0, b1):
-                amax = max(amax, abs(vals[j]))
+            amax = viewer(_abs_max_bits(bits[b0:b1]), np.float32)
             bs = np.float32(amax / six_s2)
             if bs == 0:
                 bs = np.float32(1.0)
@@ -805,14 +808,6 @@ class FusedCaster:
         if len(found) == 1:
             return CastChanges(*found[0])
         return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
-
-
-@numba.njit(nogil=True, cache=True)
-def _abs_max_bits(src: np.ndarray) -> np.uint32:
-    top = _U(0)
-    for i in range(src.shape[0]):
-        top = max(top, _U(src[i] & _U(0x7FFFFFFF)))
-    return top
 
 
 def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
