@@ -5,10 +5,12 @@ to find the changed elements. `FusedCaster.cast_diff` does both in one pass over
 previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
 emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
 
-CPU: a numba kernel works on 64-bit words of four 16-bit lanes: it rounds four masters, stores the word,
-XORs it with the previous view's word and only for a differing word (sparse at RL learning rates) visits
-the changed lanes. Chunks run on a thread pool with the GIL released. Any other device (CUDA) or master
-dtype takes the torch path: `cast_master`, then a compare on the tensors' device; both give the same bits.
+CPU: a numba kernel works on groups of 64 lanes: one vectorized loop rounds the masters, stores them and
+sets a bit of a 64-bit mask per lane that differs from the previous view; only the set bits (few at RL
+learning rates) are then visited, by trailing-zero count. The quantized families below encode a row into
+a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released.
+Any other device (CUDA) or master dtype takes the torch path: `cast_master`, then a compare on the
+tensors' device; both give the same bits.
 
 Masters that are not finite, or values that round beyond the format's range, are not handled here: the
 kernel flags them and the tensor goes through `cast_master`, which raises the formats module's error
@@ -24,6 +26,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -150,11 +153,11 @@ def _cast_diff(
 
 
 @intrinsic
-def _f16_bits(typingctx, u):  # type: ignore[no-untyped-def]
+def _f16_bits(typingctx: Any, u: Any) -> tuple[Any, Callable[..., Any]]:
     """fp32 bits -> fp16 bits by LLVM's ``fptrunc`` (x86 F16C ``vcvtps2ph``, Arm ``fcvt``: IEEE round to
     nearest even, subnormals kept), which vectorizes; `_hw_fp16` checks it against `_round16` first."""
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> ir.Value:
         half = builder.fptrunc(builder.bitcast(args[0], ir.FloatType()), ir.HalfType())
         return builder.bitcast(half, ir.IntType(16))
 
