@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
 
 from flipsync.errors import FormatError, NonFiniteError
-from flipsync.formats import get_format, served_view
+from flipsync.formats import fused, get_format, served_view
 from flipsync.formats.fused import FusedCaster
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,6 +120,17 @@ def test_every_value_and_tie(caster: FusedCaster, fmt: str, torch_path: bool) ->
         check(caster, fmt, torch.from_numpy(x[start:stop]), prev[start:stop], torch_path=torch_path)
 
 
+def test_fp16_without_a_native_conversion(caster: FusedCaster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp16 takes the hardware conversion where it matches the integer recipe; the recipe's kernel (what a
+    platform without one gets) gives the same bits."""
+    x = edge_masters("fp16")
+    prev = torch.from_numpy(x[::-1].copy()).to(torch.float16)
+    check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
+    monkeypatch.setattr(fused, "_hw_fp16", lambda: False)
+    check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
+    check(caster, "fp16", torch.from_numpy(x[5:1234]), prev[5:1234], torch_path=False)
+
+
 @pytest.mark.parametrize("fmt", list(DTYPES))
 def test_random_bit_patterns(caster: FusedCaster, fmt: str) -> None:
     """Uniform fp32 bit patterns (every exponent, every mantissa bit) below the format's limit."""
@@ -128,6 +139,28 @@ def test_random_bit_patterns(caster: FusedCaster, fmt: str) -> None:
     limit = np.float32(3.389e38 if fmt == "bf16" else 65519.0)
     x = np.where(np.isfinite(x) & (np.abs(x) < limit), x, np.float32(1.5))
     check(caster, fmt, torch.from_numpy(x), torch.from_numpy(x[::-1].copy()).to(DTYPES[fmt]), torch_path=False)
+
+
+def group_flips(size: int, rng: np.random.Generator) -> np.ndarray:
+    """Lanes to flip: each run of 64 lanes (the kernel's mask groups, from any chunk start) gets 0, 1, 2, 3,
+    5, 63 or 64 of them, so every path of the emission (two branch-free slots, the loop) and the tail shorter
+    than a group is taken."""
+    flips = np.zeros(size, bool)
+    counts = (0, 1, 2, 3, 5, 63, 64)
+    for i, g in enumerate(range(0, size, 64)):
+        lanes = min(64, size - g)
+        flips[g + rng.choice(lanes, min(counts[i % len(counts)], lanes), replace=False)] = True
+    return flips
+
+
+@pytest.mark.parametrize("fmt", list(DTYPES))
+@pytest.mark.parametrize("size", [64 * 7, 64 * 7 + 37, 4096 * 2 + 64 * 3 + 5, 63])
+def test_every_group_pattern(caster: FusedCaster, fmt: str, size: int) -> None:
+    rng = np.random.default_rng(size)
+    x = (rng.standard_normal(size) * 0.02).astype(np.float32)
+    prev = torch.from_numpy(x).to(DTYPES[fmt])
+    prev.view(torch.int16)[torch.from_numpy(group_flips(size, rng))] ^= 1
+    check(caster, fmt, torch.from_numpy(x), prev, torch_path=False)
 
 
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
@@ -280,6 +313,19 @@ def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
     check_quantized(caster, fmt, tiny, zero_payload(fmt, (2, 64)), from_fp32=True)
 
 
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_quantize_every_group_pattern(caster: FusedCaster, fmt: str) -> None:
+    """Payload rows of 2 * 64 + 40 bytes whose previous bytes differ in 0..64 lanes of each group of 64."""
+    rng = np.random.default_rng(3)
+    width = 2 * 64 + 40
+    x = (rng.standard_normal((5, width * 2 if fmt in FP4 else width)) * 0.02).astype(np.float32)
+    ref = served_view({"w.weight": torch.from_numpy(x)}, fmt)["w.weight"].clone()
+    payload = ref.view(torch.uint8)
+    for r in range(x.shape[0]):
+        payload[r][torch.from_numpy(group_flips(width, rng))] ^= 1
+    check_quantized(caster, fmt, torch.from_numpy(x), ref, from_fp32=False)
+
+
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "nvfp4"])
 def test_a_shared_scale_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster, fmt: str) -> None:
     g = torch.Generator().manual_seed(0)
@@ -300,6 +346,7 @@ def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaste
         (fmt, x.reshape(-1), ref.reshape(-1)),  # not 2-D
         (fmt, x, zero_payload(fmt, (8, 18))),  # a previous view of another layout
         (fmt, bad, ref),  # non-finite: the recipe raises NonFiniteError
+        (fmt, torch.where(x > 0, x, float("-inf")), ref),  # -inf (its bits sort above every finite |x|)
         (fmt, torch.full((8, 16), 3.4e38), ref),  # bf16 overflow: the recipe raises FormatError
     ):
         assert caster.quantize_diff(args[0], "w.weight", args[1], args[2], None, from_fp32=False) is None
