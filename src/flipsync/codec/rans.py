@@ -220,10 +220,10 @@ _MAX_EG_K = 15
 def _encode_counts(c: np.ndarray) -> tuple[int, bytes]:
     """(coding byte, bytes) of the table's counts minus one: the smaller of fixed width and Exp-Golomb."""
     params, blob = _FIXED.encode(c)
-    k = min(range(_MAX_EG_K + 1), key=lambda k: exp_golomb_bits(c, k))
-    if (exp_golomb_bits(c, k) + 7) // 8 >= len(blob):
+    bits, k = min((exp_golomb_bits(c, k), k) for k in range(_MAX_EG_K + 1))
+    if (bits + 7) // 8 >= len(blob):
         return params["bits"], blob  # ties keep the coding every reader knows
-    out = np.empty((exp_golomb_bits(c, k) + 7) // 8, dtype=np.uint8)
+    out = np.empty((bits + 7) // 8, dtype=np.uint8)
     return _EXP_GOLOMB + k, out[: pack_exp_golomb(c, k, out)].tobytes()
 
 

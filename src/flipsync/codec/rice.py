@@ -12,11 +12,8 @@ from typing import Any, ClassVar
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
-from flipsync.codec.bitpack import pack_codes
+from flipsync.codec.bitpack import clz64, pack_codes
 from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.errors import CorruptPatchError
 
@@ -34,17 +31,6 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
 def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
     """Each gap as its quotient in unary (q zeros, then a one) followed by its k low bits."""
     return int(pack_codes(gaps, k, True, out))
-
-
-@intrinsic
-def _clz64(typingctx, x):
-    """Count leading zeros of a nonzero uint64 (one instruction; numba has no builtin for it)."""
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
-
-    return sig, codegen
 
 
 @numba.njit(nogil=True, cache=True)
@@ -87,7 +73,7 @@ def rice_decode_runs(
                     q += nbuf
                     nbuf = 0
                     continue
-                z = int(_clz64(buf))  # type: ignore[call-arg]  # numba passes typingctx itself
+                z = int(clz64(buf))  # type: ignore[call-arg]  # numba passes typingctx itself
                 q += z
                 buf = (buf << np.uint64(z)) << np.uint64(1)  # two shifts: a shift by 64 is undefined
                 nbuf -= z + 1
@@ -153,17 +139,21 @@ def _quotient_sums(positions: np.ndarray, k0: int, out: np.ndarray) -> bool:
     return True
 
 
-def _best_k(mean: float, bits_for: Callable[[int], int]) -> tuple[int, int]:
-    """(k, bits) of the cheapest Rice parameter, searched around the guess from the mean gap."""
+def _candidates(mean: float) -> range:
+    """The Rice parameters worth trying for gaps of this mean: around the guess from it."""
     guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
-    candidates = range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
+    return range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
+
+
+def _best_k(candidates: range, bits_for: Callable[[int], int]) -> tuple[int, int]:
+    """(k, bits) of the cheapest of the candidate Rice parameters."""
     return min(((k, bits_for(k)) for k in candidates), key=lambda kb: kb[1])
 
 
 def best_rice_k(gaps: np.ndarray) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
     mean = float(gaps.mean()) if gaps.size else 0.0
-    return _best_k(mean, lambda k: rice_bits(gaps, k))[0]
+    return _best_k(_candidates(mean), lambda k: rice_bits(gaps, k))[0]
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
@@ -180,12 +170,11 @@ def rice_encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
     p = np.ascontiguousarray(positions, dtype=np.int64)
     n = p.size
     mean = (int(p[-1]) + 1 - n) / n if n else 0.0  # the gaps sum to last + 1 - n
-    guess = max(0, int(np.log2(mean * 0.69 + 1.0)))
-    k0 = max(0, guess - 1)
-    sums = np.zeros(min(MAX_RICE_K, guess + 2) - k0, dtype=np.uint64)
-    if not _quotient_sums(p, k0, sums):
+    candidates = _candidates(mean)
+    sums = np.zeros(len(candidates), dtype=np.uint64)
+    if not _quotient_sums(p, candidates.start, sums):
         raise ValueError("positions must be sorted and unique")
-    k, bits = _best_k(mean, lambda k: int(sums[k - k0]) + n * (k + 1))
+    k, bits = _best_k(candidates, lambda k: int(sums[k - candidates.start]) + n * (k + 1))
     out = np.empty((bits + 7) // 8, dtype=np.uint8)
     used = int(pack_codes(p, k, True, out, True))
     return {"k": k}, out[:used].tobytes()
