@@ -92,6 +92,20 @@ def _with_header(mutate: object) -> bytes:
     return struct.pack("<Q", len(head)) + head + LEGACY[8 + hlen :]
 
 
+def refused_leaving_base(data: bytes, old: dict[str, torch.Tensor]) -> None:
+    """``data`` is refused as corrupt, by reading, decoding or applying it, and an apply that started leaves
+    ``old`` as it was (all or nothing)."""
+    with pytest.raises(CorruptPatchError):
+        patch = Patch.from_bytes(data)
+        list(patch.changes())
+        work = {k: v.clone() for k, v in old.items()}
+        try:
+            apply_patch(work, patch, FingerprintTable.of(work), verify="digest")
+        except CorruptPatchError:
+            assert all(same_bits(work[k], old[k]) for k in old)
+            raise
+
+
 def relayout(data: bytes, replace: dict[str, bytes]) -> bytes:
     """The safetensors file ``data`` with some tensors' bytes replaced, every offset moved to match."""
     hlen = struct.unpack_from("<Q", data)[0]
