@@ -37,7 +37,7 @@ import torch
 from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, dtype_named, int_view
+from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, dtype_named, int_view
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
@@ -391,13 +391,18 @@ class VersionRounds:
         return result, spans_input, 0 if info is None else info.size
 
     def _base_free(self, patch: Patch) -> Patch:
-        """``patch`` with every section coded by version 1 coders, decoded against this rank's base pieces."""
+        """``patch`` with every section coded by version 1 coders: those coded against the base are decoded
+        against this rank's base pieces and coded again, the others kept as they are."""
         assert self.base is not None
         held = {n: p.tensor for n, p in self.base.items() if p.whole}
+        builder = PatchBuilder()
+        for s in patch.sections:
+            if patch.section_needs_base(s.name):
+                builder.add(patch.change(s.name, held.get(s.name)))
+            else:
+                builder.add_encoded(s, bytes(patch.section_blob(s.name)))
         h = patch.header
-        return Patch.from_changes(
-            list(patch.changes(held)), base=h.base, target=h.target, served_format=h.served_format, meta=h.meta
-        )
+        return builder.build(base=h.base, target=h.target, served_format=h.served_format, meta=h.meta)
 
     def _finish(
         self,
