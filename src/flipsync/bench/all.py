@@ -163,22 +163,61 @@ def targets(run: Run) -> list[Target]:
     codec = run.numbers.get("codec")
     if codec is not None:
         rows = codec.rows
-        for name, value, ok, fmt in (
+        real_bf16 = [r for r in rows if r.format == "bf16" and r.lr == 1e-6 and not r.workload.startswith("llm-like")]
+        real = "codec v2: BF16 at lr 1e-6 on real weights"
+        for name, judged, value, ok, fmt in (
             (
                 "whole patch within 10% of the entropy bound",
+                rows,
                 lambda r: r.ours_bpc / r.bound_bpc,
                 lambda v: v <= 1.10,
                 ".3f",
             ),
-            ("at least 2x smaller than XOR+zstd-1", lambda r: r.xor_zstd_bpc / r.ours_bpc, lambda v: v >= 2.0, ".2f"),
+            (
+                "at least 2x smaller than XOR+zstd-1",
+                rows,
+                lambda r: r.xor_zstd_bpc / r.ours_bpc,
+                lambda v: v >= 2.0,
+                ".2f",
+            ),
             (
                 "at least 4x smaller than int32 index + values",
+                rows,
                 lambda r: r.int32_bpc / r.ours_bpc,
                 lambda v: v >= 4.0,
                 ".2f",
             ),
+            (
+                "codec v2: every row within 10% of the conditional bound",
+                rows,
+                lambda r: r.ours_bpc / r.cond_bound_bpc,
+                lambda v: v <= 1.10,
+                ".3f",
+            ),
+            (
+                f"{real} at most 0.80x the independent bound",
+                real_bf16,
+                lambda r: r.ours_bpc / r.bound_bpc,
+                lambda v: v <= 0.80,
+                ".3f",
+            ),
+            (
+                f"{real} at most 0.40x XOR+zstd-1",
+                real_bf16,
+                lambda r: r.ours_bpc / r.xor_zstd_bpc,
+                lambda v: v <= 0.40,
+                ".3f",
+            ),
+            (
+                "codec v2: stage at most 2x the version 1 coders' stage per changed value",
+                rows,
+                lambda r: r.stage_ns / r.stage_v1_ns,
+                lambda v: v <= 2.0,
+                ".2f",
+            ),
         ):
-            out.append(_per_row(name, rows, value, ok, fmt))
+            if judged:
+                out.append(_per_row(name, judged, value, ok, fmt))
         bf16 = [r for r in rows if r.format == "bf16" and 0.5 <= r.changed_pct <= 3.0]
         if bf16:
             b = [r.ours_bpc for r in bf16]
@@ -189,44 +228,6 @@ def targets(run: Run) -> list[Target]:
                     _range(b, ".3f", " B") + f" ({', '.join(dict.fromkeys(_short(r.workload) for r in bf16))})",
                 )
             )
-        out.append(
-            _per_row(
-                "codec v2: every row within 10% of the conditional bound",
-                rows,
-                lambda r: r.ours_bpc / r.cond_bound_bpc,
-                lambda v: v <= 1.10,
-                ".3f",
-            )
-        )
-        real_bf16 = [r for r in rows if r.format == "bf16" and r.lr == 1e-6 and not r.workload.startswith("llm-like")]
-        if real_bf16:
-            out.append(
-                _per_row(
-                    "codec v2: BF16 at lr 1e-6 on real weights at most 0.80x the independent bound",
-                    real_bf16,
-                    lambda r: r.ours_bpc / r.bound_bpc,
-                    lambda v: v <= 0.80,
-                    ".3f",
-                )
-            )
-            out.append(
-                _per_row(
-                    "codec v2: BF16 at lr 1e-6 on real weights at most 0.40x XOR+zstd-1",
-                    real_bf16,
-                    lambda r: r.ours_bpc / r.xor_zstd_bpc,
-                    lambda v: v <= 0.40,
-                    ".3f",
-                )
-            )
-        out.append(
-            _per_row(
-                "codec v2: stage at most 2x the version 1 coders' stage per changed value",
-                rows,
-                lambda r: r.stage_ns / r.stage_v1_ns,
-                lambda v: v <= 2.0,
-                ".2f",
-            )
-        )
         sp = [r.diff_speedup for r in rows]
         out.append(
             Target("diff at least 2.5x faster than np.flatnonzero(a != b)", min(sp) >= 2.5, _range(sp, ".2f", "x"))
@@ -428,9 +429,10 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         lambda r: codec.markdown(r, figures, quick=quick),
     )
     # The 500 GB extrapolation uses the change rate the codec measured at BF16, lr 1e-6, on every workload
-    # (LLM-shaped synthetic weights first, then the real models).
+    # (LLM-shaped synthetic weights first, then the real models), at the bytes per change of its version 1
+    # coders: what the trainer publisher ships by default (context=False), whose costs the section measures.
     rates = [
-        (f"the codec section's {r.workload} BF16 row at lr 1e-6", r.changed / r.elements, r.ours_bpc)
+        (f"the codec section's {r.workload} BF16 row at lr 1e-6", r.changed / r.elements, r.v1_bpc)
         for r in run.numbers["codec"].rows
         if r.format == "bf16" and r.lr == 1e-6 and r.changed
     ]

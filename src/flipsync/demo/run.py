@@ -561,10 +561,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     model.train()
     # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
     # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
-    # Torch islands hold their view in-process, so patches may code positions against it (context: ~25% fewer
-    # bytes); the vLLM engine's sidecar cannot read its workers' tensors, so its islands get base-free patches.
-    config = PublisherConfig(nice=5, context=cfg.engine == "torch")
-    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt, config=config)
+    # Version 1 coders (context=False): coding positions against the base (which torch islands could decode)
+    # moved 13.4x fewer bytes than the checkpoint island against 11.6x, but on two shared cores its encoding and
+    # the islands' pass over the base made the flipsync islands trail 0.76 steps against 0.54.
+    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt, config=PublisherConfig(nice=5))
     publisher.flush()  # v0, a keyframe, is on the board before any island starts
     shelf: CheckpointShelf | None = None
     if cfg.control:

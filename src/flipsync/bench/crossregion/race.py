@@ -156,9 +156,7 @@ def _trainer_patch_fire(tr: Trained, root: str, chunk_bytes: int) -> Trainer:
         format=FMT,
         run=RUN,
         optimizer=opt,
-        # context=True: the patch the codec section sizes (positions coded against the base), which these
-        # replicas (memory engines) decode; its encoding is part of the trainer's measured cost
-        config=PublisherConfig(publisher_id="bench-trainer", chunk_bytes=chunk_bytes, context=True),
+        config=PublisherConfig(publisher_id="bench-trainer", chunk_bytes=chunk_bytes),
     )
     pub.flush()
     for _ in range(WARM_STEPS):
