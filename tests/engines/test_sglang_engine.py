@@ -12,7 +12,8 @@ import torch
 from fake_sglang import FakeSglang, serve
 
 from flipsync.codec import FingerprintTable, diff_views, int_view
-from flipsync.engines.sglang import DiskMirror, SglangEngine
+from flipsync.engines.mirror import DiskMirror
+from flipsync.engines.sglang import SglangEngine
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError
 
 
@@ -144,3 +145,20 @@ def test_missing_route_says_what_to_do(tmp_path) -> None:
 
     with serve(FastAPI()) as url, pytest.raises(ConfigError, match="no route /get_weight_version"):
         SglangEngine(url, dict(view0()), staging_dir=tmp_path, client=httpx.Client(timeout=5.0))
+
+
+def test_a_patch_coded_against_its_base_decodes_from_the_mirror(setup) -> None:
+    """The mirror is the sidecar's view of the server, so ``ctx`` patches (and multi-part versions coded
+    against their base) decode from it: ``host_view`` is the mirror."""
+    v0, fake, engine, _url, _ = setup
+    big = "model.embed_tokens.weight"
+    v1 = dict(v0)
+    flat = int_view(v0[big].clone()).clone().reshape(-1)
+    exponent = (flat >> 7) & 0xFF
+    flat[exponent == exponent.mode().values] += 1  # one exponent class changes: ctx codes it in a few bytes
+    v1[big] = flat.view(torch.bfloat16).reshape(v0[big].shape)
+    patch, t1 = diff_views(v0, v1)
+    assert patch.needs_base and engine.host_view is not None
+    engine.commit(engine.stage(patch))
+    assert same(fake.weights, v1) and same(dict(engine.host_view), v1)
+    assert engine.table.view_fp() == t1.view_fp()

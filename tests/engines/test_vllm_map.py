@@ -14,11 +14,23 @@ from fake_vllm import DIMS, FakeLlama, bits_equal, boot, checkpoint, fake_policy
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flipsync.board import BoardReader, BoardWriter, open_store
 from flipsync.codec import FingerprintTable, diff_views, int_view
+from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.worker import WorkerCore
-from flipsync.errors import BaseMismatchError, CorruptPatchError, EngineError, PatchError, VerificationError
+from flipsync.errors import (
+    BaseMismatchError,
+    ConfigError,
+    CorruptPatchError,
+    EngineError,
+    PatchError,
+    VerificationError,
+)
+from flipsync.sidecar.metrics import SidecarMetrics
+from flipsync.sidecar.replica import Replica
+from tests.sidecar.sidecar_helpers import FAST, fast_replica
 
 
 # --------------------------------------------------------------------------------------- blocks
@@ -269,17 +281,133 @@ def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
     v0 = checkpoint(0)
     pairs = boot(v0)
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), table=FingerprintTable.of(v0))
-    # every element of one exponent class of a big tensor changes, no other: the ctx coder wins by far
+    v1 = one_class_changes(v0)
+    patch, _ = diff_views(v0, v1)
+    assert patch.needs_base
+    with pytest.raises(PatchError, match="mirror=FILE"):
+        engine.stage(patch)
+    plain, _ = diff_views(v0, v1, context=False)
+    engine.commit(engine.stage(plain))
+    assert bits_equal(held_view(pairs, engine), v1)
+
+
+def one_class_changes(v0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``v0`` with every element of the commonest exponent class of its largest tensor moved by one step: a
+    patch whose positions the ``ctx`` coder codes in a few bytes (so the encoder picks it)."""
     big = max(v0, key=lambda k: v0[k].numel())
-    assert v0[big].dtype == torch.bfloat16
     v1 = {k: v.clone() for k, v in v0.items()}
     flat = int_view(v1[big]).view(-1)
     exponent = (flat >> 7) & 0xFF
     flat[exponent == exponent.mode().values] += 1
+    return v1
+
+
+def mirror_of(view: dict[str, torch.Tensor], kind: str, tmp_path) -> dict[str, torch.Tensor] | DiskMirror:
+    if kind == "disk":
+        return DiskMirror.create(tmp_path / "mirror.safetensors", view)
+    return {k: v.clone() for k, v in view.items()}
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind: str, tmp_path) -> None:
+    v0 = checkpoint(0)
+    v1 = one_class_changes(v0)
+    v2 = one_class_changes(v1)
+    pairs = boot(v0, size=2)
+    mirror = mirror_of(v0, kind, tmp_path)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    assert engine.host_view is mirror and engine.adoptable
+    p1, t1 = diff_views(v0, v1)
+    p2, t2 = diff_views(v1, v2, old_table=t1)
+    assert p1.needs_base and p2.needs_base
+    u1 = engine.commit(engine.stage(p1))
+    assert bits_equal(held_view(pairs, engine), v1) and bits_equal(dict(mirror), v1)
+    u2 = engine.commit(engine.stage(p2))  # decoded against the mirror the first commit wrote
+    assert bits_equal(held_view(pairs, engine), v2) and bits_equal(dict(mirror), v2)
+    assert engine.recompute_table().view_fp() == t2.view_fp() == FingerprintTable.of(mirror).view_fp()
+    engine.rollback(u2)
+    engine.rollback(u1)
+    assert bits_equal(held_view(pairs, engine), v0) and bits_equal(dict(mirror), v0)
+    if kind == "disk":  # what a restarted sidecar maps again
+        assert bits_equal(dict(DiskMirror(tmp_path / "mirror.safetensors")), v0)
+
+
+def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
+    v0 = checkpoint(0)
+    v1 = one_class_changes(v0)
+    pairs = boot(v0)
+    stale = {k: v.clone() for k, v in v0.items()}
+    name = next(iter(stale))
+    int_view(stale[name]).view(-1)[0] += 1
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=stale)
+    assert engine.host_view is None and not engine.adoptable  # a restarted sidecar resyncs instead
     patch, _ = diff_views(v0, v1)
-    assert patch.needs_base
-    with pytest.raises(PatchError, match="context=False"):
+    with pytest.raises(PatchError, match="mirror"):
         engine.stage(patch)
+    engine.load_view(v0)  # a keyframe: workers and mirror hold it
+    assert engine.host_view is stale and bits_equal(stale, v0)
+    engine.commit(engine.stage(patch))
+    assert bits_equal(held_view(pairs, engine), v1) and bits_equal(stale, v1)
+
+
+def test_a_mirror_that_drifts_from_the_workers_is_refused_at_stage() -> None:
+    v0 = checkpoint(0)
+    v1 = one_class_changes(v0)
+    pairs = boot(v0)
+    mirror = {k: v.clone() for k, v in v0.items()}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
     plain, _ = diff_views(v0, v1, context=False)
-    engine.commit(engine.stage(plain))
+    ch = next(iter(plain.changes()))
+    int_view(mirror[ch.name]).view(-1)[int(ch.positions[0])] += 1  # the mirror no longer holds what is served
+    with pytest.raises(EngineError, match="mirror"):
+        engine.stage(plain)
+    assert engine.host_view is None
+    assert bits_equal(held_view(pairs, engine), v0)  # nothing was written
+    engine.commit(engine.stage(plain))  # a patch that needs no base still applies
+    assert bits_equal(held_view(pairs, engine), v1)
+
+
+def test_a_mirror_of_other_tensors_is_a_config_error() -> None:
+    v0 = checkpoint(0)
+    pairs = boot(v0)
+    wrong = {k: v.clone() for k, v in v0.items()}
+    wrong.pop(next(iter(wrong)))
+    with pytest.raises(ConfigError, match="mirror"):
+        VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=wrong)
+
+
+@pytest.mark.parametrize("with_mirror", [False, True])
+def test_a_replica_follows_patches_coded_against_their_base_only_with_a_mirror(with_mirror: bool, tmp_path) -> None:
+    """Without a mirror such a patch is excluded as undecodable here (the replica keeps serving and waits for a
+    keyframe past it); with one it applies like any other."""
+    store = open_store(str(tmp_path / "board"), FAST)
+    writer = BoardWriter(store, "run", publisher_id="t")
+    v0 = checkpoint(0)
+    t0 = FingerprintTable.of(v0)
+    writer.publish_snapshot(v0, version=0, view_fp=t0.view_fp(), served_format="bf16")
+    v1 = one_class_changes(v0)
+    patch, t1 = diff_views(v0, v1, old_table=t0, base_version=0, target_version=1, served_format="bf16")
+    assert patch.needs_base
+    writer.publish_patch(
+        [patch.to_bytes()],
+        base_version=0,
+        target_version=1,
+        base_view_fp=t0.view_fp(),
+        target_view_fp=t1.view_fp(),
+        served_format="bf16",
+    )
+    pairs = boot(v0)
+    mirror = {k: v.clone() for k, v in v0.items()} if with_mirror else None
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    rep = Replica(BoardReader(store, "run"), engine, config=fast_replica(), metrics=SidecarMetrics())
+    if with_mirror:
+        assert rep.sync_once() and rep.version == 1
+    else:
+        assert not rep.sync_once()
+        st = rep.status()
+        assert rep.version == 0 and st["serving"] and st["error"]["kind"] == "undecodable"
+        assert "mirror" in st["error"]["message"]
+        writer.publish_keyframe(v1, version=1, view_fp=t1.view_fp(), served_format="bf16")
+        assert rep.sync_once() and rep.version == 1
+        assert rep.status()["last_update"]["kind"] == "keyframe"
     assert bits_equal(held_view(pairs, engine), v1)

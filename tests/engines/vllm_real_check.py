@@ -4,10 +4,11 @@
 
 Builds a tiny Llama checkpoint (bf16), serves it with an offline ``vllm.LLM`` carrying the flipsync worker
 extension, attaches a ``VllmEngine``, applies two patches built with ``diff_views`` from the served views,
-rolls back and re-applies, and checks:
+rolls back and re-applies, then loads a full view and applies a patch coded against its base (``ctx``, decoded
+from the engine's mirror: a memory-mapped host copy of the served view), and checks:
 
 - the workers' fingerprints of the checkpoint-coordinate view (live parameters for in-place ones, host
-  copies for repacked ones) equal the patch targets, after every step;
+  copies for repacked ones) equal the patch targets, after every step, and so do the mirror's;
 - greedy generation changes after the patch and returns to the original after the rollback;
 - the patched engine generates exactly (tokens and logprobs) what a fresh engine started from the target
   checkpoint generates, which shows that the reloaded (oneDNN-repacked) layers hold the new weights too.
@@ -55,6 +56,19 @@ def make_views(model_dir: Path):
         bits[torch.rand(bits.shape, generator=g) < 0.01] -= 1
         v2[name] = bits.view(torch.bfloat16).reshape(t.shape)
     return v0, v1, v2
+
+
+def one_class_step(view):
+    """``view`` with every element of the commonest exponent class of its largest tensor moved by one step:
+    a change whose positions the ``ctx`` coder codes against the base in a few bytes."""
+    from flipsync.codec import int_view
+
+    big = max(view, key=lambda k: view[k].numel())
+    out = {k: v.clone() for k, v in view.items()}
+    flat = int_view(out[big]).view(-1)
+    exponent = (flat >> 7) & 0xFF
+    flat[exponent == exponent.mode().values] += 1
+    return out
 
 
 def generate(llm, sp):
@@ -106,7 +120,9 @@ def prepare(workdir: Path):
 def main(workdir: Path) -> dict:
     from vllm import SamplingParams
 
-    from flipsync.checkpoint import save_checkpoint
+    from flipsync.checkpoint import Checkpoint, save_checkpoint
+    from flipsync.codec import FingerprintTable, diff_views
+    from flipsync.engines.mirror import DiskMirror
     from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
@@ -117,8 +133,10 @@ def main(workdir: Path) -> dict:
     llm, res["timings"]["engine_start_s"] = start(model_dir)
     gen0 = generate(llm, sp)
     t = time.perf_counter()
-    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(model_dir))
+    mirror = DiskMirror.create(workdir / "mirror.safetensors", Checkpoint(model_dir))
+    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(model_dir), mirror=mirror)
     res["timings"]["attach_s"] = time.perf_counter() - t
+    res["checks"]["mirror_in_use"] = engine.host_view is mirror
     res["modes"] = engine.modes()
     res["checks"]["attach_table_matches_checkpoint"] = engine.table.view_fp() == t0.view_fp()
 
@@ -142,6 +160,7 @@ def main(workdir: Path) -> dict:
     engine.rollback(undo1)
     res["timings"]["rollback_2_s"] = time.perf_counter() - t
     res["checks"]["workers_hold_v0_after_rollback"] = engine.recompute_table().view_fp() == t0.view_fp()
+    res["checks"]["mirror_holds_v0_after_rollback"] = FingerprintTable.of(mirror).view_fp() == t0.view_fp()
     res["checks"]["generation_restored"] = generate(llm, sp) == gen0
     engine.commit(engine.stage(p1))
     res["checks"]["generation_reapplied"] = generate(llm, sp) == gen1
@@ -151,6 +170,13 @@ def main(workdir: Path) -> dict:
     res["timings"]["load_view_s"] = time.perf_counter() - t
     res["checks"]["load_view_table"] = engine.table.view_fp() == t2.view_fp()
     gen2_loaded = generate(llm, sp)
+    p3, t3 = diff_views(v2, one_class_step(v2), old_table=t2)
+    res["checks"]["ctx_patch_needs_base"] = p3.needs_base
+    t = time.perf_counter()
+    engine.commit(engine.stage(p3))
+    res["timings"]["ctx_stage_commit_s"] = time.perf_counter() - t
+    res["checks"]["workers_hold_v3_from_ctx_patch"] = engine.recompute_table().view_fp() == t3.view_fp()
+    res["checks"]["mirror_holds_v3"] = FingerprintTable.of(mirror).view_fp() == t3.view_fp()
     del engine, llm
     gc.collect()
 

@@ -31,117 +31,30 @@ HTTP contract (``tests/engines/fake_sglang.py``); SGLang has no CPU build that r
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import shutil
-import struct
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import httpx
-import numpy as np
 import torch
 
-from flipsync.codec import DType, FingerprintTable, Patch, StagedWrite, UndoRecord, dtype_named, dtype_of, scatter
+from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.engines.base import Engine, Staged, Undo
+from flipsync.engines.mirror import DiskMirror, write_safetensors
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DiskMirror", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
-
-_ALIGN = 8
-
-
-# ------------------------------------------------------------------------------------------ the mirror
-def _np_view_dtype(d: DType) -> np.dtype:
-    return np.dtype(np.uint8) if d.bits == 8 else np.dtype(f"<i{d.bits // 8}")
-
-
-def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
-    """Write a safetensors file one tensor at a time (memory O(largest tensor)); atomic via rename."""
-    path = Path(path)
-    meta = {}
-    for name, t in tensors.items():  # a lazy mapping reads each tensor here and once more below
-        meta[name] = (dtype_of(t), tuple(t.shape), t.numel())
-    names = sorted(meta, key=lambda n: (-meta[n][0].bits, n))
-    header: dict[str, Any] = {}
-    offset = 0
-    for name in names:
-        d, shape, numel = meta[name]
-        nbytes = numel * d.bits // 8
-        header[name] = {"dtype": d.name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % _ALIGN)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for name in names:
-            t = tensors[name].detach().contiguous().cpu()
-            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
-class DiskMirror(MutableMapping[str, torch.Tensor]):
-    """Tensors of one safetensors file, memory-mapped writable: writes go to the file's pages in place."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                (hlen,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(hlen))
-        except (OSError, ValueError, struct.error) as e:
-            raise ConfigError(f"cannot open the mirror {self.path}: {e}") from None
-        header.pop("__metadata__", None)
-        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=8 + hlen)
-        self._tensors: dict[str, torch.Tensor] = {}
-        for name, entry in header.items():
-            d = dtype_named(entry["dtype"])
-            start, end = entry["data_offsets"]
-            raw = self._mm[start:end].view(_np_view_dtype(d))
-            self._tensors[name] = torch.from_numpy(raw).view(d.torch_dtype).reshape(entry["shape"])
-
-    @classmethod
-    def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> DiskMirror:
-        """Write ``view`` (e.g. a lazy ``Checkpoint``: one tensor in memory at a time) and map it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_safetensors(view, path)
-        return cls(path)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        t = self._tensors[name]
-        if value.shape != t.shape or value.dtype != t.dtype:
-            raise ConfigError(f"mirror tensor {name!r} is {tuple(t.shape)} {t.dtype}; cannot store {value.dtype}")
-        t.copy_(value)
-
-    def __delitem__(self, name: str) -> None:
-        raise ConfigError("the mirror's tensors are fixed by its file")
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
-
-    def __len__(self) -> int:
-        return len(self._tensors)
-
-    def flush(self) -> None:
-        self._mm.flush()
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -246,6 +159,11 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
     @property
     def table(self) -> FingerprintTable:
         return self._table
+
+    @property
+    def host_view(self) -> Mapping[str, torch.Tensor]:
+        """The mirror: what the server was last given, where the sidecar reads it."""
+        return self._mirror
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if set(view) != set(self._mirror):

@@ -22,6 +22,7 @@ from flipsync.errors import (
     CorruptPatchError,
     EngineError,
     FlipsyncError,
+    PatchError,
     UnusableArtifactError,
     VerificationError,
 )
@@ -95,6 +96,10 @@ class Committer:
                 raise WeightsChangedError(f"the engine's weights changed under the sidecar ({e})") from e
             raise UnusableArtifactError(
                 f"{where} does not apply to its own base view: {e}", edge=m.edge, kind="corrupt_patch"
+            ) from e
+        except PatchError as e:  # sound, but this engine cannot decode it (coded against a base it cannot read)
+            raise UnusableArtifactError(
+                f"{where} cannot be staged by the {self.engine.name} engine: {e}", edge=m.edge, kind="undecodable"
             ) from e
         return staged
 

@@ -21,6 +21,7 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
 from flipsync.board.store import Store
 from flipsync.engines.base import Engine
+from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, load_config
 from flipsync.engines.torch.openai_server import create_engine_app
@@ -53,7 +54,9 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     built from its documented constructor and these ``--engine-option`` keys:
 
     - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
-      (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``);
+      (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``),
+      ``mirror`` (optional: a safetensors file mirroring what the workers hold, so that patches coded against
+      their base decode; created from ``model_dir`` when missing);
     - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
       ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
     """
@@ -77,23 +80,27 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
             module.HttpTransport(url),
             module.specs_from_checkpoint(opts["model_dir"]),
             source=opts.get("source", opts["model_dir"]),
+            mirror=open_mirror(opts) if "mirror" in opts else None,
         )
     else:
         if "mirror" not in opts:
             raise ConfigError("the sglang engine needs --engine-option mirror=FILE (and model_dir=PATH to create it)")
-        mirror_path = Path(opts["mirror"])
-        if mirror_path.exists():
-            mirror = module.DiskMirror(mirror_path)
-        elif "model_dir" in opts:
-            from flipsync.checkpoint import Checkpoint
-
-            mirror = module.DiskMirror.create(mirror_path, Checkpoint(opts["model_dir"]))
-        else:
-            raise ConfigError(f"the mirror {mirror_path} does not exist: pass model_dir=PATH to create it")
-        engine = module.SglangEngine(url, mirror, staging_dir=opts.get("staging_dir"))
+        engine = module.SglangEngine(url, open_mirror(opts), staging_dir=opts.get("staging_dir"))
     if not isinstance(engine, Engine):
         raise ConfigError(f"the {kind} engine factory returned {type(engine).__name__}, not an Engine")
     return engine
+
+
+def open_mirror(opts: dict[str, str]) -> DiskMirror:
+    """The ``mirror`` file of an engine's options, created from ``model_dir`` when it does not exist yet."""
+    path = Path(opts["mirror"])
+    if path.exists():
+        return DiskMirror(path)
+    if "model_dir" not in opts:
+        raise ConfigError(f"the mirror {path} does not exist: pass model_dir=PATH to create it")
+    from flipsync.checkpoint import Checkpoint
+
+    return DiskMirror.create(path, Checkpoint(opts["model_dir"]))
 
 
 def find_run(store: Store) -> str:

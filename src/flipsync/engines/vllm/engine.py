@@ -23,6 +23,11 @@ Then, per patch:
 - ``recompute_table``: each worker fingerprints the elements it holds, block by block, in checkpoint
   coordinates; fingerprints are additive, so the blocks sum to each checkpoint tensor's fingerprint.
   Replicated blocks (tensor-parallel copies) must agree.
+
+With a *mirror* (:mod:`flipsync.engines.mirror`: a host copy of the served view, e.g. a memory-mapped
+safetensors file) the sidecar also decodes patches coded against their base (``ctx``), which it otherwise
+refuses: the base values live in the workers. Stage checks the mirror's old bits against the workers' at
+every changed element; commit and rollback write the mirror after the workers (O(changed)).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import os
 import secrets
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -52,9 +57,11 @@ from flipsync.codec import (
     fingerprint_of,
     fp_hex,
     from_key,
+    int_view,
     to_key,
 )
 from flipsync.engines.base import Engine, Staged, Undo
+from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.wire import (
     DEFAULT_MAX_UNDO,
@@ -266,6 +273,8 @@ class VllmStaged(Staged):
     targets: dict[str, TensorId]
     n_changed: int
     stage_s: float = 0.0
+    # with a mirror: each changed tensor's positions, old bits and new bits, for the mirror's own commit
+    mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -273,6 +282,7 @@ class VllmUndo(Undo):
     token: str
     table_before: dict[str, TensorId] = field(default_factory=dict)
     commit_s: float = 0.0
+    mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 class VllmEngine(Engine[VllmStaged, VllmUndo]):
@@ -291,15 +301,25 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         attach_timeout_s: float = 900.0,
         max_undo: int = DEFAULT_MAX_UNDO,
         workdir: str | os.PathLike[str] | None = None,
+        mirror: MutableMapping[str, torch.Tensor] | None = None,
     ) -> None:
         """Attach to the workers: they learn their maps (and capture host copies of repacked parameters from
         ``source``, by default the checkpoint the engine was started from).
 
         ``table`` is the fingerprint table of the view the engine holds; without it the table is recomputed
-        from the workers (O(size)).
+        from the workers (O(size)). ``mirror``: a host copy of the served view (CPU tensors of the specs'
+        names, shapes and dtypes), so that patches coded against their base decode here; it is fingerprinted
+        (O(size)) and used only if it holds what the workers serve, else from the next full load on.
         """
         if not specs:
             raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
+        if mirror is not None and specs_of(mirror) != dict(specs):
+            raise ConfigError(
+                "the mirror does not hold the engine's tensors (names, shapes, dtypes): create it from the "
+                "checkpoint the engine serves"
+            )
+        self._mirror = mirror
+        self._mirror_current = False  # whether the mirror holds what the workers serve
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
@@ -348,6 +368,14 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 log.warning("vllm engine: the workers hold no consistent view (%s); a full load is needed", e)
         elif set(table) != set(self._specs):
             raise ConfigError("the fingerprint table does not describe the same tensors as the specs")
+        if mirror is not None:
+            mirrored = FingerprintTable.of(mirror).view_fp()
+            self._mirror_current = self._diverged is None and mirrored == self._table.view_fp()
+            if not self._mirror_current:
+                log.warning(
+                    "vllm engine: the mirror does not hold what the workers serve; patches coded against their "
+                    "base are refused until the next full load"
+                )
         log.info(
             "vllm engine attached: %d workers, %d tensors (%d not held), in %.1fs",
             len(self._maps),
@@ -408,9 +436,16 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         Not with reload-mode (repacked) parameters: their host copies are captured from ``source`` at attach,
         so after a sidecar restart they describe that checkpoint, not necessarily the weights served.
         """
-        return self._diverged is None and all(
-            info["mode"] != RELOAD for params in self.params.values() for info in params.values()
+        return (
+            self._diverged is None
+            and (self._mirror is None or self._mirror_current)
+            and all(info["mode"] != RELOAD for params in self.params.values() for info in params.values())
         )
+
+    @property
+    def host_view(self) -> Mapping[str, torch.Tensor] | None:
+        """The mirror, while it holds what the workers serve; else None (see ``__init__``)."""
+        return self._mirror if self._mirror_current else None
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if specs_of(view) != self._specs:
@@ -426,12 +461,18 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._call({"op": "load", "source": path}, max(self._timeout, 600.0))
         finally:
             Path(path).unlink(missing_ok=True)
+        self._mirror_current = False
         self._table = FingerprintTable.of(view)
         held = self.recompute_table()
         if held.view_fp() != self._table.view_fp():
             bad = sorted(n for n in held if held[n] != self._table[n])
             raise VerificationError(f"after loading the view the engine holds other bytes in {bad[:5]}")
         self._diverged = None
+        if self._mirror is not None:
+            for name, t in view.items():
+                self._mirror[name].copy_(t.detach().cpu())
+            self._flush_mirror()
+            self._mirror_current = True
 
     def stage(self, patch: Patch) -> VllmStaged:
         t0 = time.perf_counter()
@@ -459,13 +500,18 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     f"the patch changes {s.name!r}, which the engine does not hold ({self.unheld[s.name]}); "
                     "serve the model so that every served tensor is loaded (e.g. untied embeddings)"
                 )
-        if patch.needs_base:
+        base = self.host_view
+        if patch.needs_base and base is None:
             raise PatchError(
                 "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
-                "engine's sidecar does not hold (they live in the workers): publish with "
+                "engine's sidecar does not hold (they live in the workers): attach the engine with a mirror "
+                "(VllmEngine(..., mirror=...), sidecar --engine-option mirror=FILE), publish with "
                 "PublisherConfig(context=False) (the default), or rebuild it with diff_views(..., context=False)"
             )
-        changes = {s.name: patch.change(s.name) for s in patch.sections}
+        changes = {}
+        for s in patch.sections:
+            against = base[s.name] if base is not None and patch.section_needs_base(s.name) else None
+            changes[s.name] = patch.change(s.name, against)
         # where each changed element lives, and who reports its old bits
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
         reads: dict[str, list[list[str]]] = {}
@@ -498,6 +544,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 rank = str(a["rank"])
                 for (name, hit), bits in zip(read_slots.get(rank, []), a["result"], strict=True):
                     old[name][hit] = unb64(bits, uint_dtype(changes[name].dtype.bits))
+        mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
         targets: dict[str, TensorId] = {}
         n_changed = 0
@@ -513,6 +560,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 )
             for rank, pname, hit, ppos in plans[name]:
                 per_rank.setdefault(rank, []).append([pname, b64(ppos), b64(new[hit])])
+            if base is not None:
+                mirror_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
             n_changed += ch.n
         after = self._table.copy()
@@ -529,6 +578,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             targets=targets,
             n_changed=n_changed,
             stage_s=time.perf_counter() - t0,
+            mirror_writes=self._checked_against_mirror(mirror_writes),
         )
 
     def commit(self, staged: VllmStaged) -> VllmUndo:
@@ -549,8 +599,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             if isinstance(e, EngineError | KeyboardInterrupt):
                 raise
             raise EngineError(f"commit failed and was undone: {e}") from None
-        undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0)
+        undo = VllmUndo(
+            token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.mirror_writes
+        )
         self._table.update(staged.targets)
+        self._write_mirror(staged.mirror_writes, new=True)
         return undo
 
     def rollback(self, undo: VllmUndo) -> None:
@@ -562,6 +615,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 "resync from a keyframe"
             )
         self._table.update(undo.table_before)
+        self._write_mirror(undo.mirror_writes, new=False)
 
     def recompute_table(self) -> FingerprintTable:
         return self._recompute(strict=True)
@@ -598,6 +652,40 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
 
     def close(self) -> None:
         self._transport.close()
+
+    # ---------------------------------------------------------------------------------------- mirror
+    def _checked_against_mirror(
+        self, writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
+    ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """``writes``, once the mirror's bits at every changed element are the workers' (O(changed))."""
+        if self._mirror is None or not writes:
+            return writes
+        for name, (pos, old, _) in writes.items():
+            held = int_view(self._mirror[name]).reshape(-1).numpy().view(old.dtype)[pos]
+            if not np.array_equal(held, old):
+                self._mirror_current = False
+                raise EngineError(
+                    f"the mirror's {name!r} differs from what the workers serve at the patch's changed elements; "
+                    "it is no longer used (resync from a keyframe to refresh it)"
+                )
+        return writes
+
+    def _write_mirror(self, writes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]], *, new: bool) -> None:
+        """The new (or, undoing, the old) bits of a commit the workers took, into the mirror."""
+        if self._mirror is None or not writes:
+            return
+        try:
+            for name, (pos, old, new_bits) in writes.items():
+                flat = int_view(self._mirror[name]).reshape(-1).numpy().view(old.dtype)
+                flat[pos] = new_bits if new else old
+            self._flush_mirror()
+        except Exception as e:  # the workers hold the version; only the mirror is behind
+            self._mirror_current = False
+            log.warning("vllm engine: could not update the mirror (%s); it is no longer used until a full load", e)
+
+    def _flush_mirror(self) -> None:
+        if isinstance(self._mirror, DiskMirror):
+            self._mirror.flush()
 
     # ---------------------------------------------------------------------------------------- extras
     def modes(self) -> dict[str, str]:

@@ -1,0 +1,109 @@
+"""A sidecar's host copy of the view an engine serves, for engines whose weights the sidecar cannot read.
+
+An SGLang server takes weights only through its update routes, and a vLLM engine's parameters live in its
+workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *mirror*
+holds them: a safetensors file on local disk, memory-mapped writable (:class:`DiskMirror`: the page cache
+holds what is read, nothing is loaded up front), or any mapping of CPU tensors. The engine writes a patch's
+new bits into it after the engine itself took them (O(changed)) and the old ones back on rollback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterator, Mapping, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from flipsync.codec import DType, dtype_named, dtype_of
+from flipsync.errors import ConfigError
+
+__all__ = ["DiskMirror", "write_safetensors"]
+
+_ALIGN = 8
+
+
+def _np_view_dtype(d: DType) -> np.dtype:
+    return np.dtype(np.uint8) if d.bits == 8 else np.dtype(f"<i{d.bits // 8}")
+
+
+def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
+    """Write a safetensors file one tensor at a time (memory O(largest tensor)); atomic via rename."""
+    path = Path(path)
+    meta = {}
+    for name, t in tensors.items():  # a lazy mapping reads each tensor here and once more below
+        meta[name] = (dtype_of(t), tuple(t.shape), t.numel())
+    names = sorted(meta, key=lambda n: (-meta[n][0].bits, n))
+    header: dict[str, Any] = {}
+    offset = 0
+    for name in names:
+        d, shape, numel = meta[name]
+        nbytes = numel * d.bits // 8
+        header[name] = {"dtype": d.name, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % _ALIGN)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in names:
+            t = tensors[name].detach().contiguous().cpu()
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+class DiskMirror(MutableMapping[str, torch.Tensor]):
+    """Tensors of one safetensors file, memory-mapped writable: writes go to the file's pages in place."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                (hlen,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(hlen))
+        except (OSError, ValueError, struct.error) as e:
+            raise ConfigError(f"cannot open the mirror {self.path}: {e}") from None
+        header.pop("__metadata__", None)
+        self._mm = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=8 + hlen)
+        self._tensors: dict[str, torch.Tensor] = {}
+        for name, entry in header.items():
+            d = dtype_named(entry["dtype"])
+            start, end = entry["data_offsets"]
+            raw = self._mm[start:end].view(_np_view_dtype(d))
+            self._tensors[name] = torch.from_numpy(raw).view(d.torch_dtype).reshape(entry["shape"])
+
+    @classmethod
+    def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> DiskMirror:
+        """Write ``view`` (e.g. a lazy ``Checkpoint``: one tensor in memory at a time) and map it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(view, path)
+        return cls(path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        t = self._tensors[name]
+        if value.shape != t.shape or value.dtype != t.dtype:
+            raise ConfigError(f"mirror tensor {name!r} is {tuple(t.shape)} {t.dtype}; cannot store {value.dtype}")
+        t.copy_(value)
+
+    def __delitem__(self, name: str) -> None:
+        raise ConfigError("the mirror's tensors are fixed by its file")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def flush(self) -> None:
+        self._mm.flush()
