@@ -153,6 +153,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
     ):
         assert header in text
     assert "```json" not in text  # tables only
+    assert "the memory floor allows at most bf16 1 thread(s)" in text  # the fused target says what bandwidth allows
     plots = sorted(p.name for p in (tmp_path / "benchmarks").iterdir())
     assert plots == ["codec-bytes-per-change.png", "crossregion.png", "engine-pause.png", "scaling.png"]
     for name in plots:

@@ -23,6 +23,9 @@ def test_fused_bench_reports_every_method_and_phase() -> None:
     for r in out["rows"]:
         assert 0 < r["changed_pct"] < 100 and r["served_bytes"] > 0
         assert r["fused_ns_per_byte"] > 0 and r["torch_flatnonzero_ns_per_byte"] > 0 and r["vs_flatnonzero"] > 0
+        # the memory floor is timed for the element-wise casts only
+        assert (r["floor_ns_per_byte"] > 0) == (r["format"] in fused.DTYPES)
+        assert (r["floor_vs_flatnonzero"] is not None) == (r["format"] in fused.DTYPES)
     for phases in out["publish_ns_per_byte"].values():
         assert set(phases) == {"fused", "separate"}
         for p in phases.values():

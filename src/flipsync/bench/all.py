@@ -322,15 +322,22 @@ def targets(run: Run) -> list[Target]:
         )
     fu = run.numbers.get("fused")
     if fu is not None:
-        out.append(
-            _per_row(
-                "fused pass at least 5x faster than torch cast + np.flatnonzero on the same tensors",
-                [_FusedRow(r, fu["lr"]) for r in fu["rows"]],
-                lambda r: r.vs_flatnonzero,
-                lambda v: v >= 5.0,
-                ".2f",
-            )
+        fused_target = _per_row(
+            "fused pass at least 5x faster than torch cast + np.flatnonzero on the same tensors",
+            [_FusedRow(r, fu["lr"]) for r in fu["rows"]],
+            lambda r: r.vs_flatnonzero,
+            lambda v: v >= 5.0,
+            ".2f",
         )
+        floors = [r for r in fu["rows"] if r.get("floor_vs_flatnonzero")]
+        if floors:  # what memory bandwidth allows: no pass that moves these bytes can beat the floor
+            limits = ", ".join(
+                f"{r['format']} {r['threads']} thread(s) {r['floor_vs_flatnonzero']:.2f}x" for r in floors
+            )
+            fused_target = Target(
+                fused_target.name, fused_target.met, f"{fused_target.figure}; the memory floor allows at most {limits}"
+            )
+        out.append(fused_target)
         totals = {n: p["fused"]["total"] for n, p in fu["publish_ns_per_byte"].items()}
         out.append(
             Target(

@@ -12,7 +12,10 @@ served view is computed and compared with the previous one three ways, timed bac
   `flipsync.codec.DiffEngine.changes` on ``threads`` threads.
 
 Costs are nanoseconds per served byte (the new view's bytes); the ratios are the baselines' time over the
-fused pass's. All three must find the same changed positions (checked). Quantized formats get the same three
+fused pass's. All three must find the same changed positions (checked). For bf16 and fp16 a *memory floor*
+is timed beside them: a pass that moves the fused pass's bytes (reads the master and the previous view, writes
+the new view) and computes next to nothing, so no pass over these tensors can be faster on this machine;
+*flatnonzero / floor* is the most any such pass could gain over the baseline here. Quantized formats get the same three
 rows over their whole served view (`measure_quantized`): the publisher's fused pass (payloads and plain
 casts in one pass, scales diffed after), and `served_view` followed by ``np.flatnonzero`` or `DiffEngine`.
 
@@ -24,11 +27,14 @@ served byte, median over the steps.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numba
 import numpy as np
 import torch
 from rich.console import Console
@@ -62,6 +68,7 @@ class FusedRow:
     fused_cpu_ns_per_byte: float = 0.0
     torch_flatnonzero_cpu_ns_per_byte: float = 0.0
     cast_diffengine_cpu_ns_per_byte: float = 0.0
+    floor_ns_per_byte: float = 0.0  # the memory floor (bf16/fp16 rows; 0: not measured)
 
     @property
     def vs_flatnonzero(self) -> float:
@@ -71,9 +78,33 @@ class FusedRow:
     def vs_diffengine(self) -> float:
         return self.cast_diffengine_ns_per_byte / self.fused_ns_per_byte
 
+    @property
+    def floor_vs_flatnonzero(self) -> float | None:
+        """The most any pass moving these bytes could gain over the baseline here (None: no floor measured)."""
+        return self.torch_flatnonzero_ns_per_byte / self.floor_ns_per_byte if self.floor_ns_per_byte else None
+
 
 def _ints(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.int16).numpy()
+
+
+@numba.njit(nogil=True, cache=True)
+def _touch(src: np.ndarray, ref: np.ndarray, out: np.ndarray) -> None:
+    """The fused pass's memory traffic with next to no arithmetic: read a 32-bit master and a 16-bit old value,
+    write a 16-bit new one (its top half xor the old: both reads are used, so neither is optimized away)."""
+    for i in range(src.shape[0]):
+        out[i] = np.uint16(src[i] >> np.uint32(16)) ^ ref[i]
+
+
+def _floor(
+    pool: ThreadPoolExecutor, threads: int, srcs: list[np.ndarray], refs: list[np.ndarray], outs: list[np.ndarray]
+) -> None:
+    """`_touch` over every tensor, each split into ``threads`` slices run at once on ``pool``."""
+    jobs = []
+    for src, ref, out in zip(srcs, refs, outs, strict=True):
+        cuts = np.linspace(0, src.size, threads + 1).astype(np.int64)
+        jobs += [(src[a:b], ref[a:b], out[a:b]) for a, b in itertools.pairwise(cuts)]
+    list(pool.map(lambda j: _touch(*j), jobs))
 
 
 def measure(
@@ -86,8 +117,11 @@ def measure(
     prev_ints = {n: _ints(prev[n]) for n in names}
     bufs = {n: torch.empty(after[n].shape, dtype=dtype) for n in names}
     served = sum(t.numel() * t.element_size() for t in prev.values())
+    srcs = [after[n].detach().reshape(-1).view(torch.int32).numpy().view(np.uint32) for n in names]
+    refs = [prev_ints[n].view(np.uint16) for n in names]
+    outs = [_ints(bufs[n]).view(np.uint16) for n in names]
     counts: dict[str, int] = {}
-    with FusedCaster(threads) as caster, DiffEngine(threads) as engine:
+    with FusedCaster(threads) as caster, DiffEngine(threads) as engine, ThreadPoolExecutor(threads) as pool:
 
         def fused() -> None:
             counts["fused"] = sum(caster.cast_diff(n, after[n], dtype, prev[n], bufs[n])[1].size for n in names)
@@ -100,12 +134,17 @@ def measure(
                 engine.changes(prev[n], cast_master(n, after[n], dtype, bufs[n])).size for n in names
             )
 
-        best, cpu = _time_side_by_side([fused, torch_flatnonzero, cast_diffengine], threads, repeat)
+        def floor() -> None:
+            _floor(pool, threads, srcs, refs, outs)
+
+        best, cpu = _time_side_by_side([fused, torch_flatnonzero, cast_diffengine, floor], threads, repeat)
     if len(set(counts.values())) != 1:
         raise AssertionError(f"the methods found different numbers of changes: {counts}")
     elements = served // 2
-    ns = [b / served * 1e9 for b in (*best, *cpu)]
-    return FusedRow(fmt, threads, served, 100 * counts["fused"] / elements, *ns)
+    ns = [b / served * 1e9 for b in (*best[:3], *cpu[:3])]
+    return FusedRow(
+        fmt, threads, served, 100 * counts["fused"] / elements, *ns, floor_ns_per_byte=best[3] / served * 1e9
+    )
 
 
 def _time_side_by_side(methods: list[Callable[[], None]], threads: int, repeat: int) -> tuple[list[float], list[float]]:
@@ -238,7 +277,10 @@ def run(
     console.print(phase_table(phases))
     return {
         "lr": LR,
-        "rows": [asdict(r) | {"vs_flatnonzero": r.vs_flatnonzero} for r in rows],
+        "rows": [
+            asdict(r) | {"vs_flatnonzero": r.vs_flatnonzero, "floor_vs_flatnonzero": r.floor_vs_flatnonzero}
+            for r in rows
+        ],
         "publish_ns_per_byte": {str(n): p for n, p in phases.items()},
     }
 
@@ -266,6 +308,8 @@ def _cells(r: FusedRow) -> tuple[str, ...]:
         f"{r.vs_diffengine:.2f}x",
         f"{r.fused_cpu_ns_per_byte:.2f} / {r.torch_flatnonzero_cpu_ns_per_byte:.2f} / "
         f"{r.cast_diffengine_cpu_ns_per_byte:.2f}",
+        f"{r.floor_ns_per_byte:.3f}" if r.floor_ns_per_byte else "-",
+        f"{r.floor_vs_flatnonzero:.2f}x" if r.floor_vs_flatnonzero else "-",
     )
 
 
@@ -280,6 +324,8 @@ HEAD = (
     "fused vs flatnonzero",
     "fused vs DiffEngine",
     "CPU ns/B: fused / flatnonzero / DiffEngine",
+    "memory floor ns/B",
+    "flatnonzero / floor",
 )
 
 
@@ -296,5 +342,8 @@ def table(rows: list[FusedRow]) -> Table:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    rows = [FusedRow(**{k: v for k, v in r.items() if k != "vs_flatnonzero"}) for r in result["rows"]]
+    rows = [
+        FusedRow(**{k: v for k, v in r.items() if k not in ("vs_flatnonzero", "floor_vs_flatnonzero")})
+        for r in result["rows"]
+    ]
     return md_table(HEAD, [_cells(r) for r in rows])
