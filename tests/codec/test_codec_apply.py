@@ -9,6 +9,8 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
@@ -246,3 +248,34 @@ def test_stage_kernel_refuses_raw_values_wider_than_the_dtype() -> None:
     symbols = np.array([5, 1 << 16, 7], np.uint64)
     bad, _ = apply_mod._stage_kernel(bits, np.array([1, 2, 3]), False, symbols, np.zeros(0, bool), 1, 0, 16, *out)
     assert bad == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([np.uint8, np.uint16, np.uint32, np.uint64]), st.integers(0, 300), st.integers(0, 2**32))
+def test_fingerprint_delta_is_the_difference_of_the_two_sums(width: type, n: int, seed: int) -> None:
+    """One pass over (position, old, new) moves a fingerprint exactly as the two sums of `fingerprint_of` do, and
+    as rehashing the whole tensor does."""
+    from flipsync.codec.fingerprint import FingerprintTable, fingerprint_delta, fingerprint_of
+
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(width)
+    size = n + int(rng.integers(0, 50))
+    old_all = rng.integers(0, info.max, size=size, dtype=width, endpoint=True)
+    positions = np.sort(rng.choice(size, size=n, replace=False)).astype(np.int64)
+    new_all = old_all.copy()
+    new_all[positions] = rng.integers(0, info.max, size=n, dtype=width, endpoint=True)
+    old, new = old_all[positions], new_all[positions]
+    mask = (1 << 64) - 1
+    delta = fingerprint_delta(positions, old, new)
+    assert delta == (fingerprint_of(positions, new) - fingerprint_of(positions, old)) & mask
+    if width in (np.uint8, np.uint16):  # a tensor dtype: the whole-tensor fingerprints move by the delta too
+        as_t = {np.uint8: torch.uint8, np.uint16: torch.int16}[width]
+        before = FingerprintTable.of(
+            {"t": torch.from_numpy(old_all.view(np.int16) if width == np.uint16 else old_all).view(as_t)}
+        )
+        after = FingerprintTable.of(
+            {"t": torch.from_numpy(new_all.view(np.int16) if width == np.uint16 else new_all).view(as_t)}
+        )
+        assert (before["t"].fp + delta) & mask == after["t"].fp
+    with pytest.raises(ValueError, match="one length"):
+        fingerprint_delta(positions, old[:-1] if n else old_all[:1], new)

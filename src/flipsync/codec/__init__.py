@@ -22,7 +22,7 @@ from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, from_k
 from flipsync.codec.context import conditional_position_bits
 from flipsync.codec.diff import DiffEngine, changed_positions_reference
 from flipsync.codec.encode import diff_views
-from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_of, fp_hex
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_delta, fingerprint_of, fp_hex
 from flipsync.codec.patch import (
     CONTAINER_VERSION,
     DEFAULT_MAX_DECODED_BYTES,
@@ -67,6 +67,7 @@ __all__ = [
     "dtype_named",
     "dtype_of",
     "encode_change",
+    "fingerprint_delta",
     "fingerprint_of",
     "fp_hex",
     "from_key",

@@ -10,7 +10,7 @@ import torch
 
 from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_key
 from flipsync.codec.diff import Changes, DiffEngine
-from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_of
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_delta
 from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
@@ -57,7 +57,7 @@ def _change(
     """The coded-to-be change of one tensor: the diff's changed positions and patterns, fingerprints."""
     d = dtype_of(a)
     positions, old_bits, new_bits = found.positions, found.old, found.new
-    target_fp = (base_fp - fingerprint_of(positions, old_bits) + fingerprint_of(positions, new_bits)) & ((1 << 64) - 1)
+    target_fp = (base_fp + fingerprint_delta(positions, old_bits, new_bits)) & ((1 << 64) - 1)
     return TensorChange(
         name=name,
         dtype=d,

@@ -56,9 +56,27 @@ def _fingerprint_sparse(positions: np.ndarray, bits: np.ndarray) -> np.uint64:
     return acc
 
 
+@numba.njit(nogil=True, cache=True)
+def _fingerprint_delta(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.uint64:
+    acc = np.uint64(0)
+    for j in range(positions.shape[0]):
+        h = fmix64(np.uint64(positions[j]) + FP_SEED)  # the position's hash, shared by both terms
+        acc += fmix64(h ^ np.uint64(new[j])) - fmix64(h ^ np.uint64(old[j]))
+    return acc
+
+
 def fingerprint_of(positions: np.ndarray, bits: np.ndarray) -> int:
     """The fingerprint contribution of the given elements (positions int64, bits unsigned)."""
     return int(_fingerprint_sparse(positions.astype(np.int64, copy=False), bits.astype(np.uint64)))
+
+
+def fingerprint_delta(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    """How much the fingerprint moves when the elements at ``positions`` go from bit patterns ``old`` to ``new``
+    (unsigned, of one width): ``fingerprint_of(positions, new) - fingerprint_of(positions, old)`` mod 2**64,
+    in one pass."""
+    if not (positions.shape == old.shape == new.shape):
+        raise ValueError("positions, old and new bits must have one length")
+    return int(_fingerprint_delta(positions.astype(np.int64, copy=False), old, new))
 
 
 def fp_hex(fp: int) -> str:

@@ -30,6 +30,7 @@ from flipsync.codec import (
     bits_numpy,
     dtype_named,
     encode_change,
+    fingerprint_delta,
     fingerprint_of,
     fp_hex,
     key_steps,
@@ -119,7 +120,7 @@ def diff_pieces(
         if not changes.size:
             continue
         positions = changes.positions + b.offset
-        delta = (fingerprint_of(positions, changes.new) - fingerprint_of(positions, changes.old)) & MASK
+        delta = fingerprint_delta(positions, changes.old, changes.new)
         digest = hasher.digest_soon(tb) if b.whole else None
         coded = None
         if coder is not None:

@@ -54,7 +54,7 @@ from flipsync.codec import (
     TensorId,
     dtype_named,
     dtype_of,
-    fingerprint_of,
+    fingerprint_delta,
     fp_hex,
     from_key,
     int_view,
@@ -551,7 +551,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         for name, ch in changes.items():
             new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
             pos = ch.positions.astype(np.int64, copy=False)
-            fp = self._table[name].fp - fingerprint_of(pos, old[name]) + fingerprint_of(pos, new)
+            fp = self._table[name].fp + fingerprint_delta(pos, old[name], new)
             fp &= (1 << 64) - 1
             if ch.target_fp is not None and fp != ch.target_fp:
                 raise VerificationError(
