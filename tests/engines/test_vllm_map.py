@@ -411,3 +411,21 @@ def test_a_replica_follows_patches_coded_against_their_base_only_with_a_mirror(w
         assert rep.sync_once() and rep.version == 1
         assert rep.status()["last_update"]["kind"] == "keyframe"
     assert bits_equal(held_view(pairs, engine), v1)
+
+
+def test_the_sidecar_opens_or_creates_the_mirror_file(tmp_path) -> None:
+    """``--engine-option mirror=FILE``: created from ``model_dir`` the first time, mapped as it is after."""
+    from flipsync.checkpoint import save_checkpoint
+    from flipsync.sidecar.service import open_mirror
+
+    v0 = checkpoint(0)
+    save_checkpoint(v0, tmp_path / "model")
+    path = tmp_path / "mirror" / "view.safetensors"
+    with pytest.raises(ConfigError, match="model_dir"):
+        open_mirror({"mirror": str(path)})
+    created = open_mirror({"mirror": str(path), "model_dir": str(tmp_path / "model")})
+    assert bits_equal(dict(created), v0)
+    int_view(created[next(iter(v0))]).view(-1)[0] += 1  # a commit written through the map
+    created.flush()
+    again = open_mirror({"mirror": str(path), "model_dir": str(tmp_path / "elsewhere")})  # exists: not recreated
+    assert bits_equal(dict(again), dict(created)) and not bits_equal(dict(again), v0)
