@@ -80,6 +80,14 @@ def _code(
     return section, blob
 
 
+def _emit_coded(work: Future[tuple[SectionHeader, bytes]], name: str, emit: Emit | None) -> tuple[SectionHeader, bytes]:
+    """A section coded on the pool, handed to ``emit`` (run on the one-thread coder: in piece order)."""
+    coded = work.result()
+    if emit is not None:
+        emit(name, coded[1])
+    return coded
+
+
 def piece_fingerprint(hasher: Hasher, piece: Piece) -> int:
     """This piece's share of its tensor's fingerprint (global positions)."""
     t = piece.tensor.detach().contiguous()
@@ -102,6 +110,7 @@ def diff_pieces(
     emit: Emit | None = None,
     known: Mapping[str, Any] | None = None,
     context: bool = False,
+    pool: Executor | None = None,
 ) -> list[PieceChange]:
     """Changed elements of every piece (same layout on both sides, checked by the caller).
 
@@ -109,6 +118,8 @@ def diff_pieces(
     and, with a ``coder``, each piece's section is coded on it (only its fingerprints wait for the other
     ranks' deltas: `build_part` fills them in) and handed to ``emit`` (name, coded bytes), in piece order.
     ``known``: changes of pieces already diffed against ``old`` (`FusedDiff`), used instead of a diff.
+    ``pool``: threads that code sections side by side; the ``coder`` (one thread) then only hands them to
+    ``emit`` in piece order, and without a coder `build_part` collects them.
     """
     found: list[tuple[str, np.ndarray, np.ndarray, np.ndarray, int, Callable[[], str] | None, Any]] = []
     for name in sorted(new):
@@ -123,10 +134,15 @@ def diff_pieces(
         delta = fingerprint_delta(positions, changes.old, changes.new)
         digest = hasher.digest_soon(tb) if b.whole else None
         coded = None
-        if coder is not None:
-            # ctx ranks are counted over the whole tensor: a row shard cannot count the rows it does not hold
-            held = ta if context and a.whole and ta.device.type == "cpu" else None
-            coded = coder.submit(_code, name, b.shape, positions, changes.old, changes.new, b.dtype_name, emit, held)
+        # ctx ranks are counted over the whole tensor: a row shard cannot count the rows it does not hold
+        held = ta if context and a.whole and ta.device.type == "cpu" else None
+        args = (name, b.shape, positions, changes.old, changes.new, b.dtype_name)
+        if pool is not None:
+            coded = pool.submit(_code, *args, None, held)
+            if coder is not None:
+                coded = coder.submit(_emit_coded, coded, name, emit)
+        elif coder is not None:
+            coded = coder.submit(_code, *args, emit, held)
         found.append((name, positions, changes.old, changes.new, delta, digest, coded))
     return [PieceChange(n, p, o, w, d, dg() if dg else None, c) for n, p, o, w, d, dg, c in found]
 

@@ -39,7 +39,7 @@ from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.feed import ViewFeed
 from flipsync.trainer.group import Group, make_group
 from flipsync.trainer.pieces import StateSource, ViewPlan
-from flipsync.trainer.rounds import Published, VersionRounds
+from flipsync.trainer.rounds import Published, VersionRounds, code_pool_for
 from flipsync.trainer.slot import Item, Slot
 from flipsync.trainer.startup import Start, decide_start, layout_fingerprint, new_run_name
 from flipsync.trainer.worker import Worker
@@ -147,6 +147,7 @@ class Publisher:
             chunk_bytes=cfg.chunk_bytes,
             context=cfg.context,
         )
+        self.rounds.code_pool = code_pool_for(threads)
         layout, table = self.rounds.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
@@ -178,6 +179,7 @@ class Publisher:
             # The worker builds its own (lower-priority) pools.
             self.rounds.hasher.close()
             self.rounds.differ.close()
+            self._close_code_pool()
             self.worker.start()
         if kind != "adopt":
             self._submit(Item(0, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
@@ -324,6 +326,11 @@ class Publisher:
         finally:
             self._shutdown_resources()
 
+    def _close_code_pool(self) -> None:
+        if self.rounds.code_pool is not None:
+            self.rounds.code_pool.shutdown()
+            self.rounds.code_pool = None
+
     def _shutdown_resources(self) -> None:
         self.slot.close()
         self.slot.clear()
@@ -334,6 +341,7 @@ class Publisher:
             if not self.background:
                 self.rounds.hasher.close()
                 self.rounds.differ.close()
+                self._close_code_pool()
         self.feed.stager.clear()
         self.group.close()
 

@@ -25,9 +25,10 @@ publishes the full view; extra keyframes, when the board's cadence asks, are pub
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,6 +150,12 @@ def from_wire(
     }
 
 
+def code_pool_for(threads: int | None) -> ThreadPoolExecutor | None:
+    """Threads that code a version's sections side by side (None: one thread to give, the coder's own)."""
+    n = threads or os.cpu_count() or 1
+    return ThreadPoolExecutor(n, thread_name_prefix="flipsync-code") if n > 1 else None
+
+
 class _Inline(Executor):
     """Runs what is submitted at once, on the caller's thread."""
 
@@ -190,6 +197,7 @@ class VersionRounds:
         self.hasher = hasher
         self.differ = differ
         self.coder: Executor | None = None  # codes sections while the next piece is diffed (the worker's)
+        self.code_pool: Executor | None = None  # with several threads: codes sections side by side
         self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (the worker's)
         self.chunk_bytes = chunk_bytes
         self.context = context  # code whole host pieces' positions against the previous view (ctx)
@@ -263,12 +271,21 @@ class VersionRounds:
         rank = self.group.rank
         t0 = time.perf_counter()
         try:
-            # Without the worker's coder (inline publishing), ctx sections are coded as each piece is diffed.
-            coder = self.coder or (_Inline() if self.context else None)
+            # Without the worker's coder or a pool (inline publishing on one thread), ctx sections are coded as
+            # each piece is diffed.
+            coder = self.coder or (_Inline() if self.context and self.code_pool is None else None)
             fused = item.fused
             found = fused.changes if fused is not None and fused.base is self.base_token else None
             changes = diff_pieces(
-                self.base, item.view, self.differ, self.hasher, coder, stream.add, found, context=self.context
+                self.base,
+                item.view,
+                self.differ,
+                self.hasher,
+                coder,
+                stream.add,
+                found,
+                context=self.context,
+                pool=self.code_pool,
             )
             failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one

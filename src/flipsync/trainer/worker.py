@@ -29,7 +29,7 @@ import torch
 from flipsync.codec import DiffEngine, Hasher
 from flipsync.errors import BoardError, StoreError
 from flipsync.trainer.group import Group
-from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds
+from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds, code_pool_for
 from flipsync.trainer.slot import Item, Slot
 
 log = logging.getLogger(__name__)
@@ -102,6 +102,7 @@ class Worker:
         self.rounds.differ = DiffEngine(self.threads)
         self.rounds.hasher = Hasher(self.threads)
         coder = self.rounds.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
+        code_pool = self.rounds.code_pool = code_pool_for(self.threads)
         uploader = self.rounds.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
         try:
             if self.group.size == 1:
@@ -117,8 +118,10 @@ class Worker:
             self.rounds.differ.close()
             self.rounds.hasher.close()
             coder.shutdown()
+            if code_pool is not None:
+                code_pool.shutdown()
             uploader.shutdown()
-            self.rounds.coder = self.rounds.uploader = None
+            self.rounds.coder = self.rounds.uploader = self.rounds.code_pool = None
 
     def _solo_loop(self) -> None:
         while (item := self.slot.take()) is not None:
