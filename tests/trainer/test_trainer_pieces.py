@@ -44,15 +44,28 @@ def shard(view: dict[str, torch.Tensor], world: int) -> list[dict[str, Piece]]:
 
 
 def parts_of(
-    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int, *, coder: Executor | None = None
+    old: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    world: int,
+    *,
+    coder: Executor | None = None,
+    pool: Executor | None = None,
+    emitted: list[list[str]] | None = None,
 ) -> tuple[list[bytes], str, str]:
-    """What the engine does on each rank, done here rank by rank: the chain of parts of one version."""
+    """What the engine does on each rank, done here rank by rank: the chain of parts of one version.
+    ``emitted`` gets, per rank, the names the coder streamed, in the order it streamed them."""
     olds, news = shard(old, world), shard(new, world)
+    streams: list[list[str]] = [[] for _ in range(world)]
     with DiffEngine(1) as engine, Hasher(1) as hasher:
         specs = [{n: p.spec(n, r) for n, p in olds[r].items()} for r in range(world)]
         layout = check_tiling(specs)
         table = table_of_pieces(layout, [{n: piece_fingerprint(hasher, p) for n, p in v.items()} for v in olds])
-        changes = [diff_pieces(olds[r], news[r], engine, hasher, coder) for r in range(world)]
+        changes = [
+            diff_pieces(olds[r], news[r], engine, hasher, coder, lambda n, _b, r=r: streams[r].append(n), pool=pool)
+            for r in range(world)
+        ]
+    if emitted is not None:
+        emitted.extend(streams)
     deltas = [{c.name: c.delta for c in ch} for ch in changes]
     target = advance(table, merge_deltas(deltas))
     with_parts = [r for r in range(world) if deltas[r]]
@@ -96,14 +109,24 @@ def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 3])
-def test_sections_coded_while_diffing_are_the_same_bytes(world: int) -> None:
-    """The worker codes each piece's section on its own thread, fingerprints blank until the deltas are known:
-    the parts must hold the same header and section bytes as when they are coded at the end. (Not the same
+@pytest.mark.parametrize("how", ["coder", "pool", "coder and pool"])
+def test_sections_coded_while_diffing_are_the_same_bytes(world: int, how: str) -> None:
+    """The worker codes each piece's section on its own thread (or several side by side on a pool), fingerprints
+    blank until the deltas are known: the parts must hold the same header and section bytes as when they are
+    coded at the end, and a coder streams them in piece order however the pool finishes them. (Not the same
     file bytes: safetensors writes its metadata map in no fixed order.)"""
     old, new = views(2)
-    with ThreadPoolExecutor(1) as coder:
-        early, base_fp, target_fp = parts_of(old, new, world, coder=coder)
+    emitted: list[list[str]] = []
+    with ThreadPoolExecutor(1) as coder, ThreadPoolExecutor(4) as pool:
+        early, base_fp, target_fp = parts_of(
+            old, new, world, coder=coder if "coder" in how else None, pool=pool if "pool" in how else None,
+            emitted=emitted,
+        )  # fmt: skip
     late, base_fp2, target_fp2 = parts_of(old, new, world)
+    for part, names in zip(early, [e for e in emitted if e] if "coder" in how else [], strict=False):
+        assert names == [s.name for s in Patch.from_bytes(part).header.sections]  # streamed in header order
+    if "coder" not in how:
+        assert not any(emitted)  # nothing streamed: build_part collects what the pool coded
     assert (base_fp, target_fp) == (base_fp2, target_fp2) and len(early) == len(late) == world
     for x, y in zip(early, late, strict=True):
         px, py = Patch.from_bytes(x), Patch.from_bytes(y)
