@@ -10,6 +10,7 @@ import httpx
 import pytest
 import torch
 from fake_sglang import FakeSglang, serve
+from one_class import one_class_step
 
 from flipsync.codec import FingerprintTable, diff_views, int_view
 from flipsync.engines.mirror import DiskMirror
@@ -151,12 +152,7 @@ def test_a_patch_coded_against_its_base_decodes_from_the_mirror(setup) -> None:
     """The mirror is the sidecar's view of the server, so ``ctx`` patches (and multi-part versions coded
     against their base) decode from it: ``host_view`` is the mirror."""
     v0, fake, engine, _url, _ = setup
-    big = "model.embed_tokens.weight"
-    v1 = dict(v0)
-    flat = int_view(v0[big].clone()).clone().reshape(-1)
-    exponent = (flat >> 7) & 0xFF
-    flat[exponent == exponent.mode().values] += 1  # one exponent class changes: ctx codes it in a few bytes
-    v1[big] = flat.view(torch.bfloat16).reshape(v0[big].shape)
+    v1 = one_class_step(v0, "model.embed_tokens.weight")
     patch, t1 = diff_views(v0, v1)
     assert patch.needs_base and engine.host_view is not None
     engine.commit(engine.stage(patch))

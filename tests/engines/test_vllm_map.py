@@ -13,6 +13,7 @@ import torch
 from fake_vllm import DIMS, FakeLlama, bits_equal, boot, checkpoint, fake_policy, held_view, make_reloader, step
 from hypothesis import given
 from hypothesis import strategies as st
+from one_class import one_class_step
 
 from flipsync.board import BoardReader, BoardWriter, open_store
 from flipsync.codec import FingerprintTable, diff_views, int_view
@@ -281,7 +282,7 @@ def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
     v0 = checkpoint(0)
     pairs = boot(v0)
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), table=FingerprintTable.of(v0))
-    v1 = one_class_changes(v0)
+    v1 = one_class_step(v0)
     patch, _ = diff_views(v0, v1)
     assert patch.needs_base
     with pytest.raises(PatchError, match="mirror=FILE"):
@@ -289,17 +290,6 @@ def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
     plain, _ = diff_views(v0, v1, context=False)
     engine.commit(engine.stage(plain))
     assert bits_equal(held_view(pairs, engine), v1)
-
-
-def one_class_changes(v0: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``v0`` with every element of the commonest exponent class of its largest tensor moved by one step: a
-    patch whose positions the ``ctx`` coder codes in a few bytes (so the encoder picks it)."""
-    big = max(v0, key=lambda k: v0[k].numel())
-    v1 = {k: v.clone() for k, v in v0.items()}
-    flat = int_view(v1[big]).view(-1)
-    exponent = (flat >> 7) & 0xFF
-    flat[exponent == exponent.mode().values] += 1
-    return v1
 
 
 def mirror_of(view: dict[str, torch.Tensor], kind: str, tmp_path) -> dict[str, torch.Tensor] | DiskMirror:
@@ -311,8 +301,8 @@ def mirror_of(view: dict[str, torch.Tensor], kind: str, tmp_path) -> dict[str, t
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind: str, tmp_path) -> None:
     v0 = checkpoint(0)
-    v1 = one_class_changes(v0)
-    v2 = one_class_changes(v1)
+    v1 = one_class_step(v0)
+    v2 = one_class_step(v1)
     pairs = boot(v0, size=2)
     mirror = mirror_of(v0, kind, tmp_path)
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
@@ -334,7 +324,7 @@ def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind
 
 def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
     v0 = checkpoint(0)
-    v1 = one_class_changes(v0)
+    v1 = one_class_step(v0)
     pairs = boot(v0)
     stale = {k: v.clone() for k, v in v0.items()}
     name = next(iter(stale))
@@ -352,7 +342,7 @@ def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
 
 def test_a_mirror_that_drifts_from_the_workers_is_refused_at_stage() -> None:
     v0 = checkpoint(0)
-    v1 = one_class_changes(v0)
+    v1 = one_class_step(v0)
     pairs = boot(v0)
     mirror = {k: v.clone() for k, v in v0.items()}
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
@@ -385,7 +375,7 @@ def test_a_replica_follows_patches_coded_against_their_base_only_with_a_mirror(w
     v0 = checkpoint(0)
     t0 = FingerprintTable.of(v0)
     writer.publish_snapshot(v0, version=0, view_fp=t0.view_fp(), served_format="bf16")
-    v1 = one_class_changes(v0)
+    v1 = one_class_step(v0)
     patch, t1 = diff_views(v0, v1, old_table=t0, base_version=0, target_version=1, served_format="bf16")
     assert patch.needs_base
     writer.publish_patch(

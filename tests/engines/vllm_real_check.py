@@ -58,19 +58,6 @@ def make_views(model_dir: Path):
     return v0, v1, v2
 
 
-def one_class_step(view):
-    """``view`` with every element of the commonest exponent class of its largest tensor moved by one step:
-    a change whose positions the ``ctx`` coder codes against the base in a few bytes."""
-    from flipsync.codec import int_view
-
-    big = max(view, key=lambda k: view[k].numel())
-    out = {k: v.clone() for k, v in view.items()}
-    flat = int_view(out[big]).view(-1)
-    exponent = (flat >> 7) & 0xFF
-    flat[exponent == exponent.mode().values] += 1
-    return out
-
-
 def generate(llm, sp):
     outs = llm.generate(PROMPTS, sp, use_tqdm=False)
     return [
@@ -170,6 +157,8 @@ def main(workdir: Path) -> dict:
     res["timings"]["load_view_s"] = time.perf_counter() - t
     res["checks"]["load_view_table"] = engine.table.view_fp() == t2.view_fp()
     gen2_loaded = generate(llm, sp)
+    from one_class import one_class_step  # beside this file, on the path prepare() set
+
     p3, t3 = diff_views(v2, one_class_step(v2), old_table=t2)
     res["checks"]["ctx_patch_needs_base"] = p3.needs_base
     t = time.perf_counter()
