@@ -2,10 +2,10 @@
 
 old: every candidate coder encodes each stream and the smallest is kept, with the rANS and Rice encoders of
 ``--old`` (a git revision; default main) loaded from git; new: this tree (estimate-pruned registry, reciprocal
-rANS). Runs alternate, best of ``--repeat``. Workload: an Adam-stepped llm-like BF16 view (~39M elements;
-lr 1e-6 changes ~2.3% of it), coded whole by ``diff_views(..., context=False)``, and a few of its sections alone.
+rANS). Runs alternate, best of ``--repeat``. Workload: an Adam-stepped llm-like served view (~39M elements in
+BF16; lr 1e-6 changes ~2.3% of it), coded whole by ``diff_views(..., context=False)``, and a few of its sections.
 
-    PYTHONPATH=src python bench/code_phase.py [--old main] [--repeat 5]
+    PYTHONPATH=src python bench/code_phase.py [--old main] [--repeat 5] [--format bf16|fp8-block|mxfp4|nvfp4]
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def main() -> None:
     ap.add_argument("--old", default="main", help="git revision of the old rANS and Rice encoders")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--format", default="bf16", help="served format: bf16, fp8-block, mxfp4, nvfp4")
     args = ap.parse_args()
     old_rans, old_rice = load_old(args.old, "rans"), load_old(args.old, "rice")
 
@@ -115,7 +116,7 @@ def main() -> None:
     steps = AdamSteps(masters, args.lr)
     steps.step()
     before, after = steps.step(), steps.step()
-    old_view, new_view = served_view(before, "bf16"), served_view(after, "bf16")
+    old_view, new_view = served_view(before, args.format), served_view(after, args.format)
     numel = sum(t.numel() for t in new_view.values())
 
     def old() -> object:
@@ -126,7 +127,7 @@ def main() -> None:
         diff_views(old_view, new_view, context=False, digests=False)
     patch, _ = diff_views(old_view, new_view, context=False, digests=False)
     changed = sum(s.n for s in patch.header.sections)
-    print(f"BF16 view: {numel:,d} elements, {changed:,d} changed ({changed / numel:.2%}), lr {args.lr:g}")
+    print(f"{args.format} view: {numel:,d} elements, {changed:,d} changed ({changed / numel:.2%}), lr {args.lr:g}")
 
     def whole() -> int:
         p, _ = diff_views(old_view, new_view, context=False, digests=False)
@@ -136,7 +137,9 @@ def main() -> None:
 
     by_size = sorted(patch.header.sections, key=lambda s: -s.n)
     for s in (by_size[0], by_size[len(by_size) // 4], by_size[len(by_size) // 2]):
-        change = patch.change(s.name)  # a step section: its positions and zigzagged order-key steps
+        change = patch.change(s.name)
+        if change.raw is not None:
+            continue  # sections of steps only
         pos, vals = change.positions, zigzag(change.values)
 
         def section(pos: np.ndarray = pos, vals: np.ndarray = vals) -> int:

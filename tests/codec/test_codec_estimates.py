@@ -10,16 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, rans, streams
-from flipsync.codec.coders import ESTIMATE_MARGIN, ESTIMATE_SLACK, CoderRegistry, Params
+from flipsync.codec.coders import ESTIMATE_FROM, ESTIMATE_MARGIN, ESTIMATE_SLACK, CoderRegistry, Params
 from flipsync.codec.zstd import SAMPLE_FROM
 from tests.strategies import same_bits
 
 
 @st.composite
-def positions(draw: st.DrawFn, max_n: int = 60_000) -> np.ndarray:
+def positions(draw: st.DrawFn, max_n: int = 100_000) -> np.ndarray:
     """Sorted unique positions: scattered at some density, in runs, scattered and dense halves, or a few."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    n = draw(st.sampled_from([0, 1, 2, 7, 300, 4_095, 4_096, SAMPLE_FROM, max_n]))
+    n = draw(st.sampled_from([0, 1, 2, 7, 300, ESTIMATE_FROM - 1, ESTIMATE_FROM, 40_000, max_n]))
     kind = draw(st.sampled_from(["scattered", "runs", "halves", "sparse"]))
     if kind == "scattered":
         pos = np.cumsum(rng.geometric(draw(st.sampled_from([0.5, 0.05, 0.02, 0.003])), n)) - 1
@@ -35,10 +35,10 @@ def positions(draw: st.DrawFn, max_n: int = 60_000) -> np.ndarray:
 
 
 @st.composite
-def symbols(draw: st.DrawFn, max_n: int = 60_000) -> np.ndarray:
+def symbols(draw: st.DrawFn, max_n: int = 100_000) -> np.ndarray:
     """Unsigned symbols: zigzagged small steps (some escaping), raw FP8 bytes, raw BF16 patterns, one value."""
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    n = draw(st.sampled_from([1, 2, 9, 300, 4_095, 4_096, SAMPLE_FROM, max_n]))
+    n = draw(st.sampled_from([1, 2, 9, 300, ESTIMATE_FROM - 1, ESTIMATE_FROM, 40_000, max_n]))
     kind = draw(st.sampled_from(["steps", "escapes", "fp8", "bf16", "one", "skewed"]))
     if kind == "steps":
         steps = rng.choice([-2, -1, 1, 2, -3, 3], size=n, p=[0.1, 0.4, 0.4, 0.05, 0.03, 0.02])
@@ -86,6 +86,8 @@ def _within_margin(registry: CoderRegistry, data: np.ndarray) -> None:
     every = _every_candidate(registry, data)
     smallest = min(len(b) for _, b in every.values())
     assert len(blob) <= smallest * ESTIMATE_MARGIN + ESTIMATE_SLACK
+    if data.size < ESTIMATE_FROM:  # every candidate coded, as before estimates
+        assert len(blob) == smallest
     assert blob == every[params["codec"]][1]
     if len(blob) == smallest:  # a tie keeps the first listed, as when every candidate was coded
         assert params["codec"] == next(c for c, (_, b) in every.items() if len(b) == smallest)

@@ -24,7 +24,9 @@ Params = dict[str, Any]
 # (plus ESTIMATE_SLACK bytes, for the few bytes an estimate of a small stream may be off by).
 ESTIMATE_MARGIN = 1.01
 ESTIMATE_SLACK = 16
-ESTIMATE_FROM = 4096  # values: below, every candidate is coded (an estimate costs about as much as the coding)
+# Values from which estimates are asked for: below, every candidate is coded, as the estimates (zstd has none
+# below this either: its sample would be most of the values) cost about what they would save.
+ESTIMATE_FROM = 1 << 14
 # Status codes of the compiled unpackers.
 OK, TRUNCATED, OVERFLOW, CORRUPT = 0, -1, -2, -3
 

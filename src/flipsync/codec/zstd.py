@@ -74,13 +74,17 @@ def zstd_exact(blob: bytes, size: int) -> bytes:
 # spread evenly, and scales the result by the sample's share of the values' summed bit lengths (so that a
 # sample that caught more or fewer of the large values than its share still scales right). zstd finds about the
 # same statistics in runs of thousands of values as in the whole: on the streams of Adam-stepped BF16, FP8 and
-# FP4 views the estimates came within -5%..+6% of the true sizes, mostly a little above (a smaller input pays
-# its tables over fewer bytes). Below SAMPLE_FROM values there is no estimate (a sample would be most of them).
+# FP4 views the estimates came within a few percent of the true sizes, mostly a little above (a smaller input
+# pays its tables over fewer bytes; see _FIXED_BYTES). Below SAMPLE_FROM values there is no estimate (a sample
+# would be most of them).
 SAMPLE_RUN = 4096
 SAMPLE_SHARE = 8
-SAMPLE_FROM = 4 * SAMPLE_RUN
+SAMPLE_FROM = 4 * SAMPLE_RUN  # = coders.ESTIMATE_FROM
 SAMPLE_MIN_BYTES = 256
-_FRAME_BYTES = 9  # an empty frame: paid once, not once per sample's worth of values
+# What a compression pays whatever its input's length (frame and block headers, entropy tables): the sample
+# pays it once and so, about, does the whole, so it is not scaled up. Samples of a few thousand Adam steps'
+# gaps paid ~80-190 bytes more than their share of the whole; 64 takes most of that bias out and errs low.
+_FIXED_BYTES = 64
 
 
 @numba.njit(inline="always")
@@ -138,7 +142,7 @@ def _sampled(values: np.ndarray, gaps_of: bool) -> int | None:
     size = len(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(planes.tobytes()))
     # A sample that compresses to almost nothing (zeros, one long run) says little about the whole, whose
     # fixed costs then dominate: no estimate (and such data compresses fast).
-    return round((size - _FRAME_BYTES) / share) + _FRAME_BYTES if size >= SAMPLE_MIN_BYTES else None
+    return round((size - _FIXED_BYTES) / share) + _FIXED_BYTES if size >= SAMPLE_MIN_BYTES else None
 
 
 def shuffled_zstd_estimate(values: np.ndarray) -> int | None:
