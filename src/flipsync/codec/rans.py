@@ -270,10 +270,21 @@ _EXP_GOLOMB = 0x80
 _MAX_EG_K = 15
 
 
+@numba.njit(nogil=True, cache=True)
+def _cheapest_eg(values: np.ndarray) -> tuple[int, int]:
+    """(bits, k) of the first cheapest Exp-Golomb order k <= _MAX_EG_K, in one call (not one per k)."""
+    best, best_k = exp_golomb_bits(values, 0), 0
+    for k in range(1, _MAX_EG_K + 1):
+        bits = exp_golomb_bits(values, k)
+        if bits < best:
+            best, best_k = bits, k
+    return best, best_k
+
+
 def _encode_counts(c: np.ndarray) -> tuple[int, bytes]:
     """(coding byte, bytes) of the table's counts minus one: the smaller of fixed width and Exp-Golomb."""
     params, blob = _FIXED.encode(c)
-    bits, k = min((exp_golomb_bits(c, k), k) for k in range(_MAX_EG_K + 1))
+    bits, k = (int(x) for x in _cheapest_eg(c))
     if (bits + 7) // 8 >= len(blob):
         return params["bits"], blob  # ties keep the coding every reader knows
     out = np.empty((bits + 7) // 8, dtype=np.uint8)

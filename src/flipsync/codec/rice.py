@@ -167,17 +167,44 @@ def _best_k(candidates: range, bits_for: Callable[[int], int]) -> tuple[int, int
     return min(((k, bits_for(k)) for k in candidates), key=lambda kb: kb[1])
 
 
+@numba.njit(nogil=True, cache=True)
+def _cheapest_k(gaps: np.ndarray, k0: int, k1: int) -> tuple[int, int]:
+    """(k, bits) of the first cheapest Rice parameter in [k0, k1) (at most three), in one pass over the gaps;
+    the same as ``rice_bits`` for each candidate, at a third of the passes and one call."""
+    s0, s1, s2 = np.uint64(k0), np.uint64(min(k0 + 1, 63)), np.uint64(min(k0 + 2, 63))
+    a = b = c = np.uint64(0)
+    for g in gaps:
+        v = np.uint64(g)
+        a += v >> s0
+        b += v >> s1
+        c += v >> s2
+    sums = (a, b, c)
+    n = gaps.shape[0]
+    best_k, best = k0, int(a) + n * (k0 + 1)
+    for k in range(k0 + 1, k1):
+        bits = int(sums[k - k0]) + n * (k + 1)
+        if bits < best:
+            best_k, best = k, bits
+    return best_k, best
+
+
+def _rice_choice(gaps: np.ndarray) -> tuple[int, int]:
+    mean = float(gaps.mean()) if gaps.size else 0.0
+    candidates = _candidates(mean)
+    k, bits = _cheapest_k(gaps, candidates.start, candidates.stop)
+    return int(k), int(bits)
+
+
 def best_rice_k(gaps: np.ndarray) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    return _best_k(_candidates(mean), lambda k: rice_bits(gaps, k))[0]
+    return _rice_choice(gaps)[0]
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     """Golomb-Rice code of non-negative gaps with the cheapest parameter k."""
     g = np.ascontiguousarray(gaps, dtype=np.uint64)
-    k = best_rice_k(g)
-    out = np.empty((rice_bits(g, k) + 7) // 8, dtype=np.uint8)
+    k, bits = _rice_choice(g)
+    out = np.empty((bits + 7) // 8, dtype=np.uint8)
     used = rice_pack(g, k, out)
     return {"k": k}, out[:used].tobytes()
 
