@@ -131,8 +131,10 @@ def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
     x = np.full(lanes, np.uint64(ANS_LOW if lanes > 1 else 0), dtype=np.uint64)
     j = out.shape[0]
     bound = np.uint64((ANS_LOW >> prec) << 32)
-    lane = (symbols.shape[0] - 1) % lanes
-    for i in range(symbols.shape[0] - 1, -1, -1):
+    i = symbols.shape[0] - 1
+    lane = i % lanes
+    # One value at a time: a lone lane, or the last n % 4 values of four lanes (then whole rounds, below).
+    while i >= 0 and (lanes != 4 or (i + 1) % 4):
         s = min(np.uint64(symbols[i]), top)
         f = np.uint64(freq[s])
         v = x[lane]
@@ -146,6 +148,54 @@ def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
             q = mulhi64(v, rcp[s]) >> shift[s]  # type: ignore[call-arg]  # numba passes typingctx itself
             x[lane] = v + cum[s] + q * (m - f)
         lane = lane - 1 if lane else lanes - 1  # i % lanes without a division per value
+        i -= 1
+    if lanes == 4:
+        # Whole rounds, lanes 3, 2, 1, 0, with the states in scalars and each step written out by hand (as in
+        # ans_unpack: an inlined helper returning a tuple was 15x slower): ~25% faster than through x[lane].
+        x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+        while i >= 3:
+            s = min(np.uint64(symbols[i]), top)
+            f = np.uint64(freq[s])
+            if x3 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x3 & np.uint64(0xFFFFFFFF))
+                x3 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x3 = (x3 << np.uint64(prec)) + cum[s]
+            else:
+                x3 = x3 + cum[s] + (mulhi64(x3, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 1]), top)
+            f = np.uint64(freq[s])
+            if x2 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x2 & np.uint64(0xFFFFFFFF))
+                x2 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x2 = (x2 << np.uint64(prec)) + cum[s]
+            else:
+                x2 = x2 + cum[s] + (mulhi64(x2, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 2]), top)
+            f = np.uint64(freq[s])
+            if x1 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x1 & np.uint64(0xFFFFFFFF))
+                x1 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x1 = (x1 << np.uint64(prec)) + cum[s]
+            else:
+                x1 = x1 + cum[s] + (mulhi64(x1, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 3]), top)
+            f = np.uint64(freq[s])
+            if x0 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x0 & np.uint64(0xFFFFFFFF))
+                x0 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x0 = (x0 << np.uint64(prec)) + cum[s]
+            else:
+                x0 = x0 + cum[s] + (mulhi64(x0, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            i -= 4
+        x[0], x[1], x[2], x[3] = x0, x1, x2, x3
     if lanes == 1 and j == out.shape[0]:  # no stream words: the state alone, in as few words as it needs
         if x[0] >= np.uint64(1 << 32):
             out[j - 1] = np.uint32(x[0] & np.uint64(0xFFFFFFFF))
