@@ -200,6 +200,10 @@ def fixed_unpack(data: np.ndarray, width: int, out: np.ndarray) -> int:
     return OK
 
 
+def _width(symbols: np.ndarray) -> int:
+    return max(1, int(symbols.max()).bit_length()) if symbols.size else 1
+
+
 class FixedWidthCoder(SymbolCoder):
     """Every value in the same number of bits: no tables, so the best choice for a handful of values."""
 
@@ -207,10 +211,13 @@ class FixedWidthCoder(SymbolCoder):
 
     def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         v = np.ascontiguousarray(symbols, dtype=np.uint64)
-        width = max(1, int(v.max()).bit_length()) if v.size else 1
+        width = _width(v)
         out = np.empty((v.size * width + 7) // 8, dtype=np.uint8)
         used = pack_codes(v, width, False, out)
         return {"bits": width}, out[:used].tobytes()
+
+    def estimate(self, symbols: np.ndarray, base: Any = None) -> int:
+        return (symbols.size * _width(symbols) + 7) // 8  # exact
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:
         width = get_int(params, "bits", range(1, 65))

@@ -5,16 +5,20 @@ of the steps; long streams interleave four states so that decoding takes ~2-3 ns
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any, ClassVar
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
-from flipsync.codec.bitpack import FixedWidthCoder, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
+from flipsync.codec.bitpack import FixedWidthCoder, clz64, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
 from flipsync.codec.rice import rice_decode, rice_encode
-from flipsync.codec.zstd import shuffled_zstd, unshuffled_zstd
+from flipsync.codec.zstd import shuffled_zstd, shuffled_zstd_estimate, unshuffled_zstd
 from flipsync.errors import CorruptPatchError
 
 ANS_MAX_ALPHABET = 256  # symbols >= this escape to the side stream
@@ -68,31 +72,130 @@ def _cumulative(freq: np.ndarray) -> np.ndarray:
     return cum
 
 
+@intrinsic
+def mulhi64(typingctx, a, b):
+    """The high 64 bits of the 128-bit product of two uint64 (one ``mul`` on x86-64; numba has no int128)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        wide = ir.IntType(128)
+        prod = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(prod, ir.Constant(wide, 64)), ir.IntType(64))
+
+    return sig, codegen
+
+
+@numba.njit(nogil=True, cache=True)
+def ans_reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per symbol, (reciprocal, shift) such that ``x // f == mulhi64(x, rcp) >> shift`` for every x < 2**63 and
+    f >= 2 (Alverson's integer division by reciprocals: rcp = ceil(2**(63 + s) / f), s = ceil(log2 f), which
+    errs by less than x / 2**(63 + s) <= 1 / f). f == 1 has no such reciprocal; ``ans_pack`` special-cases it."""
+    m = freq.shape[0]
+    rcp = np.zeros(m, dtype=np.uint64)
+    shift = np.zeros(m, dtype=np.uint64)
+    for s in range(m):
+        f = np.uint64(freq[s])
+        if f < np.uint64(2):
+            continue
+        b = 0
+        while (np.uint64(1) << np.uint64(b)) < f:
+            b += 1
+        # ceil(2**(63 + b) / f) as two 64-by-64 divisions (the dividend is a power of two), once per symbol
+        hi = np.uint64(1) << np.uint64(b + 31)
+        t1 = hi // f
+        t0 = ((hi % f) << np.uint64(32)) + f - np.uint64(1)
+        rcp[s] = (t1 << np.uint64(32)) + t0 // f
+        shift[s] = np.uint64(b - 1)
+    return rcp, shift
+
+
 @numba.njit(nogil=True, cache=True)
 def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
-    """Encode ``symbols`` (indices into freq/cum) into the tail of ``out`` (uint32, len(symbols) + 2 * lanes
-    words at least); returns the index of the first word used: the stream is ``out[start:]``.
+    """Encode ``symbols`` into the tail of ``out`` (uint32, len(symbols) + 2 * lanes words at least); returns
+    the index of the first word used: the stream is ``out[start:]``. A symbol is an index into freq, and one
+    at or past the last index codes as the last (the escape symbol: ``ans_encode`` passes raw symbols).
 
     Value i goes through state i % lanes (interleaved rANS: the decoder's lanes form independent
     dependency chains); all lanes share one word stream, and the final states lead it, lane 0 first.
+    The step x -> (x // f) * 2**prec + x % f + cum is computed as x + cum + q * (2**prec - f) with the
+    quotient q from a reciprocal multiply (exact for x < 2**63, which the renormalization keeps): a 64-bit
+    division per value was most of the encoder's time.
     """
     cum = _cumulative(freq)
+    rcp, shift = ans_reciprocals(freq)
+    top = np.uint64(freq.shape[0] - 1)
+    m = np.uint64(1) << np.uint64(prec)
     # One lane starts from state 0: its first ~31 bits of information fill the state instead of the
     # stream, which saves a word on small sections. Interleaved lanes must start at ANS_LOW, or a lane
     # still below it would take a word meant for another lane.
     x = np.full(lanes, np.uint64(ANS_LOW if lanes > 1 else 0), dtype=np.uint64)
     j = out.shape[0]
     bound = np.uint64((ANS_LOW >> prec) << 32)
-    for i in range(symbols.shape[0] - 1, -1, -1):
-        lane = i % lanes
-        s = symbols[i]
+    i = symbols.shape[0] - 1
+    lane = i % lanes
+    # One value at a time: a lone lane, or the last n % 4 values of four lanes (then whole rounds, below).
+    while i >= 0 and (lanes != 4 or (i + 1) % 4):
+        s = min(np.uint64(symbols[i]), top)
         f = np.uint64(freq[s])
         v = x[lane]
         if v >= bound * f:
             j -= 1
             out[j] = np.uint32(v & np.uint64(0xFFFFFFFF))
             v >>= np.uint64(32)
-        x[lane] = ((v // f) << np.uint64(prec)) + (v % f) + np.uint64(cum[s])
+        if f == np.uint64(1):  # x // 1 = x: no reciprocal below 2**64
+            x[lane] = (v << np.uint64(prec)) + cum[s]
+        else:
+            q = mulhi64(v, rcp[s]) >> shift[s]  # type: ignore[call-arg]  # numba passes typingctx itself
+            x[lane] = v + cum[s] + q * (m - f)
+        lane = lane - 1 if lane else lanes - 1  # i % lanes without a division per value
+        i -= 1
+    if lanes == 4:
+        # Whole rounds, lanes 3, 2, 1, 0, with the states in scalars and each step written out by hand (as in
+        # ans_unpack: an inlined helper returning a tuple was 15x slower): ~25% faster than through x[lane].
+        x0, x1, x2, x3 = x[0], x[1], x[2], x[3]
+        while i >= 3:
+            s = min(np.uint64(symbols[i]), top)
+            f = np.uint64(freq[s])
+            if x3 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x3 & np.uint64(0xFFFFFFFF))
+                x3 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x3 = (x3 << np.uint64(prec)) + cum[s]
+            else:
+                x3 = x3 + cum[s] + (mulhi64(x3, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 1]), top)
+            f = np.uint64(freq[s])
+            if x2 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x2 & np.uint64(0xFFFFFFFF))
+                x2 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x2 = (x2 << np.uint64(prec)) + cum[s]
+            else:
+                x2 = x2 + cum[s] + (mulhi64(x2, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 2]), top)
+            f = np.uint64(freq[s])
+            if x1 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x1 & np.uint64(0xFFFFFFFF))
+                x1 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x1 = (x1 << np.uint64(prec)) + cum[s]
+            else:
+                x1 = x1 + cum[s] + (mulhi64(x1, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            s = min(np.uint64(symbols[i - 3]), top)
+            f = np.uint64(freq[s])
+            if x0 >= bound * f:
+                j -= 1
+                out[j] = np.uint32(x0 & np.uint64(0xFFFFFFFF))
+                x0 >>= np.uint64(32)
+            if f == np.uint64(1):
+                x0 = (x0 << np.uint64(prec)) + cum[s]
+            else:
+                x0 = x0 + cum[s] + (mulhi64(x0, rcp[s]) >> shift[s]) * (m - f)  # type: ignore[call-arg]
+            i -= 4
+        x[0], x[1], x[2], x[3] = x0, x1, x2, x3
     if lanes == 1 and j == out.shape[0]:  # no stream words: the state alone, in as few words as it needs
         if x[0] >= np.uint64(1 << 32):
             out[j - 1] = np.uint32(x[0] & np.uint64(0xFFFFFFFF))
@@ -217,10 +320,21 @@ _EXP_GOLOMB = 0x80
 _MAX_EG_K = 15
 
 
+@numba.njit(nogil=True, cache=True)
+def _cheapest_eg(values: np.ndarray) -> tuple[int, int]:
+    """(bits, k) of the first cheapest Exp-Golomb order k <= _MAX_EG_K, in one call (not one per k)."""
+    best, best_k = exp_golomb_bits(values, 0), 0
+    for k in range(1, _MAX_EG_K + 1):
+        bits = exp_golomb_bits(values, k)
+        if bits < best:
+            best, best_k = bits, k
+    return best, best_k
+
+
 def _encode_counts(c: np.ndarray) -> tuple[int, bytes]:
     """(coding byte, bytes) of the table's counts minus one: the smaller of fixed width and Exp-Golomb."""
     params, blob = _FIXED.encode(c)
-    bits, k = min((exp_golomb_bits(c, k), k) for k in range(_MAX_EG_K + 1))
+    bits, k = (int(x) for x in _cheapest_eg(c))
     if (bits + 7) // 8 >= len(blob):
         return params["bits"], blob  # ties keep the coding every reader knows
     out = np.empty((bits + 7) // 8, dtype=np.uint8)
@@ -268,6 +382,111 @@ def _ans_shape(n: int) -> tuple[int, int]:
     return min(_ANS_MAX_PREC, max(_ANS_MIN_PREC, n.bit_length() + 1)), 4 if n >= _ANS_LANES_FROM else 1
 
 
+def _table(counts: np.ndarray) -> tuple[int, int, bytes, int, bytes]:
+    """The stored frequency table: (used symbols, rice k, their gaps' bytes, counts' coding, counts' bytes)."""
+    used = np.flatnonzero(counts)
+    sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
+    cnt_kind, cnt_blob = _encode_counts(counts[used] - np.uint64(1))
+    return used.size, sym_params["k"], sym_blob, cnt_kind, cnt_blob
+
+
+# rANS words beyond the information they carry: the final states lead the stream (8 bytes a lane) and hold on
+# average ~16 bits above ANS_LOW each; a lone lane starts from 0, so its state holds ~47 bits of information
+_ANS_STATE_BYTES = {1: 8 - 47 / 8, 4: 4 * (8 - 16 / 8)}
+
+
+@numba.njit(nogil=True, cache=True)
+def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, int]:
+    """(bits of information of the values under the quantized frequencies, about the table's bytes), in one
+    compiled call: the table as ``_table`` codes it, with the best of every small Rice / Exp-Golomb parameter."""
+    info = 0.0
+    used = 0
+    top = np.uint64(0)
+    for s in range(counts.shape[0]):
+        if counts[s]:
+            info += float(counts[s]) * (prec - np.log2(float(freq[s])))
+            used += 1
+            top = max(top, counts[s] - np.uint64(1))
+    width = 1
+    while width < 64 and top >> np.uint64(width):
+        width += 1
+    cnt_bits = used * width
+    for k in range(_MAX_EG_K + 1):
+        eg = 0
+        for s in range(counts.shape[0]):
+            if counts[s]:  # as exp_golomb_bits: 2 * bit length of (count - 1 + 2**k) - 1 - k
+                eg += 2 * (64 - int(clz64(counts[s] - np.uint64(1) + (np.uint64(1) << np.uint64(k))))) - 1 - k  # type: ignore[call-arg]
+        cnt_bits = min(cnt_bits, eg)
+    sym_bits = 1 << 62
+    for k in range(9):
+        bits = 0
+        prev = -1
+        for s in range(counts.shape[0]):
+            if counts[s]:
+                bits += ((s - prev - 1) >> k) + k + 1
+                prev = s
+        sym_bits = min(sym_bits, bits)
+    return info, (sym_bits + 7) // 8 + (cnt_bits + 7) // 8
+
+
+def ans_estimate(symbols: np.ndarray) -> int:
+    """About the length of ``ans_encode(symbols)``'s bytes (within a few bytes, plus the escapes' estimate):
+    the information of the values under the quantized frequencies, the table and the escapes."""
+    n = int(symbols.size)
+    counts = ans_counts(symbols)
+    prec, lanes = _ans_shape(n)
+    info, table = _ans_sizes(counts, ans_quantize(counts, prec), prec)
+    words = 4 * max(1, math.ceil((info / 8 + _ANS_STATE_BYTES[lanes]) / 4))
+    escapes = 0
+    if counts.size > ANS_MAX_ALPHABET and counts[ANS_MAX_ALPHABET]:
+        escaped = _escaped(symbols, int(counts[ANS_MAX_ALPHABET]))
+        escapes = shuffled_zstd_estimate(escaped) or len(shuffled_zstd(escaped)[1])
+    return _ANS_HEADER.size + table + words + escapes
+
+
+@numba.njit(nogil=True, cache=True)
+def _capped_counts(symbols: np.ndarray) -> np.ndarray:
+    # Four histograms, summed at the end: runs of one symbol (most steps are one of two) would otherwise
+    # make every increment wait for the one before it.
+    width = ANS_MAX_ALPHABET + 1
+    hist = np.zeros(4 * width, dtype=np.uint64)
+    cap = np.uint64(ANS_MAX_ALPHABET)
+    n = symbols.shape[0]
+    one = np.uint64(1)
+    i = 0
+    while i + 4 <= n:
+        hist[min(np.uint64(symbols[i]), cap)] += one
+        hist[width + min(np.uint64(symbols[i + 1]), cap)] += one
+        hist[2 * width + min(np.uint64(symbols[i + 2]), cap)] += one
+        hist[3 * width + min(np.uint64(symbols[i + 3]), cap)] += one
+        i += 4
+    for j in range(i, n):
+        hist[min(np.uint64(symbols[j]), cap)] += one
+    return hist[:width] + hist[width : 2 * width] + hist[2 * width : 3 * width] + hist[3 * width :]
+
+
+@numba.njit(nogil=True, cache=True)
+def _escaped(symbols: np.ndarray, count: int) -> np.ndarray:
+    """The ``count`` symbols at or past ANS_MAX_ALPHABET, less it, in order (what the side stream codes)."""
+    out = np.empty(count, dtype=np.uint64)
+    j = 0
+    for v in symbols:
+        if np.uint64(v) >= np.uint64(ANS_MAX_ALPHABET):
+            out[j] = np.uint64(v) - np.uint64(ANS_MAX_ALPHABET)
+            j += 1
+    return out
+
+
+def ans_counts(symbols: np.ndarray) -> np.ndarray:
+    """The table's counts: one per symbol below the alphabet (the largest symbol + 1, at most
+    ``ANS_MAX_ALPHABET``), plus the escapes' count last when any symbol is at or past it; one compiled pass."""
+    counts = _capped_counts(symbols)
+    if counts[ANS_MAX_ALPHABET]:
+        return counts
+    used = np.flatnonzero(counts)
+    return counts[: int(used[-1]) + 1 if used.size else 1]
+
+
 def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     """rANS (our own compiled coder, above) over symbols < alphabet; larger ones escape to zstd.
 
@@ -276,24 +495,19 @@ def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
     frequencies from the counts (``ans_quantize``).
     """
     n = int(symbols.size)
-    top = int(symbols.max()) if n else 0
-    alphabet = min(top + 1, ANS_MAX_ALPHABET)
-    escaped = symbols >= alphabet
-    coded = np.where(escaped, alphabet, symbols).astype(np.int32)
-    counts = np.bincount(coded, minlength=alphabet + 1).astype(np.uint64)
-    if not escaped.any():
-        counts = counts[:alphabet]
+    counts = ans_counts(symbols)
     prec, lanes = _ans_shape(n)
     out = np.empty(n + 2 * lanes, dtype=np.uint32)
-    start = ans_pack(coded, ans_quantize(counts, prec), prec, lanes, out)
+    start = ans_pack(symbols, ans_quantize(counts, prec), prec, lanes, out)
     words = out[start:].astype("<u4").tobytes()
-    used = np.flatnonzero(counts)
-    sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
-    cnt_kind, cnt_blob = _encode_counts(counts[used] - np.uint64(1))
-    header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_kind, len(sym_blob), len(cnt_blob), len(words))
-    n_esc = int(escaped.sum())
+    used, k, sym_blob, cnt_kind, cnt_blob = _table(counts)
+    header = _ANS_HEADER.pack(used, k, cnt_kind, len(sym_blob), len(cnt_blob), len(words))
+    alphabet = ANS_MAX_ALPHABET
+    n_esc = int(counts[alphabet]) if counts.size > alphabet else 0
     # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
-    esc_params, esc_blob = shuffled_zstd(symbols[escaped] - np.uint64(alphabet)) if n_esc else ({"width": 1}, b"")
+    esc_params, esc_blob = ({"width": 1}, b"")
+    if n_esc:
+        esc_params, esc_blob = shuffled_zstd(_escaped(symbols, n_esc))
     params = {"alphabet": len(counts), "escapes": n_esc, "esc_width": esc_params["width"]}
     return params, header + sym_blob + cnt_blob + words + esc_blob
 
@@ -337,6 +551,9 @@ class RansCoder(SymbolCoder):
 
     def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return ans_encode(symbols)
+
+    def estimate(self, symbols: np.ndarray, base: Any = None) -> int:
+        return ans_estimate(symbols)
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:
         return ans_decode(params, blob, n)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import clz64, pack_codes
+from flipsync.codec.bitpack import clz64, flush_bits, pack_codes, put_rice
 from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.errors import CorruptPatchError
 
@@ -126,16 +126,33 @@ def rice_unpack_positions(data: np.ndarray, k: int, out: np.ndarray, numel: int)
 
 @numba.njit(nogil=True, cache=True)
 def _quotient_sums(positions: np.ndarray, k0: int, out: np.ndarray) -> bool:
-    """``out[i]`` = sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, in one pass and
-    without a gap array; False if the positions are not sorted and unique."""
-    prev = np.int64(-1)
-    for x in positions:
-        if x <= prev:
-            return False
-        g = np.uint64(x - prev - 1)
-        prev = np.int64(x)
-        for i in range(out.shape[0]):
-            out[i] += g >> np.uint64(k0 + i)
+    """``out[i]`` += sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, for up to three i,
+    in one pass and without a gap array; False if the positions are not sorted, unique and non-negative.
+
+    Written to vectorize (three scalar sums, gaps from neighbouring loads, the order check OR-ed up rather than
+    an early exit): ~0.3 ns per position instead of ~3.
+    """
+    n = positions.shape[0]
+    if n == 0:
+        return True
+    s0, s1, s2 = np.uint64(k0), np.uint64(k0 + 1), np.uint64(min(k0 + 2, 63))
+    first = positions[0]
+    bad = first < 0
+    g = np.uint64(first)
+    a, b, c = g >> s0, g >> s1, g >> s2
+    for i in range(1, n):
+        x = positions[i]
+        d = x - positions[i - 1] - 1
+        bad |= (d < 0) | (x < 0)  # non-negative positions: d cannot wrap around
+        g = np.uint64(d)
+        a += g >> s0
+        b += g >> s1
+        c += g >> s2
+    if bad:
+        return False
+    sums = (a, b, c)
+    for i in range(out.shape[0]):
+        out[i] += sums[i]
     return True
 
 
@@ -150,33 +167,108 @@ def _best_k(candidates: range, bits_for: Callable[[int], int]) -> tuple[int, int
     return min(((k, bits_for(k)) for k in candidates), key=lambda kb: kb[1])
 
 
+@numba.njit(nogil=True, cache=True)
+def _cheapest_k(gaps: np.ndarray, k0: int, k1: int) -> tuple[int, int]:
+    """(k, bits) of the first cheapest Rice parameter in [k0, k1) (at most three), in one pass over the gaps;
+    the same as ``rice_bits`` for each candidate, at a third of the passes and one call."""
+    s0, s1, s2 = np.uint64(k0), np.uint64(min(k0 + 1, 63)), np.uint64(min(k0 + 2, 63))
+    a = b = c = np.uint64(0)
+    for g in gaps:
+        v = np.uint64(g)
+        a += v >> s0
+        b += v >> s1
+        c += v >> s2
+    sums = (a, b, c)
+    n = gaps.shape[0]
+    best_k, best = k0, int(a) + n * (k0 + 1)
+    for k in range(k0 + 1, k1):
+        bits = int(sums[k - k0]) + n * (k + 1)
+        if bits < best:
+            best_k, best = k, bits
+    return best_k, best
+
+
+def _rice_choice(gaps: np.ndarray) -> tuple[int, int]:
+    mean = float(gaps.mean()) if gaps.size else 0.0
+    candidates = _candidates(mean)
+    k, bits = _cheapest_k(gaps, candidates.start, candidates.stop)
+    return int(k), int(bits)
+
+
 def best_rice_k(gaps: np.ndarray) -> int:
     """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    return _best_k(_candidates(mean), lambda k: rice_bits(gaps, k))[0]
+    return _rice_choice(gaps)[0]
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     """Golomb-Rice code of non-negative gaps with the cheapest parameter k."""
     g = np.ascontiguousarray(gaps, dtype=np.uint64)
-    k = best_rice_k(g)
-    out = np.empty((rice_bits(g, k) + 7) // 8, dtype=np.uint8)
+    k, bits = _rice_choice(g)
+    out = np.empty((bits + 7) // 8, dtype=np.uint8)
     used = rice_pack(g, k, out)
     return {"k": k}, out[:used].tobytes()
 
 
-def rice_encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
-    """``rice_encode`` of the gaps of sorted unique positions, the same bytes, without building the gaps."""
-    p = np.ascontiguousarray(positions, dtype=np.int64)
+def _rice_plan(p: np.ndarray) -> tuple[int, int]:
+    """(k, bits) of the Rice code of the gaps of sorted unique int64 positions ``p``."""
     n = p.size
     mean = (int(p[-1]) + 1 - n) / n if n else 0.0  # the gaps sum to last + 1 - n
     candidates = _candidates(mean)
     sums = np.zeros(len(candidates), dtype=np.uint64)
     if not _quotient_sums(p, candidates.start, sums):
         raise ValueError("positions must be sorted and unique")
-    k, bits = _best_k(candidates, lambda k: int(sums[k - candidates.start]) + n * (k + 1))
-    out = np.empty((bits + 7) // 8, dtype=np.uint8)
-    used = int(pack_codes(p, k, True, out, True))
+    return _best_k(candidates, lambda k: int(sums[k - candidates.start]) + n * (k + 1))
+
+
+def rice_positions_bytes(positions: np.ndarray) -> int:
+    """The exact length of ``rice_encode_positions(positions)``'s bytes, from one pass of quotient sums."""
+    return (_rice_plan(np.ascontiguousarray(positions, dtype=np.int64))[1] + 7) // 8
+
+
+@numba.njit(nogil=True, cache=True)
+def _pack_rice_gaps(positions: np.ndarray, k: int, out: np.ndarray) -> int:
+    """``pack_codes(positions, k, True, out, True)``, the same bytes, for ``out`` with 4 bytes to spare: a code
+    of at most 32 bits (nearly all) goes into the accumulator and 32 bits are stored whether or not they are
+    complete, advancing only when they are; so no branch on the (unpredictable) moment a word fills up."""
+    acc = np.uint64(0)
+    nacc = 0
+    j = 0
+    kk = np.uint64(k)
+    lead = np.uint64(1) << kk  # the unary part's closing one, just above the k low bits
+    low = lead - np.uint64(1)
+    short = np.uint64(32 - k) if k < 32 else np.uint64(0)  # quotients below this make codes of <= 32 bits
+    prev = np.int64(-1)
+    for x in positions:
+        v = np.uint64(x - prev - 1)
+        prev = np.int64(x)
+        q = v >> kk
+        if q < short:
+            width = int(q) + 1 + k
+            acc = (acc << np.uint64(width)) | lead | (v & low)
+            nacc += width
+            full = nacc >= 32
+            word = acc >> np.uint64(nacc - 32 if full else 0)
+            out[j] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
+            out[j + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
+            out[j + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
+            out[j + 3] = np.uint8(word & np.uint64(0xFF))
+            j += 4 * full
+            nacc -= 32 * full
+        else:  # nacc < 32 here, as put_rice needs
+            j, acc, nacc = put_rice(out, j, acc, nacc, v, k)
+    while nacc >= 8:
+        nacc -= 8
+        out[j] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
+        j += 1
+    return flush_bits(out, j, acc, nacc)
+
+
+def rice_encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
+    """``rice_encode`` of the gaps of sorted unique positions, the same bytes, without building the gaps."""
+    p = np.ascontiguousarray(positions, dtype=np.int64)
+    k, bits = _rice_plan(p)
+    out = np.empty((bits + 7) // 8 + 4, dtype=np.uint8)
+    used = int(_pack_rice_gaps(p, k, out))
     return {"k": k}, out[:used].tobytes()
 
 
@@ -206,6 +298,9 @@ class RiceCoder(PositionCoder):
 
     def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return rice_encode_positions(positions)
+
+    def estimate(self, positions: np.ndarray, base: Any = None) -> int:
+        return rice_positions_bytes(positions)  # exact
 
     def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         return rice_decode(params, blob, n, numel)

@@ -11,7 +11,9 @@ Values (unsigned symbols: zigzagged steps or raw bit patterns) and the kind flag
 - ``zstd``: narrowest unsigned ints, byte-shuffled, zstd.
 - ``bits`` (:mod:`~flipsync.codec.bitpack`): fixed-width bit packing; no tables, so it wins for a handful of values.
 - ``ans`` (:mod:`~flipsync.codec.rans`): order-0 rANS with the frequency table stored and zstd escapes.
-The encoder keeps whichever candidate is smallest (ties go to the first listed).
+The encoder keeps whichever candidate is smallest (ties go to the first listed); it codes only the candidates
+whose size estimates (exact for rice and bits, within a few bytes for ans, sampled for zstd) come within
+``ESTIMATE_MARGIN`` of the smallest coding so far (see ``CoderRegistry.encode``).
 """
 
 from __future__ import annotations
