@@ -368,7 +368,10 @@ FUSED_MD = """The publisher's fused pass (`flipsync.formats.fused.FusedCaster`: 
 previous served view, the new view written and its changed positions emitted) against a torch cast then
 `np.flatnonzero(old != new)` and against a cast then `DiffEngine`, on the codec section's llm-like masters moved
 by Adam at lr 1e-6, per served byte, at 1 and 2 threads; then whole BF16 publications with the fused pass on
-and off, by phase (`Published.timings`: view, diff, code, commit) per served byte."""
+and off, by phase (`Published.timings`: view, diff, code, commit) per served byte. For bf16 and fp16 a *memory
+floor* is timed beside them: a pass that reads the masters and the previous view and writes the new view with
+next to no arithmetic, so no pass that moves these bytes can be faster here; *flatnonzero / floor* is the most
+any such pass could gain over the baseline on this machine."""
 
 
 # -- the document -----------------------------------------------------------------------------------------
