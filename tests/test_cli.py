@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from flipsync.checkpoint import load_checkpoint, save_checkpoint
 from flipsync.cli import app
+from flipsync.codec import Patch
 from tests.strategies import same_bits
 
 runner = CliRunner(env={"COLUMNS": "160"})
@@ -93,6 +94,9 @@ def test_squash_and_inspect(ckpts: dict[str, Path], tmp_path: Path) -> None:
     assert "pos codec" in header and "value codec" in header
     assert header.count("┃") == row.count("│")
     assert '"sections"' in run("inspect", p02, "--json")
+    # a patch coded against its base says so (this one: the squash above refused it without --base)
+    assert Patch.load(p01).needs_base and "coded against the values they change" in run("inspect", p01)
+    assert Patch.load(p02).needs_base == ("coded against the values they change" in table)
 
 
 def test_errors_are_one_actionable_line(ckpts: dict[str, Path], tmp_path: Path) -> None:

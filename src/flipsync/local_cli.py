@@ -303,5 +303,12 @@ def inspect(
             f"base view {h.base.view}, target view {h.target.view}; {len(h.sections)} tensors changed, "
             f"{h.n_changed:,} values, {size:,} bytes ({size / max(1, h.n_changed):.3f} per changed value)"
         )
+        against = [s.name for s in h.sections if patch.section_needs_base(s.name)]
+        if against:
+            console.print(
+                f"the positions of {len(against)} of them are coded against the values they change ('ctx'): "
+                "it decodes only with its base view at hand (apply, a sidecar whose engine holds the view, "
+                "squash --base)"
+            )
 
     _run(go)
