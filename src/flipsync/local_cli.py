@@ -307,7 +307,7 @@ def inspect(
         if against:
             console.print(
                 f"the positions of {len(against)} of them are coded against the values they change ('ctx'): "
-                "it decodes only with its base view at hand (apply, a sidecar whose engine holds the view, "
+                "the patch decodes only with its base view at hand (apply, a sidecar whose engine holds the view, "
                 "squash --base)"
             )
 
