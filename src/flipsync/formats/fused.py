@@ -8,7 +8,9 @@ emits the changed flat positions with the old and new bit patterns, the same arr
 CPU: a numba kernel works on groups of 64 lanes: one vectorized loop rounds the masters, stores them and
 sets a bit of a 64-bit mask per lane that differs from the previous view; only the set bits (few at RL
 learning rates) are then visited, by trailing-zero count. The quantized families below encode a row into
-a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released.
+a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released
+(inline on one thread); each worker appends its chunks' changes to one buffer, and the caller copies them
+all, in chunk order, into the result once.
 Any other device (CUDA) or master dtype takes the torch path: `cast_master`, then a compare on the
 tensors' device; both give the same bits.
 
