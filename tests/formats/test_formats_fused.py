@@ -360,3 +360,82 @@ def test_nvfp4_with_an_underflowing_global_scale_falls_back_to_the_recipe(caster
     got = caster.quantize_diff("nvfp4", "w.weight", torch.from_numpy(x), zero_payload("nvfp4", x.shape), None,
                                from_fp32=True)  # fmt: skip
     assert got is None
+
+
+@pytest.fixture(scope="module")
+def casters() -> dict[tuple[int, int], FusedCaster]:
+    """Casters kept across examples (their spare change buffers are reused from call to call), by (threads,
+    chunk elements); chunks of 100 round up to 128: not a power of two of the default's."""
+    made = {(t, c): FusedCaster(t, chunk_elements=c) for t in (1, 2, 3) for c in (64, 100, 4096, 1 << 22)}
+    yield made
+    for c in made.values():
+        c.close()
+
+
+@PROPERTY_SETTINGS
+@given(
+    fmt=st.sampled_from(list(DTYPES)),
+    size=st.integers(0, 20_000),
+    threads=st.sampled_from([1, 2, 3]),
+    chunk=st.sampled_from([64, 100, 4096]),
+    density=st.sampled_from([0.0, 0.001, 0.05, 0.6, 1.0]),
+    bad=st.sampled_from([None, float("nan"), 3.4e38]),  # refused by both formats
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_chunked_changes_are_the_single_chunk_ones(
+    casters: dict[tuple[int, int], FusedCaster],
+    fmt: str,
+    size: int,
+    threads: int,
+    chunk: int,
+    density: float,
+    bad: float | None,
+    seed: int,
+) -> None:
+    """Any chunking on any thread count gives the changes of one chunk on one thread and of flatnonzero, in
+    order (chunks append to shared change buffers, copied out once); a refused master leaves the casters
+    as correct for the next call."""
+    rng = np.random.default_rng(seed)
+    dtype = DTYPES[fmt]
+    x = torch.from_numpy((rng.standard_normal(size) * 0.02).astype(np.float32))
+    prev = x.to(dtype)
+    prev.view(torch.int16)[torch.from_numpy(rng.random(size) < density)] ^= 1
+    chunked, whole = casters[threads, chunk], casters[1, 1 << 22]
+    if bad is not None and size:
+        worse = x.clone()
+        worse[int(rng.integers(size))] = bad
+        with pytest.raises((NonFiniteError, FormatError)):
+            chunked.cast_diff("w", worse, dtype, prev)
+    before = ints(prev)
+    expected = ints(x.to(dtype))
+    positions = np.flatnonzero(before != expected)
+    for caster in (chunked, whole):
+        new, changes = caster.cast_diff("w", x, dtype, prev)
+        np.testing.assert_array_equal(ints(new), expected)
+        assert changes.positions.dtype == np.int64 and changes.old.dtype == changes.new.dtype == np.uint16
+        np.testing.assert_array_equal(changes.positions, positions)
+        np.testing.assert_array_equal(changes.old, before[positions])
+        np.testing.assert_array_equal(changes.new, expected[positions])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("density", [0.0, 0.02, 1.0])
+def test_quantized_row_chunks_in_order(threads: int, density: float) -> None:
+    """fp8-block runs a task per 128 rows: several tasks, several threads, their changes in row order."""
+    rng = np.random.default_rng(int(density * 100) + threads)
+    x = torch.from_numpy((rng.standard_normal((1000, 200)) * 0.02).astype(np.float32))
+    with FusedCaster(threads) as caster:
+        first = caster.quantize_diff("fp8-block", "w", x, torch.zeros(1000, 200, dtype=E4M3), None, from_fp32=True)
+        assert first is not None
+        prev = first[0]["w"].view(torch.uint8).clone()
+        prev[torch.from_numpy(rng.random((1000, 200)) < density)] ^= 1
+        for _ in range(2):  # the second call reuses the first's change buffers
+            got = caster.quantize_diff("fp8-block", "w", x, prev.view(E4M3), None, from_fp32=True)
+            assert got is not None
+            payload = got[0]["w"].view(torch.uint8).numpy().reshape(-1)
+            was = prev.numpy().reshape(-1)
+            positions = np.flatnonzero(was != payload)
+            np.testing.assert_array_equal(payload, first[0]["w"].view(torch.uint8).numpy().reshape(-1))
+            np.testing.assert_array_equal(got[1].positions, positions)
+            np.testing.assert_array_equal(got[1].old, was[positions])
+            np.testing.assert_array_equal(got[1].new, payload[positions])

@@ -8,7 +8,9 @@ emits the changed flat positions with the old and new bit patterns, the same arr
 CPU: a numba kernel works on groups of 64 lanes: one vectorized loop rounds the masters, stores them and
 sets a bit of a 64-bit mask per lane that differs from the previous view; only the set bits (few at RL
 learning rates) are then visited, by trailing-zero count. The quantized families below encode a row into
-a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released.
+a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released
+(inline on one thread); each worker appends its chunks' changes to one buffer, and the caller copies them
+all, in chunk order, into the result once.
 Any other device (CUDA) or master dtype takes the torch path: `cast_master`, then a compare on the
 tensors' device; both give the same bits.
 
@@ -24,7 +26,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -530,6 +532,22 @@ class _Scratch:
     new: np.ndarray
 
 
+@dataclass
+class _Spill:
+    """A worker's change buffers for one call: its chunks append their changes (``fill`` is the next free
+    slot) and leave them there until the caller copies every chunk's out, in order, into the result: one
+    copy into fresh memory, instead of a copy per chunk and a concatenation of those."""
+
+    pos: np.ndarray  # int64, chunk-relative
+    old: np.ndarray
+    new: np.ndarray
+    fill: int = 0
+
+    @property
+    def room(self) -> int:
+        return int(self.pos.shape[0]) - self.fill
+
+
 class _OutOfRange(Exception):
     """A chunk held a master the kernel does not cast (non-finite, or out of the format's range)."""
 
@@ -541,7 +559,10 @@ class FusedCaster:
         self.threads = max(1, threads or os.cpu_count() or 1)
         self.chunk_elements = max(_GROUP, chunk_elements)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-fused")
-        self._local = threading.local()
+        # spills between calls, per element type: at most `threads` each (calls on several threads take
+        # their own), so they hold at most threads x 2 x the largest chunk's slots
+        self._spares: dict[type, list[_Spill]] = {}
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -750,37 +771,87 @@ class FusedCaster:
     ) -> CastChanges | None:
         """Runs ``kernel(r0, r1, scratch) -> (changes, top master bits)`` on chunks of ``step`` rows of ``width``
         served elements on the pool; the changes of all rows, or None when a chunk held a master out of range."""
-
-        def run(r0: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            r1 = min(rows, r0 + step)
-            buf = self._scratch8((r1 - r0) * width + 2)  # `_emit`'s two spare slots
-            n, top_bits = kernel(r0, r1, buf)
-            if top_bits >= limit:
-                raise _OutOfRange
-            return buf.pos[:n] + r0 * width, buf.old[:n].copy(), buf.new[:n].copy()
-
-        starts = list(range(0, rows, step))
+        tasks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
         try:
-            found = list(self._pool.map(run, starts)) if len(starts) > 1 else [run(starts[0])]
+            return self._gather(
+                [(r0 * width, (r1 - r0) * width + 2) for r0, r1 in tasks],  # `_emit`'s two spare slots
+                np.uint8,
+                limit,
+                lambda i, buf: kernel(*tasks[i], buf),
+            )
         except _OutOfRange:
             return None
-        return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
 
-    def _scratch8(self, count: int) -> _Scratch:
-        buf: _Scratch | None = getattr(self._local, "buf8", None)
-        if buf is None or buf.pos.shape[0] < count:
-            buf = self._local.buf8 = _Scratch(
-                np.empty(count, np.int64), np.empty(count, np.uint8), np.empty(count, np.uint8)
-            )
-        return buf
+    def _gather(
+        self,
+        tasks: list[tuple[int, int]],
+        bits: type,
+        limit: int,
+        kernel: Callable[[int, _Scratch], tuple[int, int]],
+    ) -> CastChanges:
+        """Runs ``kernel(i, scratch) -> (changes, top master bits)`` for each task ``(first position, slots it
+        may write)`` on the pool (inline on one thread) and copies their changes, in task order, into the
+        result (positions shifted by the task's first). Raises `_OutOfRange` when a task's top is ``limit`` or
+        more, once every task has finished (none still writes into a spill)."""
+        held: dict[int, _Spill] = {}  # this call's spill per worker thread
+        taken: list[_Spill] = []
 
-    def _scratch(self, count: int) -> _Scratch:
-        buf: _Scratch | None = getattr(self._local, "buf", None)
-        if buf is None or buf.pos.shape[0] < count:
-            buf = self._local.buf = _Scratch(
-                np.empty(count, np.int64), np.empty(count, np.uint16), np.empty(count, np.uint16)
-            )
-        return buf
+        def run(i: int) -> tuple[_Spill, int, int, int]:
+            me = threading.get_ident()
+            sp = held.get(me)
+            if sp is None or sp.room < tasks[i][1]:
+                sp = held[me] = self._take(tasks[i][1], bits)
+                taken.append(sp)
+            f = sp.fill
+            n, top = kernel(i, _Scratch(sp.pos[f:], sp.old[f:], sp.new[f:]))
+            sp.fill = f + n
+            return sp, f, n, top
+
+        try:
+            if self.threads == 1 or len(tasks) == 1:  # no hand-over to the pool
+                found = []
+                for i in range(len(tasks)):
+                    found.append(run(i))
+                    if found[-1][3] >= limit:
+                        raise _OutOfRange
+            else:
+                futures = [self._pool.submit(run, i) for i in range(len(tasks))]
+                wait(futures)
+                found = [f.result() for f in futures]
+                if any(top >= limit for *_, top in found):
+                    raise _OutOfRange
+            total = sum(n for _, _, n, _ in found)
+            pos, old, new = np.empty(total, np.int64), np.empty(total, bits), np.empty(total, bits)
+            at = 0
+            for (sp, f, n, _), (first, _) in zip(found, tasks, strict=True):
+                np.add(sp.pos[f : f + n], first, out=pos[at : at + n])
+                old[at : at + n] = sp.old[f : f + n]
+                new[at : at + n] = sp.new[f : f + n]
+                at += n
+            return CastChanges(pos, old, new)
+        finally:
+            self._give(bits, taken)
+
+    def _take(self, slots: int, bits: type) -> _Spill:
+        """A spill with room for ``slots``: a spare one, else a new one of twice that (later chunks of the
+        call append to it; few changes per chunk then leave room for many)."""
+        with self._lock:
+            spares = self._spares.get(bits, [])
+            for k, sp in enumerate(spares):
+                if sp.room >= slots:
+                    return spares.pop(k)
+        count = 2 * slots
+        return _Spill(np.empty(count, np.int64), np.empty(count, bits), np.empty(count, bits))
+
+    def _give(self, bits: type, spills: list[_Spill]) -> None:
+        """Keeps the ``threads`` largest spills for the next calls (emptied); drops the others."""
+        for sp in spills:
+            sp.fill = 0
+        with self._lock:
+            spares = self._spares.setdefault(bits, [])
+            spares.extend(spills)
+            spares.sort(key=lambda sp: sp.room, reverse=True)
+            del spares[self.threads :]
 
     def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> CastChanges:
         numel = master.numel()
@@ -791,26 +862,20 @@ class FusedCaster:
         dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         chunk = min(self.chunk_elements, max(MIN_CHUNK_ELEMENTS, -(-numel // self.threads)))
         chunk += -chunk % _GROUP  # whole groups: every chunk but the last starts on one
-        spans = [(s, min(s + chunk, numel)) for s in range(0, numel, chunk)]
-
-        def run(span: tuple[int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            s, e = span
-            buf = self._scratch(chunk + 2)  # `_emit`'s two spare slots
-            if hw:
-                n, top = _cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)
-            else:
-                n, top = _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)
-            if top >= limit:
-                raise _OutOfRange
-            return buf.pos[:n] + s, buf.old[:n].copy(), buf.new[:n].copy()
-
-        found = list(self._pool.map(run, spans)) if len(spans) > 1 else [run(spans[0])] if spans else []
-        if not found:
+        if numel == 0:
             empty = np.empty(0, np.uint16)
             return CastChanges(np.empty(0, np.int64), empty, empty)
-        if len(found) == 1:
-            return CastChanges(*found[0])
-        return CastChanges(*(np.concatenate(col) for col in zip(*found, strict=True)))
+        starts = range(0, numel, chunk)
+
+        def run(i: int, buf: _Scratch) -> tuple[int, int]:
+            s = starts[i]
+            e = min(s + chunk, numel)
+            if hw:
+                return _cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
+            return _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
+
+        # `_emit`'s two spare slots
+        return self._gather([(s, min(chunk, numel - s) + 2) for s in starts], np.uint16, limit, run)
 
 
 def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
