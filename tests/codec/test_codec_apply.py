@@ -278,4 +278,4 @@ def test_fingerprint_delta_is_the_difference_of_the_two_sums(width: type, n: int
         )
         assert (before["t"].fp + delta) & mask == after["t"].fp
     with pytest.raises(ValueError, match="one length"):
-        fingerprint_delta(positions, old[:-1] if n else old_all[:1], new)
+        fingerprint_delta(positions, np.append(old, old[:1] if n else np.zeros(1, width)), new)  # one too many
