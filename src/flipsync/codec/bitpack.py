@@ -93,10 +93,9 @@ def _put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int,
 
 
 @numba.njit(nogil=True, cache=True)
-def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray, gaps_of: bool = False) -> int:
+def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> int:
     """Each value as a Rice code with parameter ``param`` (``rice``), or in ``param`` bits (1..64); returns the
-    number of bytes used. ``gaps_of``: ``values`` are sorted positions and the codes are of their gaps
-    (``p[i] - p[i-1] - 1``, the first from -1), so that no gap array is built.
+    number of bytes used.
 
     A code of at most 56 bits (all but very long quotients or wide fields) goes into the 64-bit accumulator
     whole, flushed 32 bits at a time; longer ones take ``put_bits``' general path. Same bits either way.
@@ -106,11 +105,8 @@ def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray, gaps
     j = 0
     k = np.uint64(param)
     low = (np.uint64(1) << k) - np.uint64(1) if param < 64 else np.uint64(0xFFFFFFFFFFFFFFFF)
-    prev = np.int64(-1)
     for x in values:
-        v = np.uint64(x - prev - 1) if gaps_of else np.uint64(x)
-        if gaps_of:
-            prev = np.int64(x)
+        v = np.uint64(x)
         if rice:
             q = v >> k
             width = int(q) + 1 + param if q < np.uint64(56) else 64

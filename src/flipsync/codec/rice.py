@@ -227,7 +227,7 @@ def rice_positions_bytes(positions: np.ndarray) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def _pack_rice_gaps(positions: np.ndarray, k: int, out: np.ndarray) -> int:
-    """``pack_codes(positions, k, True, out, True)``, the same bytes, for ``out`` with 4 bytes to spare: a code
+    """``rice_pack`` of the gaps of sorted ``positions``, the same bytes, for ``out`` with 4 bytes to spare: a code
     of at most 32 bits (nearly all) goes into the accumulator and 32 bits are stored whether or not they are
     complete, advancing only when they are; so no branch on the (unpredictable) moment a word fills up."""
     acc = np.uint64(0)
