@@ -17,7 +17,7 @@ from numba.extending import intrinsic
 
 from flipsync.codec.bitpack import FixedWidthCoder, clz64, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
-from flipsync.codec.rice import rice_decode, rice_encode
+from flipsync.codec.rice import rice_bits, rice_decode, rice_encode
 from flipsync.codec.zstd import shuffled_zstd, shuffled_zstd_estimate, unshuffled_zstd
 from flipsync.errors import CorruptPatchError
 
@@ -400,32 +400,20 @@ def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, 
     """(bits of information of the values under the quantized frequencies, about the table's bytes), in one
     compiled call: the table as ``_table`` codes it, with the best of every small Rice / Exp-Golomb parameter."""
     info = 0.0
-    used = 0
-    top = np.uint64(0)
     for s in range(counts.shape[0]):
         if counts[s]:
             info += float(counts[s]) * (prec - np.log2(float(freq[s])))
-            used += 1
-            top = max(top, counts[s] - np.uint64(1))
-    width = 1
-    while width < 64 and top >> np.uint64(width):
-        width += 1
-    cnt_bits = used * width
-    for k in range(_MAX_EG_K + 1):
-        eg = 0
-        for s in range(counts.shape[0]):
-            if counts[s]:  # as exp_golomb_bits: 2 * bit length of (count - 1 + 2**k) - 1 - k
-                eg += 2 * (64 - int(clz64(counts[s] - np.uint64(1) + (np.uint64(1) << np.uint64(k))))) - 1 - k  # type: ignore[call-arg]
-        cnt_bits = min(cnt_bits, eg)
-    sym_bits = 1 << 62
-    for k in range(9):
-        bits = 0
-        prev = -1
-        for s in range(counts.shape[0]):
-            if counts[s]:
-                bits += ((s - prev - 1) >> k) + k + 1
-                prev = s
-        sym_bits = min(sym_bits, bits)
+    used = np.flatnonzero(counts)
+    stored = counts[used] - np.uint64(1)
+    top = stored.max() if stored.size else np.uint64(0)
+    width = 64 - int(clz64(top)) if top else 1  # type: ignore[call-arg]  # the fixed width's: top's bit length
+    cnt_bits = min(used.size * width, _cheapest_eg(stored)[0])
+    gaps = np.empty(used.size, dtype=np.uint64)
+    prev = -1
+    for i in range(used.size):
+        gaps[i] = np.uint64(used[i] - prev - 1)
+        prev = used[i]
+    sym_bits = min([rice_bits(gaps, k) for k in range(9)])
     return info, (sym_bits + 7) // 8 + (cnt_bits + 7) // 8
 
 
