@@ -661,7 +661,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if self._mirror is None or not writes:
             return writes
         for name, (pos, old, _) in writes.items():
-            held = int_view(self._mirror[name]).reshape(-1).numpy().view(old.dtype)[pos]
+            held = self._mirror_bits(name, old.dtype)[pos]
             if not np.array_equal(held, old):
                 self._mirror_current = False
                 raise EngineError(
@@ -676,12 +676,16 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             return
         try:
             for name, (pos, old, new_bits) in writes.items():
-                flat = int_view(self._mirror[name]).reshape(-1).numpy().view(old.dtype)
-                flat[pos] = new_bits if new else old
+                self._mirror_bits(name, old.dtype)[pos] = new_bits if new else old
             self._flush_mirror()
         except Exception as e:  # the workers hold the version; only the mirror is behind
             self._mirror_current = False
             log.warning("vllm engine: could not update the mirror (%s); it is no longer used until a full load", e)
+
+    def _mirror_bits(self, name: str, bits: np.dtype) -> np.ndarray:
+        """The mirror's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the mirror)."""
+        assert self._mirror is not None
+        return int_view(self._mirror[name]).reshape(-1).numpy().view(bits)
 
     def _flush_mirror(self) -> None:
         if isinstance(self._mirror, DiskMirror):
