@@ -147,7 +147,8 @@ class Publisher:
             chunk_bytes=cfg.chunk_bytes,
             context=cfg.context,
         )
-        self.rounds.code_pool = code_pool_for(threads)
+        # Inline publishing codes on this pool; in the background the worker builds its own (lower priority).
+        self.rounds.code_pool = None if cfg.background else code_pool_for(threads)
         layout, table = self.rounds.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
@@ -179,7 +180,6 @@ class Publisher:
             # The worker builds its own (lower-priority) pools.
             self.rounds.hasher.close()
             self.rounds.differ.close()
-            self._close_code_pool()
             self.worker.start()
         if kind != "adopt":
             self._submit(Item(0, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
