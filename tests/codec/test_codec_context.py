@@ -3,6 +3,8 @@ that shrink and never grow, clean refusals of corrupt streams and wrong bases, a
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,14 @@ from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import bits_numpy, dtype_named
-from flipsync.codec.context import BaseBits, ContextCoder, class_rule, conditional_position_bits
+from flipsync.codec.context import (
+    BaseBits,
+    ContextCoder,
+    _tree_build,
+    class_rule,
+    conditional_position_bits,
+    index_block,
+)
 from flipsync.codec.patch import V1_CONTAINER
 from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view
@@ -28,7 +37,23 @@ PASSES = (
     ContextCoder(chunk=97, parallel_from=0, workers=2, dense_from=0.0),
     ContextCoder(chunk=1000, parallel_from=0, workers=2, dense_from=2.0),
 )
+# With the base's class index: every change placed block by block (place_upto=inf), or the pass in chunks
+# that take their class counts from the index (place_upto=0); the same positions, the same refusals.
+INDEXED = (
+    ContextCoder(place_upto=math.inf),
+    ContextCoder(place_upto=0.0, chunk=97, parallel_from=0, workers=2),
+    ContextCoder(place_upto=0.0, chunk=4096, parallel_from=0, workers=3, dense_from=2.0),
+)
 DTYPES = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"]
+
+
+def _indexed(base: BaseBits) -> BaseBits:
+    """``base`` with its class index, whatever its size (``ClassIndex`` leaves tensors of few blocks out)."""
+    block, count = index_block(base.dtype, base.bits.size)
+    rule = class_rule(base.dtype)
+    tree = np.empty((rule.n_classes, -(-base.bits.size // block)), dtype=count)
+    _tree_build(base.bits, block, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1, tree)
+    return BaseBits(base.bits, base.dtype, block, tree)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,6 +92,9 @@ def test_ctx_positions_round_trip(case: tuple[BaseBits, np.ndarray]) -> None:
         assert coder.encode(pos, base) == (params, blob)  # the chunked encoder writes the same stream
     for coder in PASSES:
         assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, base), pos)
+    indexed = _indexed(base)
+    for coder in (CODER, *INDEXED):
+        assert np.array_equal(coder.decode(params, blob, pos.size, base.bits.size, indexed), pos)
 
 
 @settings(max_examples=60, deadline=None)
@@ -89,13 +117,14 @@ def test_corrupt_ctx_streams_are_refused_cleanly(case: tuple[BaseBits, np.ndarra
     else:
         params = {**params, "classes": data.draw(st.integers(-1, class_rule(base.dtype).n_classes + 1))}
     results = []
-    for coder in (CODER, *CHUNKED, *PASSES):
+    indexed = _indexed(base)
+    for coder, held in [(c, base) for c in (CODER, *CHUNKED, *PASSES)] + [(c, indexed) for c in INDEXED]:
         try:
-            results.append(coder.decode(params, bytes(raw), n, base.bits.size, base))
+            results.append(coder.decode(params, bytes(raw), n, base.bits.size, held))
         except CorruptPatchError:
             results.append(None)
     out = results[0]
-    assert all((r is None) == (out is None) for r in results), "the passes (chunked, one-thread, branch-free) disagree"
+    assert all((r is None) == (out is None) for r in results), "the passes (chunked, branch-free, indexed...) disagree"
     if out is None:
         return
     # a mutation the stream cannot detect must still give n sorted positions inside the tensor, the same ones

@@ -19,7 +19,7 @@ from flipsync.codec.apply import (
     stage,
 )
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, from_key, int_view, key_steps, to_key, zigzag
-from flipsync.codec.context import conditional_position_bits
+from flipsync.codec.context import ClassIndex, conditional_position_bits
 from flipsync.codec.diff import DiffEngine, changed_positions_reference
 from flipsync.codec.encode import diff_views
 from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_delta, fingerprint_of, fp_hex
@@ -44,6 +44,7 @@ __all__ = [
     "OWN_TENSOR_BYTES",
     "SMALL_SECTIONS",
     "ApplyResult",
+    "ClassIndex",
     "DType",
     "DiffEngine",
     "FingerprintTable",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import MutableMapping
+from collections.abc import Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,15 +23,14 @@ from typing import Literal
 import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from flipsync.codec.bits import DType, bits_numpy, dtype_of, int_view
+from flipsync.codec import streams
+from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.context import ClassIndex
 from flipsync.codec.encode import gather_bits
 from flipsync.codec.fingerprint import FP_SEED, FingerprintTable, Hasher, TensorId, combine_digests, fmix64, fp_hex
-from flipsync.codec.patch import Patch, decode_streams
+from flipsync.codec.intrinsics import prefetch_write
+from flipsync.codec.patch import Base, Patch, decode_streams
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 
@@ -53,16 +52,40 @@ class StagedWrite:
 
 @dataclass
 class UndoRecord:
-    """What a commit overwrote; ``rollback`` restores the tensors and the fingerprint table."""
+    """What a commit overwrote; ``rollback`` restores the tensors, the fingerprint table and the class index
+    the commit moved (if any)."""
 
     writes: list[StagedWrite] = field(default_factory=list)
     table_before: dict[str, TensorId] = field(default_factory=dict)
+    index: ClassIndex | None = None
 
     def rollback(self, tensors: MutableMapping[str, torch.Tensor], table: FingerprintTable) -> None:
         for w in reversed(self.writes):
             scatter(tensors[w.name], w.positions, w.old_bits)
+        if self.index is not None:
+            _move_index(self.index, reversed(self.writes), {w.name: table[w.name] for w in self.writes},
+                        self.table_before, undo=True)  # fmt: skip
+            self.index = None
         table.update(self.table_before)
         self.writes.clear()
+
+
+def _move_index(
+    index: ClassIndex, writes: Iterable[StagedWrite], before: Mapping[str, TensorId], after: Mapping[str, TensorId],
+    *, undo: bool = False,
+) -> None:  # fmt: skip
+    """Keep ``index`` current after ``writes`` (undone, with ``undo``): O(changed), host tensors only."""
+    for w in writes:
+        if w.name not in index:
+            continue
+        if w.positions.device.type != "cpu":
+            index.drop(w.name)
+            continue
+        u = dtype_named(w.target.dtype).uint_numpy
+        old, new = w.old_bits.numpy().view(u), w.new_bits.numpy().view(u)
+        if undo:
+            old, new = new, old
+        index.moved(w.name, w.positions.numpy(), old, new, before[w.name].fp, after[w.name].fp)
 
 
 @dataclass
@@ -73,25 +96,6 @@ class ApplyResult:
     commit_s: float
 
 
-@intrinsic
-def _prefetch_for_write(typingctx, arr, idx):
-    """llvm.prefetch(&arr[idx], write, high locality): a hint only, it never faults."""
-    sig = types.void(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p = ir.IntType(8).as_pointer()
-        addr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
-        i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
-        )
-        builder.call(fn, [addr, ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 _SCATTER_AHEAD = 32  # prefetch this many writes ahead: random stores otherwise stall on the store buffer
 
 
@@ -100,7 +104,7 @@ def _scatter_cpu(flat: np.ndarray, positions: np.ndarray, bits: np.ndarray) -> N
     n = positions.shape[0]
     for i in range(n):
         if i + _SCATTER_AHEAD < n:  # ~1.3x faster on tensors far larger than the cache
-            _prefetch_for_write(flat, positions[i + _SCATTER_AHEAD])  # type: ignore[call-arg]  # numba passes typingctx
+            prefetch_write(flat, positions[i + _SCATTER_AHEAD])  # type: ignore[call-arg]  # numba passes typingctx
         flat[positions[i]] = bits[i]
 
 
@@ -202,10 +206,21 @@ class _Decoded:
     raw: np.ndarray | None  # per-value kind flags of a mixed section
 
 
-def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor) -> _Decoded:
+def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: Base) -> _Decoded:
     """``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
     d, positions, symbols, raw = decode_streams(section, blob, base)
     return _Decoded(d, section.mode, positions, symbols, raw)
+
+
+def _base_of(section: SectionHeader, t: torch.Tensor, table: FingerprintTable, index: ClassIndex | None) -> Base:
+    """What a section decodes against: the tensor, or, for ``ctx`` positions on the host, its bits with the
+    index's block class counts."""
+    held = table.get(section.name)
+    if index is None or held is None or t.device.type != "cpu":
+        return t
+    if not streams.POSITION_CODERS.coder(section.pos).needs_base:
+        return t
+    return index.base(section.name, bits_numpy(t), dtype_named(section.dtype), held.fp)
 
 
 def _stage_bits(t: torch.Tensor, dec: _Decoded, name: str) -> tuple[np.ndarray, np.ndarray, int]:
@@ -260,12 +275,19 @@ def _check_layout(tensors: MutableMapping[str, torch.Tensor], name: str, dtype: 
 
 
 def stage(
-    tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: FingerprintTable, *, check: bool = True
+    tensors: MutableMapping[str, torch.Tensor],
+    patch: Patch,
+    table: FingerprintTable,
+    *,
+    check: bool = True,
+    index: ClassIndex | None = None,
 ) -> list[StagedWrite]:
     """Decode and prepare every write without touching the tensors; verifies the target fingerprints.
 
     ``check=False`` skips the base check, allowed only for all-raw (idempotent overwrite) patches: their
     result does not depend on the old values, and the target is then verified by a full rehash at commit.
+    ``index``: the receiver's class index of ``tensors`` (kept current by passing it to :func:`commit` too):
+    ``ctx`` sections then read only the blocks of their base that hold changes.
     """
     if check:
         check_base(tensors, patch, table)
@@ -276,7 +298,7 @@ def stage(
 
     def prepare(s: SectionHeader) -> StagedWrite:
         t = tensors[s.name]
-        dec = _decode_section(s, patch.section_blob(s.name), t)
+        dec = _decode_section(s, patch.section_blob(s.name), _base_of(s, t, table, index))
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
         fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
         # Without a per-section target (compact header), the target view check below vouches for fp.
@@ -331,11 +353,13 @@ def commit(
     full_fingerprint: bool = False,
     hasher: Hasher | None = None,
     digest: str | None = None,
+    index: ClassIndex | None = None,
 ) -> UndoRecord:
     """Scatter staged writes in place; on any failure restore every byte and re-raise.
 
     ``digest``: the patch's combined target digest (``PatchHeader.digest``), checked with ``verify="digest"``
-    against the touched tensors' digests, as each write's own ``target_digest`` is.
+    against the touched tensors' digests, as each write's own ``target_digest`` is. ``index``: the class
+    index given to :func:`stage`, moved with the tensors (and back by the undo record's rollback).
     """
     undo = UndoRecord(table_before={w.name: table[w.name] for w in staged})
     own = hasher is None and (verify == "digest" or full_fingerprint)
@@ -360,6 +384,9 @@ def commit(
                 raise VerificationError(
                     "the changed tensors do not match the patch's target content digest after applying; rolled back"
                 )
+        if index is not None:
+            _move_index(index, undo.writes, undo.table_before, table)
+            undo.index = index
     except BaseException:
         undo.rollback(tensors, table)
         raise
@@ -377,14 +404,17 @@ def apply_patch(
     verify: Verify = "fingerprint",
     check: bool = True,
     hasher: Hasher | None = None,
+    index: ClassIndex | None = None,
 ) -> ApplyResult:
-    """Apply ``patch`` to ``tensors`` in place and update ``table``; all or nothing (see module doc)."""
+    """Apply ``patch`` to ``tensors`` in place and update ``table`` (and ``index``, see :func:`stage`); all or
+    nothing (see module doc)."""
     t0 = time.perf_counter()
-    staged = stage(tensors, patch, table, check=check)
+    staged = stage(tensors, patch, table, check=check, index=index)
     t1 = time.perf_counter()
     undo = commit(
-        tensors, staged, table, verify=verify, full_fingerprint=not check, hasher=hasher, digest=patch.header.digest
-    )
+        tensors, staged, table, verify=verify, full_fingerprint=not check, hasher=hasher, digest=patch.header.digest,
+        index=index,
+    )  # fmt: skip
     t2 = time.perf_counter()
     return ApplyResult(
         undo=undo, n_changed=sum(int(w.positions.numel()) for w in staged), stage_s=t1 - t0, commit_s=t2 - t1

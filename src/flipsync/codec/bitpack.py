@@ -11,23 +11,10 @@ from typing import Any, ClassVar
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
+from flipsync.codec.intrinsics import clz64
 from flipsync.errors import CorruptPatchError
-
-
-@intrinsic
-def clz64(typingctx, x):
-    """Count leading zeros of a nonzero uint64 (one instruction; numba has no builtin for it)."""
-    sig = types.uint64(types.uint64)
-
-    def codegen(context, builder, signature, args):
-        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
-
-    return sig, codegen
 
 
 @numba.njit(inline="always")

@@ -41,6 +41,7 @@ import numpy as np
 from flipsync.codec.bitpack import flush_bits, put_bits, put_rice
 from flipsync.codec.bits import DType
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, PositionCoder, get_int
+from flipsync.codec.intrinsics import prefetch_read
 from flipsync.codec.rice import best_rice_k, rice_bits, rice_decode_runs
 from flipsync.errors import CorruptPatchError
 
@@ -222,6 +223,8 @@ def _decode_ranks(
 
 _FAR = 1 << 62  # a class's countdown when no change lies ahead of it: never reaches zero
 _DENSE = 0.12  # from this share of changed elements the branch-free pass is faster (measured: 1.5-21% changed)
+_PLACE_UPTO = 1.0  # changes per index block up to which reading only their blocks beats a pass (measured: 1.2)
+_INDEX_FROM = 8  # index blocks a tensor must span to be indexed (so the index stays within ~1/8 of it)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -317,6 +320,157 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
     return emitted
 
 
+# The class index: per class, a Fenwick tree over blocks of the base (tree[c, i - 1] covers class c's count in
+# blocks (i - lowbit(i), i], 1-based), so that a change of the base moves it in O(log blocks) and the block
+# holding class c's r-th element is found in O(log blocks).
+
+
+@numba.njit(nogil=True, cache=True)
+def _tree_build(base, block, s1, m1, s2, m2, w1, tree):  # type: ignore[no-untyped-def]
+    """Each block's class counts (four interleaved histograms, as in ``_count``), then the Fenwick sums."""
+    n_classes, n_blocks = tree.shape
+    h = np.zeros((4, n_classes), dtype=np.int64)
+    two = m2 != 0
+    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
+    for b in range(n_blocks):
+        seg = base[b * block : min((b + 1) * block, base.shape[0])]
+        for i in range(seg.shape[0]):
+            u = np.uint64(seg[i])
+            c = (u >> a1) & b1
+            if two:
+                c |= ((u >> a2) & b2) << c2
+            h[i & 3, c] += 1
+        for c in range(n_classes):
+            tree[c, b] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+        h[:] = 0
+    for c in range(n_classes):
+        for i in range(1, n_blocks + 1):
+            j = i + (i & -i)
+            if j <= n_blocks:
+                tree[c, j - 1] += tree[c, i - 1]
+
+
+@numba.njit(nogil=True, cache=True)
+def _tree_move(tree, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
+    """The base's ``old`` bits became ``new`` at ``positions``: O(changes x log blocks)."""
+    n_blocks = tree.shape[1]
+    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
+    for j in range(positions.shape[0]):
+        u, v = np.uint64(old[j]), np.uint64(new[j])
+        c_old = ((u >> a1) & b1) | (((u >> a2) & b2) << c2)
+        c_new = ((v >> a1) & b1) | (((v >> a2) & b2) << c2)
+        if c_old == c_new:
+            continue
+        i = positions[j] // block + 1
+        while i <= n_blocks:
+            tree[c_old, i - 1] -= 1
+            tree[c_new, i - 1] += 1
+            i += i & -i
+
+
+@numba.njit(inline="always")
+def _tree_prefix(tree, blocks, c):  # type: ignore[no-untyped-def]
+    """Class c's elements in the first ``blocks`` blocks."""
+    s = 0
+    i = blocks
+    while i > 0:
+        s += tree[c, i - 1]
+        i -= i & -i
+    return s
+
+
+@numba.njit(nogil=True, cache=True)
+def _tree_rows(tree, cut, out):  # type: ignore[no-untyped-def]
+    """``out[j, c]``: class c's elements in the first ``cut[j]`` blocks."""
+    for j in range(cut.shape[0]):
+        for c in range(tree.shape[0]):
+            out[j, c] = _tree_prefix(tree, cut[j], c)
+
+
+_RUN = 64  # elements ``_place`` counts at a time before it scans them
+_AHEAD = 8  # changes whose blocks ``_place`` prefetches ahead of the one it reads
+
+
+@numba.njit(nogil=True, cache=True)
+def _place(base, block, tree, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
+    """Ranks to positions without a pass over the base. First every rank's block and its ordinal there
+    (a Fenwick search each); then each block that holds changes is read, its elements counted ``_RUN`` at a
+    time (a loop that vectorizes) up to the run that holds a change, which is scanned, while the blocks of
+    the changes ``_AHEAD`` are prefetched. ``out[first[c] + t]`` is class c's t-th change: positions come out
+    grouped by class (the caller sorts them). OK, or CORRUPT for a rank past its class's size."""
+    n_blocks = tree.shape[1]
+    n = ranks.shape[0]
+    top = 1
+    while top * 2 <= n_blocks:
+        top *= 2
+    of = np.empty(n, dtype=np.int64)  # each rank's block
+    ordinal = np.empty(n, dtype=np.int64)  # its ordinal among its class's elements in that block
+    for c in range(first.shape[0]):
+        if first[c] < 0:
+            continue
+        if ranks[end[c] - 1] >= _tree_prefix(tree, n_blocks, c):
+            return CORRUPT
+        for t in range(first[c], end[c]):
+            b, q, step = 0, ranks[t], top
+            while step > 0:  # the last block whose prefix holds at most ranks[t] of class c's elements
+                nxt = min(b + step, n_blocks)
+                v = tree[c, nxt - 1]
+                take = np.int64(nxt == b + step) & np.int64(v <= q)  # no branch: the way it goes is a coin toss
+                b += step * take
+                q -= v * take
+                step >>= 1
+            of[t], ordinal[t] = b, q
+    line = max(1, 64 // base.itemsize)
+    two = m2 != 0
+    for c in range(first.shape[0]):
+        if first[c] < 0:
+            continue
+        t = first[c]
+        while t < end[c]:
+            for a in range(t + 1, min(t + 1 + _AHEAD, n)):  # the reads ahead (a hint: never faults)
+                lo = of[a] * block
+                for off in range(lo, min(lo + block, base.shape[0]), line):
+                    prefetch_read(base, off)
+            b = of[t]
+            lo = b * block
+            seg = base[lo : min(lo + block, base.shape[0])]
+            placed = t
+            q = ordinal[t]
+            k = 0  # class c's elements passed in this block
+            for r0 in range(0, seg.shape[0], _RUN):
+                run = seg[r0 : r0 + _RUN]
+                hits = np.int32(0)
+                if two:
+                    for i in range(run.shape[0]):
+                        hits += np.int32((((run[i] >> s1) & m1) | (((run[i] >> s2) & m2) << w1)) == c)
+                else:
+                    for i in range(run.shape[0]):
+                        hits += np.int32(((run[i] >> s1) & m1) == c)
+                after_run = k + hits
+                if after_run <= q:
+                    k = after_run
+                    continue
+                for i in range(run.shape[0]):  # the class test is not a branch: class c comes at random
+                    u = run[i]
+                    cl = (u >> s1) & m1
+                    if two:
+                        cl |= ((u >> s2) & m2) << w1
+                    m = np.int64(cl == c)
+                    if m & np.int64(k == q):
+                        out[t] = lo + r0 + i
+                        t += 1
+                        q = ordinal[t] if t < end[c] and of[t] == b else -1
+                        if q < 0 or q >= after_run:  # the rest of the run holds no change
+                            break
+                    k += m
+                k = after_run
+                if q < 0:  # every change of class c in this block is placed
+                    break
+            if t == placed:
+                return CORRUPT  # the tree does not describe this base
+    return OK
+
+
 @numba.njit(nogil=True, cache=True)
 def _emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after, before, out, dense):  # type: ignore[no-untyped-def]
     """One pass over ``base[lo:hi]``, independent of any other: ``before`` holds each class's count before
@@ -390,10 +544,85 @@ def _log2_binom(u: int, n: int) -> float:
 
 @dataclass(frozen=True)
 class BaseBits:
-    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on."""
+    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on; optionally its
+    class index (``tree``: per class, Fenwick sums over ``block`` elements; see :class:`ClassIndex`)."""
 
     bits: np.ndarray
     dtype: DType
+    block: int = 0
+    tree: np.ndarray | None = None
+
+
+def index_block(d: DType, numel: int) -> tuple[int, type]:
+    """Elements per block of a class index, and its counts' dtype: the index costs at most 1/8 of the base."""
+    count = np.int32 if numel < 2**31 else np.int64
+    need = 8 * class_rule(d).n_classes * np.dtype(count).itemsize // max(1, d.bits // 8)
+    return max(512, 1 << (need - 1).bit_length()), count
+
+
+@dataclass
+class _Tree:
+    fp: int  # the fingerprint of the tensor the tree describes
+    dtype: DType
+    block: int
+    tree: np.ndarray
+
+
+class ClassIndex:
+    """A receiver's class index of the tensors it holds: per tensor and class, a Fenwick tree of the class's
+    counts over blocks of the tensor. With it, a sparse ``ctx`` section decodes without a pass over its base
+    (each change's block is found in O(log blocks) and only that block is read), and a large base splits into
+    chunks without a counting pass: work that depends on the base alone, done before the patch arrives.
+
+    An entry is built the first time a tensor's ``ctx`` section is staged with the index (one pass over it)
+    and then kept current by commit and rollback in O(changed x log blocks). Each entry is tied to the
+    fingerprint of the tensor it describes: one that does not match what the receiver holds is rebuilt, never
+    used. Memory: about 1/8 of the indexed tensors' bytes; tensors of fewer than 8 blocks are not indexed.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Tree] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def nbytes(self) -> int:
+        return sum(e.tree.nbytes for e in self._entries.values())
+
+    def describes(self, name: str, fp: int) -> bool:
+        """Whether the index holds tensor ``name`` as of fingerprint ``fp`` (else its next use rebuilds it)."""
+        e = self._entries.get(name)
+        return e is not None and e.fp == fp
+
+    def base(self, name: str, bits: np.ndarray, d: DType, fp: int) -> BaseBits:
+        """``bits`` (the tensor ``name`` as it is now, fingerprint ``fp``) with their class index."""
+        bits = np.ascontiguousarray(bits).reshape(-1)
+        block, count = index_block(d, bits.size)
+        if bits.size < _INDEX_FROM * block:
+            return BaseBits(bits, d)  # a pass over a small tensor costs next to nothing: no index
+        shape = (class_rule(d).n_classes, -(-bits.size // block))
+        e = self._entries.get(name)
+        if e is None or e.fp != fp or e.dtype != d or e.tree.shape != shape or e.tree.dtype != count:
+            rule = class_rule(d)
+            tree = np.empty(shape, dtype=count)
+            _tree_build(bits, block, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1, tree)
+            e = self._entries[name] = _Tree(fp, d, block, tree)
+        return BaseBits(bits, d, e.block, e.tree)
+
+    def drop(self, name: str) -> None:
+        self._entries.pop(name, None)
+
+    def moved(self, name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray, fp: int, to_fp: int) -> None:
+        """Tensor ``name`` (fingerprint ``fp``) now holds ``new`` bits at ``positions`` (fingerprint ``to_fp``)."""
+        e = self._entries.get(name)
+        if e is None:
+            return
+        if e.fp != fp:
+            del self._entries[name]  # describes another tensor: rebuilt when next needed
+            return
+        rule = class_rule(e.dtype)
+        _tree_move(e.tree, e.block, positions, old, new, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        e.fp = to_fp
 
 
 class ContextCoder(PositionCoder):
@@ -409,15 +638,18 @@ class ContextCoder(PositionCoder):
         parallel_from: int = 1 << 22,
         workers: int | None = None,
         dense_from: float = _DENSE,
+        place_upto: float = _PLACE_UPTO,
     ) -> None:
         """``chunk``: elements per chunk of the decoding pass (a base of at least ``parallel_from`` elements is
         decoded in chunks on ``workers`` threads; default: every core, from 4 cores). A pass whose share of
-        changed elements reaches ``dense_from`` runs branch-free. The stream and the positions are the same
-        either way."""
+        changed elements reaches ``dense_from`` runs branch-free. With the base's class index, up to
+        ``place_upto`` changes per index block are placed block by block instead of by a pass. The stream and
+        the positions are the same either way."""
         self.chunk = max(1, chunk)
         self.parallel_from = parallel_from
         self.workers = workers
         self.dense_from = dense_from
+        self.place_upto = place_upto
 
     def accepts(self, positions: np.ndarray, base: Any = None) -> bool:
         return isinstance(base, BaseBits) and positions.size > 0 and class_rule(base.dtype).n_classes > 1
@@ -460,7 +692,7 @@ class ContextCoder(PositionCoder):
         status = _decode_ranks(data, n_used, nbits, rule.n_classes, numel, first, end, ranks)
         out = np.empty(n, dtype=np.int64)
         if status == OK:
-            status = self._positions(bits, rule, first, end, ranks, out)
+            status = self._positions(bits, rule, first, end, ranks, out, _usable_tree(base, bits.size, rule))
         if status != OK:
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
@@ -498,24 +730,45 @@ class ContextCoder(PositionCoder):
         return cls, rank
 
     def _positions(
-        self, bits: np.ndarray, rule: ClassRule, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, out: np.ndarray
+        self,
+        bits: np.ndarray,
+        rule: ClassRule,
+        first: np.ndarray,
+        end: np.ndarray,
+        ranks: np.ndarray,
+        out: np.ndarray,
+        index: tuple[int, np.ndarray] | None,
     ) -> int:
-        """Ranks to positions: one pass over the base on this thread, or, for a large base, chunks on a pool."""
+        """Ranks to positions. With the base's class index (``index``: block, tree) and few changes per block,
+        each change's block is found and read, and nothing else; otherwise one pass over the base on this
+        thread, or, for a large base, chunks on a pool (their class counts from the index where there is one,
+        else counted first)."""
         r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        if index is not None and out.size * index[0] <= self.place_upto * bits.size:
+            block, tree = index
+            status = int(_place(bits, block, tree, *r, first, end, ranks, out))
+            out.sort()
+            return status
         workers = self._workers()
-        n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
         after, home = _countdowns(first, end, ranks)
+        n_chunks = min(-(-bits.size // max(self.chunk, index[0] if index else 1)), 4 * workers)
         if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
             before = np.zeros(rule.n_classes, dtype=np.int64)
             dense = out.size >= self.dense_from * bits.size
             return int(_emit_from(bits, 0, bits.size, *r, first, end, ranks, home, after, before, out, dense))
-        bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
         # Each chunk's class counts (what depends on the base alone), then each chunk's own pass: a chunk knows
         # from the counts before it which ranks it holds, and where in ``out`` its positions go.
         before = np.zeros((n_chunks, rule.n_classes), dtype=np.int64)
+        if index is not None:
+            cut = np.linspace(0, index[1].shape[1], n_chunks + 1).astype(np.int64)
+            bounds = np.minimum(cut * index[0], bits.size)
+            _tree_rows(index[1], cut[:-1], before)
+        else:
+            bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
         with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
-            list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
-            np.cumsum(before, axis=0, out=before)
+            if index is None:
+                list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
+                np.cumsum(before, axis=0, out=before)
             offs = np.empty(n_chunks + 1, dtype=np.int64)
             _offsets(before, first, end, ranks, offs[:-1])
             offs[-1] = out.size  # a rank past its class's size in this base: the last chunk cannot emit it
@@ -526,7 +779,18 @@ class ContextCoder(PositionCoder):
                     return OK
                 a, b = bounds[j], bounds[j + 1]
                 dense = hi - lo >= self.dense_from * (b - a)
-                return int(_emit_from(bits, a, b, *r, first, end, ranks, home, after, before[j], out[lo:hi], dense))
+                own = (first, end, ranks, home, after, before[j], out[lo:hi], dense)
+                return int(_emit_from(bits, a, b, *r, *own))
 
             statuses = list(pool.map(emit, range(n_chunks)))
         return OK if all(st == OK for st in statuses) else CORRUPT
+
+
+def _usable_tree(base: BaseBits, numel: int, rule: ClassRule) -> tuple[int, np.ndarray] | None:
+    """The base's class index, when it has one of the right shape for this base."""
+    t = base.tree
+    if t is None or base.block < 1 or t.ndim != 2 or t.shape != (rule.n_classes, -(-numel // base.block)):
+        return None
+    if t.dtype not in (np.int32, np.int64):
+        return None
+    return base.block, np.ascontiguousarray(t)

@@ -128,10 +128,17 @@ def _symbols(change: TensorChange) -> np.ndarray:
 STREAMS = ("pos", "val", "tag")
 
 
-def base_bits(base: torch.Tensor | np.ndarray | None, d: DType) -> BaseBits | None:
+Base = torch.Tensor | np.ndarray | BaseBits  # a section's base: the tensor, its bits, or its bits with counts
+
+
+def base_bits(base: Base | None, d: DType) -> BaseBits | None:
     """The base tensor as the context coder sees it (its unsigned bit patterns, flat, on the host)."""
     if base is None:
         return None
+    if isinstance(base, BaseBits):
+        if base.dtype != d:
+            raise BaseMismatchError(f"the base tensor is {base.dtype.name}, the patch {d.name}")
+        return base
     bits = base if isinstance(base, np.ndarray) else bits_numpy(base.detach().contiguous())
     if bits.dtype.itemsize * 8 != d.bits:
         raise BaseMismatchError(f"the base tensor has {bits.dtype.itemsize * 8}-bit elements, the patch {d.name}")
@@ -192,7 +199,7 @@ def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str,
 
 
 def decode_streams(
-    section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor | np.ndarray | None = None
+    section: SectionHeader, blob: bytes | memoryview, base: Base | None = None
 ) -> tuple[DType, np.ndarray, np.ndarray, np.ndarray | None]:
     """A section's dtype, positions, symbols (zigzagged steps or raw patterns) and, for a mixed section, its
     kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`.
@@ -220,9 +227,7 @@ def decode_streams(
     return d, positions, symbols, flags
 
 
-def decode_change(
-    section: SectionHeader, blob: bytes | memoryview, base: torch.Tensor | np.ndarray | None = None
-) -> TensorChange:
+def decode_change(section: SectionHeader, blob: bytes | memoryview, base: Base | None = None) -> TensorChange:
     """Decode one section (``base``: see :func:`decode_streams`); every failure is a :class:`CorruptPatchError`."""
     d, positions, symbols, raw = decode_streams(section, blob, base)
     if section.mode == "raw":
@@ -418,7 +423,7 @@ class Patch:
     def section_bytes(self, name: str) -> int:
         return len(self._blobs.get(name, b""))
 
-    def change(self, name: str, base: torch.Tensor | np.ndarray | None = None) -> TensorChange:
+    def change(self, name: str, base: Base | None = None) -> TensorChange:
         """One tensor's change; ``base`` (the tensor it applies to) is needed for ``ctx``-coded positions."""
         return decode_change(self._sections[name], self.section_blob(name), base)
 

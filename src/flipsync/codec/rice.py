@@ -13,8 +13,9 @@ from typing import Any, ClassVar
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import clz64, flush_bits, pack_codes, put_rice
+from flipsync.codec.bitpack import flush_bits, pack_codes, put_rice
 from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
+from flipsync.codec.intrinsics import clz64
 from flipsync.errors import CorruptPatchError
 
 MAX_RICE_K = 62

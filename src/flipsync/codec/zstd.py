@@ -11,8 +11,8 @@ import numba
 import numpy as np
 import zstandard
 
-from flipsync.codec.bitpack import clz64
 from flipsync.codec.coders import Params, PositionCoder, SymbolCoder, get_int, position_gaps, positions_from_gaps
+from flipsync.codec.intrinsics import clz64
 from flipsync.errors import CorruptPatchError
 
 ZSTD_LEVEL = 3

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, int_view
+from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, int_view
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.engines.base import Engine, Staged, Undo
@@ -54,6 +54,7 @@ class MemoryEngine(Engine[MemoryStaged, MemoryUndo]):
     ) -> None:
         self._served = {k: v.clone() for k, v in view.items()}
         self._table = table.copy() if table is not None else FingerprintTable.of(self._served)
+        self._index = ClassIndex()  # kept current with the tensors: sparse ctx sections read only their blocks
         self.served_format = served_format
         self._lock = threading.Lock()
 
@@ -76,18 +77,19 @@ class MemoryEngine(Engine[MemoryStaged, MemoryUndo]):
             for k, src in view.items():
                 int_view(self._served[k]).copy_(int_view(src.contiguous()))
             self._table = FingerprintTable.of(self._served)
+            self._index = ClassIndex()
 
     def stage(self, patch: Patch) -> MemoryStaged:
         fmt = patch.header.served_format
         if self.served_format is not None and fmt is not None and fmt != self.served_format:
             raise BaseMismatchError(f"the patch is for {fmt!r}, this engine serves {self.served_format!r}")
-        return MemoryStaged(codec_stage(self._served, patch, self._table), patch.header.target.view)
+        return MemoryStaged(codec_stage(self._served, patch, self._table, index=self._index), patch.header.target.view)
 
     def commit(self, staged: MemoryStaged) -> MemoryUndo:
         if not isinstance(staged, MemoryStaged):
             raise EngineError(f"commit expects what MemoryEngine.stage returned, not {type(staged).__name__}")
         with self._lock:
-            record = codec_commit(self._served, staged.writes, self._table)
+            record = codec_commit(self._served, staged.writes, self._table, index=self._index)
             if self._table.view_fp() != staged.target_view:
                 record.rollback(self._served, self._table)
                 raise VerificationError("after the commit the engine does not hold the patch's target; rolled back")

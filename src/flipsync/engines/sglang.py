@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 import httpx
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, scatter
+from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.engines.base import Engine, Staged, Undo
@@ -112,6 +112,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self._staging.mkdir(parents=True, exist_ok=True)
         self._live_dirs: list[Path] = []  # update/undo dirs SGLang may still point at
         self._table = table.copy() if table is not None else FingerprintTable.of(mirror)
+        self._index = ClassIndex()  # of the mirror, kept current with it: sparse ctx sections read only their blocks
         if set(self._table) != set(mirror):
             raise ConfigError("the fingerprint table does not describe the mirror's tensors")
         self.weight_version = self._get_weight_version()
@@ -176,11 +177,13 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             self._mirror[name] = t.detach().to("cpu")
         self._flush()
         self._table = FingerprintTable.of(self._mirror)
+        self._index = ClassIndex()
         self._retire(directory)
 
     def stage(self, patch: Patch) -> SglangStaged:
         t0 = time.perf_counter()
-        writes = codec_stage(self._mirror, patch, self._table)  # base check, decode, target fingerprints
+        # base check, decode, target fingerprints
+        writes = codec_stage(self._mirror, patch, self._table, index=self._index)
         token = secrets.token_hex(6)
         update_dir = self._new_dir(f"update-{token}")
         undo_dir = self._new_dir(f"undo-{token}")
@@ -231,7 +234,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             # SGLang reports a failed load after trying to restore; push the old values to be sure
             self._recover(staged.undo_dir, before, "SGLang refused the update")
             raise
-        record = codec_commit(self._mirror, staged.writes, self._table)
+        record = codec_commit(self._mirror, staged.writes, self._table, index=self._index)
         self._flush()
         self.weight_version = staged.weight_version
         self._retire(staged.update_dir, staged.undo_dir)

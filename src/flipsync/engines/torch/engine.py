@@ -35,7 +35,7 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, int_view, scatter
+from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, int_view, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.engines.base import Engine, Staged, Undo
@@ -142,6 +142,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
         self._payloads: set[str] = set()
         self._build_layout()
         self._table = FingerprintTable.of(self._served)
+        self._index = ClassIndex()  # kept current with the tensors: sparse ctx sections read only their blocks
         self._labels: OrderedDict[str, int] = OrderedDict()
         self._labels_lock = threading.Lock()
         self._version: int | None = None
@@ -264,6 +265,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
                     int_view(dst).copy_(int_view(src.detach().to(self.device).contiguous()))
                 self._refresh_params(list(self._refresh))
                 self._table = FingerprintTable.of(self._served)
+                self._index = ClassIndex()
             except Exception as e:
                 # Half-loaded: describe what is held now, so an audit sees it and nothing claims a version.
                 self._table = FingerprintTable.of(self._served)
@@ -298,7 +300,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
                 f"a run published in {self.served_format}"
             )
         # Decodes and verifies against the weights held now; reads only, so decoding runs while serving.
-        writes = codec_stage(self._served, patch, self._table)
+        writes = codec_stage(self._served, patch, self._table, index=self._index)
         return TorchStaged(
             writes=writes,
             touched=frozenset(w.name for w in writes),
@@ -313,7 +315,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
             raise EngineError(f"commit expects what TorchEngine.stage returned, not {type(staged).__name__}")
         with self._lock.write() as waited:
             t0 = time.perf_counter()
-            record = codec_commit(self._served, staged.writes, self._table)  # all or nothing by itself
+            record = codec_commit(self._served, staged.writes, self._table, index=self._index)  # all or nothing
             try:
                 self._write_params(staged.touched, staged.params, undo=False)
                 held = self._table.view_fp()

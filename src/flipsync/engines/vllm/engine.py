@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from flipsync.codec import (
+    ClassIndex,
     FingerprintTable,
     Patch,
     TensorId,
@@ -320,6 +321,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             )
         self._mirror = mirror
         self._mirror_current = False  # whether the mirror holds what the workers serve
+        self._index = ClassIndex()  # of the mirror, kept current with it: sparse ctx sections read only their blocks
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
@@ -473,6 +475,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 self._mirror[name].copy_(t.detach().cpu())
             self._flush_mirror()
             self._mirror_current = True
+            self._index = ClassIndex()
 
     def stage(self, patch: Patch) -> VllmStaged:
         t0 = time.perf_counter()
@@ -510,7 +513,10 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             )
         changes = {}
         for s in patch.sections:
-            against = base[s.name] if base is not None and patch.section_needs_base(s.name) else None
+            against = None
+            if base is not None and patch.section_needs_base(s.name):
+                d = dtype_named(s.dtype)
+                against = self._index.base(s.name, self._mirror_bits(s.name, d.uint_numpy), d, self._table[s.name].fp)
             changes[s.name] = patch.change(s.name, against)
         # where each changed element lives, and who reports its old bits
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
@@ -603,7 +609,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.mirror_writes
         )
         self._table.update(staged.targets)
-        self._write_mirror(staged.mirror_writes, new=True)
+        self._write_mirror(staged.mirror_writes, new=True, fps=(undo.table_before, staged.targets))
         return undo
 
     def rollback(self, undo: VllmUndo) -> None:
@@ -614,8 +620,9 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 f"workers {missing} no longer keep the undo record of this commit (they keep the last few); "
                 "resync from a keyframe"
             )
+        committed = {n: self._table[n] for n in undo.table_before}
         self._table.update(undo.table_before)
-        self._write_mirror(undo.mirror_writes, new=False)
+        self._write_mirror(undo.mirror_writes, new=False, fps=(committed, undo.table_before))
 
     def recompute_table(self) -> FingerprintTable:
         return self._recompute(strict=True)
@@ -670,13 +677,26 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 )
         return writes
 
-    def _write_mirror(self, writes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]], *, new: bool) -> None:
-        """The new (or, undoing, the old) bits of a commit the workers took, into the mirror."""
+    def _write_mirror(
+        self,
+        writes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        *,
+        new: bool,
+        fps: tuple[Mapping[str, TensorId], Mapping[str, TensorId]],
+    ) -> None:
+        """The new (or, undoing, the old) bits of a commit the workers took, into the mirror and its class index
+        (``fps``: the tensors' fingerprints before and after)."""
         if self._mirror is None or not writes:
             return
         try:
             for name, (pos, old, new_bits) in writes.items():
-                self._mirror_bits(name, old.dtype)[pos] = new_bits if new else old
+                was, now = (old, new_bits) if new else (new_bits, old)
+                self._mirror_bits(name, old.dtype)[pos] = now
+                before, after = fps[0].get(name), fps[1].get(name)
+                if before is None or after is None:
+                    self._index.drop(name)
+                else:
+                    self._index.moved(name, pos, was, now, before.fp, after.fp)
             self._flush_mirror()
         except Exception as e:  # the workers hold the version; only the mirror is behind
             self._mirror_current = False

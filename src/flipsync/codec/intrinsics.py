@@ -1,0 +1,46 @@
+"""CPU instructions numba has no builtin for, as numba intrinsics: count leading zeros, and prefetch hints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+
+@intrinsic
+def clz64(typingctx: Any, x: Any) -> Any:
+    """Count leading zeros of a uint64 (one instruction; 64 for zero)."""
+    sig = types.uint64(types.uint64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return sig, codegen
+
+
+def _prefetch(write: int) -> Any:
+    def typer(typingctx: Any, arr: Any, idx: Any) -> Any:
+        sig = types.void(arr, idx)
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            i8p = ir.IntType(8).as_pointer()
+            addr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+            i32 = ir.IntType(32)
+            fn = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0i8"
+            )
+            builder.call(fn, [addr, ir.Constant(i32, write), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return typer
+
+
+# llvm.prefetch(&arr[idx], read or write, high locality): hints only, they never fault.
+prefetch_read = intrinsic(_prefetch(0))
+prefetch_write = intrinsic(_prefetch(1))
