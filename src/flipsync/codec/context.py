@@ -427,8 +427,8 @@ def _place(base, block, tree, s1, m1, s2, m2, w1, first, end, ranks, out):  # ty
             continue
         t = first[c]
         while t < end[c]:
-            for a in range(t + 1, min(t + 1 + _AHEAD, n)):  # the reads ahead (a hint: never faults)
-                lo = of[a] * block
+            if t + _AHEAD < n:  # the read ahead (a hint: never faults)
+                lo = of[t + _AHEAD] * block
                 for off in range(lo, min(lo + block, base.shape[0]), line):
                     prefetch_read(base, off)
             b = of[t]
