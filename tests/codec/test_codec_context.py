@@ -13,14 +13,7 @@ from hypothesis import strategies as st
 
 from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import bits_numpy, dtype_named
-from flipsync.codec.context import (
-    BaseBits,
-    ContextCoder,
-    _tree_build,
-    class_rule,
-    conditional_position_bits,
-    index_block,
-)
+from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder, class_rule, conditional_position_bits
 from flipsync.codec.patch import V1_CONTAINER
 from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view
@@ -48,12 +41,8 @@ DTYPES = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U8"]
 
 
 def _indexed(base: BaseBits) -> BaseBits:
-    """``base`` with its class index, whatever its size (``ClassIndex`` leaves tensors of few blocks out)."""
-    block, count = index_block(base.dtype, base.bits.size)
-    rule = class_rule(base.dtype)
-    tree = np.empty((rule.n_classes, -(-base.bits.size // block)), dtype=count)
-    _tree_build(base.bits, block, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1, tree)
-    return BaseBits(base.bits, base.dtype, block, tree)
+    """``base`` held by a class index, whatever its size (by default small tensors are not indexed)."""
+    return ClassIndex(min_blocks=1).base("t", base.bits, base.dtype, fp=0)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -174,9 +174,9 @@ def measure_pair(
         # A receiver that follows the board holds a class index of its tensors, built once after a full load
         # and kept current by every commit: stage runs with it warm, and its build is timed apart.
         index = ClassIndex()
-        ctx = [s.name for s in patch.sections if s.pos["codec"] == "ctx"]
-        index_s, _ = _best_of(lambda: [ClassIndex().base(k, bits_numpy(old[k]), dtype_of(old[k]), 0) for k in ctx], 1)
-        stage(old, patch, table.copy(), index=index)
+        stage(old, patch, table.copy(), index=index)  # builds the trees of the tensors where they pay
+        held = [k for k in old if k in index]
+        index_s, _ = _best_of(lambda: [ClassIndex().tree(k, bits_numpy(old[k]), dtype_of(old[k]), 0) for k in held], 1)
         stage_s, _ = _best_of(lambda: stage(old, patch, table.copy(), index=index), repeat)  # stage never writes
         stage_v1_s, _ = _best_of(lambda: stage(old, v1_patch, table.copy()), repeat)
 
@@ -429,8 +429,8 @@ METHODS_MD = """Methods, all applied to the same pair of served views in this pr
 *stage ns/chg* is `codec.stage` (decode, new bits, fingerprint checks; for `ctx` sections, ranks to
 positions: a pass over the base, or, with few changes per block, a read of only the blocks that hold them,
 found in the receiver's class index) per changed value, for the patch and for the v1-coder patch; *stage
-ns/B* the same per byte of the base view; *index ns/B* is building that class index for the tensors of the
-`ctx` sections, per byte of the view: once after a full load, since every commit keeps it current;
+ns/B* the same per byte of the base view; *index ns/B* is building that class index (for the tensors whose
+sections it serves), per byte of the view: once after a full load, since every commit keeps it current;
 *hdr B/tensor* (*header B/changed tensor*) is the patch file's bytes outside its coded sections (the
 safetensors table and the compact header: names, shapes, counts, codec parameters, the two view fingerprints
 and one content digest) per changed tensor.

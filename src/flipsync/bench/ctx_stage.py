@@ -33,7 +33,7 @@ def main(numel: int = 1 << 24, repeats: int = 7) -> None:
         codec = ctx.sections[0].pos["codec"]
         t = time.perf_counter()
         index = ClassIndex()
-        index.base("w", bits_numpy(old["w"]), dtype_of(old["w"]), table["w"].fp)  # once after a full load
+        index.tree("w", bits_numpy(old["w"]), dtype_of(old["w"]), table["w"].fp)  # once after a full load
         build = time.perf_counter() - t
         patches = {"v1": (v1, None), codec: (ctx, None), f"{codec}+index": (ctx, index)}
         best = dict.fromkeys(patches, float("inf"))

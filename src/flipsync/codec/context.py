@@ -224,7 +224,6 @@ def _decode_ranks(
 _FAR = 1 << 62  # a class's countdown when no change lies ahead of it: never reaches zero
 _DENSE = 0.12  # from this share of changed elements the branch-free pass is faster (measured: 1.5-21% changed)
 _PLACE_UPTO = 1.0  # changes per index block up to which reading only their blocks beats a pass (measured: 1.2)
-_INDEX_FROM = 8  # index blocks a tensor must span to be indexed (so the index stays within ~1/8 of it)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -544,13 +543,15 @@ def _log2_binom(u: int, n: int) -> float:
 
 @dataclass(frozen=True)
 class BaseBits:
-    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on; optionally its
-    class index (``tree``: per class, Fenwick sums over ``block`` elements; see :class:`ClassIndex`)."""
+    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on; optionally the
+    receiver's class index that holds it (as tensor ``name`` at fingerprint ``fp``), which the decoder asks
+    for the tensor's tree where it pays."""
 
     bits: np.ndarray
     dtype: DType
-    block: int = 0
-    tree: np.ndarray | None = None
+    index: ClassIndex | None = None
+    name: str = ""
+    fp: int = 0
 
 
 def index_block(d: DType, numel: int) -> tuple[int, type]:
@@ -580,8 +581,11 @@ class ClassIndex:
     used. Memory: about 1/8 of the indexed tensors' bytes; tensors of fewer than 8 blocks are not indexed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, min_blocks: int = 8) -> None:
+        """``min_blocks``: index blocks a tensor must span to be indexed (a pass over fewer costs next to
+        nothing, and the index of a tensor smaller than that would cost more than 1/8 of it)."""
         self._entries: dict[str, _Tree] = {}
+        self.min_blocks = min_blocks
 
     def __contains__(self, name: object) -> bool:
         return name in self._entries
@@ -595,11 +599,16 @@ class ClassIndex:
         return e is not None and e.fp == fp
 
     def base(self, name: str, bits: np.ndarray, d: DType, fp: int) -> BaseBits:
-        """``bits`` (the tensor ``name`` as it is now, fingerprint ``fp``) with their class index."""
+        """``bits`` (the tensor ``name`` as it is now, fingerprint ``fp``) for the decoder, with this index."""
+        return BaseBits(np.ascontiguousarray(bits).reshape(-1), d, self, name, fp)
+
+    def tree(self, name: str, bits: np.ndarray, d: DType, fp: int) -> tuple[int, np.ndarray] | None:
+        """(block, tree) of tensor ``name`` as it is now (``bits``, fingerprint ``fp``), built if the index
+        does not hold it at ``fp``; None for a tensor too small to index."""
         bits = np.ascontiguousarray(bits).reshape(-1)
         block, count = index_block(d, bits.size)
-        if bits.size < _INDEX_FROM * block:
-            return BaseBits(bits, d)  # a pass over a small tensor costs next to nothing: no index
+        if bits.size < self.min_blocks * block:
+            return None
         shape = (class_rule(d).n_classes, -(-bits.size // block))
         e = self._entries.get(name)
         if e is None or e.fp != fp or e.dtype != d or e.tree.shape != shape or e.tree.dtype != count:
@@ -607,7 +616,7 @@ class ClassIndex:
             tree = np.empty(shape, dtype=count)
             _tree_build(bits, block, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1, tree)
             e = self._entries[name] = _Tree(fp, d, block, tree)
-        return BaseBits(bits, d, e.block, e.tree)
+        return e.block, e.tree
 
     def drop(self, name: str) -> None:
         self._entries.pop(name, None)
@@ -692,10 +701,27 @@ class ContextCoder(PositionCoder):
         status = _decode_ranks(data, n_used, nbits, rule.n_classes, numel, first, end, ranks)
         out = np.empty(n, dtype=np.int64)
         if status == OK:
-            status = self._positions(bits, rule, first, end, ranks, out, _usable_tree(base, bits.size, rule))
+            status = self._positions(bits, rule, first, end, ranks, out, self._tree(base, bits, n))
         if status != OK:
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
+
+    def _tree(self, base: BaseBits, bits: np.ndarray, n: int) -> tuple[int, np.ndarray] | None:
+        """The base's class index where it pays: few changes per block, or a chunked decode (built then, if the
+        receiver's index does not hold it yet, and kept current by its commits)."""
+        if base.index is None:
+            return None
+        block, _ = index_block(base.dtype, bits.size)
+        if n * block > self.place_upto * bits.size and not self._chunked(bits.size):
+            return None
+        found = base.index.tree(base.name, bits, base.dtype, base.fp)
+        rule = class_rule(base.dtype)
+        if found is None or found[1].shape != (rule.n_classes, -(-bits.size // found[0])):
+            return None
+        return found
+
+    def _chunked(self, numel: int) -> bool:
+        return self._workers() >= 2 and -(-numel // self.chunk) >= 2 and numel >= self.parallel_from
 
     def _workers(self) -> int:
         # The counting pass adds about half a pass of work, and stage already spreads a patch's sections over
@@ -784,13 +810,3 @@ class ContextCoder(PositionCoder):
 
             statuses = list(pool.map(emit, range(n_chunks)))
         return OK if all(st == OK for st in statuses) else CORRUPT
-
-
-def _usable_tree(base: BaseBits, numel: int, rule: ClassRule) -> tuple[int, np.ndarray] | None:
-    """The base's class index, when it has one of the right shape for this base."""
-    t = base.tree
-    if t is None or base.block < 1 or t.ndim != 2 or t.shape != (rule.n_classes, -(-numel // base.block)):
-        return None
-    if t.dtype not in (np.int32, np.int64):
-        return None
-    return base.block, np.ascontiguousarray(t)
