@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from flipsync.codec import ClassIndex, FingerprintTable, commit, diff_views, stage
 from flipsync.codec.bits import bits_numpy, dtype_of
-from flipsync.codec.context import index_block
+from flipsync.codec.context import ClassTree, class_rule
 from flipsync.formats import served_view
 
 FORMATS = ["bf16", "fp8-block", "mxfp4", "nvfp4"]
@@ -35,10 +35,35 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in b)
 
 
-def _fresh_tree(t: torch.Tensor) -> np.ndarray:
-    found = ClassIndex().tree("t", bits_numpy(t), dtype_of(t), fp=0)
-    assert found is not None
-    return found[1]
+def _block_counts(held: ClassTree, n_classes: int) -> np.ndarray:
+    """Each class's count in each block, from the Fenwick trees (a class without a tree: zeros)."""
+    n_blocks = held.tree.shape[1]
+    prefix = np.zeros((n_classes, n_blocks + 1), dtype=np.int64)
+    for c in range(n_classes):
+        if held.slot[c] < 0:
+            continue
+        row = held.tree[held.slot[c]]
+        for b in range(1, n_blocks + 1):
+            i, total = b, 0
+            while i > 0:
+                total += int(row[i - 1])
+                i -= i & -i
+            prefix[c, b] = total
+    return np.diff(prefix, axis=1)
+
+
+def _counted(t: torch.Tensor, block: int) -> np.ndarray:
+    """Each class's count in each block, counted from the tensor's bits."""
+    d = dtype_of(t)
+    rule = class_rule(d)
+    u = bits_numpy(t).reshape(-1).astype(np.uint64)
+    cls = ((u >> np.uint64(rule.s1)) & np.uint64(rule.m1)) | (
+        ((u >> np.uint64(rule.s2)) & np.uint64(rule.m2)) << np.uint64(rule.w1)
+    )
+    blocks = np.arange(u.size) // block
+    out = np.zeros((rule.n_classes, -(-u.size // block)), dtype=np.int64)
+    np.add.at(out, (cls.astype(np.int64), blocks), 1)
+    return out
 
 
 def _index_all(index: ClassIndex, tensors: dict[str, torch.Tensor], table: FingerprintTable) -> None:
@@ -54,7 +79,9 @@ def _assert_current(index: ClassIndex, tensors: dict[str, torch.Tensor], table: 
             continue
         assert index.describes(name, table[name].fp), f"{name}: the index fell behind the tensor"
         held = index.tree(name, bits_numpy(t), dtype_of(t), table[name].fp)
-        assert held is not None and np.array_equal(held[1], _fresh_tree(t)), f"{name}: the index drifted"
+        assert held is not None
+        n_classes = held.slot.size
+        assert np.array_equal(_block_counts(held, n_classes), _counted(t, held.block)), f"{name}: the index drifted"
 
 
 @settings(max_examples=25, deadline=None)
@@ -88,12 +115,13 @@ def test_sparse_sections_are_placed_block_by_block_and_apply_bitwise() -> None:
     patch, _ = diff_views(views[0], views[1])
     (s,) = [s for s in patch.sections if s.name == "mlp.weight"]
     w = views[0]["mlp.weight"]
-    assert s.pos["codec"] == "ctx" and s.n * index_block(dtype_of(w), w.numel())[0] <= w.numel()
     work = {k: v.clone() for k, v in views[0].items()}
     table, index = FingerprintTable.of(work), ClassIndex()
     commit(work, stage(work, patch, table, index=index), table, index=index)
     assert _same(work, views[1])
-    assert "mlp.weight" in index  # built by stage, where it paid
+    held = index.tree("mlp.weight", bits_numpy(work["mlp.weight"]), dtype_of(w), table["mlp.weight"].fp)
+    assert held is not None  # built by stage, where it paid, and kept by the commit
+    assert s.pos["codec"] == "ctx" and s.n * held.block <= w.numel()
     _assert_current(index, work, table)
 
 

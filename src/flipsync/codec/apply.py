@@ -76,8 +76,6 @@ def _move_index(
 ) -> None:  # fmt: skip
     """Keep ``index`` current after ``writes`` (undone, with ``undo``): O(changed), host tensors only."""
     for w in writes:
-        if w.name not in index:
-            continue
         if w.positions.device.type != "cpu":
             index.drop(w.name)
             continue
@@ -213,8 +211,8 @@ def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: Base
 
 
 def _base_of(section: SectionHeader, t: torch.Tensor, table: FingerprintTable, index: ClassIndex | None) -> Base:
-    """What a section decodes against: the tensor, or, for ``ctx`` positions on the host, its bits with the
-    index's block class counts."""
+    """What a section decodes against: the tensor, or, for ``ctx`` positions on the host, its bits held by the
+    receiver's class index."""
     held = table.get(section.name)
     if index is None or held is None or t.device.type != "cpu":
         return t

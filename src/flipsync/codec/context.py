@@ -25,6 +25,10 @@ A large base is decoded in chunks on a thread pool, from the same stream: first 
 ranks (a binary search per class) and which slice of the output are its own; then every chunk runs its own
 pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass. The encoder's
 pass (each change's class and rank) is chunked the same way and writes the same stream.
+
+A receiver that keeps a :class:`ClassIndex` of its tensors (per class, a Fenwick tree of counts over blocks,
+moved by every commit) needs no pass where changes are sparse: each rank's block is found by a search of its
+class's tree, and only the blocks that hold changes are read. The chunks take their class counts from it too.
 """
 
 from __future__ import annotations
@@ -319,15 +323,17 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
     return emitted
 
 
-# The class index: per class, a Fenwick tree over blocks of the base (tree[c, i - 1] covers class c's count in
-# blocks (i - lowbit(i), i], 1-based), so that a change of the base moves it in O(log blocks) and the block
-# holding class c's r-th element is found in O(log blocks).
+# The class index: per class present in the base, a Fenwick tree over blocks of the base (tree[slot[c], i - 1]
+# covers class c's count in blocks (i - lowbit(i), i], 1-based; slot[c] is -1 for a class the base lacks), so
+# that a change of the base moves it in O(log blocks) and the block holding class c's r-th element is found in
+# O(log blocks).
 
 
 @numba.njit(nogil=True, cache=True)
-def _tree_build(base, block, s1, m1, s2, m2, w1, tree):  # type: ignore[no-untyped-def]
+def _tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-untyped-def]
     """Each block's class counts (four interleaved histograms, as in ``_count``), then the Fenwick sums."""
-    n_classes, n_blocks = tree.shape
+    n_classes = slot.shape[0]
+    n_blocks = tree.shape[1]
     h = np.zeros((4, n_classes), dtype=np.int64)
     two = m2 != 0
     a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
@@ -340,18 +346,21 @@ def _tree_build(base, block, s1, m1, s2, m2, w1, tree):  # type: ignore[no-untyp
                 c |= ((u >> a2) & b2) << c2
             h[i & 3, c] += 1
         for c in range(n_classes):
-            tree[c, b] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+            if slot[c] >= 0:
+                tree[slot[c], b] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
         h[:] = 0
-    for c in range(n_classes):
+    for k in range(tree.shape[0]):
         for i in range(1, n_blocks + 1):
             j = i + (i & -i)
             if j <= n_blocks:
-                tree[c, j - 1] += tree[c, i - 1]
+                tree[k, j - 1] += tree[k, i - 1]
 
 
 @numba.njit(nogil=True, cache=True)
-def _tree_move(tree, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
-    """The base's ``old`` bits became ``new`` at ``positions``: O(changes x log blocks)."""
+def _tree_move(tree, slot, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
+    """The base's ``old`` bits became ``new`` at ``positions``: O(changes x log blocks). Returns -1, or the first
+    change (not applied) whose new class has no tree yet (the base lacked it when the index was built), or -2
+    if the tree cannot describe the base."""
     n_blocks = tree.shape[1]
     a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
     for j in range(positions.shape[0]):
@@ -360,42 +369,48 @@ def _tree_move(tree, block, positions, old, new, s1, m1, s2, m2, w1):  # type: i
         c_new = ((v >> a1) & b1) | (((v >> a2) & b2) << c2)
         if c_old == c_new:
             continue
+        k_old, k_new = slot[c_old], slot[c_new]
+        if k_old < 0:
+            return -2  # an old value of a class the tree never counted: it does not describe the base
+        if k_new < 0:
+            return j
         i = positions[j] // block + 1
         while i <= n_blocks:
-            tree[c_old, i - 1] -= 1
-            tree[c_new, i - 1] += 1
+            tree[k_old, i - 1] -= 1
+            tree[k_new, i - 1] += 1
             i += i & -i
+    return -1
 
 
 @numba.njit(inline="always")
-def _tree_prefix(tree, blocks, c):  # type: ignore[no-untyped-def]
-    """Class c's elements in the first ``blocks`` blocks."""
+def _tree_prefix(tree, blocks, k):  # type: ignore[no-untyped-def]
+    """The elements of the class in tree row k in the first ``blocks`` blocks."""
     s = 0
     i = blocks
     while i > 0:
-        s += tree[c, i - 1]
+        s += tree[k, i - 1]
         i -= i & -i
     return s
 
 
 @numba.njit(nogil=True, cache=True)
-def _tree_rows(tree, cut, out):  # type: ignore[no-untyped-def]
+def _tree_rows(tree, slot, cut, out):  # type: ignore[no-untyped-def]
     """``out[j, c]``: class c's elements in the first ``cut[j]`` blocks."""
     for j in range(cut.shape[0]):
-        for c in range(tree.shape[0]):
-            out[j, c] = _tree_prefix(tree, cut[j], c)
+        for c in range(slot.shape[0]):
+            out[j, c] = _tree_prefix(tree, cut[j], slot[c]) if slot[c] >= 0 else 0
 
 
 _RUN = 64  # elements ``_place`` counts at a time before it scans them
-_AHEAD = 8  # changes whose blocks ``_place`` prefetches ahead of the one it reads
+_AHEAD = 8  # how many changes ahead ``_place`` prefetches the block of
 
 
 @numba.njit(nogil=True, cache=True)
-def _place(base, block, tree, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
+def _place(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
     """Ranks to positions without a pass over the base. First every rank's block and its ordinal there
     (a Fenwick search each); then each block that holds changes is read, its elements counted ``_RUN`` at a
-    time (a loop that vectorizes) up to the run that holds a change, which is scanned, while the blocks of
-    the changes ``_AHEAD`` are prefetched. ``out[first[c] + t]`` is class c's t-th change: positions come out
+    time (a loop that vectorizes) up to the run that holds a change, which is scanned, while the block of the
+    change ``_AHEAD`` places on is prefetched. ``out[first[c] + t]`` is class c's t-th change: positions come out
     grouped by class (the caller sorts them). OK, or CORRUPT for a rank past its class's size."""
     n_blocks = tree.shape[1]
     n = ranks.shape[0]
@@ -407,13 +422,14 @@ def _place(base, block, tree, s1, m1, s2, m2, w1, first, end, ranks, out):  # ty
     for c in range(first.shape[0]):
         if first[c] < 0:
             continue
-        if ranks[end[c] - 1] >= _tree_prefix(tree, n_blocks, c):
-            return CORRUPT
+        row = slot[c]
+        if row < 0 or ranks[end[c] - 1] >= _tree_prefix(tree, n_blocks, row):
+            return CORRUPT  # ranks past the class's size (or a class this base lacks)
         for t in range(first[c], end[c]):
             b, q, step = 0, ranks[t], top
             while step > 0:  # the last block whose prefix holds at most ranks[t] of class c's elements
                 nxt = min(b + step, n_blocks)
-                v = tree[c, nxt - 1]
+                v = tree[row, nxt - 1]
                 take = np.int64(nxt == b + step) & np.int64(v <= q)  # no branch: the way it goes is a coin toss
                 b += step * take
                 q -= v * take
@@ -554,19 +570,33 @@ class BaseBits:
     fp: int = 0
 
 
-def index_block(d: DType, numel: int) -> tuple[int, type]:
-    """Elements per block of a class index, and its counts' dtype: the index costs at most 1/8 of the base."""
+_MIN_BLOCK = 512  # elements per index block at least: about what a change's block read costs against a pass
+
+
+def index_block(d: DType, numel: int, classes: int) -> tuple[int, type]:
+    """Elements per block of a class index of ``classes`` classes, and its counts' dtype: the index costs at
+    most 1/8 of the base."""
     count = np.int32 if numel < 2**31 else np.int64
-    need = 8 * class_rule(d).n_classes * np.dtype(count).itemsize // max(1, d.bits // 8)
-    return max(512, 1 << (need - 1).bit_length()), count
+    need = 8 * classes * np.dtype(count).itemsize // max(1, d.bits // 8)
+    return max(_MIN_BLOCK, 1 << (need - 1).bit_length()), count
 
 
 @dataclass
-class _Tree:
-    fp: int  # the fingerprint of the tensor the tree describes
-    dtype: DType
+class ClassTree:
+    """One tensor's class index: ``tree[slot[c]]`` is class c's Fenwick tree over blocks of ``block`` elements
+    (``slot[c]`` is -1 for a class the tensor lacked when it was built)."""
+
     block: int
     tree: np.ndarray
+    slot: np.ndarray
+
+
+@dataclass
+class _Entry:
+    fp: int  # the fingerprint of the tensor the tree describes
+    dtype: DType
+    numel: int
+    tree: ClassTree | None  # None: too small to index (remembered, so that it is not counted again)
 
 
 class ClassIndex:
@@ -584,39 +614,51 @@ class ClassIndex:
     def __init__(self, *, min_blocks: int = 8) -> None:
         """``min_blocks``: index blocks a tensor must span to be indexed (a pass over fewer costs next to
         nothing, and the index of a tensor smaller than that would cost more than 1/8 of it)."""
-        self._entries: dict[str, _Tree] = {}
+        self._entries: dict[str, _Entry] = {}
         self.min_blocks = min_blocks
 
     def __contains__(self, name: object) -> bool:
-        return name in self._entries
+        e = self._entries.get(name)  # type: ignore[call-overload]
+        return e is not None and e.tree is not None
 
     def nbytes(self) -> int:
-        return sum(e.tree.nbytes for e in self._entries.values())
+        return sum(e.tree.tree.nbytes for e in self._entries.values() if e.tree is not None)
 
     def describes(self, name: str, fp: int) -> bool:
         """Whether the index holds tensor ``name`` as of fingerprint ``fp`` (else its next use rebuilds it)."""
         e = self._entries.get(name)
-        return e is not None and e.fp == fp
+        return e is not None and e.tree is not None and e.fp == fp
 
     def base(self, name: str, bits: np.ndarray, d: DType, fp: int) -> BaseBits:
         """``bits`` (the tensor ``name`` as it is now, fingerprint ``fp``) for the decoder, with this index."""
         return BaseBits(np.ascontiguousarray(bits).reshape(-1), d, self, name, fp)
 
-    def tree(self, name: str, bits: np.ndarray, d: DType, fp: int) -> tuple[int, np.ndarray] | None:
-        """(block, tree) of tensor ``name`` as it is now (``bits``, fingerprint ``fp``), built if the index
-        does not hold it at ``fp``; None for a tensor too small to index."""
+    def tree(self, name: str, bits: np.ndarray, d: DType, fp: int) -> ClassTree | None:
+        """The class index of tensor ``name`` as it is now (``bits``, fingerprint ``fp``), built if the index
+        does not hold it at ``fp`` (two passes: the classes present, then the tree); None for a tensor too
+        small to index."""
         bits = np.ascontiguousarray(bits).reshape(-1)
-        block, count = index_block(d, bits.size)
-        if bits.size < self.min_blocks * block:
+        if bits.size < self.min_blocks * _MIN_BLOCK:
             return None
-        shape = (class_rule(d).n_classes, -(-bits.size // block))
         e = self._entries.get(name)
-        if e is None or e.fp != fp or e.dtype != d or e.tree.shape != shape or e.tree.dtype != count:
-            rule = class_rule(d)
-            tree = np.empty(shape, dtype=count)
-            _tree_build(bits, block, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1, tree)
-            e = self._entries[name] = _Tree(fp, d, block, tree)
-        return e.block, e.tree
+        if e is not None and e.fp == fp and e.dtype == d and e.numel == bits.size:
+            return e.tree
+        self._entries.pop(name, None)
+        rule = class_rule(d)
+        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        counts = np.zeros(rule.n_classes, dtype=np.int64)
+        _count(bits, 0, bits.size, *r, counts)
+        present = counts > 0
+        block, count = index_block(d, bits.size, int(present.sum()))
+        if bits.size < self.min_blocks * block:
+            self._entries[name] = _Entry(fp, d, bits.size, None)
+            return None
+        slot = np.where(present, np.cumsum(present) - 1, -1).astype(np.int64)
+        tree = np.empty((int(present.sum()), -(-bits.size // block)), dtype=count)
+        _tree_build(bits, block, *r, slot, tree)
+        found = ClassTree(block, tree, slot)
+        self._entries[name] = _Entry(fp, d, bits.size, found)
+        return found
 
     def drop(self, name: str) -> None:
         self._entries.pop(name, None)
@@ -629,8 +671,22 @@ class ClassIndex:
         if e.fp != fp:
             del self._entries[name]  # describes another tensor: rebuilt when next needed
             return
+        if e.tree is None:  # still too small to index
+            e.fp = to_fp
+            return
         rule = class_rule(e.dtype)
-        _tree_move(e.tree, e.block, positions, old, new, rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
+        t = e.tree
+        while (j := int(_tree_move(t.tree, t.slot, t.block, positions, old, new, *r))) != -1:
+            if j < 0:
+                del self._entries[name]
+                return
+            # a value entered a class the tensor lacked: one more (empty) tree for it, then the rest
+            u = int(new[j])
+            c = ((u >> rule.s1) & rule.m1) | (((u >> rule.s2) & rule.m2) << rule.w1)
+            t.slot[c] = t.tree.shape[0]
+            t.tree = np.concatenate([t.tree, np.zeros((1, t.tree.shape[1]), dtype=t.tree.dtype)])
+            positions, old, new = positions[j:], old[j:], new[j:]
         e.fp = to_fp
 
 
@@ -706,19 +762,14 @@ class ContextCoder(PositionCoder):
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
 
-    def _tree(self, base: BaseBits, bits: np.ndarray, n: int) -> tuple[int, np.ndarray] | None:
-        """The base's class index where it pays: few changes per block, or a chunked decode (built then, if the
-        receiver's index does not hold it yet, and kept current by its commits)."""
+    def _tree(self, base: BaseBits, bits: np.ndarray, n: int) -> ClassTree | None:
+        """The base's class index where it may pay: few changes per (smallest) block, or a chunked decode (built
+        then, if the receiver's index does not hold it yet, and kept current by its commits)."""
         if base.index is None:
             return None
-        block, _ = index_block(base.dtype, bits.size)
-        if n * block > self.place_upto * bits.size and not self._chunked(bits.size):
+        if n * _MIN_BLOCK > self.place_upto * bits.size and not self._chunked(bits.size):
             return None
-        found = base.index.tree(base.name, bits, base.dtype, base.fp)
-        rule = class_rule(base.dtype)
-        if found is None or found[1].shape != (rule.n_classes, -(-bits.size // found[0])):
-            return None
-        return found
+        return base.index.tree(base.name, bits, base.dtype, base.fp)
 
     def _chunked(self, numel: int) -> bool:
         return self._workers() >= 2 and -(-numel // self.chunk) >= 2 and numel >= self.parallel_from
@@ -763,21 +814,20 @@ class ContextCoder(PositionCoder):
         end: np.ndarray,
         ranks: np.ndarray,
         out: np.ndarray,
-        index: tuple[int, np.ndarray] | None,
+        index: ClassTree | None,
     ) -> int:
         """Ranks to positions. With the base's class index (``index``: block, tree) and few changes per block,
         each change's block is found and read, and nothing else; otherwise one pass over the base on this
         thread, or, for a large base, chunks on a pool (their class counts from the index where there is one,
         else counted first)."""
         r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
-        if index is not None and out.size * index[0] <= self.place_upto * bits.size:
-            block, tree = index
-            status = int(_place(bits, block, tree, *r, first, end, ranks, out))
+        if index is not None and out.size * index.block <= self.place_upto * bits.size:
+            status = int(_place(bits, index.block, index.tree, index.slot, *r, first, end, ranks, out))
             out.sort()
             return status
         workers = self._workers()
         after, home = _countdowns(first, end, ranks)
-        n_chunks = min(-(-bits.size // max(self.chunk, index[0] if index else 1)), 4 * workers)
+        n_chunks = min(-(-bits.size // max(self.chunk, index.block if index else 1)), 4 * workers)
         if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
             before = np.zeros(rule.n_classes, dtype=np.int64)
             dense = out.size >= self.dense_from * bits.size
@@ -786,9 +836,9 @@ class ContextCoder(PositionCoder):
         # from the counts before it which ranks it holds, and where in ``out`` its positions go.
         before = np.zeros((n_chunks, rule.n_classes), dtype=np.int64)
         if index is not None:
-            cut = np.linspace(0, index[1].shape[1], n_chunks + 1).astype(np.int64)
-            bounds = np.minimum(cut * index[0], bits.size)
-            _tree_rows(index[1], cut[:-1], before)
+            cut = np.linspace(0, index.tree.shape[1], n_chunks + 1).astype(np.int64)
+            bounds = np.minimum(cut * index.block, bits.size)
+            _tree_rows(index.tree, index.slot, cut[:-1], before)
         else:
             bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
         with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
