@@ -323,6 +323,26 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
     return emitted
 
 
+@numba.njit(nogil=True, cache=True)
+def _count(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
+    """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
+    histograms, so that runs of one class do not wait on the previous store to the same counter."""
+    n_classes = counts.shape[0]
+    h = np.zeros((4, n_classes), dtype=np.int64)
+    two = m2 != 0
+    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
+    seg = base[lo:hi]
+    m = seg.shape[0]
+    for i in range(m):
+        u = np.uint64(seg[i])
+        c = (u >> a1) & b1
+        if two:
+            c |= ((u >> a2) & b2) << c2
+        h[i & 3, c] += 1
+    for c in range(n_classes):
+        counts[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
+
+
 # The class index: per class present in the base, a Fenwick tree over blocks of the base (tree[slot[c], i - 1]
 # covers class c's count in blocks (i - lowbit(i), i], 1-based; slot[c] is -1 for a class the base lacks), so
 # that a change of the base moves it in O(log blocks) and the block holding class c's r-th element is found in
@@ -331,24 +351,14 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
 
 @numba.njit(nogil=True, cache=True)
 def _tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-untyped-def]
-    """Each block's class counts (four interleaved histograms, as in ``_count``), then the Fenwick sums."""
-    n_classes = slot.shape[0]
+    """Each block's class counts (``_count``), then the Fenwick sums."""
     n_blocks = tree.shape[1]
-    h = np.zeros((4, n_classes), dtype=np.int64)
-    two = m2 != 0
-    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
+    counts = np.empty(slot.shape[0], dtype=np.int64)
     for b in range(n_blocks):
-        seg = base[b * block : min((b + 1) * block, base.shape[0])]
-        for i in range(seg.shape[0]):
-            u = np.uint64(seg[i])
-            c = (u >> a1) & b1
-            if two:
-                c |= ((u >> a2) & b2) << c2
-            h[i & 3, c] += 1
-        for c in range(n_classes):
+        _count(base, b * block, min((b + 1) * block, base.shape[0]), s1, m1, s2, m2, w1, counts)
+        for c in range(slot.shape[0]):
             if slot[c] >= 0:
-                tree[slot[c], b] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
-        h[:] = 0
+                tree[slot[c], b] = counts[c]
     for k in range(tree.shape[0]):
         for i in range(1, n_blocks + 1):
             j = i + (i & -i)
@@ -500,26 +510,6 @@ def _emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after,
     else:
         emitted = _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out)
     return OK if emitted == out.shape[0] else CORRUPT
-
-
-@numba.njit(nogil=True, cache=True)
-def _count(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
-    """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
-    histograms, so that runs of one class do not wait on the previous store to the same counter."""
-    n_classes = counts.shape[0]
-    h = np.zeros((4, n_classes), dtype=np.int64)
-    two = m2 != 0
-    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
-    seg = base[lo:hi]
-    m = seg.shape[0]
-    for i in range(m):
-        u = np.uint64(seg[i])
-        c = (u >> a1) & b1
-        if two:
-            c |= ((u >> a2) & b2) << c2
-        h[i & 3, c] += 1
-    for c in range(n_classes):
-        counts[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
 
 
 @numba.njit(nogil=True, cache=True)
