@@ -33,6 +33,7 @@ class's tree, and only the blocks that hold changes are read. The chunks take th
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,7 @@ from flipsync.codec.rice import best_rice_k, rice_bits, rice_decode_runs
 from flipsync.errors import CorruptPatchError
 
 _K_BITS = 6  # a class's Rice parameter, 0..62
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -648,6 +650,7 @@ class ClassIndex:
         _tree_build(bits, block, *r, slot, tree)
         found = ClassTree(block, tree, slot)
         self._entries[name] = _Entry(fp, d, bits.size, found)
+        log.debug("class index of %s: %d classes x %d blocks of %d (%d bytes)", name, *tree.shape, block, tree.nbytes)
         return found
 
     def drop(self, name: str) -> None:
