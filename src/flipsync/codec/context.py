@@ -597,10 +597,11 @@ class ClassIndex:
     (each change's block is found in O(log blocks) and only that block is read), and a large base splits into
     chunks without a counting pass: work that depends on the base alone, done before the patch arrives.
 
-    An entry is built the first time a tensor's ``ctx`` section is staged with the index (one pass over it)
-    and then kept current by commit and rollback in O(changed x log blocks). Each entry is tied to the
-    fingerprint of the tensor it describes: one that does not match what the receiver holds is rebuilt, never
-    used. Memory: about 1/8 of the indexed tensors' bytes; tensors of fewer than 8 blocks are not indexed.
+    An entry is built the first time a tensor's ``ctx`` section is staged with the index where it may pay (two
+    passes over the tensor), or by :meth:`tree`, and then kept current by commit and rollback in O(changed x
+    log blocks). Each entry is tied to the fingerprint of the tensor it describes: one that does not match
+    what the receiver holds is rebuilt, never used. Memory: about 1/8 of the indexed tensors' bytes; tensors
+    of fewer than ``min_blocks`` blocks are not indexed.
     """
 
     def __init__(self, *, min_blocks: int = 8) -> None:
