@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,8 +12,8 @@ from hypothesis import strategies as st
 
 from flipsync.codec import ClassIndex, FingerprintTable, commit, diff_views, stage
 from flipsync.codec.bits import bits_numpy, dtype_of
-from flipsync.codec.context import ClassTree, class_rule
 from flipsync.formats import served_view
+from tests.codec.class_index_helpers import assert_index_current
 
 FORMATS = ["bf16", "fp8-block", "mxfp4", "nvfp4"]
 
@@ -35,53 +34,10 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in b)
 
 
-def _block_counts(held: ClassTree, n_classes: int) -> np.ndarray:
-    """Each class's count in each block, from the Fenwick trees (a class without a tree: zeros)."""
-    n_blocks = held.tree.shape[1]
-    prefix = np.zeros((n_classes, n_blocks + 1), dtype=np.int64)
-    for c in range(n_classes):
-        if held.slot[c] < 0:
-            continue
-        row = held.tree[held.slot[c]]
-        for b in range(1, n_blocks + 1):
-            i, total = b, 0
-            while i > 0:
-                total += int(row[i - 1])
-                i -= i & -i
-            prefix[c, b] = total
-    return np.diff(prefix, axis=1)
-
-
-def _counted(t: torch.Tensor, block: int) -> np.ndarray:
-    """Each class's count in each block, counted from the tensor's bits."""
-    d = dtype_of(t)
-    rule = class_rule(d)
-    u = bits_numpy(t).reshape(-1).astype(np.uint64)
-    cls = ((u >> np.uint64(rule.s1)) & np.uint64(rule.m1)) | (
-        ((u >> np.uint64(rule.s2)) & np.uint64(rule.m2)) << np.uint64(rule.w1)
-    )
-    blocks = np.arange(u.size) // block
-    out = np.zeros((rule.n_classes, -(-u.size // block)), dtype=np.int64)
-    np.add.at(out, (cls.astype(np.int64), blocks), 1)
-    return out
-
-
 def _index_all(index: ClassIndex, tensors: dict[str, torch.Tensor], table: FingerprintTable) -> None:
     """Build every tensor's entry, as a receiver could after a full load (stage builds them only where they pay)."""
     for name, t in tensors.items():
         index.tree(name, bits_numpy(t), dtype_of(t), table[name].fp)
-
-
-def _assert_current(index: ClassIndex, tensors: dict[str, torch.Tensor], table: FingerprintTable) -> None:
-    """Every tensor the index holds is held as of its fingerprint now, and equal to one built afresh."""
-    for name, t in tensors.items():
-        if name not in index:
-            continue
-        assert index.describes(name, table[name].fp), f"{name}: the index fell behind the tensor"
-        held = index.tree(name, bits_numpy(t), dtype_of(t), table[name].fp)
-        assert held is not None
-        n_classes = held.slot.size
-        assert np.array_equal(_block_counts(held, n_classes), _counted(t, held.block)), f"{name}: the index drifted"
 
 
 @settings(max_examples=25, deadline=None)
@@ -102,10 +58,10 @@ def test_the_index_follows_commits_and_rollbacks(fmt: str, lr: float, seed: int)
         undo = commit(work, with_index, table, index=index)
         plain_table = table.copy()
         assert _same(work, after)
-        _assert_current(index, work, table)
+        assert_index_current(index, work, table)
     undo.rollback(work, table)  # the last version undone: the index moves back with the tensors
     assert _same(work, views[-2])
-    _assert_current(index, work, table)
+    assert_index_current(index, work, table)
     assert any(name in index for name in work)
 
 
@@ -122,7 +78,7 @@ def test_sparse_sections_are_placed_block_by_block_and_apply_bitwise() -> None:
     held = index.tree("mlp.weight", bits_numpy(work["mlp.weight"]), dtype_of(w), table["mlp.weight"].fp)
     assert held is not None  # built by stage, where it paid, and kept by the commit
     assert s.pos["codec"] == "ctx" and s.n * held.block <= w.numel()
-    _assert_current(index, work, table)
+    assert_index_current(index, work, table)
 
 
 def test_an_entry_that_no_longer_describes_its_tensor_is_rebuilt_not_used() -> None:
@@ -137,7 +93,7 @@ def test_an_entry_that_no_longer_describes_its_tensor_is_rebuilt_not_used() -> N
     patch, _ = diff_views(views[1], views[2])
     commit(work, stage(work, patch, table, index=index), table, index=index)
     assert _same(work, views[2])
-    _assert_current(index, work, table)
+    assert_index_current(index, work, table)
 
 
 @pytest.mark.parametrize("fmt", [*FORMATS, "fp16", "fp8-tensor"])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from one_class import one_class_step
 
 from flipsync.board import BoardReader, BoardWriter, open_store
-from flipsync.codec import FingerprintTable, diff_views, int_view
+from flipsync.codec import ClassIndex, FingerprintTable, diff_views, dtype_of, int_view
 from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
@@ -31,6 +31,7 @@ from flipsync.errors import (
 )
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica
+from tests.codec.class_index_helpers import assert_index_current
 from tests.sidecar.sidecar_helpers import FAST, fast_replica
 
 
@@ -320,6 +321,33 @@ def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind
     assert bits_equal(held_view(pairs, engine), v0) and bits_equal(dict(mirror), v0)
     if kind == "disk":  # what a restarted sidecar maps again
         assert bits_equal(dict(DiskMirror(tmp_path / "mirror.safetensors")), v0)
+
+
+def test_the_mirror_s_class_index_moves_with_commits_and_rollbacks() -> None:
+    """The engine keeps a class index of its mirror (sparse ctx sections read only their blocks): every commit
+    and rollback must leave it describing the mirror. The fake model's tensors are too small for the default
+    index, so this one indexes every tensor."""
+    v0 = checkpoint(0)
+    v1, v2 = step(v0, 1), step(step(v0, 1), 2)
+    pairs = boot(v0, size=2)
+    mirror = {k: v.clone() for k, v in v0.items()}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    index = engine._index = ClassIndex(min_blocks=0)
+    for name, t in mirror.items():
+        index.tree(name, int_view(t).reshape(-1).numpy().view(np.uint16), dtype_of(t), engine.table[name].fp)
+    assert all(name in index for name in mirror)
+    p1, t1 = diff_views(v0, v1)
+    p2, _ = diff_views(v1, v2, old_table=t1)
+    u1 = engine.commit(engine.stage(p1))
+    u2 = engine.commit(engine.stage(p2))
+    assert bits_equal(dict(mirror), v2)
+    assert_index_current(index, mirror, engine.table)
+    engine.rollback(u2)
+    assert_index_current(index, mirror, engine.table)
+    engine.rollback(u1)
+    assert bits_equal(dict(mirror), v0) and bits_equal(held_view(pairs, engine), v0)
+    assert_index_current(index, mirror, engine.table)
+    assert all(name in index for name in mirror)
 
 
 def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
