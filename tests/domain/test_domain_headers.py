@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +13,7 @@ from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef, read_va
 from flipsync.errors import CorruptPatchError
 
 HEX = st.text("0123456789abcdef", min_size=1, max_size=128)
+DIGESTS = st.text("0123456789abcdef", min_size=1, max_size=64).map(lambda s: s + s)  # whole bytes
 VERSIONS = st.none() | st.integers(0, 1 << 62)
 PARAMS = st.sampled_from([{"codec": "group"}, {"codec": "rice", "k": 3, "bytes": 9}, {"codec": "bits", "bits": 2}])
 
@@ -42,7 +46,7 @@ def headers(draw: st.DrawFn) -> PatchHeader:
         tuple(sections),
         draw(st.none() | st.sampled_from(["bf16", "mxfp4"])),
         draw(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)),
-        draw(st.none() | HEX),
+        draw(st.none() | DIGESTS),
     )
 
 
@@ -85,3 +89,20 @@ def test_crafted_fixed_fields() -> None:
     for doc in ('{"sections":[],"flipsync_patch":4}', '{"sections":[],"digest":"ab"}', "[]", "{"):
         with pytest.raises(CorruptPatchError):
             PatchHeader.from_packed(good, doc)
+
+
+def test_a_digest_of_half_a_byte_is_refused() -> None:
+    """Content digests are combined as bytes: an odd number of hex digits is a corrupt header, refused when it
+    is read, not an error when the patch is written again (found by fuzzing)."""
+    good = PatchHeader(ViewRef("abc", 3), ViewRef("0f", None), (), digest="ff")
+    with pytest.raises(CorruptPatchError, match="whole bytes"):
+        PatchHeader.from_packed(replace(good, digest="fff").refs_bytes(), '{"sections":[]}')
+    doc = json.loads(good.to_json())
+    doc["sections"] = [
+        {"name": "t", "dtype": "BF16", "shape": [4], "n": 1, "mode": "step", "pos": {"codec": "rice"},
+         "val": {"codec": "bits"}, "base_fp": "0a", "target_fp": "0b", "target_digest": "abc"}
+    ]  # fmt: skip
+    with pytest.raises(CorruptPatchError, match="whole bytes"):
+        PatchHeader.from_json(json.dumps(doc))
+    doc["sections"][0]["target_digest"] = "abcd"
+    assert PatchHeader.from_json(json.dumps(doc)).sections[0].target_digest == "abcd"

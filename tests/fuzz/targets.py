@@ -12,8 +12,9 @@ without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in
   stream decoders (rice, zstd, bits, rANS, ctx, kind flags) instead of dying in the container's own zstd
   (and base64) layer.
 - ``ctx``: a ``ctx`` position stream with its parameters (``CTX_PARAMS`` bytes: base index, n, classes,
-  nbits) decoded against one of a few seed bases by the one-thread pass and by the chunked pass on a pool:
-  both refuse it (``CorruptPatchError``) or both give the same n sorted positions inside the tensor.
+  nbits) decoded against one of a few seed bases by the one-thread pass, the chunked pass on a pool, and
+  both with the receiver's class index: all refuse it (``CorruptPatchError``) or all give the same n sorted
+  positions inside the tensor.
 - ``manifest``: manifest JSON -> ``Manifest.from_json``, canonical round trip, signature verification,
   board placement and catch-up planning.
 - ``keyframe``: a keyframe's index JSON and one shard -> ``tensors_from_files`` and fingerprints.
@@ -56,7 +57,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
     from flipsync.codec import SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
-    from flipsync.codec.context import BaseBits, ContextCoder
+    from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder
     from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, V3_CONTAINER, pack_tail
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
@@ -148,15 +149,19 @@ CTX_PARAMS = 7  # base index (1 byte), n (uint32 LE), classes (1 byte), nbits (1
 
 class CtxTarget:
     """Decode a ctx position stream against a seed base with the one-thread and the chunked pass, each with its
-    emit branching and branch-free."""
+    emit branching and branch-free, and with the receiver's class index: placed block by block, or chunked
+    with the index's counts."""
 
     def __init__(self, bases: list[BaseBits]) -> None:
         self.bases = bases
+        self.indexed = [ClassIndex(min_blocks=0).base("t", b.bits, b.dtype, fp=0) for b in bases]
         self.coders = (
-            ContextCoder(workers=1, dense_from=2.0),
-            ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=2.0),
-            ContextCoder(workers=1, dense_from=0.0),
-            ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=0.0),
+            (ContextCoder(workers=1, dense_from=2.0), False),
+            (ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=2.0), False),
+            (ContextCoder(workers=1, dense_from=0.0), False),
+            (ContextCoder(chunk=61, parallel_from=0, workers=3, dense_from=0.0), False),
+            (ContextCoder(place_upto=float("inf")), True),
+            (ContextCoder(chunk=61, parallel_from=0, workers=3, place_upto=0.0), True),
         )
 
     @staticmethod
@@ -167,23 +172,23 @@ class CtxTarget:
     def __call__(self, data: bytes) -> None:
         if len(data) < CTX_PARAMS:
             return
-        base = self.bases[data[0] % len(self.bases)]
+        base, indexed = self.bases[data[0] % len(self.bases)], self.indexed[data[0] % len(self.bases)]
         n = int.from_bytes(data[1:5], "little")
         params = {"codec": "ctx", "classes": data[5], "nbits": data[6]}
         blob = data[CTX_PARAMS:]
         results = []
-        for coder in self.coders:
+        for coder, with_index in self.coders:
             try:
-                results.append(coder.decode(params, blob, n, base.bits.size, base))
+                results.append(coder.decode(params, blob, n, base.bits.size, indexed if with_index else base))
             except CorruptPatchError:
                 results.append(None)
         out = results[0]
-        assert all((r is None) == (out is None) for r in results), "the chunked and one-thread passes disagree"
+        assert all((r is None) == (out is None) for r in results), "the chunked, one-thread and indexed passes disagree"
         if out is None:
             return
         assert out.dtype == np.int64 and out.size == n
         assert np.all(np.diff(out) > 0) and out[0] >= 0 and out[-1] < base.bits.size
-        assert all(np.array_equal(r, out) for r in results), "the chunked and one-thread passes disagree"
+        assert all(np.array_equal(r, out) for r in results), "the chunked, one-thread and indexed passes disagree"
 
 
 def container_end(data: bytes) -> int:

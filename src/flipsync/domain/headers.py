@@ -252,10 +252,12 @@ def _int(v: Any, what: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool = 
     return v
 
 
-def _hex(v: Any, what: str, *, optional: bool = False) -> Any:
+def _hex(v: Any, what: str, *, optional: bool = False, whole_bytes: bool = False) -> Any:
     s = _str(v, what, optional=optional, limit=128)
     if s is not None and (not s or any(c not in "0123456789abcdef" for c in s)):
         raise _fail(f"{what} must be lowercase hex")
+    if s is not None and whole_bytes and len(s) % 2:  # content digests are combined as bytes
+        raise _fail(f"{what} must be hex of whole bytes (an even number of digits)")
     return s
 
 
@@ -307,7 +309,9 @@ def _section(v: Any, i: int, *, compact: bool = False, packed: bool = False) -> 
         val=_codec_params(d.get("val"), f"{what}.val", packed=packed),
         base_fp=None if compact else _hex(d.get("base_fp"), f"{what}.base_fp"),
         target_fp=None if compact else _hex(d.get("target_fp"), f"{what}.target_fp"),
-        target_digest=None if compact else _hex(d.get("target_digest"), f"{what}.target_digest", optional=True),
+        target_digest=None
+        if compact
+        else _hex(d.get("target_digest"), f"{what}.target_digest", optional=True, whole_bytes=True),
         tag=_codec_params(d["tag"], f"{what}.tag", packed=packed) if d.get("tag") is not None else None,
     )
 
@@ -333,5 +337,5 @@ def _parse_header(doc: Any, *, compact: bool = False, packed: bool = False) -> P
         sections=sections,
         served_format=_str(d.get("served_format"), "served_format", optional=True),
         meta=meta,
-        digest=_hex(d.get("digest"), "digest", optional=True),
+        digest=_hex(d.get("digest"), "digest", optional=True, whole_bytes=True),
     )
