@@ -56,4 +56,5 @@ def ddp_trainer(rank: int, world: int, init_file: str, board: str, out_dir: str)
     if rank == 0:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         save_file({k: v.contiguous() for k, v in served_view(state, "bf16").items()}, str(Path(out_dir) / "ddp.st"))
+    torch.distributed.barrier()  # both ranks tear down together
     torch.distributed.destroy_process_group()

@@ -111,6 +111,9 @@ class TorchGroup:
         if self._broken is not None:
             return  # destroying a group with a dead peer can hang; the process is going away anyway
         try:
+            # Every rank done with the group before any tears its side down (a gloo shutdown racing a peer
+            # that is still using the group, or already gone, is how teardown hangs).
+            self._dist.barrier(group=self._pg)
             self._dist.destroy_process_group(self._pg)
         except Exception as e:
             log.debug("could not destroy the publisher's process group: %s", e)
