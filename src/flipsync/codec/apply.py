@@ -24,7 +24,6 @@ import numba
 import numpy as np
 import torch
 
-from flipsync.codec import streams
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.context import ClassIndex
 from flipsync.codec.encode import gather_bits
@@ -210,13 +209,13 @@ def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: Base
     return _Decoded(d, section.mode, positions, symbols, raw)
 
 
-def _base_of(section: SectionHeader, t: torch.Tensor, table: FingerprintTable, index: ClassIndex | None) -> Base:
+def _base_of(
+    patch: Patch, section: SectionHeader, t: torch.Tensor, table: FingerprintTable, index: ClassIndex | None
+) -> Base:
     """What a section decodes against: the tensor, or, for ``ctx`` positions on the host, its bits held by the
     receiver's class index."""
     held = table.get(section.name)
-    if index is None or held is None or t.device.type != "cpu":
-        return t
-    if not streams.POSITION_CODERS.coder(section.pos).needs_base:
+    if index is None or held is None or t.device.type != "cpu" or not patch.section_needs_base(section.name):
         return t
     return index.base(section.name, bits_numpy(t), dtype_named(section.dtype), held.fp)
 
@@ -296,7 +295,7 @@ def stage(
 
     def prepare(s: SectionHeader) -> StagedWrite:
         t = tensors[s.name]
-        dec = _decode_section(s, patch.section_blob(s.name), _base_of(s, t, table, index))
+        dec = _decode_section(s, patch.section_blob(s.name), _base_of(patch, s, t, table, index))
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
         fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
         # Without a per-section target (compact header), the target view check below vouches for fp.

@@ -326,6 +326,22 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
 
 
 @numba.njit(nogil=True, cache=True)
+def _emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after, before, out, dense):  # type: ignore[no-untyped-def]
+    """One pass over ``base[lo:hi]``, independent of any other: ``before`` holds each class's count before
+    ``lo``, and ``out`` is the pass's share of the positions. OK, or CORRUPT if the pass does not hold them
+    all (some class names ranks past its size in this base)."""
+    n_classes = first.shape[0]
+    left = np.empty(n_classes, dtype=np.int64)
+    ptr = np.empty(n_classes, dtype=np.int64)
+    _start(first, end, ranks, home, before, left, ptr)
+    if dense:
+        emitted = _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out)
+    else:
+        emitted = _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out)
+    return OK if emitted == out.shape[0] else CORRUPT
+
+
+@numba.njit(nogil=True, cache=True)
 def _count(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
     """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
     histograms, so that runs of one class do not wait on the previous store to the same counter."""
@@ -499,22 +515,6 @@ def _place(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, out):
 
 
 @numba.njit(nogil=True, cache=True)
-def _emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after, before, out, dense):  # type: ignore[no-untyped-def]
-    """One pass over ``base[lo:hi]``, independent of any other: ``before`` holds each class's count before
-    ``lo``, and ``out`` is the pass's share of the positions. OK, or CORRUPT if the pass does not hold them
-    all (some class names ranks past its size in this base)."""
-    n_classes = first.shape[0]
-    left = np.empty(n_classes, dtype=np.int64)
-    ptr = np.empty(n_classes, dtype=np.int64)
-    _start(first, end, ranks, home, before, left, ptr)
-    if dense:
-        emitted = _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out)
-    else:
-        emitted = _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out)
-    return OK if emitted == out.shape[0] else CORRUPT
-
-
-@numba.njit(nogil=True, cache=True)
 def _offsets(before: np.ndarray, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, offs: np.ndarray) -> None:
     """``offs[j]``: how many changes lie before chunk j, given ``before[j, c]``, class c's elements before it
     (row K: the whole tensor's counts, so ``offs[K]`` is every change whose rank its class holds)."""
@@ -642,12 +642,13 @@ class ClassIndex:
         counts = np.zeros(rule.n_classes, dtype=np.int64)
         _count(bits, 0, bits.size, *r, counts)
         present = counts > 0
-        block, count = index_block(d, bits.size, int(present.sum()))
+        n_present = int(present.sum())
+        block, count = index_block(d, bits.size, n_present)
         if bits.size < self.min_blocks * block:
             self._entries[name] = _Entry(fp, d, bits.size, None)
             return None
         slot = np.where(present, np.cumsum(present) - 1, -1).astype(np.int64)
-        tree = np.empty((int(present.sum()), -(-bits.size // block)), dtype=count)
+        tree = np.empty((n_present, -(-bits.size // block)), dtype=count)
         _tree_build(bits, block, *r, slot, tree)
         found = ClassTree(block, tree, slot)
         self._entries[name] = _Entry(fp, d, bits.size, found)
@@ -849,8 +850,7 @@ class ContextCoder(PositionCoder):
                     return OK
                 a, b = bounds[j], bounds[j + 1]
                 dense = hi - lo >= self.dense_from * (b - a)
-                own = (first, end, ranks, home, after, before[j], out[lo:hi], dense)
-                return int(_emit_from(bits, a, b, *r, *own))
+                return int(_emit_from(bits, a, b, *r, first, end, ranks, home, after, before[j], out[lo:hi], dense))
 
             statuses = list(pool.map(emit, range(n_chunks)))
         return OK if all(st == OK for st in statuses) else CORRUPT
