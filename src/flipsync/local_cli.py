@@ -20,7 +20,10 @@ from rich.table import Table
 
 from flipsync.board.cli import output_console
 from flipsync.checkpoint import Checkpoint, save_checkpoint
-from flipsync.codec import DEFAULT_MAX_DECODED_BYTES, FingerprintTable, Patch, apply_patch, diff_views, dtype_of, squash
+from flipsync.codec import Patch, apply_patch, diff_views, squash
+from flipsync.codec.bits import dtype_of
+from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.codec.patch import DEFAULT_MAX_DECODED_BYTES
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, ConfigError, FlipsyncError, PatchError
 from flipsync.formats import FORMAT_NAMES, get_format, served_view
@@ -269,7 +272,7 @@ def inspect(
         patch = Patch.load(patch_path)
         h = patch.header
         if as_json:
-            typer.echo(json.dumps(json.loads(h.to_json()), indent=2))
+            typer.echo(json.dumps(h.describe(), indent=2))
             return
 
         def end(ref: ViewRef) -> str:

@@ -21,7 +21,7 @@ from flipsync.board import KeyframePolicy
 from flipsync.board.layout import MANIFEST
 from flipsync.board.mirror import MirrorCollector, MirrorPolicy, MirrorStore
 from flipsync.board.store import ObstoreStore, open_store
-from flipsync.codec import int_view
+from flipsync.codec.bits import int_view
 from flipsync.errors import ConfigError, StoreError
 from flipsync.formats import served_view
 from flipsync.trainer import Publisher, PublisherConfig

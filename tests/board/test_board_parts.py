@@ -1,6 +1,7 @@
-"""A version's parts become one patch for the engine: chains are squashed and shards merged, but only after
-every section is checked against the engine's own tensors, so a crafted header cannot make the squash
-allocate for a tensor the engine does not have."""
+"""A version's parts become one patch for the engine (``codec.join_parts``, as the sidecar's ``join_step``
+calls it): chains are squashed and shards merged, but only after every section is checked against the
+engine's own tensors, so a crafted header cannot make the squash allocate for a tensor the engine does not
+have; the result must go between the manifest's ends."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flipsync.board.parts import patch_from_parts
-from flipsync.codec import FingerprintTable, Patch, diff_views
+from flipsync.board.reader import PatchStep
+from flipsync.codec import Patch, diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import CorruptPatchError
+from flipsync.sidecar.commit import join_step
 from tests.strategies import PART_HASH, patch_manifest
+
+
+def patch_from_parts(parts: list[bytes], manifest: Manifest, table: FingerprintTable) -> Patch:
+    return join_step(PatchStep(manifest, parts), table)
 
 
 def _views() -> list[dict[str, torch.Tensor]]:
@@ -72,6 +79,13 @@ def test_a_part_naming_other_tensors_is_refused_before_decoding(change: dict[str
     blobs = {(forged.name if k == first.name else k): v for k, v in patches[1]._blobs.items()}
     crafted = Patch(replace(patches[1].header, sections=(forged, *rest)), blobs)
     parts = [patches[0].to_bytes(), crafted.to_bytes()]
-    with pytest.raises(CorruptPatchError, match="engine holds") as info:
+    with pytest.raises(CorruptPatchError, match="receiver holds") as info:
         patch_from_parts(parts, _manifest(tables), tables[0])
     assert words in str(info.value)
+
+
+def test_a_joined_patch_must_go_between_its_manifests_ends() -> None:
+    _, patches, tables = _chain()
+    wrong = _manifest([tables[1], tables[2]])  # says it starts at the middle view
+    with pytest.raises(CorruptPatchError, match="but its manifest says"):
+        patch_from_parts([p.to_bytes() for p in patches], wrong, tables[0])

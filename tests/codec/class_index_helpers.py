@@ -7,9 +7,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from flipsync.codec import ClassIndex, FingerprintTable
+from flipsync.codec import ClassIndex
 from flipsync.codec.bits import bits_numpy, dtype_of
 from flipsync.codec.context import ClassTree, class_rule
+from flipsync.codec.fingerprint import FingerprintTable
 
 
 def _block_counts(held: ClassTree, n_classes: int) -> np.ndarray:

@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
+from flipsync.codec import Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
-from flipsync.codec.patch import HEADER_TENSOR, _split_tail4
+from flipsync.codec.container import HEADER_TENSOR, split_tail
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 from tests.strategies import edit, same_bits
@@ -101,7 +102,7 @@ def test_tampered_values_fail_verification_before_any_write(chain: list) -> None
     data = bytearray(p01.to_bytes())
     header_len = int.from_bytes(data[:8], "little")
     start, end = json.loads(data[8 : 8 + header_len])[HEADER_TENSOR]["data_offsets"]
-    _, _, _, positions, small = _split_tail4(data[8 + header_len + start : 8 + header_len + end])
+    _, _, _, positions, small = split_tail(data[8 + header_len + start : 8 + header_len + end])
     # inside the coded streams: past the grouped positions' k and count, or into the small sections
     data[8 + header_len + end - len(small) - len(positions or b"") + 3] ^= 0x5A
     work = snapshot(chain[0])
@@ -155,9 +156,8 @@ def test_digest_mismatch_after_write_rolls_back(chain: list) -> None:
     work = snapshot(chain[0])
     table = FingerprintTable.of(work)
     staged = apply_mod.stage(work, p01, table)
-    staged[0].target_digest = "0" * 32  # as if the device wrote something else
-    with pytest.raises(VerificationError, match="rolled back"):
-        apply_mod.commit(work, staged, table, verify="digest")
+    with pytest.raises(VerificationError, match="rolled back"):  # as if the device wrote something else
+        apply_mod.commit(work, staged, table, verify="digest", digest="0" * 32)
     assert unchanged(work, chain[0])
     assert table == FingerprintTable.of(chain[0])
 

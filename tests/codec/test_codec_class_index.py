@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.codec import ClassIndex, FingerprintTable, commit, diff_views, stage
+from flipsync.codec import ClassIndex, commit, diff_views, stage
 from flipsync.codec.bits import bits_numpy, dtype_of
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.formats import served_view
 from tests.codec.class_index_helpers import assert_index_current
 

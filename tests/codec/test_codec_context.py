@@ -11,10 +11,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.codec import Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import bits_numpy, dtype_named
 from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder, class_rule, conditional_position_bits
-from flipsync.codec.patch import V1_CONTAINER
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view
 
@@ -176,13 +176,11 @@ def test_bf16_positions_shrink_towards_the_conditional_bound() -> None:
     assert not plain.needs_base
 
 
-def test_ctx_patches_say_their_version_and_need_their_base() -> None:
+def test_ctx_patches_need_their_base() -> None:
     v0, v1 = (served_view(m, "bf16") for m in _adam_like(1 << 16, 1))
     patch, _ = diff_views(v0, v1)
     plain, _ = diff_views(v0, v1, context=False)
-    # the legacy (JSON header) container says 2 when a section needs version 2 coders, else 1
-    assert b'"flipsync_patch":"2"' in patch.to_bytes(legacy=True)[:400]
-    assert f'"flipsync_patch":"{V1_CONTAINER}"'.encode() in plain.to_bytes(legacy=True)[:400]
+    assert patch.needs_base and not plain.needs_base
     with pytest.raises(PatchError, match="coded against the base tensor"):
         list(patch.changes())
     with pytest.raises(PatchError, match="coded against the base tensor"):

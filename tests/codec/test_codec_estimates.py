@@ -9,8 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, rans, streams
+from flipsync.codec import Patch, apply_patch, diff_views, rans, streams
 from flipsync.codec.coders import ESTIMATE_FROM, ESTIMATE_MARGIN, ESTIMATE_SLACK, CoderRegistry, Params
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.codec.zstd import SAMPLE_FROM
 from tests.strategies import same_bits
 

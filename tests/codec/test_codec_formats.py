@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.codec import Patch, apply_patch, diff_views, squash
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, combine_digests
 from flipsync.errors import BaseMismatchError, VerificationError
 from flipsync.formats import FORMAT_NAMES, served_view
 from tests.strategies import same_bits
@@ -63,33 +64,35 @@ def _views(fmt: str, seed: int, rows: int, cols: int, lr: float) -> list[dict[st
 def test_compact_container_round_trips_squashes_and_merges(
     fmt: str, seed: int, rows: int, cols: int, lr: float
 ) -> None:
-    """Compact (version 4) files (no per-section fingerprints, one digest) apply bitwise, read back from bytes they
-    squash without a base and merge as shards, and the legacy container of the same patch says the same."""
+    """Patch files (no per-section fingerprints, one digest) apply bitwise, read back from bytes they squash
+    without a base and merge as shards."""
     v0, v1, v2 = _views(fmt, seed, rows, cols, lr)
     first, _ = diff_views(v0, v1, served_format=fmt, context=False)
     second, _ = diff_views(v1, v2, served_format=fmt, context=False)
     a, b = Patch.from_bytes(first.to_bytes()), Patch.from_bytes(second.to_bytes())
-    assert a.container == "4" and all(s.base_fp is None and s.target_digest is None for s in a.sections)
     assert a.header.digest is not None  # of no tensors, when nothing changed: the XOR of none
     replica = {k: v.clone() for k, v in v0.items()}
     table = FingerprintTable.of(replica)
-    for patch, want in ((a, v1), (Patch.from_bytes(first.to_bytes(legacy=True)), v1)):
-        work, t = {k: v.clone() for k, v in replica.items()}, table.copy()
-        apply_patch(work, patch, t, verify="digest")
-        assert all(same_bits(work[k], want[k]) for k in want) and t.view_fp() == patch.header.target.view
+    work, t = {k: v.clone() for k, v in replica.items()}, table.copy()
+    apply_patch(work, a, t, verify="digest")
+    assert all(same_bits(work[k], v1[k]) for k in v1) and t.view_fp() == a.header.target.view
     squashed = Patch.from_bytes(squash([a, b]).to_bytes())
     apply_patch(replica, squashed, table, verify="digest")
     assert all(same_bits(replica[k], v2[k]) for k in v2)
     # rank shards: each a patch over some tensors; their digests combine into the whole patch's
     names = [s.name for s in first.sections]
-    shards = [
-        Patch.from_bytes(
-            Patch.from_changes(
-                [first.change(n) for n in part], base=first.header.base, target=first.header.target
-            ).to_bytes()
-        )
-        for part in (names[:1], names[1:])
-    ]
+    with Hasher() as h:
+        shards = [
+            Patch.from_bytes(
+                Patch.from_changes(
+                    [first.change(n) for n in part],
+                    base=first.header.base,
+                    target=first.header.target,
+                    digest=combine_digests((n, h.digest(v1[n])) for n in part),
+                ).to_bytes()
+            )
+            for part in (names[:1], names[1:])
+        ]
     merged = Patch.merge_disjoint(shards, base=first.header.base, target=first.header.target)
     assert merged.header.digest == a.header.digest
     work = {k: v.clone() for k, v in v0.items()}

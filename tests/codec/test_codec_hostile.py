@@ -3,41 +3,39 @@ a hang or an unbounded allocation."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import struct
 
 import numpy as np
 import pytest
-import safetensors.numpy
 import torch
 import zstandard
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
-from flipsync.codec.patch import HEADER_TENSOR, SMALL_SECTIONS, pack_tail, split_tail
-from flipsync.domain.headers import COMPACT_ROW
+from flipsync.codec import Patch, apply_patch, diff_views
+from flipsync.codec.container import HEADER_TENSOR
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import CorruptPatchError, FlipsyncError
+from tests.codec.container_helpers import relayout, tail_parts, with_part, with_rows
 from tests.strategies import edit, same_bits
 
 
-def _valid_patch() -> tuple[dict, dict, bytes, bytes]:
+def _valid_patch() -> tuple[dict, dict, bytes]:
     rng = np.random.default_rng(11)
     old = {
-        "a": torch.randn(4000).to(torch.bfloat16),
+        "a": torch.randn(100_000).to(torch.bfloat16),  # its own tensor, an ordinary row
         "b": torch.randn(64, 8),
         "c": torch.randint(0, 255, (900,), dtype=torch.uint8),
     }
     new = {k: edit(rng, v, 0.05, style="ulp" if k != "c" else "bits") for k, v in old.items()}
     patch, _ = diff_views(old, new)
-    return old, new, patch.to_bytes(container="3"), patch.to_bytes(legacy=True)
+    return old, new, patch.to_bytes()
 
 
-# VALID: a version 3 file (still read; version 4's layout has its own hostile tests in test_codec_container_v4);
-# LEGACY: the same patch in a version 1 container
-OLD, NEW, VALID, LEGACY = _valid_patch()
+# grouped streams have their own hostile tests in test_codec_container
+OLD, NEW, VALID = _valid_patch()
 
 
 def _decode_everything(data: bytes) -> None:
@@ -80,67 +78,8 @@ def test_random_bytes(data: bytes) -> None:
 
 
 def _with_header(mutate: object) -> bytes:
-    """Re-serialise the valid patch (version 1 container) with its header JSON changed by ``mutate(doc)``."""
-    hlen = struct.unpack_from("<Q", LEGACY)[0]
-    outer = json.loads(LEGACY[8 : 8 + hlen])
-    packed = base64.b64decode(outer["__metadata__"]["flipsync_header"])
-    doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
-    mutate(doc)  # type: ignore[operator]
-    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    outer["__metadata__"]["flipsync_header"] = base64.b64encode(packed).decode()
-    head = json.dumps(outer).encode()
-    return struct.pack("<Q", len(head)) + head + LEGACY[8 + hlen :]
-
-
-def refused_leaving_base(data: bytes, old: dict[str, torch.Tensor]) -> None:
-    """``data`` is refused as corrupt, by reading, decoding or applying it, and an apply that started leaves
-    ``old`` as it was (all or nothing)."""
-    with pytest.raises(CorruptPatchError):
-        patch = Patch.from_bytes(data)
-        list(patch.changes())
-        work = {k: v.clone() for k, v in old.items()}
-        try:
-            apply_patch(work, patch, FingerprintTable.of(work), verify="digest")
-        except CorruptPatchError:
-            assert all(same_bits(work[k], old[k]) for k in old)
-            raise
-
-
-def relayout(data: bytes, replace: dict[str, bytes]) -> bytes:
-    """The safetensors file ``data`` with some tensors' bytes replaced, every offset moved to match."""
-    hlen = struct.unpack_from("<Q", data)[0]
-    outer = json.loads(data[8 : 8 + hlen])
-    body, cursor = [], 0
-    for name, e in sorted(
-        ((k, v) for k, v in outer.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]
-    ):
-        a, b = e["data_offsets"]
-        blob = replace.get(name, data[8 + hlen + a : 8 + hlen + b])
-        e.update(shape=[len(blob)], data_offsets=[cursor, cursor + len(blob)])
-        body.append(blob)
-        cursor += len(blob)
-    head = json.dumps(outer).encode()
-    return struct.pack("<Q", len(head)) + head + b"".join(body)
-
-
-def _with_compact_header(mutate: object) -> bytes:
-    """The valid patch (version 3) with its compact header changed by ``mutate(doc)``, sections as objects."""
-    packed, values, small = tail_parts(VALID)
-    doc = json.loads(zstandard.ZstdDecompressor().decompress(packed))
-    doc["sections"] = [dict(zip(COMPACT_ROW, row, strict=False)) for row in doc["sections"]]
-    mutate(doc)  # type: ignore[operator]
-    if isinstance(doc["sections"], list):
-        doc["sections"] = [[s.get(k) for k in COMPACT_ROW if k in s] for s in doc["sections"]]
-    packed = zstandard.ZstdCompressor().compress(json.dumps(doc).encode())
-    return relayout(VALID, {HEADER_TENSOR: pack_tail(packed, values, small)})
-
-
-def tail_parts(data: bytes) -> tuple[bytes, bytes, bytes]:
-    """(compressed header, grouped values, small sections) of a version 3 file's header tensor."""
-    hlen = struct.unpack_from("<Q", data)[0]
-    a, b = json.loads(data[8 : 8 + hlen])[HEADER_TENSOR]["data_offsets"]
-    packed, values, small = split_tail(data[8 + hlen + a : 8 + hlen + b])
-    return bytes(packed), bytes(values or b""), bytes(small)
+    """The valid patch with its header's rows changed by ``mutate(doc)``, each section a dict of its fields."""
+    return with_rows(VALID, mutate, as_dicts=True)
 
 
 CRAFTED = {
@@ -152,76 +91,47 @@ CRAFTED = {
     "huge rice k": lambda d: d["sections"][0]["pos"].update(codec="rice", k=10**6),
     "stream past the end": lambda d: d["sections"][0]["val"].update(bytes=10**9),
     "mixed without flags": lambda d: d["sections"][0].update(mode="mixed"),
-    "bad fingerprint": lambda d: d["sections"][0].update(base_fp="xyz"),
-    "bad digest": lambda d: d.update(digest="xyz"),
+    "a digest among the rows": lambda d: d.update(digest="xyz"),
     "sections not a list": lambda d: d.update(sections={"a": 1}),
-    "wrong format version": lambda d: d.update(flipsync_patch=99),
+    "an unknown field": lambda d: d.update(flipsync_patch=99),
     "deep nesting": lambda d: d.update(meta={"a": [[[[[[]]]]]]}),
     "duplicate section": lambda d: d["sections"].append(d["sections"][0]),
     "zstd bomb width": lambda d: d["sections"][0]["pos"].update(codec="zstd", width=8),
-    "lengths disagree": lambda d: d["sections"][-1]["pos"].update(bytes=d["sections"][-1]["pos"]["bytes"] + 3),
+    "lengths disagree": lambda d: d["sections"][0]["pos"].update(bytes=d["sections"][0]["pos"]["bytes"] + 3),
 }
 
 
-COMPACT_ONLY = {  # fields only the compact header has, or that it lays out differently
+ROW_SHAPE = {  # how a row is laid out
     "short row": lambda d: d["sections"][0].pop("val"),
     "long row": lambda d: d["sections"][0].update(tag={"codec": "bits"}, extra=1),
     "row not a list": lambda d: d.update(sections=[{"name": "a"}]),
-    "wrong compact version": lambda d: d.update(flipsync_patch=1),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CRAFTED))
+@pytest.mark.parametrize("case", sorted(CRAFTED) + sorted(ROW_SHAPE))
 def test_crafted_headers(case: str) -> None:
-    data = _with_header(CRAFTED[case])
+    data = _with_header({**CRAFTED, **ROW_SHAPE}[case])
     with pytest.raises(CorruptPatchError):
         _decode_everything(data)
     _apply_or_refuse(data)
 
 
-@pytest.mark.parametrize("case", sorted(set(CRAFTED) - {"bad fingerprint"} | set(COMPACT_ONLY)))
-def test_crafted_compact_headers(case: str) -> None:
-    """The same crafted fields in a version 3 container (which has no per-section fingerprint to corrupt)."""
-    data = _with_compact_header({**CRAFTED, **COMPACT_ONLY}[case])
-    with pytest.raises(CorruptPatchError):
-        _decode_everything(data)
-    _apply_or_refuse(data)
-
-
-def test_compact_container_damage() -> None:
-    """A version 3 file without its header tensor, with a truncated one, with a header that is no zstd frame or
-    declares too much, with small sections outside it."""
-    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
+def test_container_damage() -> None:
+    """A file without its header tensor, with a truncated one, with rows that are no zstd frame or declare too
+    much, or with another container format."""
+    with pytest.raises(CorruptPatchError, match="lacks its header tensor"):
         _decode_everything(VALID.replace(HEADER_TENSOR.encode(), b"flipsync.headex"))
-    with pytest.raises(CorruptPatchError, match="must hold its header tensor"):
-        packed, values, small = tail_parts(VALID)
-        arrays = {
-            HEADER_TENSOR: np.frombuffer(pack_tail(packed, values, b""), np.uint8),
-            SMALL_SECTIONS: np.frombuffer(small, np.uint8),
-        }
-        _decode_everything(safetensors.numpy.save(arrays, metadata={"flipsync_patch": "3"}))
-    for cut in (b"", b"\x01", b"\x05\x00\x00\x00abc", pack_tail(b"abc", b"", b"")[:-1], b"\x00" * 4 + b"\x09\x00"):
-        with pytest.raises(CorruptPatchError, match=r"truncated|cannot be decoded"):
+    for cut in (b"", b"\x01", b"\x05abc", tail_parts(VALID)[0][:1]):
+        with pytest.raises(CorruptPatchError, match=r"truncated|cannot be decoded|fixed fields"):
             _decode_everything(relayout(VALID, {HEADER_TENSOR: cut}))
-    _, values, small = tail_parts(VALID)
     with pytest.raises(CorruptPatchError, match="cannot be decoded"):
-        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(b"not zstd", values, small)}))
+        _decode_everything(with_part(VALID, 1, b"not zstd"))
     bomb = zstandard.ZstdCompressor().compress(b" " * ((64 << 20) + 1))
     with pytest.raises(CorruptPatchError, match="declares"):
-        _decode_everything(relayout(VALID, {HEADER_TENSOR: pack_tail(bomb, values, small)}))
-    for version in ("5", "0", "x"):  # same length: only the version differs
+        _decode_everything(with_part(VALID, 1, bomb))
+    for version in ("5", "3", "x"):  # same length: only the container format differs
         with pytest.raises(CorruptPatchError, match="unsupported patch container"):
-            _decode_everything(VALID.replace(b'"flipsync_patch":"3"', f'"flipsync_patch":"{version}"'.encode()))
-
-
-def test_legacy_and_compact_containers_hold_the_same_patch() -> None:
-    legacy, compact = Patch.from_bytes(LEGACY), Patch.from_bytes(VALID)
-    assert legacy.container == "1" and compact.container == "3" and len(VALID) < len(LEGACY)
-    assert compact.header.digest is not None and all(s.base_fp is None for s in compact.sections)
-    for a, b in zip(legacy.changes(), compact.changes(), strict=True):
-        assert np.array_equal(a.positions, b.positions) and np.array_equal(a.values, b.values)
-    _apply_or_refuse(LEGACY)
-    _apply_or_refuse(VALID)
+            _decode_everything(VALID.replace(b'"flipsync_patch":"4"', f'"flipsync_patch":"{version}"'.encode()))
 
 
 def test_not_a_patch() -> None:
@@ -230,11 +140,9 @@ def test_not_a_patch() -> None:
     with pytest.raises(CorruptPatchError, match="not a flipsync patch"):
         Patch.from_bytes(save({"x": torch.zeros(3)}))
     with pytest.raises(CorruptPatchError, match="uint8"):
-        Patch.from_bytes(save({"x": torch.zeros(3)}, metadata={"flipsync_header": "{}"}))
-    with pytest.raises(CorruptPatchError, match="cannot be decoded"):
-        Patch.from_bytes(
-            save({"x": torch.zeros(3, dtype=torch.uint8)}, metadata={"flipsync_patch": "1", "flipsync_header": "!!"})
-        )
+        Patch.from_bytes(save({"x": torch.zeros(3)}, metadata={"flipsync_patch": "4"}))
+    with pytest.raises(CorruptPatchError, match="unsupported patch container"):
+        Patch.from_bytes(save({"x": torch.zeros(3, dtype=torch.uint8)}, metadata={"flipsync_patch": "1"}))
 
 
 def _empty_patch() -> bytes:

@@ -10,7 +10,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.codec import Patch, apply_patch, diff_views, squash
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import PatchError
 from tests.strategies import edit, patch_chains, same_bits, view_pairs
@@ -145,7 +146,7 @@ def test_the_container_is_plain_safetensors_and_its_bytes_depend_only_on_the_pat
 
 
 def test_a_file_writer_refuses_a_header_that_lists_other_sections() -> None:
-    from flipsync.codec.patch import PatchFileWriter
+    from flipsync.codec.container import PatchFileWriter
 
     old = {"a": torch.zeros(8, dtype=torch.bfloat16), "b": torch.zeros(8, dtype=torch.bfloat16)}
     new = {k: v + 1 for k, v in old.items()}

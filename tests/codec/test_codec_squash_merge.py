@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from flipsync.codec import squash
 from flipsync.codec.bits import dtype_named
-from flipsync.codec.patch import TensorChange
+from flipsync.codec.section import TensorChange
 from tests.strategies import patch_chains
 
 # The package re-exports the function ``squash`` under the submodule's name.
@@ -42,9 +42,6 @@ def reference_merge(a: TensorChange, b: TensorChange) -> TensorChange:
         positions=positions[keep],
         values=values[keep],
         raw=raw[keep] if raw.any() else None,
-        base_fp=a.base_fp,
-        target_fp=b.target_fp,
-        target_digest=b.target_digest,
     )
 
 
@@ -54,7 +51,7 @@ def change_pairs(draw: st.DrawFn) -> tuple[TensorChange, TensorChange]:
     # Small steps so that overlapping steps often cancel; full-range ones so that sums wrap around.
     value = st.one_of(st.integers(-2, 2), INT64)
     out = []
-    for i in range(2):
+    for _ in range(2):
         pos = np.array(sorted(draw(st.sets(st.integers(0, numel - 1), max_size=numel))), np.int64)
         n = pos.size
         values = np.array(draw(st.lists(value, min_size=n, max_size=n)), np.int64)
@@ -72,9 +69,6 @@ def change_pairs(draw: st.DrawFn) -> tuple[TensorChange, TensorChange]:
                 positions=pos,
                 values=values,
                 raw=raw,
-                base_fp=10 + i,
-                target_fp=11 + i,
-                target_digest=f"digest-{i}",
             )
         )
     return out[0], out[1]
@@ -87,14 +81,7 @@ def assert_same(got: TensorChange, want: TensorChange) -> None:
     assert (got.raw is None) == (want.raw is None)
     if want.raw is not None:
         assert got.raw is not None and got.raw.dtype == want.raw.dtype and np.array_equal(got.raw, want.raw)
-    assert (got.name, got.dtype, got.shape, got.base_fp, got.target_fp, got.target_digest) == (
-        want.name,
-        want.dtype,
-        want.shape,
-        want.base_fp,
-        want.target_fp,
-        want.target_digest,
-    )
+    assert (got.name, got.dtype, got.shape) == (want.name, want.dtype, want.shape)
 
 
 @given(change_pairs())
@@ -112,8 +99,6 @@ def test_merge_edge_cases() -> None:
             positions=np.array(pos, np.int64),
             values=np.array(values, np.int64),
             raw=None if raw is None else np.array(raw, bool),
-            base_fp=1,
-            target_fp=2,
         )
 
     cases = [

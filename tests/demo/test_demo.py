@@ -77,7 +77,7 @@ def test_short_demo_run(tmp_path: Path) -> None:
         result = runner.invoke(app, [str(a) for a in args])
         assert result.exit_code == 0, (args, result.output)
     from flipsync.checkpoint import load_checkpoint
-    from flipsync.codec import int_view
+    from flipsync.codec.bits import int_view
 
     got, want = load_checkpoint(tmp_path / "v1b.safetensors"), load_checkpoint(tmp_path / "v1.safetensors")
     assert set(got) == set(want) and all(int_view(got[k]).equal(int_view(want[k])) for k in want)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from flipsync.codec import int_view
+from flipsync.codec.bits import int_view
 from flipsync.engines.vllm.blockmap import expand_blocks
 from flipsync.engines.vllm.worker import WorkerCore
 

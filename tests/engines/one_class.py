@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from flipsync.codec import int_view
+from flipsync.codec.bits import int_view
 
 
 def one_class_step(view: dict[str, torch.Tensor], name: str | None = None) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, StagedWrite, UndoRecord, commit, diff_views, stage
+from flipsync.codec import Patch, StagedWrite, UndoRecord, commit, diff_views, stage
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.sglang import SglangEngine
 from flipsync.engines.torch.engine import TorchEngine

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 from tests.strategies import same_bits

@@ -12,7 +12,9 @@ import torch
 from fake_sglang import FakeSglang, serve
 from one_class import one_class_step
 
-from flipsync.codec import FingerprintTable, diff_views, int_view
+from flipsync.codec import diff_views
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.sglang import SglangEngine
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError

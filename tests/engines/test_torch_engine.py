@@ -7,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from flipsync.codec import FingerprintTable, int_view
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.engine import SamplingParams, TorchEngine
 from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.openai_server import ChoiceText

@@ -10,7 +10,8 @@ from fake_sglang import serve
 from fake_vllm import DIMS, FakeLlama, bits_equal, checkpoint, fake_policy, held_view, make_reloader, step
 from fastapi import FastAPI, HTTPException, Request
 
-from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.wire import RPC_METHOD
 from flipsync.engines.vllm.worker import WorkerCore

@@ -16,7 +16,10 @@ from hypothesis import strategies as st
 from one_class import one_class_step
 
 from flipsync.board import BoardReader, BoardWriter, open_store
-from flipsync.codec import ClassIndex, FingerprintTable, diff_views, dtype_of, int_view
+from flipsync.codec import ClassIndex, diff_views
+from flipsync.codec.bits import dtype_of, int_view
+from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.domain.headers import ViewRef
 from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
@@ -138,11 +141,9 @@ def test_wrong_base_and_corrupt_patches_change_nothing() -> None:
     engine2 = VllmEngine(LocalTransport([c for _, c in boot(v0)]), specs_of(v0))
     with pytest.raises(BaseMismatchError):
         engine2.stage(back)
-    # a patch whose target fingerprints lie: refused at stage
+    # a patch whose target view lies: refused at stage
     forged, _ = diff_views(v0, step(v0, 9))
-    forged = type(forged)(forged.header, {k: v for k, v in forged._blobs.items()})
-    section = forged.header.sections[0]
-    object.__setattr__(section, "target_fp", "0" * 16)
+    forged = forged.with_refs(target=ViewRef("0" * 32))
     fresh = boot(v0)
     engine3 = VllmEngine(LocalTransport([c for _, c in fresh]), specs_of(v0))
     with pytest.raises((VerificationError, CorruptPatchError)):

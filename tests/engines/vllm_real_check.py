@@ -39,7 +39,7 @@ def make_views(model_dir: Path):
     import torch
 
     from flipsync.checkpoint import load_checkpoint
-    from flipsync.codec import int_view
+    from flipsync.codec.bits import int_view
 
     v0 = load_checkpoint(model_dir)
     g = torch.Generator().manual_seed(1)
@@ -94,7 +94,8 @@ def prepare(workdir: Path):
     sys.path.insert(0, str(Path(__file__).parent))
     from tiny_llama import build_tiny_llama
 
-    from flipsync.codec import FingerprintTable, diff_views
+    from flipsync.codec import diff_views
+    from flipsync.codec.fingerprint import FingerprintTable
 
     model_dir = build_tiny_llama(workdir / "v0")
     v0, v1, v2 = make_views(model_dir)
@@ -108,7 +109,8 @@ def main(workdir: Path) -> dict:
     from vllm import SamplingParams
 
     from flipsync.checkpoint import Checkpoint, save_checkpoint
-    from flipsync.codec import FingerprintTable, diff_views
+    from flipsync.codec import diff_views
+    from flipsync.codec.fingerprint import FingerprintTable
     from flipsync.engines.mirror import DiskMirror
     from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
 

@@ -31,13 +31,12 @@ class PatchCase:
 
     old: dict[str, torch.Tensor]
     new: dict[str, torch.Tensor]
-    data: bytes  # container version 4 (binary fixed fields, compact rows, grouped streams)
-    legacy: bytes  # the same patch in the version 1/2 container (JSON header, per-section fingerprints)
+    data: bytes  # the patch file (binary fixed fields, compact rows, grouped streams)
 
 
 def _case(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], **kw: object) -> PatchCase:
     patch, _ = diff_views(old, new, **kw)  # type: ignore[arg-type]
-    return PatchCase(old, new, patch.to_bytes(), patch.to_bytes(legacy=True))
+    return PatchCase(old, new, patch.to_bytes())
 
 
 def patch_cases() -> list[PatchCase]:
@@ -74,8 +73,8 @@ def patch_cases() -> list[PatchCase]:
     first, _ = diff_views(small, small_new)
     second, _ = diff_views(small_new, third, mode="raw")
     squashed = squash([first, second])
-    cases.append(PatchCase(small, third, squashed.to_bytes(), squashed.to_bytes(legacy=True)))
-    # Version 2: small values change more often than large ones, so positions are coded against the base (ctx).
+    cases.append(PatchCase(small, third, squashed.to_bytes()))
+    # Small values change more often than large ones, so positions are coded against the base (ctx).
     mags = torch.randn(20000, generator=g) * torch.rand(20000, generator=g).pow(4)
     ctx_old = {"i.weight": mags.to(torch.bfloat16), "j.weight": mags[:4000].to(torch.float8_e4m3fn)}
     ctx_new = {}
@@ -85,9 +84,9 @@ def patch_cases() -> list[PatchCase]:
         bits[moved] += 1
         ctx_new[k] = bits.view(v.dtype)
     cases.append(_case(ctx_old, ctx_new, base_version=5, target_version=6))
-    # Version 3: many small step sections, whose value steps go into one grouped stream.
+    # Many small step sections, whose value steps and positions go into grouped streams.
     g_old, g_new, grouped = grouped_case(seed=9)
-    cases.append(PatchCase(g_old, g_new, grouped.to_bytes(), grouped.to_bytes(legacy=True)))
+    cases.append(PatchCase(g_old, g_new, grouped.to_bytes()))
     return cases
 
 
@@ -119,12 +118,12 @@ def spliced_patches(cases: list[PatchCase]) -> list[bytes]:
 
 
 def split_sections(data: bytes) -> bytes:
-    """A patch as the sections target reads it: header JSON (compact for a version 3/4 file), NUL, every
-    section's streams in order."""
+    """A patch as the sections target reads it: its header's rows as JSON with its fixed fields as hex under
+    ``refs``, NUL, every section's streams in order."""
     patch = Patch.from_bytes(data)
     blobs = [bytes(patch.section_blob(s.name)) for s in patch.sections]
-    header = patch.header.to_compact() if patch.container in ("3", "4") else patch.header.to_json()
-    return header.encode() + SEPARATOR + b"".join(blobs)
+    doc = {"refs": patch.header.refs_bytes().hex(), **json.loads(patch.header.to_packed())}
+    return json.dumps(doc, separators=(",", ":")).encode() + SEPARATOR + b"".join(blobs)
 
 
 def ctx_seeds() -> tuple[list[BaseBits], list[tuple[int, int, dict, bytes]]]:

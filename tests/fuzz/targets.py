@@ -7,10 +7,9 @@ without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in
 - ``patch``: a patch file (safetensors container) -> ``Patch.from_bytes``, every section decoded, a
   re-encode round trip, and an apply onto the seed's base view that either refuses and leaves the tensors
   untouched or yields exactly the verified target.
-- ``sections``: the patch header JSON (version 1 or the compact version 3) and the section streams,
-  re-wrapped into a valid container of that version, so that mutations reach the header validation and the
-  stream decoders (rice, zstd, bits, rANS, ctx, kind flags) instead of dying in the container's own zstd
-  (and base64) layer.
+- ``sections``: the patch header's rows JSON (its fixed fields as hex under ``refs``) and the section
+  streams, re-wrapped into a valid container, so that mutations reach the header validation and the stream
+  decoders (rice, zstd, bits, rANS, ctx, kind flags) instead of dying in the container's own zstd layer.
 - ``ctx``: a ``ctx`` position stream with its parameters (``CTX_PARAMS`` bytes: base index, n, classes,
   nbits) decoded against one of a few seed bases by the one-thread pass, the chunked pass on a pool, and
   both with the receiver's class index: all refuse it (``CorruptPatchError``) or all give the same n sorted
@@ -23,7 +22,6 @@ without atheris; ``main`` runs one under atheris (libFuzzer) with seeds built in
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import sys
@@ -56,10 +54,12 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.layout import RunLayout
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
-    from flipsync.codec import SMALL_SECTIONS, FingerprintTable, Patch, apply_patch
+    from flipsync.codec import Patch, apply_patch
+    from flipsync.codec.container import CONTAINER_FORMAT, CONTAINER_KEY, HEADER_TENSOR
     from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder
-    from flipsync.codec.patch import HEADER_TENSOR, V2_CONTAINER, V3_CONTAINER, pack_tail
+    from flipsync.codec.fingerprint import FingerprintTable
     from flipsync.domain.catchup import plan_catchup
+    from flipsync.domain.headers import varint
     from flipsync.domain.manifest import Kind, Manifest, canonical_json
     from flipsync.errors import (
         BoardError,
@@ -97,7 +97,7 @@ class PatchTarget:
     def __call__(self, data: bytes) -> None:
         try:
             patch = Patch.from_bytes(data)
-            # version 2 (ctx) positions decode only against their base: the seed view the header names
+            # ctx positions decode only against their base: the seed view the header names
             changes = list(patch.changes(self._views.get(patch.header.base.view)))
         except CorruptPatchError:  # the decoder's whole contract: this, or a patch that decodes
             return
@@ -199,16 +199,20 @@ def container_end(data: bytes) -> int:
 
 
 def wrap_sections(data: bytes) -> bytes:
-    """A container around ``header JSON NUL section streams``: every section reads the shared tensor. A
-    compact header (it starts with its version, 3) goes into a version 3 container, any other into version 2."""
+    """A patch file around ``rows JSON NUL section streams``: the rows' ``refs`` (hex) become the header's fixed
+    fields, every section reads the small sections of the header tensor."""
     header, _, blob = data.partition(SEPARATOR)
+    refs = b""
+    try:
+        doc = json.loads(header)
+        refs = bytes.fromhex(doc.pop("refs"))
+        header = json.dumps(doc, separators=(",", ":")).encode()
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        pass  # not such a document: the bytes go in as they are
     packed = zstandard.ZstdCompressor(level=1).compress(header)
-    if header.startswith(b'{"flipsync_patch":3'):
-        arrays = {HEADER_TENSOR: np.frombuffer(pack_tail(packed, b"", blob), dtype=np.uint8)}
-        return safetensors.numpy.save(arrays, metadata={"flipsync_patch": V3_CONTAINER})
-    arrays = {SMALL_SECTIONS: np.frombuffer(blob, dtype=np.uint8)} if blob else {}
-    meta = {"flipsync_patch": V2_CONTAINER, "flipsync_header": base64.b64encode(packed).decode()}
-    return safetensors.numpy.save(arrays, metadata=meta)
+    tail = b"".join(varint(len(part)) + part for part in (refs, packed, b"", b"")) + blob
+    arrays = {HEADER_TENSOR: np.frombuffer(tail, dtype=np.uint8)}
+    return safetensors.numpy.save(arrays, metadata={CONTAINER_KEY: CONTAINER_FORMAT})
 
 
 class SectionsTarget(PatchTarget):
@@ -277,8 +281,8 @@ def build(name: str) -> tuple[Target, list[bytes]]:
         cases = seeds.patch_cases()
         pairs = [(c.old, c.new) for c in cases]
         if name == "patch":
-            return PatchTarget(pairs), [d for c in cases for d in (c.data, c.legacy)] + seeds.spliced_patches(cases)
-        inputs = [seeds.split_sections(d) for c in cases for d in (c.data, c.legacy)]
+            return PatchTarget(pairs), [c.data for c in cases] + seeds.spliced_patches(cases)
+        inputs = [seeds.split_sections(c.data) for c in cases]
         return SectionsTarget(pairs), inputs
     if name == "ctx":
         bases, inputs = seeds.ctx_seeds()

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +95,8 @@ def test_a_header_naming_another_target_view_is_rolled_back(cases: list[seeds.Pa
     target = targets.SectionsTarget([(c.old, c.new) for c in cases])
     header, _, blob = seeds.split_sections(cases[0].data).partition(seeds.SEPARATOR)
     doc = json.loads(header)
-    doc["target"]["view"] = "0" * 32
+    h = Patch.from_bytes(cases[0].data).header
+    doc["refs"] = replace(h, target=replace(h.target, view="0" * 32)).refs_bytes().hex()
     target(json.dumps(doc).encode() + seeds.SEPARATOR + blob)
 
 

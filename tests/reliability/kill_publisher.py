@@ -12,7 +12,8 @@ import torch
 
 from flipsync.board.store import open_store
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 
 
 def view_of(k: int) -> dict[str, torch.Tensor]:

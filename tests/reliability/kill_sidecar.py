@@ -38,7 +38,8 @@ from safetensors.torch import save
 
 from flipsync.board.reader import BoardReader, Step
 from flipsync.board.store import open_store
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views
+from flipsync.codec import Patch, apply_patch, diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config

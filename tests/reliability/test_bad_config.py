@@ -26,7 +26,9 @@ from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
 from flipsync.cli import app
-from flipsync.codec import FingerprintTable, Patch, apply_patch, decode_symbols
+from flipsync.codec import Patch, apply_patch
+from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.codec.streams import decode_symbols
 from flipsync.errors import (
     BaseMismatchError,
     ConfigError,

@@ -31,7 +31,7 @@ import torch
 
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
-from flipsync.codec import FingerprintTable
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import FlipsyncError
 from flipsync.formats import served_view
 from flipsync.sidecar.replica import Replica

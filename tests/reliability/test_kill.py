@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from flipsync.board.parts import patch_from_parts
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
 from flipsync.board.store import open_store
-from flipsync.codec import FingerprintTable, apply_patch
+from flipsync.codec import apply_patch
+from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.sidecar.commit import join_step
 from tests.reliability.kill_publisher import view_of
 from tests.sidecar.sidecar_helpers import same_bits
 
@@ -38,7 +39,7 @@ def replica_at_head(board: str, run: str) -> tuple[int, dict[str, torch.Tensor]]
             table = FingerprintTable.of(tensors)
         else:
             assert isinstance(step, PatchStep)
-            apply_patch(tensors, patch_from_parts(step.parts, step.manifest), table)
+            apply_patch(tensors, join_step(step), table)
         assert table.view_fp() == step.target_view_fp
         version = step.target_version
     assert version == head

@@ -38,7 +38,8 @@ from safetensors.torch import load
 
 from flipsync.board.store import open_store
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.vllm.engine import specs_of
 from tests.engines.fake_vllm import checkpoint, step
 from tests.sidecar.sidecar_helpers import Trainer, same_bits

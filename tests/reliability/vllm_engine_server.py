@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
 from fake_vllm import FakeLlama, WorkerCore, boot, checkpoint
 from test_vllm_http import fake_vllm_server
 
-from flipsync.codec import FingerprintTable, dtype_named, int_view
+from flipsync.codec.bits import dtype_named, int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.vllm.blockmap import expand_blocks
 from flipsync.serving import ServerThread
 

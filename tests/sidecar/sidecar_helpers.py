@@ -18,7 +18,9 @@ import torch
 from flipsync.board.signing import Signer
 from flipsync.board.store import ObjectInfo, Store, StoreOptions
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, Patch, diff_views, int_view
+from flipsync.codec import Patch, diff_views
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine

@@ -14,7 +14,8 @@ import torch
 
 from flipsync.board import BoardReader, BoardWriter
 from flipsync.board.store import ObstoreStore
-from flipsync.codec import FingerprintTable, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.wire import PROTOCOL

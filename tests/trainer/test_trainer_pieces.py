@@ -1,4 +1,5 @@
-"""Row-shard pieces, the part chain of one version, and reading several parts as one patch on a replica."""
+"""Row-shard pieces, the part chain of one version coded by the codec's PatchEncoder, and reading several parts
+as one patch on a replica."""
 
 from __future__ import annotations
 
@@ -8,15 +9,20 @@ import pytest
 import torch
 from trainer_helpers import assert_bitwise
 
-from flipsync.board.parts import patch_from_parts
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, apply_patch, diff_views
+from flipsync.board.reader import PatchStep
+from flipsync.codec import DiffEngine, Patch, PatchEncoder, apply_patch, diff_views
+from flipsync.codec.fingerprint import FingerprintTable, Hasher
 from flipsync.domain.headers import ViewRef
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import ConfigError, CorruptPatchError
-from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
+from flipsync.sidecar.commit import join_step
 from flipsync.trainer.pieces import Piece, dedupe_tied
-from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas
+from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas, table_of_pieces
 from tests.strategies import PART_HASH, patch_manifest
+
+
+def patch_from_parts(parts: list[bytes], manifest: Manifest, table: FingerprintTable) -> Patch:
+    return join_step(PatchStep(manifest, parts), table)
 
 
 def views(seed: int = 0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -44,42 +50,42 @@ def shard(view: dict[str, torch.Tensor], world: int) -> list[dict[str, Piece]]:
 
 
 def parts_of(
-    old: dict[str, torch.Tensor],
-    new: dict[str, torch.Tensor],
-    world: int,
-    *,
-    coder: Executor | None = None,
-    pool: Executor | None = None,
-    emitted: list[list[str]] | None = None,
+    old: dict[str, torch.Tensor], new: dict[str, torch.Tensor], world: int, *, pool: Executor | None = None
 ) -> tuple[list[bytes], str, str]:
-    """What the engine does on each rank, done here rank by rank: the chain of parts of one version.
-    ``emitted`` gets, per rank, the names the coder streamed, in the order it streamed them."""
+    """What the publisher does on each rank, done here rank by rank: the chain of parts of one version, each
+    part's file streamed as its sections are coded (on ``pool``) and checked against the file it writes."""
     olds, news = shard(old, world), shard(new, world)
-    streams: list[list[str]] = [[] for _ in range(world)]
     with DiffEngine(1) as engine, Hasher(1) as hasher:
         specs = [{n: p.spec(n, r) for n, p in olds[r].items()} for r in range(world)]
         layout = check_tiling(specs)
-        table = table_of_pieces(layout, [{n: piece_fingerprint(hasher, p) for n, p in v.items()} for v in olds])
-        changes = [
-            diff_pieces(olds[r], news[r], engine, hasher, coder, lambda n, _b, r=r: streams[r].append(n), pool=pool)
-            for r in range(world)
-        ]
-    if emitted is not None:
-        emitted.extend(streams)
-    deltas = [{c.name: c.delta for c in ch} for ch in changes]
-    target = advance(table, merge_deltas(deltas))
+        table = table_of_pieces(
+            layout, [{n: hasher.fingerprint(p.tensor, p.offset) for n, p in v.items()} for v in olds]
+        )
+        encoders, streamed = [], []
+        for r in range(world):
+            data: list[bytes | memoryview] = []
+            encoder = PatchEncoder(pool=pool, stream=data.append)
+            for name in sorted(news[r]):
+                a, b = olds[r][name], news[r][name]
+                changes = engine.changes(a.tensor.contiguous(), b.tensor.contiguous())
+                if changes.size:
+                    digest = hasher.digest(b.tensor) if b.whole else None
+                    encoder.add(name, b.shape, changes, dtype=b.dtype_name, offset=b.offset, digest=digest)
+            encoders.append(encoder)
+            streamed.append(data)
+    deltas = [dict(e.deltas) for e in encoders]
+    target = table.advanced(merge_deltas(deltas))
     with_parts = [r for r in range(world) if deltas[r]]
     parts = []
     for r in with_parts:
-        before = advance(table, merge_deltas(deltas[:r]))
-        after = advance(before, deltas[r])
-        part = build_part(
-            changes[r],
-            before,
+        before = table.advanced(merge_deltas(deltas[:r]))
+        part = encoders[r].finish(
             base=ViewRef(before.view_fp(), 0 if r == with_parts[0] else None),
-            target=ViewRef(after.view_fp(), 1 if r == with_parts[-1] else None),
+            target=ViewRef(before.advanced(deltas[r]).view_fp(), 1 if r == with_parts[-1] else None),
             served_format="bf16",
         )
+        head, tail = encoders[r].file_ends()
+        assert b"".join([head, *streamed[r], tail]) == part.to_bytes()  # streamed: the very file
         parts.append(part.to_bytes())
     assert target.view_fp() == FingerprintTable.of(new).view_fp()  # summed piece fingerprints = the real ones
     return parts, table.view_fp(), target.view_fp()
@@ -109,29 +115,15 @@ def test_parts_of_row_shards_rebuild_the_new_view_bitwise(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 3])
-@pytest.mark.parametrize("how", ["coder", "pool", "coder and pool"])
-def test_sections_coded_while_diffing_are_the_same_bytes(world: int, how: str) -> None:
-    """The worker codes each piece's section on its own thread (or several side by side on a pool), fingerprints
-    blank until the deltas are known: the parts must hold the same header and section bytes as when they are
-    coded at the end, and a coder streams them in piece order however the pool finishes them. (Not the same
-    file bytes: safetensors writes its metadata map in no fixed order.)"""
+def test_sections_coded_on_a_pool_are_the_same_bytes(world: int) -> None:
+    """The publisher codes pieces' sections side by side on a pool while it diffs the next ones: the parts must
+    be the same files as when each is coded in turn, and stream in piece order however the pool finishes."""
     old, new = views(2)
-    emitted: list[list[str]] = []
-    with ThreadPoolExecutor(1) as coder, ThreadPoolExecutor(4) as pool:
-        early, base_fp, target_fp = parts_of(
-            old, new, world, coder=coder if "coder" in how else None, pool=pool if "pool" in how else None,
-            emitted=emitted,
-        )  # fmt: skip
+    with ThreadPoolExecutor(4) as pool:
+        early, base_fp, target_fp = parts_of(old, new, world, pool=pool)
     late, base_fp2, target_fp2 = parts_of(old, new, world)
-    for part, names in zip(early, [e for e in emitted if e] if "coder" in how else [], strict=False):
-        assert names == [s.name for s in Patch.from_bytes(part).header.sections]  # streamed in header order
-    if "coder" not in how:
-        assert not any(emitted)  # nothing streamed: build_part collects what the pool coded
     assert (base_fp, target_fp) == (base_fp2, target_fp2) and len(early) == len(late) == world
-    for x, y in zip(early, late, strict=True):
-        px, py = Patch.from_bytes(x), Patch.from_bytes(y)
-        assert px.header == py.header
-        assert all(bytes(px._blobs[s.name]) == bytes(py._blobs[s.name]) for s in px.header.sections)
+    assert early == late
 
 
 def test_parts_out_of_order_are_refused_before_any_write() -> None:
@@ -140,7 +132,7 @@ def test_parts_out_of_order_are_refused_before_any_write() -> None:
     assert len(parts) == 2
     replica = {k: v.clone() for k, v in old.items()}
     table = FingerprintTable.of(replica)
-    with pytest.raises(CorruptPatchError, match="neither form a chain nor share the base view"):
+    with pytest.raises(CorruptPatchError, match="neither form a chain nor are shards"):
         patch_from_parts(parts[::-1], manifest_of(2, base_fp, target_fp), table)
     assert_bitwise(old, replica)
 

@@ -12,11 +12,11 @@ from trainer_helpers import Replica, adam, assert_bitwise, expected_view, follow
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
-from flipsync.board.parts import patch_from_parts
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import ConfigError, ConflictError
+from flipsync.sidecar.commit import join_step
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)
@@ -287,7 +287,7 @@ def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, 
     # an engine that stages with the codec follows the same versions
     engine = MemoryEngine(v0)
     for s in replica.patches:
-        staged = engine.stage(patch_from_parts(s.parts, s.manifest, engine.table, engine.tensors))
+        staged = engine.stage(join_step(s, engine.table, engine.tensors))
         engine.commit(staged)
     assert_bitwise(expected_view(model, fmt), engine.tensors)
     if background:  # a busy machine may fold steps, so which spans exist varies

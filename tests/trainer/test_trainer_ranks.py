@@ -29,11 +29,11 @@ from trainer_helpers import (
 
 from flipsync.board import KeyframePolicy, KeyframeStep, open_store
 from flipsync.board.catalog import Catalog
-from flipsync.board.parts import patch_from_parts
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.errors import BoardError, NonFiniteError, PatchError
+from flipsync.sidecar.commit import join_step
 from flipsync.trainer import Publisher, PublisherConfig
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)
@@ -106,8 +106,8 @@ def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base
     late.sync(goal=2)
     assert late.steps[-1].manifest.kind is Kind.SPAN
     step = replica.patches[-1]
-    with pytest.raises(PatchError, match="pass the engine's view as base"):
-        patch_from_parts(step.parts, step.manifest)
+    with pytest.raises(PatchError, match="pass the receiver's view as base"):
+        join_step(step)
     # the torch engine on CPU offers its served tensors as the base, so it joins the parts too
     engine = TorchEngine(tiny_llama(tie=False, layers=2, hidden=64, vocab=128))
     assert engine.host_view is engine.served
@@ -115,7 +115,7 @@ def test_partitioned_ranks_with_context_coding_join_their_parts_against_the_base
     assert isinstance(first, KeyframeStep)
     engine.load_view(first.tensors)
     for step in replica.patches:
-        engine.commit(engine.stage(patch_from_parts(step.parts, step.manifest, engine.table, engine.host_view)))
+        engine.commit(engine.stage(join_step(step, engine.table, engine.host_view)))
     assert_bitwise(expected_view(model, "bf16"), engine.served)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flipsync.codec import FingerprintTable
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import ConfigError
 from flipsync.trainer import PublisherConfig
 from flipsync.trainer.startup import decide_start, layout_fingerprint

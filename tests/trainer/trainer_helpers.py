@@ -10,11 +10,13 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
-from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import Store
-from flipsync.codec import FingerprintTable, apply_patch, int_view
+from flipsync.codec import apply_patch
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, StoreError
 from flipsync.formats import served_view
+from flipsync.sidecar.commit import join_step
 
 
 def tiny_llama(
@@ -87,7 +89,7 @@ class Replica:
             self.table = FingerprintTable.of(self.tensors)
         else:
             assert isinstance(step, PatchStep)
-            patch = patch_from_parts(step.parts, step.manifest, self.table, self.tensors)
+            patch = join_step(step, self.table, self.tensors)
             apply_patch(self.tensors, patch, self.table, verify="digest")
         assert self.table.view_fp() == step.manifest.target_view_fp
         self.steps.append(step)

@@ -36,23 +36,12 @@ from flipsync.bench.workload import (
     llm_like_masters,
     real_masters,
 )
-from flipsync.codec import (
-    ClassIndex,
-    DiffEngine,
-    FingerprintTable,
-    Hasher,
-    Patch,
-    bits_numpy,
-    changed_positions_reference,
-    commit,
-    conditional_position_bits,
-    diff_views,
-    dtype_of,
-    overhead_bytes,
-    stage,
-    to_key,
-    zigzag,
-)
+from flipsync.codec import ClassIndex, DiffEngine, Patch, commit, diff_views, stage
+from flipsync.codec.bits import bits_numpy, dtype_of, to_key, zigzag
+from flipsync.codec.container import overhead_bytes
+from flipsync.codec.context import conditional_position_bits
+from flipsync.codec.diff import changed_positions_reference
+from flipsync.codec.fingerprint import FingerprintTable, Hasher
 from flipsync.formats import served_view
 
 BENCH_FORMATS = ("bf16", "fp8-block", "mxfp4", "nvfp4")

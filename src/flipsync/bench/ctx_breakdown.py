@@ -17,7 +17,8 @@ import sys
 import numpy as np
 
 from flipsync.bench.workload import real_masters
-from flipsync.codec import bits_numpy, diff_views
+from flipsync.codec import diff_views
+from flipsync.codec.bits import bits_numpy
 from flipsync.formats import served_view
 from flipsync.synthetic import AdamSteps
 

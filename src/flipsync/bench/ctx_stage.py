@@ -17,7 +17,9 @@ import time
 
 import torch
 
-from flipsync.codec import ClassIndex, FingerprintTable, bits_numpy, diff_views, dtype_of, stage
+from flipsync.codec import ClassIndex, diff_views, stage
+from flipsync.codec.bits import bits_numpy, dtype_of
+from flipsync.codec.fingerprint import FingerprintTable
 
 
 def main(numel: int = 1 << 24, repeats: int = 7) -> None:

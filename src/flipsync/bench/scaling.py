@@ -31,9 +31,11 @@ from rich.console import Console
 from rich.table import Table
 
 from flipsync.bench.report import Figures, md_table, pyplot, save_figure
-from flipsync.codec import DiffEngine, FingerprintTable, Patch, diff_views, int_view
+from flipsync.codec import DiffEngine, Patch, diff_views
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 
 FRACTION = 0.003
 log = logging.getLogger(__name__)

@@ -36,7 +36,9 @@ from flipsync.bench.report import Figures, md_table, pyplot, save_figure
 from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, apply_patch, diff_views, int_view
+from flipsync.codec import apply_patch, diff_views
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.formats import served_view

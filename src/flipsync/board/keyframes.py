@@ -16,7 +16,7 @@ import torch
 from safetensors import SafetensorError, deserialize
 from safetensors.torch import save as st_save
 
-from flipsync.codec import dtype_named
+from flipsync.codec.bits import dtype_named
 from flipsync.errors import ConfigError, IntegrityError, PatchError
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -1,13 +1,14 @@
 """Apply a patch in place, all or nothing.
 
 Three phases so that nothing is half-applied:
-1. *check* (no writes): the view fingerprint and every touched tensor's layout and fingerprint match the
-   patch's base; otherwise :class:`BaseMismatchError`.
+1. *check* (no writes): the view fingerprint and every touched tensor's layout match the patch's base;
+   otherwise :class:`BaseMismatchError`.
 2. *stage* (no writes): decode every section, gather the old bits at the changed positions, compute the
-   new bits and the new fingerprints, and check them against the patch's targets. A corrupt patch fails here.
+   new bits and the new fingerprints, and check the view they give against the patch's target. A corrupt
+   patch fails here.
 3. *commit*: scatter the new bits, keeping the old ones as an undo record; any failure (or interrupt)
    scatters them back before the error propagates. With ``verify="digest"`` the touched tensors are then
-   rehashed against the target content digests, and a mismatch rolls back too.
+   rehashed against the patch's combined target digest, and a mismatch rolls back too.
 Everything but the optional digest check is O(changed).
 """
 
@@ -27,9 +28,10 @@ import torch
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.context import ClassIndex
 from flipsync.codec.encode import gather_bits
-from flipsync.codec.fingerprint import FP_SEED, FingerprintTable, Hasher, TensorId, combine_digests, fmix64, fp_hex
+from flipsync.codec.fingerprint import FP_SEED, MASK64, FingerprintTable, Hasher, TensorId, combine_digests, fmix64
 from flipsync.codec.intrinsics import prefetch_write
-from flipsync.codec.patch import Base, Patch, decode_streams
+from flipsync.codec.patch import Patch
+from flipsync.codec.section import Base, decode_streams
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError, VerificationError
 
@@ -46,7 +48,6 @@ class StagedWrite:
     old_bits: torch.Tensor
     new_bits: torch.Tensor
     target: TensorId
-    target_digest: str | None
 
 
 @dataclass
@@ -254,9 +255,6 @@ def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: 
             + (f" (version {version})" if version is not None else "")
             + f", but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
         )
-    for s in patch.sections:  # a compact header has no per-section fingerprints: the view check covers them
-        if s.base_fp is not None and fp_hex(table[s.name].fp) != s.base_fp:
-            raise BaseMismatchError(f"tensor {s.name!r} is not the patch's base (fingerprint differs)")
 
 
 def _check_layout(tensors: MutableMapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> None:
@@ -297,21 +295,13 @@ def stage(
         t = tensors[s.name]
         dec = _decode_section(s, patch.section_blob(s.name), _base_of(patch, s, t, table, index))
         old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
-        fp = (table[s.name].fp + delta) & ((1 << 64) - 1)
-        # Without a per-section target (compact header), the target view check below vouches for fp.
-        target_fp = fp if s.target_fp is None else int(s.target_fp, 16)
-        if check and fp != target_fp:
-            raise VerificationError(
-                f"tensor {s.name!r} would not match the patch's target fingerprint; the patch is corrupt "
-                "or was built from other tensors (nothing was changed)"
-            )
+        fp = (table[s.name].fp + delta) & MASK64  # the target view check below vouches for it
         return StagedWrite(
             name=s.name,
             positions=torch.from_numpy(dec.positions).to(t.device),
             old_bits=_torch_bits(old_bits, dec.dtype, t.device),
             new_bits=_torch_bits(new_bits, dec.dtype, t.device),
-            target=TensorId(dec.dtype.name, s.shape, target_fp if check else fp),
-            target_digest=s.target_digest,
+            target=TensorId(dec.dtype.name, s.shape, fp),
         )
 
     # Sections are independent and their decoders release the GIL for most of the work: large patches are
@@ -355,7 +345,7 @@ def commit(
     """Scatter staged writes in place; on any failure restore every byte and re-raise.
 
     ``digest``: the patch's combined target digest (``PatchHeader.digest``), checked with ``verify="digest"``
-    against the touched tensors' digests, as each write's own ``target_digest`` is. ``index``: the class
+    against the touched tensors' digests. ``index``: the class
     index given to :func:`stage`, moved with the tensors (and back by the undo record's rollback).
     """
     undo = UndoRecord(table_before={w.name: table[w.name] for w in staged})
@@ -371,12 +361,6 @@ def commit(
                 table[w.name] = TensorId(w.target.dtype, w.target.shape, h.fingerprint(tensors[w.name]))
         if verify == "digest" and h is not None:
             held = {w.name: h.digest(tensors[w.name]) for w in staged}
-            for w in staged:
-                if w.target_digest is not None and held[w.name] != w.target_digest:
-                    raise VerificationError(
-                        f"tensor {w.name!r} does not match the patch's target content digest after applying; "
-                        "rolled back"
-                    )
             if digest is not None and combine_digests(held.items()) != digest:
                 raise VerificationError(
                     "the changed tensors do not match the patch's target content digest after applying; rolled back"

@@ -97,6 +97,10 @@ class Changes:
     def size(self) -> int:
         return int(self.positions.size)
 
+    @property
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.old.nbytes + self.new.nbytes
+
 
 _Found = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # positions, and old, new when asked
 

@@ -1,22 +1,135 @@
-"""Build a patch from two served views: diff each tensor's bits, code the changes, carry the digests."""
+"""Build a patch from changes: ``PatchEncoder`` (the one way a patch is made, for whole tensors and for the
+row pieces a sharded trainer rank holds) and ``diff_views`` (two served views -> their patch).
+
+A piece's changed positions are shifted by its offset into the whole tensor and its fingerprint delta is
+computed with those global positions: the fingerprint is a sum over elements, so a tensor's delta is the sum
+of its pieces' and ranks exchange only deltas (8 bytes per changed tensor), never tensor data.
+"""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from typing import Literal
 
 import numpy as np
 import torch
 
-from flipsync.codec.bits import bits_numpy, dtype_of, int_view, key_steps, to_key
+from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view, key_steps, to_key
+from flipsync.codec.container import PatchFileWriter
 from flipsync.codec.diff import Changes, DiffEngine
-from flipsync.codec.fingerprint import FingerprintTable, Hasher, TensorId, fingerprint_delta
-from flipsync.codec.patch import Patch, PatchBuilder, TensorChange
-from flipsync.domain.headers import ViewRef
+from flipsync.codec.fingerprint import FingerprintTable, Hasher, combine_digests, fingerprint_delta
+from flipsync.codec.patch import Patch
+from flipsync.codec.section import TensorChange, encode_change
+from flipsync.domain.headers import PatchHeader, SectionHeader, ViewRef
 from flipsync.errors import PatchError
 
 Progress = Callable[[str, int], None]  # (tensor name, bytes processed)
+Stream = Callable[[bytes | memoryview], None]  # the patch file's data area, in file order
+Digest = str | Callable[[], str] | None  # a content digest, or a call that waits for one (Hasher.digest_soon)
 BATCH_BYTES = 256 << 20
+
+
+class PatchEncoder:
+    """Codes one patch's sections as their changes arrive, then builds the patch.
+
+    ``pool``: threads that code sections side by side while the caller finds the next changes (inline
+    without one). ``stream``: handed the patch file's data area as it is laid out, section by section in the
+    order they were added, as soon as each and every earlier one is coded (a part uploaded while it is still
+    being coded); after ``finish``, ``file_ends`` gives the bytes that go before and after it.
+    """
+
+    def __init__(self, *, pool: Executor | None = None, stream: Stream | None = None) -> None:
+        self._pool = pool
+        self._stream = stream
+        self._writer = PatchFileWriter()
+        self._patch: Patch | None = None
+        self._names: list[str] = []
+        self._coded: list[Future[tuple[SectionHeader, bytes]]] = []
+        self._digests: list[Digest] = []
+        self._emitted = 0
+        self._lock = threading.Lock()  # streaming runs on whichever pool thread finishes a section
+        self.deltas: dict[str, int] = {}  # each added tensor's fingerprint delta (mod 2**64)
+
+    def add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        changes: Changes,
+        *,
+        dtype: str,
+        offset: int = 0,
+        mode: Literal["step", "raw"] = "step",
+        base: torch.Tensor | np.ndarray | None = None,
+        digest: Digest = None,
+    ) -> int:
+        """Code the changes of one tensor (or of the piece of it that starts at flat element ``offset``);
+        returns the tensor's fingerprint delta. ``base``: the whole tensor the changes apply to, on the host,
+        to also try coding positions against it (``ctx``: the receiver then needs it to decode).
+        ``digest``: the content digest of the whole tensor after the change (None for a piece)."""
+        if name in self.deltas:
+            raise PatchError(f"tensor {name!r} is added to the patch twice")
+        d = dtype_named(dtype)
+        positions = changes.positions + offset if offset else changes.positions
+        delta = fingerprint_delta(positions, changes.old, changes.new)
+        values = to_key(changes.new, d) if mode == "raw" else key_steps(changes.old, changes.new, d)
+        raw = np.ones(positions.size, dtype=bool) if mode == "raw" else None
+        change = TensorChange(name, d, tuple(shape), positions, values, raw)
+        coded: Future[tuple[SectionHeader, bytes]]
+        if self._pool is None:
+            coded = Future()
+            coded.set_result(encode_change(change, base))
+        else:
+            coded = self._pool.submit(encode_change, change, base)
+        self.deltas[name] = delta
+        self._names.append(name)
+        self._digests.append(digest)
+        self._coded.append(coded)
+        if self._stream is not None:
+            coded.add_done_callback(lambda _: self._lay_out())
+        return delta
+
+    def _lay_out(self) -> None:
+        """Place every coded section whose predecessors are placed; stream what goes into the data area now."""
+        assert self._stream is not None
+        with self._lock:
+            while self._emitted < len(self._coded) and self._coded[self._emitted].done():
+                work = self._coded[self._emitted]
+                if work.exception() is None:
+                    data = self._writer.add(self._names[self._emitted], work.result()[1])
+                    if data is not None:
+                        self._stream(data)
+                self._emitted += 1
+
+    def finish(
+        self,
+        *,
+        base: ViewRef,
+        target: ViewRef,
+        served_format: str | None = None,
+        meta: Mapping[str, str] | None = None,
+    ) -> Patch:
+        """The patch of every added section (waits for their coding; raises the first coding error)."""
+        sections, blobs = [], {}
+        for work in self._coded:
+            section, blobs[section.name] = work.result()
+            sections.append(section)
+        digests = [d() if callable(d) else d for d in self._digests]
+        digest = None
+        if all(d is not None for d in digests):
+            digest = combine_digests(zip(self._names, digests, strict=True))  # type: ignore[arg-type]
+        header = PatchHeader(base, target, tuple(sections), served_format, dict(meta or {}), digest)
+        if self._stream is not None:
+            self._lay_out()  # a pool thread may still be running its callback: everything is placed after this
+        self._patch = Patch(header, blobs)
+        return self._patch
+
+    def file_ends(self) -> tuple[bytes, bytes]:
+        """(head, tail) of the patch file whose data area was streamed: the file is head + streamed + tail."""
+        if self._patch is None or self._stream is None:
+            raise PatchError("file_ends needs a streaming encoder that has finished")
+        return self._writer.finish(self._patch.header)
 
 
 def gather_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
@@ -43,32 +156,6 @@ def check_same_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.T
                 f"tensor {name!r} changed layout from {tuple(a.shape)} {a.dtype} to {tuple(b.shape)} {b.dtype}; "
                 "a patch cannot change shapes or dtypes: publish a keyframe instead"
             )
-
-
-def _change(
-    name: str,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    found: Changes,
-    base_fp: int,
-    mode: str,
-    hasher: Hasher | None,
-) -> TensorChange:
-    """The coded-to-be change of one tensor: the diff's changed positions and patterns, fingerprints."""
-    d = dtype_of(a)
-    positions, old_bits, new_bits = found.positions, found.old, found.new
-    target_fp = (base_fp + fingerprint_delta(positions, old_bits, new_bits)) & ((1 << 64) - 1)
-    return TensorChange(
-        name=name,
-        dtype=d,
-        shape=tuple(a.shape),
-        positions=positions,
-        values=to_key(new_bits, d) if mode == "raw" else key_steps(old_bits, new_bits, d),
-        raw=np.ones(positions.size, dtype=bool) if mode == "raw" else None,
-        base_fp=base_fp,
-        target_fp=target_fp,
-        target_digest=hasher.digest(b) if hasher is not None else None,
-    )
 
 
 def diff_views(
@@ -102,16 +189,21 @@ def diff_views(
         table = old_table if old_table is not None else FingerprintTable.of(old, hasher)
         if set(table) != set(old):
             raise PatchError("old_table does not describe the old view (different tensor names)")
-        new_table = table.copy()
-        builder = PatchBuilder()
+        encoder = PatchEncoder()
 
         def flush(batch: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
             found = engine.changes_many([(a, b) for _, a, b in batch])
             for (name, a, b), changes in zip(batch, found, strict=True):
                 if changes.size:
-                    change = _change(name, a, b, changes, table[name].fp, mode, hasher if digests else None)
-                    builder.add(change, a if context and a.device.type == "cpu" else None)
-                    new_table[name] = TensorId(change.dtype.name, change.shape, change.target_fp)
+                    encoder.add(
+                        name,
+                        tuple(a.shape),
+                        changes,
+                        dtype=dtype_of(a).name,
+                        mode=mode,
+                        base=a if context and a.device.type == "cpu" else None,
+                        digest=hasher.digest(b) if digests else None,
+                    )
                 if progress is not None:
                     progress(name, a.numel() * a.element_size())
             batch.clear()
@@ -128,7 +220,8 @@ def diff_views(
                 flush(batch)
                 held = 0
         flush(batch)
-        patch = builder.build(
+        new_table = table.advanced(encoder.deltas)
+        patch = encoder.finish(
             base=ViewRef(table.view_fp(), base_version),
             target=ViewRef(new_table.view_fp(), target_version),
             served_format=served_format,

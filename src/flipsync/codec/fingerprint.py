@@ -24,6 +24,7 @@ import xxhash
 
 from flipsync.codec.bits import bits_numpy, dtype_of
 
+MASK64 = (1 << 64) - 1  # fingerprints are sums mod 2**64
 DIGEST_CHUNK = 64 << 20
 _FP_CHUNK = 1 << 24  # elements per fingerprint task
 FP_SEED = np.uint64(0x9E3779B97F4A7C15)  # added to each position before it is hashed
@@ -80,7 +81,7 @@ def fingerprint_delta(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -
 
 
 def fp_hex(fp: int) -> str:
-    return f"{fp & 0xFFFFFFFFFFFFFFFF:016x}"
+    return f"{fp & MASK64:016x}"
 
 
 def combine_digests(named: Iterable[tuple[str, str]]) -> str:
@@ -115,12 +116,14 @@ class Hasher:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def fingerprint(self, t: torch.Tensor) -> int:
+    def fingerprint(self, t: torch.Tensor, offset: int = 0) -> int:
+        """The additive fingerprint of ``t``'s elements; ``offset``: their flat position in the whole tensor,
+        for a piece of one (a rank's rows), so that the pieces' fingerprints sum to the tensor's."""
         bits = bits_numpy(t.detach().contiguous())
         parts = self._pool.map(
-            lambda se: int(_fingerprint_dense(bits[se[0] : se[1]], se[0])), _chunks(bits.size, _FP_CHUNK)
+            lambda se: int(_fingerprint_dense(bits[se[0] : se[1]], offset + se[0])), _chunks(bits.size, _FP_CHUNK)
         )
-        return sum(parts) & 0xFFFFFFFFFFFFFFFF
+        return sum(parts) & MASK64
 
     # The arg-type ignores below: numpy's stubs give ndarray a __buffer__ only on Python >= 3.12, so
     # xxhash's Buffer parameters reject it on 3.11 (it is a buffer at runtime).
@@ -179,3 +182,11 @@ class FingerprintTable(dict[str, TensorId]):
 
     def copy(self) -> FingerprintTable:
         return FingerprintTable(self)
+
+    def advanced(self, deltas: Mapping[str, int]) -> FingerprintTable:
+        """The table after adding fingerprint deltas (``PatchEncoder.deltas``) to the named tensors."""
+        out = self.copy()
+        for name, d in deltas.items():
+            tid = out[name]
+            out[name] = TensorId(tid.dtype, tid.shape, (tid.fp + d) & MASK64)
+        return out

@@ -1,9 +1,9 @@
-"""Squash a chain of patches v -> v+1 -> ... -> v+k into one patch v -> v+k, without the base tensors.
+"""Join patches into one: squash a chain v -> v+1 -> ... -> v+k into v -> v+k without the base tensors, and
+``join_parts``, the one place a version's parts (a chain, or disjoint shards) become one patch.
 
 Steps compose by addition in order-key space, so two steps at one position merge into their sum (and
 vanish when they cancel); a raw value overrides what came before it, and steps after a raw value move
-that raw value. Positions touched by both kinds become a ``mixed`` section. Fingerprints compose too: the
-squashed section keeps the first base and the last target.
+that raw value. Positions touched by both kinds become a ``mixed`` section.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ import numpy as np
 import torch
 
 from flipsync.codec.bits import bits_numpy, from_key, to_key
-from flipsync.codec.patch import Patch, PatchBuilder, TensorChange, check_decoded_size
-from flipsync.errors import PatchError
+from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.codec.patch import Patch, check_decoded_size
+from flipsync.codec.section import TensorChange
+from flipsync.domain.headers import ViewRef
+from flipsync.errors import CorruptPatchError, PatchError
 
 
 @numba.njit(nogil=True, cache=True)
@@ -87,10 +90,6 @@ def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
         positions=positions[:n],
         values=values[:n],
         raw=raw if raw.any() else None,
-        # both ends or neither: a compact header leaves them to the view fingerprints
-        base_fp=a.base_fp if b.target_fp is not None else None,
-        target_fp=b.target_fp if a.base_fp is not None else None,
-        target_digest=b.target_digest,
     )
 
 
@@ -141,12 +140,64 @@ def squash(
             if name in current:
                 current[name] = _after(current[name], change)
             merged[name] = _merge(merged[name], change) if name in merged else change
-    builder = PatchBuilder()
-    for name in sorted(merged):
-        change = merged[name]
-        if change.n == 0 and (change.base_fp is None or change.base_fp == change.target_fp):
-            continue
-        if change.n == 0:
-            raise PatchError(f"tensor {name!r} returns to its base bits but its fingerprints disagree")
-        builder.add(change)
-    return builder.build(base=patches[0].header.base, target=patches[-1].header.target, served_format=formats.pop())
+    # a tensor whose changes cancel out is left out (from_changes drops empty changes); the view fingerprints
+    # at both ends vouch for the result when it is staged
+    return Patch.from_changes(
+        (merged[name] for name in sorted(merged)),
+        base=patches[0].header.base,
+        target=patches[-1].header.target,
+        served_format=formats.pop(),
+    )
+
+
+def join_parts(
+    parts: Sequence[Patch],
+    *,
+    target: ViewRef | None = None,
+    table: FingerprintTable | None = None,
+    base: Mapping[str, torch.Tensor] | None = None,
+) -> Patch:
+    """One patch from the parts of one version (e.g. one per trainer rank); CorruptPatchError if they are not.
+
+    One part is the patch. A chain (each part starts where the one before ends) is squashed, O(changed);
+    disjoint shards that all start from one view are merged side by side, ending at ``target`` (no shard names
+    the view of their union; the version's record does). ``table``: the receiver's tensors: every section must
+    name one of them with its dtype and shape, checked before anything is decoded (only real shapes bound what
+    a header's declared counts would allocate). ``base``: the view the first part applies to, needed to squash
+    parts coded against their base (``ctx``).
+    """
+    if not parts:
+        raise CorruptPatchError("a version needs at least one part")
+    if table is not None:
+        for part in parts:
+            _check_layout(part, table)
+    if len(parts) == 1:
+        return parts[0]
+    if all(a.header.target.view == b.header.base.view for a, b in itertools.pairwise(parts)):
+        if base is None and any(p.needs_base for p in parts):
+            raise PatchError(
+                "the parts code positions against their base values (ctx), so joining them needs the tensors "
+                "they apply to: pass the receiver's view as base"
+            )
+        try:
+            return squash(parts, base=base)
+        except PatchError as e:
+            raise CorruptPatchError(f"the parts do not squash into one patch: {e}") from None
+    first = parts[0].header.base
+    if target is None or any(p.header.base.view != first.view for p in parts):
+        raise CorruptPatchError(f"the {len(parts)} parts neither form a chain nor are shards of one view")
+    try:
+        return Patch.merge_disjoint(parts, base=first, target=target, served_format=parts[0].header.served_format)
+    except PatchError as e:
+        raise CorruptPatchError(str(e)) from None
+
+
+def _check_layout(patch: Patch, table: FingerprintTable) -> None:
+    for s in patch.header.sections:
+        tid = table.get(s.name)
+        if tid is None or tid.dtype != s.dtype or tuple(tid.shape) != tuple(s.shape):
+            have = "no such tensor" if tid is None else f"{tid.dtype} {list(tid.shape)}"
+            raise CorruptPatchError(
+                f"a part changes tensor {s.name!r} as {s.dtype} {list(s.shape)}, but the receiver holds {have} "
+                "(a patch never changes layout: this one is for another model, or crafted)"
+            )

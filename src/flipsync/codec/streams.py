@@ -5,7 +5,7 @@ Positions (sorted, unique int64 flat indices) are coded as gaps:
   bound for scattered changes.
 - ``zstd`` (:mod:`~flipsync.codec.zstd`): gaps as the narrowest unsigned ints, byte-shuffled, zstd; cheaper
   when changes cluster in runs.
-- ``ctx`` (:mod:`~flipsync.codec.context`, version 2): per class of the base value (its exponent), the ranks
+- ``ctx`` (:mod:`~flipsync.codec.context`): per class of the base value (its exponent), the ranks
   of the class's changed elements; needs the base tensor on both sides, so only offered when the encoder has it.
 Values (unsigned symbols: zigzagged steps or raw bit patterns) and the kind flags of mixed sections:
 - ``zstd``: narrowest unsigned ints, byte-shuffled, zstd.
@@ -28,9 +28,9 @@ from flipsync.codec.rice import RiceCoder
 from flipsync.codec.zstd import ZstdCoder, ZstdGapsCoder
 from flipsync.errors import PatchError
 
-# Coders a version 1 reader knows come first, so that a tie keeps a patch readable by it.
+# Coders that decode without the base come first, so that a tie keeps a section free of it.
 POSITION_CODERS: CoderRegistry[PositionCoder] = CoderRegistry("position", RiceCoder(), ZstdGapsCoder(), ContextCoder())
-V2_POSITION_CODERS = frozenset({ContextCoder.codec_id})
+BASE_POSITION_CODERS = frozenset(c for c in POSITION_CODERS.ids() if POSITION_CODERS.coder({"codec": c}).needs_base)
 SYMBOL_CODERS: CoderRegistry[SymbolCoder] = CoderRegistry("value", ZstdCoder(), FixedWidthCoder(), RansCoder())
 
 

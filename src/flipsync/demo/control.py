@@ -25,7 +25,7 @@ from safetensors.torch import load as load_safetensors
 
 from flipsync.board.store import open_store
 from flipsync.checkpoint import save_checkpoint
-from flipsync.codec import FingerprintTable
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import FlipsyncError, NotFoundError
 
 if TYPE_CHECKING:

@@ -43,8 +43,9 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.store import open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
-from flipsync.codec import FingerprintTable, Patch
-from flipsync.codec import int_view as bits_view
+from flipsync.codec import Patch
+from flipsync.codec.bits import int_view as bits_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.demo.control import CheckpointShelf
 from flipsync.demo.grpo import Rollout, policy_loss, rl_optimizer, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python

@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch, apply_patch, diff_views, squash
+from flipsync.codec import Patch, apply_patch, diff_views, squash
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.formats import served_view
 from flipsync.formats.fused import FusedCaster
 from flipsync.trainer.pieces import Fuse, Piece

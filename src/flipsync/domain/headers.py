@@ -2,9 +2,11 @@
 
 A patch moves a *served view* (a named set of tensors) from a base to a target. Both ends are named by a
 version number (when the patch came from a board) and by a view fingerprint that any holder of the tensors
-can compute. Each changed tensor is one section: which elements changed and by how much.
+can compute; the view fingerprints cover every tensor, so sections carry none of their own. Each changed
+tensor is one section: which elements changed and by how much. How a header is laid out in a patch file is
+in docs/codec.md ("The container").
 
-Pure: no I/O, no torch. ``from_json`` validates every field, since patch headers arrive over the network.
+Pure: no I/O, no torch. ``from_packed`` validates every field, since patch headers arrive over the network.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ from typing import Any, Literal
 
 from flipsync.errors import CorruptPatchError
 
-PATCH_FORMAT = 1
-COMPACT_FORMAT = 3  # the header of container version 3: sections as rows, no per-section fingerprints
-COMPACT_ROW = ("name", "dtype", "shape", "n", "mode", "pos", "val", "tag")  # one section's fields, in order
-# The header of container version 4: the ends and the digest in binary (``refs_bytes``), then the rows as in
-# version 3 less what the container derives: a stream whose params are only its codec id is written as that id,
-# and a section's ``n`` may be null when the container holds it elsewhere (0 here until the container fills it).
-PACKED_FORMAT = 4
+# One section's fields, in the order of its header row. A stream whose params are only its codec id is written
+# as that id, and ``n`` may be null where the container holds it elsewhere (0 here until the container fills it).
+ROW = ("name", "dtype", "shape", "n", "mode", "pos", "val", "tag")
 MAX_SECTIONS = 1 << 20
 MAX_DIMS = 8
 MAX_NAME = 1024
@@ -45,10 +43,7 @@ class SectionHeader:
 
     ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
     new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
-    ``base_fp``/``target_fp`` are the additive fingerprints before and after; ``target_digest`` the content
-    digest of the whole tensor after the patch. A compact (container version 3/4) header carries none of
-    them: None then, and the patch's base and target view fingerprints, which cover every tensor's fingerprint,
-    are what a receiver checks (the digests of the changed tensors are combined into ``PatchHeader.digest``).
+    ``pos`` / ``val`` / ``tag``: each stream's codec id and parameters, its length in ``bytes``.
     """
 
     name: str
@@ -58,9 +53,6 @@ class SectionHeader:
     mode: ValueMode
     pos: dict[str, Any]
     val: dict[str, Any]
-    base_fp: str | None
-    target_fp: str | None
-    target_digest: str | None = None
     tag: dict[str, Any] | None = None  # mixed mode: codec of the per-value kind flags (0 step, 1 raw)
 
     @property
@@ -75,8 +67,8 @@ class PatchHeader:
     sections: tuple[SectionHeader, ...]
     served_format: str | None = None
     meta: dict[str, str] = field(default_factory=dict)
-    # The changed tensors' target content digests, combined (codec.fingerprint.combine_digests); compact headers
-    # carry this one digest instead of one per section.
+    # The changed tensors' target content digests, combined (codec.fingerprint.combine_digests); None where the
+    # encoder did not hash them (a shard of a tensor, a squash).
     digest: str | None = None
 
     @property
@@ -88,31 +80,8 @@ class PatchHeader:
         """True when every value is a raw overwrite, so applying twice is harmless."""
         return all(s.mode == "raw" for s in self.sections)
 
-    def to_json(self) -> str:
-        doc = {"flipsync_patch": PATCH_FORMAT, **asdict(self)}
-        if doc["digest"] is None:  # a version 1 header has none: its bytes stay what version 1 wrote
-            del doc["digest"]
-        doc["sections"] = [{k: v for k, v in s.items() if v is not None} for s in doc["sections"]]
-        return json.dumps(doc, separators=(",", ":"), sort_keys=True)
-
-    def to_compact(self) -> str:
-        """The container version 3 header: the version's fields once, then one row per section (the fields of
-        ``COMPACT_ROW``); per-section fingerprints and digests are left out (see :class:`SectionHeader`)."""
-        doc: dict[str, Any] = {"flipsync_patch": COMPACT_FORMAT}
-        doc.update(base=asdict(self.base), target=asdict(self.target))
-        for key in ("served_format", "digest"):
-            if getattr(self, key) is not None:
-                doc[key] = getattr(self, key)
-        if self.meta:
-            doc["meta"] = self.meta
-        doc["sections"] = [
-            [s.name, s.dtype, list(s.shape), s.n, s.mode, s.pos, s.val, *([s.tag] if s.tag is not None else [])]
-            for s in self.sections
-        ]
-        return json.dumps(doc, separators=(",", ":"))
-
     def refs_bytes(self) -> bytes:
-        """The fixed fields of a version 4 header in binary: a flags byte (which optional fields follow), the
+        """The header's fixed fields in binary: a flags byte (which optional fields follow), the
         base and target view fingerprints and the digest as raw bytes after their length in hex digits, then the
         board versions (LEB128) where given. Hex would cost twice the bytes and compresses poorly."""
         present = (self.base.version is not None, self.target.version is not None, self.digest is not None)
@@ -125,7 +94,7 @@ class PatchHeader:
         return bytes(out)
 
     def to_packed(self) -> str:
-        """The rows of a version 4 header (JSON; the fixed fields go in ``refs_bytes``): served format, meta and
+        """The header's rows (JSON; the fixed fields go in ``refs_bytes``): served format, meta and
         one row per section, each stream's params a bare codec id where that is all they hold; ``n`` is null
         where it is 0 (the container derives it)."""
         doc: dict[str, Any] = {"sections": [_packed_row(s) for s in self.sections]}
@@ -137,30 +106,22 @@ class PatchHeader:
 
     @staticmethod
     def from_packed(refs: bytes | memoryview, text: str) -> PatchHeader:
-        """A version 4 header from its fixed fields (``refs_bytes``) and rows (``to_packed``)."""
+        """A header from its fixed fields (``refs_bytes``) and rows (``to_packed``), every field validated."""
         try:
             doc = json.loads(text)
         except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
             raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
         doc = _obj(doc, "the header")
-        if "flipsync_patch" in doc or {"base", "target", "digest"} & doc.keys():
-            raise _fail("a version 4 header holds its ends and digest in binary, not in its rows")
+        if {"base", "target", "digest"} & doc.keys():
+            raise _fail("a header holds its ends and digest in binary, not in its rows")
         base, target, digest = _refs(bytes(refs))
-        doc.update(flipsync_patch=PACKED_FORMAT, base=asdict(base), target=asdict(target), digest=digest)
-        return _parse_header(doc, compact=True, packed=True)
+        return _parse_header(doc, base, target, digest)
 
-    @staticmethod
-    def from_json(text: str, *, compact: bool = False) -> PatchHeader:
-        """A header from its JSON: the version 1/2 layout, or with ``compact`` the version 3 rows."""
-        try:
-            doc = json.loads(text)
-        except (json.JSONDecodeError, RecursionError, UnicodeDecodeError) as e:
-            raise CorruptPatchError(f"patch header is not valid JSON: {e}") from None
-        return _parse_header(doc, compact=compact)
-
-    @staticmethod
-    def from_compact(text: str) -> PatchHeader:
-        return PatchHeader.from_json(text, compact=True)
+    def describe(self) -> dict[str, Any]:
+        """The header as one JSON-able document, for people (``flipsync inspect --header``)."""
+        doc = asdict(self)
+        doc["sections"] = [{k: v for k, v in s.items() if v is not None} for s in doc["sections"]]
+        return doc
 
 
 def varint(value: int) -> bytes:
@@ -222,7 +183,10 @@ def _refs(buf: bytes) -> tuple[ViewRef, ViewRef, str | None]:
             versions.append(None)
     if at != len(buf):
         raise _fail(f"its fixed fields hold {len(buf) - at} unexplained bytes")
-    return ViewRef(texts[0], versions[0]), ViewRef(texts[1], versions[1]), texts[2] if flags & 4 else None
+    digest = texts[2] if flags & 4 else None
+    if digest is not None and len(digest) % 2:  # content digests are combined as bytes
+        raise _fail("its digest must be hex of whole bytes (an even number of digits)")
+    return ViewRef(texts[0], versions[0]), ViewRef(texts[1], versions[1]), digest
 
 
 # ----------------------------------------------------------------------------------------- validation
@@ -252,17 +216,8 @@ def _int(v: Any, what: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool = 
     return v
 
 
-def _hex(v: Any, what: str, *, optional: bool = False, whole_bytes: bool = False) -> Any:
-    s = _str(v, what, optional=optional, limit=128)
-    if s is not None and (not s or any(c not in "0123456789abcdef" for c in s)):
-        raise _fail(f"{what} must be lowercase hex")
-    if s is not None and whole_bytes and len(s) % 2:  # content digests are combined as bytes
-        raise _fail(f"{what} must be hex of whole bytes (an even number of digits)")
-    return s
-
-
-def _codec_params(v: Any, what: str, *, packed: bool = False) -> dict[str, Any]:
-    if packed and isinstance(v, str):  # a bare codec id (version 4)
+def _codec_params(v: Any, what: str) -> dict[str, Any]:
+    if isinstance(v, str):  # a bare codec id
         v = {"codec": _str(v, what, limit=64)}
     d = _obj(v, what)
     if len(d) > 16 or not all(isinstance(k, str) and isinstance(x, str | int) for k, x in d.items()):
@@ -270,20 +225,12 @@ def _codec_params(v: Any, what: str, *, packed: bool = False) -> dict[str, Any]:
     return d
 
 
-def _view(v: Any, what: str) -> ViewRef:
-    d = _obj(v, what)
-    return ViewRef(
-        view=_hex(d.get("view"), f"{what}.view"), version=_int(d.get("version"), f"{what}.version", optional=True)
-    )
-
-
-def _section(v: Any, i: int, *, compact: bool = False, packed: bool = False) -> SectionHeader:
+def _section(v: Any, i: int) -> SectionHeader:
     what = f"section {i}"
-    if compact:  # a row: the fields of COMPACT_ROW in order, the last (tag) only for mixed sections
-        if not isinstance(v, list) or not len(COMPACT_ROW) - 1 <= len(v) <= len(COMPACT_ROW):
-            raise _fail(f"{what} must be a list of {len(COMPACT_ROW) - 1} or {len(COMPACT_ROW)} fields")
-        v = dict(zip(COMPACT_ROW, v, strict=False))
-    d = _obj(v, what)
+    # a row: the fields of ROW in order, the last (tag) only for mixed sections
+    if not isinstance(v, list) or not len(ROW) - 1 <= len(v) <= len(ROW):
+        raise _fail(f"{what} must be a list of {len(ROW) - 1} or {len(ROW)} fields")
+    d = dict(zip(ROW, v, strict=False))
     shape_v = d.get("shape")
     if not isinstance(shape_v, list) or len(shape_v) > MAX_DIMS:
         raise _fail(f"{what}.shape must be a list of at most {MAX_DIMS} sizes")
@@ -303,28 +250,21 @@ def _section(v: Any, i: int, *, compact: bool = False, packed: bool = False) -> 
         name=_str(d.get("name"), f"{what}.name"),
         dtype=dtype,
         shape=shape,
-        n=0 if packed and d.get("n") is None else _int(d.get("n"), f"{what}.n", lo=1, hi=max(1, numel)),
+        n=0 if d.get("n") is None else _int(d.get("n"), f"{what}.n", lo=1, hi=max(1, numel)),
         mode=mode,
-        pos=_codec_params(d.get("pos"), f"{what}.pos", packed=packed),
-        val=_codec_params(d.get("val"), f"{what}.val", packed=packed),
-        base_fp=None if compact else _hex(d.get("base_fp"), f"{what}.base_fp"),
-        target_fp=None if compact else _hex(d.get("target_fp"), f"{what}.target_fp"),
-        target_digest=None
-        if compact
-        else _hex(d.get("target_digest"), f"{what}.target_digest", optional=True, whole_bytes=True),
-        tag=_codec_params(d["tag"], f"{what}.tag", packed=packed) if d.get("tag") is not None else None,
+        pos=_codec_params(d.get("pos"), f"{what}.pos"),
+        val=_codec_params(d.get("val"), f"{what}.val"),
+        tag=_codec_params(d["tag"], f"{what}.tag") if d.get("tag") is not None else None,
     )
 
 
-def _parse_header(doc: Any, *, compact: bool = False, packed: bool = False) -> PatchHeader:
-    d = _obj(doc, "the header")
-    expected = PACKED_FORMAT if packed else COMPACT_FORMAT if compact else PATCH_FORMAT
-    if d.get("flipsync_patch") != expected:
-        raise _fail(f"unsupported patch format {d.get('flipsync_patch')!r} (this container holds {expected})")
+def _parse_header(d: dict[str, Any], base: ViewRef, target: ViewRef, digest: str | None) -> PatchHeader:
+    if d.keys() - {"sections", "served_format", "meta"}:
+        raise _fail(f"unknown fields {sorted(d.keys() - {'sections', 'served_format', 'meta'})}")
     sections_v = d.get("sections")
     if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
         raise _fail("sections must be a list")
-    sections = tuple(_section(s, i, compact=compact, packed=packed) for i, s in enumerate(sections_v))
+    sections = tuple(_section(s, i) for i, s in enumerate(sections_v))
     names = [s.name for s in sections]
     if len(set(names)) != len(names):
         raise _fail("a tensor appears in more than one section")
@@ -332,10 +272,10 @@ def _parse_header(doc: Any, *, compact: bool = False, packed: bool = False) -> P
     if not all(isinstance(k, str) and isinstance(x, str) for k, x in meta.items()):
         raise _fail("meta must map strings to strings")
     return PatchHeader(
-        base=_view(d.get("base"), "base"),
-        target=_view(d.get("target"), "target"),
+        base=base,
+        target=target,
         sections=sections,
         served_format=_str(d.get("served_format"), "served_format", optional=True),
         meta=meta,
-        digest=_hex(d.get("digest"), "digest", optional=True, whole_bytes=True),
+        digest=digest,
     )

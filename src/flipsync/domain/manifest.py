@@ -19,7 +19,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from flipsync.errors import IntegrityError
+from flipsync.domain.headers import PatchHeader, ViewRef
+from flipsync.errors import CorruptPatchError, IntegrityError
 
 MANIFEST_SCHEMA = 1
 MAX_PARTS = 100_000
@@ -335,6 +336,28 @@ class Manifest:
     def edge(self) -> tuple[str, int | None, int]:
         """(kind, base, target): the identity of the transition, used by the catch-up planner."""
         return (self.kind.value, self.base_version, self.target_version)
+
+    @property
+    def where(self) -> str:
+        """The transition, for messages: ``patch v3->v4``."""
+        return f"{self.kind.value} v{self.base_version}->v{self.target_version}"
+
+    @property
+    def target(self) -> ViewRef:
+        return ViewRef(self.target_view_fp, self.target_version)
+
+    def check_patch(self, header: PatchHeader) -> None:
+        """The patch joined from this artifact's parts must go from its base view to its target view, in its
+        format: a patch that disagrees with its (signed) manifest is refused before an engine sees it."""
+        if header.base.view != self.base_view_fp or header.target.view != self.target_view_fp:
+            raise CorruptPatchError(
+                f"{self.where}: the patch goes from view {header.base.view[:16]} to {header.target.view[:16]}, "
+                f"but its manifest says {str(self.base_view_fp)[:16]} to {self.target_view_fp[:16]}"
+            )
+        if header.served_format is not None and header.served_format != self.served_format:
+            raise CorruptPatchError(
+                f"{self.where}: the patch is {header.served_format}, its manifest says {self.served_format}"
+            )
 
     # -- JSON -----------------------------------------------------------------------------------------
 

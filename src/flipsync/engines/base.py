@@ -21,7 +21,8 @@ from typing import ClassVar, Generic, TypeVar
 
 import torch
 
-from flipsync.codec import FingerprintTable, Patch
+from flipsync.codec import Patch
+from flipsync.codec.fingerprint import FingerprintTable
 
 
 class Staged:

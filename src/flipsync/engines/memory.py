@@ -14,9 +14,11 @@ from typing import ClassVar
 
 import torch
 
-from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, int_view
+from flipsync.codec import ClassIndex, Patch, StagedWrite, UndoRecord
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.errors import BaseMismatchError, EngineError, VerificationError
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.codec import DType, dtype_named, dtype_of
+from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.errors import ConfigError
 
 __all__ = ["DiskMirror", "write_safetensors"]

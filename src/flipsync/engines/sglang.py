@@ -45,9 +45,10 @@ from typing import Any, ClassVar
 import httpx
 import torch
 
-from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, scatter
+from flipsync.codec import ClassIndex, Patch, StagedWrite, UndoRecord, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.mirror import DiskMirror, write_safetensors
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError

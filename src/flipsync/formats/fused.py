@@ -38,6 +38,7 @@ from numba import types
 from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros, viewer
 
+from flipsync.codec import Changes
 from flipsync.errors import FormatError
 from flipsync.formats.base import cast_master
 
@@ -508,23 +509,6 @@ def _nv_rows(
     return n, top
 
 
-@dataclass(frozen=True)
-class CastChanges:
-    """The elements of a new served view whose bits differ from the previous view's."""
-
-    positions: np.ndarray  # sorted int64 flat indices
-    old: np.ndarray  # uint16 bit patterns before
-    new: np.ndarray  # and after
-
-    @property
-    def size(self) -> int:
-        return int(self.positions.size)
-
-    @property
-    def nbytes(self) -> int:
-        return self.positions.nbytes + self.old.nbytes + self.new.nbytes
-
-
 @dataclass
 class _Scratch:
     pos: np.ndarray  # int64, chunk-relative
@@ -594,7 +578,7 @@ class FusedCaster:
         out: torch.Tensor | None = None,
         *,
         torch_path: bool = False,
-    ) -> tuple[torch.Tensor, CastChanges]:
+    ) -> tuple[torch.Tensor, Changes]:
         """``cast_master(name, master, dtype)`` and its changes against ``ref`` (the previous view of it).
 
         ``out``: where the view is written (a contiguous tensor of the result's shape and dtype on the
@@ -627,7 +611,7 @@ class FusedCaster:
         group_amax: torch.Tensor | None,
         *,
         from_fp32: bool,
-    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
         """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4: ``x``'s components (payload, scales)
         and the payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
         tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize
@@ -687,7 +671,7 @@ class FusedCaster:
 
     def _fp8_block(
         self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
         """fp8-block: one row of 128x128 tiles per task (their amax needs all 128 rows first)."""
         rows, k = x.shape
         nb, kb = -(-rows // _TILE), -(-k // _TILE)
@@ -710,7 +694,7 @@ class FusedCaster:
 
     def _mx(
         self, fmt: str, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
         """mxfp8 / mxfp4 (torchao FLOOR): rows in chunks; blocks of 32 never span rows."""
         rows, k = x.shape
         fp4 = fmt == "mxfp4"
@@ -736,7 +720,7 @@ class FusedCaster:
 
     def _nvfp4(
         self, name: str, x: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], CastChanges] | None:
+    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
         """nvfp4 (ModelOpt): the global scale from the tensor's (or group's) amax, then rows in chunks."""
         rows, k = x.shape
         width = k // 2
@@ -768,7 +752,7 @@ class FusedCaster:
 
     def _over_rows(
         self, rows: int, step: int, width: int, limit: int, kernel: Callable[[int, int, _Scratch], tuple[int, int]]
-    ) -> CastChanges | None:
+    ) -> Changes | None:
         """Runs ``kernel(r0, r1, scratch) -> (changes, top master bits)`` on chunks of ``step`` rows of ``width``
         served elements on the pool; the changes of all rows, or None when a chunk held a master out of range."""
         tasks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
@@ -788,7 +772,7 @@ class FusedCaster:
         bits: type,
         limit: int,
         kernel: Callable[[int, _Scratch], tuple[int, int]],
-    ) -> CastChanges:
+    ) -> Changes:
         """Runs ``kernel(i, scratch) -> (changes, top master bits)`` for each task ``(first position, slots it
         may write)`` on the pool (inline on one thread) and copies their changes, in task order, into the
         result (positions shifted by the task's first). Raises `_OutOfRange` when a task's top is ``limit`` or
@@ -828,7 +812,7 @@ class FusedCaster:
                 old[at : at + n] = sp.old[f : f + n]
                 new[at : at + n] = sp.new[f : f + n]
                 at += n
-            return CastChanges(pos, old, new)
+            return Changes(pos, old, new)
         finally:
             self._give(bits, taken)
 
@@ -853,7 +837,7 @@ class FusedCaster:
             spares.sort(key=lambda sp: sp.room, reverse=True)
             del spares[self.threads :]
 
-    def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> CastChanges:
+    def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> Changes:
         numel = master.numel()
         kind, limit = (_BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (_FP16, _FP16_LIMIT)
         hw = kind == _FP16 and _hw_fp16()
@@ -864,7 +848,7 @@ class FusedCaster:
         chunk += -chunk % _GROUP  # whole groups: every chunk but the last starts on one
         if numel == 0:
             empty = np.empty(0, np.uint16)
-            return CastChanges(np.empty(0, np.int64), empty, empty)
+            return Changes(np.empty(0, np.int64), empty, empty)
         starts = range(0, numel, chunk)
 
         def run(i: int, buf: _Scratch) -> tuple[int, int]:
@@ -905,7 +889,7 @@ def _fits(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _torch_cast_diff(
     name: str, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor | None
-) -> tuple[torch.Tensor, CastChanges]:
+) -> tuple[torch.Tensor, Changes]:
     """The device path: `cast_master` and a compare of integer views where the tensors live."""
     if out is not None and (_overlap(out, ref) or out.device != master.device):
         out = None  # the compare below reads ref after the cast: never write the cast over it
@@ -915,7 +899,7 @@ def _torch_cast_diff(
     b = new.detach().reshape(-1).view(a.dtype)
     idx = torch.nonzero(a != b).reshape(-1)
     ubits = np.uint16 if a.dtype == torch.int16 else np.uint8
-    return new, CastChanges(
+    return new, Changes(
         idx.cpu().numpy().astype(np.int64),
         a[idx].cpu().numpy().view(ubits),
         b[idx].cpu().numpy().view(ubits),

@@ -9,12 +9,15 @@ drives the engine through the port for one step, and says what went wrong in ter
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from flipsync.board.parts import patch_from_parts
+import torch
+
 from flipsync.board.reader import KeyframeStep, PatchStep
+from flipsync.codec import Patch, join_parts
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine, Staged
 from flipsync.errors import (
@@ -39,6 +42,17 @@ def engine_call(engine: Engine, what: str, fn: Callable[[], T]) -> T:
         raise
     except Exception as e:
         raise EngineError(f"the {engine.name} engine failed in {what}: {type(e).__name__}: {e}") from e
+
+
+def join_step(
+    step: PatchStep, table: FingerprintTable | None = None, base: Mapping[str, torch.Tensor] | None = None
+) -> Patch:
+    """A verified board step as one patch: its parts joined by the codec (``table``, ``base``: the receiver's,
+    see ``join_parts``), refused unless it goes from the manifest's base view to its target view."""
+    m = step.manifest
+    patch = join_parts([Patch.from_bytes(p) for p in step.parts], target=m.target, table=table, base=base)
+    m.check_patch(patch.header)
+    return patch
 
 
 class WeightsChangedError(BaseMismatchError):
@@ -84,10 +98,10 @@ class Committer:
         because the engine's weights moved away from ``view_on_record`` raises ``WeightsChangedError``.
         """
         m = step.manifest
-        where = f"{m.kind.value} v{m.base_version}->v{m.target_version}"
+        where = m.where
         try:
             # an engine that holds its view in this process can join parts coded against it (ctx)
-            patch = patch_from_parts(step.parts, m, self.engine.table, self.engine.host_view)
+            patch = join_step(step, self.engine.table, self.engine.host_view)
             staged: Staged = self.call("stage", lambda: self.engine.stage(patch))
         except (CorruptPatchError, VerificationError) as e:
             raise UnusableArtifactError(f"{where} is unusable: {e}", edge=m.edge, kind="corrupt_patch") from e

@@ -3,8 +3,8 @@
 ``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed), tuned by a
 ``PublisherConfig``;
 ``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
-not control. A replica reads a version made of several parts (one per trainer rank) with
-``flipsync.board.parts.patch_from_parts``.
+not control. A replica joins a version made of several parts (one per trainer rank) with
+``flipsync.codec.join_parts``.
 """
 
 from flipsync.trainer.config import PublisherConfig

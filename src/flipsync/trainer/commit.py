@@ -5,11 +5,11 @@ diff) and reports the part's manifest entry; rank 0 then commits the version wit
 ``Publisher.commit_uploaded_patch``, which checks that every object is there and creates the manifest with
 the same fences as ``publish_patch``.
 
-A part is streamed: each section large enough for its own tensor is handed over as soon as the coder has
-coded it, and whenever ``chunk_bytes`` of them have gathered they go up as the next chunk object on the
-uploader threads, while the next pieces are still being diffed. The container header can only be written
-once every rank's fingerprint delta is known, so it goes up last, as the part's first object; readers join
-the objects in manifest order into the very file `Patch.to_bytes` writes. A reader watching the version's
+A part is streamed: the codec's ``PatchEncoder`` hands over the file's data area as its sections are coded,
+and whenever ``chunk_bytes`` of it have gathered they go up as the next chunk object on the uploader
+threads, while the next pieces are still being diffed. The container header can only be written once every
+rank's fingerprint delta is known, so it goes up last, as the part's first object; readers join the
+objects in manifest order into the very file `Patch.to_bytes` writes. A reader watching the version's
 folder (`flipsync.board.ahead`) can download the chunks before the manifest exists. A part smaller than one
 chunk is uploaded as a single object, as it always was.
 """
@@ -23,7 +23,6 @@ from concurrent.futures import Executor, Future, wait
 import blake3
 
 from flipsync.board.store import Store
-from flipsync.codec import Patch, PatchFileWriter
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import ConfigError, FlipsyncError
 
@@ -45,9 +44,10 @@ def part_name(rank: int) -> str:
 class PartStream:
     """Lays out and uploads one rank's part of one version.
 
-    ``add`` is called with each coded section in header order (on the coder thread); ``finish`` with the
-    built patch, once (on the publishing thread, after every section was added). Uploads run on
-    ``uploader`` (inline without one); each object is made durable before the part is reported.
+    ``add`` is called with the file's data area in file order (``PatchEncoder``'s stream, on a coding
+    thread); ``finish`` with the file's head and tail, once (on the publishing thread, after every section
+    was laid out). Uploads run on ``uploader`` (inline without one); each object is made durable before
+    the part is reported.
     """
 
     def __init__(
@@ -66,8 +66,6 @@ class PartStream:
         self.name = f"{attempt}/{part_name(rank)}"
         self.chunk_bytes = chunk_bytes
         self._uploader = uploader
-        self._writer = PatchFileWriter()
-        self._added = 0
         self._pending: list[bytes | memoryview] = []
         self._pending_bytes = 0
         self._chunks: list[tuple[str, bytes]] = []
@@ -76,16 +74,12 @@ class PartStream:
         self._kept = False
         self._lock = threading.Lock()  # add() runs on the coder, abort() may run on the publishing thread
 
-    def add(self, name: str, blob: bytes | memoryview) -> None:
-        """One coded section, in the order the patch header will list it."""
+    def add(self, data: bytes | memoryview) -> None:
+        """The next bytes of the file's data area."""
         with self._lock:
-            self._add(name, blob)
+            self._add(data)
 
-    def _add(self, name: str, blob: bytes | memoryview) -> None:
-        self._added += 1
-        data = self._writer.add(name, blob)
-        if data is None:
-            return
+    def _add(self, data: bytes | memoryview) -> None:
         self._pending.append(data)
         self._pending_bytes += len(data)
         if self._pending_bytes >= self.chunk_bytes:
@@ -106,13 +100,10 @@ class PartStream:
         self.store.put(path, data)
         self.store.make_durable([path])
 
-    def finish(self, patch: Patch) -> Part:
+    def finish(self, head: bytes, tail: bytes) -> Part:
         """Upload what is left (the header, the part's first object, last of all) and wait for every upload;
         the part's manifest entry."""
         with self._lock:
-            for s in patch.sections[self._added :]:  # sections the coder did not stream (coded here, or no coder)
-                self._add(s.name, patch.section_blob(s.name))
-            head, tail = self._writer.finish(patch.header)
             if self._chunks and (self._pending or tail):
                 self._pending.append(tail)
                 self._flush()

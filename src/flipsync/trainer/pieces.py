@@ -26,11 +26,12 @@ from typing import Any, Literal
 
 import torch
 
-from flipsync.codec import dtype_of
+from flipsync.codec import Changes
+from flipsync.codec.bits import dtype_of
 from flipsync.errors import ConfigError, PatchError
 from flipsync.formats import fused_groups_auto, get_format, served_view
 from flipsync.formats.base import ServedFormat, cast_master
-from flipsync.formats.fused import CastChanges, FusedCaster
+from flipsync.formats.fused import FusedCaster
 from flipsync.formats.view import Alloc, Cast
 
 KeepFn = Callable[[str, torch.Tensor], bool]
@@ -89,7 +90,7 @@ class FusedDiff:
     """
 
     base: object
-    changes: dict[str, CastChanges]
+    changes: dict[str, Changes]
 
 
 @dataclass
@@ -102,7 +103,7 @@ class Fuse:
 
     caster: FusedCaster
     ref: LocalView
-    found: dict[str, CastChanges] = field(default_factory=dict)
+    found: dict[str, Changes] = field(default_factory=dict)
 
     def hook(self, offset: int) -> Cast:
         """The `served_view` cast hook for pieces starting at flat element ``offset``."""

@@ -31,7 +31,9 @@ import torch
 
 from flipsync.board import BoardWriter
 from flipsync.board.store import Store, open_store
-from flipsync.codec import DiffEngine, Hasher, dtype_named
+from flipsync.codec import DiffEngine
+from flipsync.codec.bits import dtype_named
+from flipsync.codec.fingerprint import Hasher
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format

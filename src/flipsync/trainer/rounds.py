@@ -6,8 +6,8 @@ Every rank runs the same sequence of small exchanges per version (a single proce
    and any rank that failed to compute its view (non-finite weights, ...) makes every rank skip the step;
    rank 0 names the version number and the attempt folder;
 2. *diff*: each rank diffs its own pieces against the view of the previous version and sends only the
-   fingerprint delta of each changed tensor. Meanwhile each changed piece's section is coded and, in
-   chunks, uploaded (`flipsync.trainer.commit.PartStream`);
+   fingerprint delta of each changed tensor. Meanwhile the codec's ``PatchEncoder`` codes each changed
+   piece's section and, in chunks, it is uploaded (`flipsync.trainer.commit.PartStream`);
 3. *encode*: with every delta known, each rank knows the fingerprint table at every part boundary, so it
    completes its part as a flipsync patch from the view before its part to the view after it (the header:
    the sections are already coded). Parts are ordered by rank; a rank with no changes sends no part. The
@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,12 +38,13 @@ import torch
 from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
-from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, dtype_named, int_view
+from flipsync.codec import Changes, DiffEngine, Patch, PatchEncoder
+from flipsync.codec.bits import dtype_named, int_view
+from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorId
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
 from flipsync.trainer.group import Group
-from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
 from flipsync.trainer.pieces import LocalView, PieceSpec
 from flipsync.trainer.slot import Item
 from flipsync.trainer.spans import SpanMaker
@@ -85,6 +86,15 @@ def merge_deltas(deltas: list[dict[str, int]]) -> dict[str, int]:
         for name, v in d.items():
             out[name] = out.get(name, 0) + v
     return out
+
+
+def table_of_pieces(layout: Mapping[str, PieceSpec], partials: list[dict[str, int]]) -> FingerprintTable:
+    """The view's fingerprint table from every rank's piece fingerprints (summed per tensor)."""
+    fps: dict[str, int] = {}
+    for part in partials:
+        for name, fp in part.items():
+            fps[name] = (fps.get(name, 0) + fp) & MASK64
+    return FingerprintTable({name: TensorId(s.dtype, s.shape, fps.get(name, 0)) for name, s in layout.items()})
 
 
 def check_tiling(specs: list[Mapping[str, PieceSpec]]) -> dict[str, PieceSpec]:
@@ -150,22 +160,9 @@ def from_wire(
     }
 
 
-def code_pool_for(threads: int | None) -> ThreadPoolExecutor | None:
-    """Threads that code a version's sections side by side (None: one thread to give, the coder's own)."""
-    n = threads or os.cpu_count() or 1
-    return ThreadPoolExecutor(n, thread_name_prefix="flipsync-code") if n > 1 else None
-
-
-class _Inline(Executor):
-    """Runs what is submitted at once, on the caller's thread."""
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        done: Future[Any] = Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as e:
-            done.set_exception(e)
-        return done
+def code_pool_for(threads: int | None) -> ThreadPoolExecutor:
+    """Threads that code a version's sections side by side while the next pieces are diffed."""
+    return ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="flipsync-code")
 
 
 class VersionRounds:
@@ -196,8 +193,7 @@ class VersionRounds:
         self.fmt = served_format
         self.hasher = hasher
         self.differ = differ
-        self.coder: Executor | None = None  # codes sections while the next piece is diffed (the worker's)
-        self.code_pool: Executor | None = None  # with several threads: codes sections side by side
+        self.code_pool: Executor | None = None  # codes sections while the next pieces are diffed (inline: None)
         self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (the worker's)
         self.chunk_bytes = chunk_bytes
         self.context = context  # code whole host pieces' positions against the previous view (ctx)
@@ -220,7 +216,7 @@ class VersionRounds:
         """Every rank's piece layout and fingerprints -> the whole view's layout and table (collective)."""
         rank = self.group.rank
         specs = {name: p.spec(name, rank) for name, p in view.items()}
-        partials = {name: piece_fingerprint(self.hasher, p) for name, p in view.items()}
+        partials = {name: self.hasher.fingerprint(p.tensor, p.offset) for name, p in view.items()}
         gathered = self.group.all_gather((specs, partials), "the served view's layout")
         layout = check_tiling([s for s, _ in gathered])
         return layout, table_of_pieces(layout, [p for _, p in gathered])
@@ -270,27 +266,14 @@ class VersionRounds:
         assert item.view is not None and self.base is not None and self.table is not None
         rank = self.group.rank
         t0 = time.perf_counter()
+        encoder = PatchEncoder(pool=self.code_pool, stream=stream.add)
         try:
-            # Without the worker's coder or a pool (inline publishing on one thread), ctx sections are coded as
-            # each piece is diffed.
-            coder = self.coder or (_Inline() if self.context and self.code_pool is None else None)
             fused = item.fused
-            found = fused.changes if fused is not None and fused.base is self.base_token else None
-            changes = diff_pieces(
-                self.base,
-                item.view,
-                self.differ,
-                self.hasher,
-                coder,
-                stream.add,
-                found,
-                context=self.context,
-                pool=self.code_pool,
-            )
+            changed = self._diff(encoder, item.view, fused.changes if fused and fused.base is self.base_token else None)
             failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
-            changes, failure = [], f"rank {rank}: {_first_line(e)}"
-        deltas = {c.name: c.delta for c in changes}
+            changed, failure = 0, f"rank {rank}: {_first_line(e)}"
+        deltas = dict(encoder.deltas) if failure is None else {}
         said = self.group.all_gather((deltas, failure), "fingerprint deltas")
         t1 = time.perf_counter()
         failures = [f for _, f in said if f]
@@ -298,34 +281,27 @@ class VersionRounds:
             self._drop(item)
             raise BoardError(f"v{version} was not published: diffing failed ({'; '.join(failures)})")
         everyone = [d for d, _ in said]
-        before = advance(self.table, merge_deltas(everyone[:rank]))
-        target_table = advance(self.table, merge_deltas(everyone))
+        before = self.table.advanced(merge_deltas(everyone[:rank]))
+        target_table = self.table.advanced(merge_deltas(everyone))
         target_fp = target_table.view_fp()
         assert self.head_fp is not None
         with_parts = [r for r, d in enumerate(everyone) if d]
         patch: Patch | None = None
         if deltas:
-            after = advance(before, deltas)
             first, last = with_parts[0] == rank, with_parts[-1] == rank
-            patch = build_part(
-                changes,
-                before,
+            patch = encoder.finish(
                 base=ViewRef(before.view_fp(), version - 1 if first else None),
-                target=ViewRef(after.view_fp(), version if last else None),
+                target=ViewRef(before.advanced(deltas).view_fp(), version if last else None),
                 served_format=self.fmt,
             )
         elif rank == 0 and not with_parts:  # nothing changed anywhere: one empty patch keeps versions per step
-            patch = build_part(
-                [],
-                self.table,
-                base=ViewRef(self.head_fp, version - 1),
-                target=ViewRef(target_fp, version),
-                served_format=self.fmt,
+            patch = encoder.finish(
+                base=ViewRef(self.head_fp, version - 1), target=ViewRef(target_fp, version), served_format=self.fmt
             )
         steps = item.step - self.base_step
         meta = {**self.meta, **item.meta, "step": item.step, "steps": steps, "ranks": self.group.size}
         t2 = time.perf_counter()
-        result, spans_input, part_bytes = self._commit(stream, patch, version, target_fp, meta)
+        result, spans_input, part_bytes = self._commit(stream, encoder, patch, version, target_fp, meta)
         timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
         published = self._finish(
             result,
@@ -338,7 +314,7 @@ class VersionRounds:
                 item.step - self.base_step,
                 "patch",
                 part_bytes,
-                sum(c.positions.size for c in changes),
+                changed,
                 timings,
             ),
         )
@@ -347,6 +323,28 @@ class VersionRounds:
         if result[1]:  # the board's cadence asks for a keyframe of the new HEAD
             self._keyframe()
         return published
+
+    def _diff(self, encoder: PatchEncoder, view: LocalView, known: Mapping[str, Changes] | None) -> int:
+        """Diff this rank's pieces against the base view into ``encoder``; the number of changed values.
+
+        ``known``: changes found while the view was computed (`FusedDiff`), used instead of a diff. A changed
+        whole tensor's content digest is hashed on the hasher's pool while the next piece is diffed."""
+        assert self.base is not None
+        n = 0
+        for name in sorted(view):
+            a, b = self.base[name], view[name]
+            ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
+            changes = known.get(name) if known is not None else None
+            if changes is None:
+                changes = self.differ.changes(ta, tb)
+            if not changes.size:
+                continue
+            # ctx ranks are counted over the whole tensor: a row shard cannot count the rows it does not hold
+            held = ta if self.context and a.whole and ta.device.type == "cpu" else None
+            digest = self.hasher.digest_soon(tb) if b.whole else None
+            encoder.add(name, b.shape, changes, dtype=b.dtype_name, offset=b.offset, base=held, digest=digest)
+            n += changes.size
+        return n
 
     def _next_version(self) -> int:
         return 0 if self.head is None else self.head + 1
@@ -360,20 +358,28 @@ class VersionRounds:
         return "fatal", _first_line(e)
 
     def _commit(
-        self, stream: PartStream, patch: Patch | None, version: int, target_fp: str, meta: dict[str, Any]
+        self,
+        stream: PartStream,
+        encoder: PatchEncoder,
+        patch: Patch | None,
+        version: int,
+        target_fp: str,
+        meta: dict[str, Any],
     ) -> tuple[tuple[str, Any], list[Patch], int]:
         """Finish uploading this rank's part; rank 0 commits the version once every rank reported.
         (result, the parts for spans on rank 0, this rank's part size)."""
         info, err, data = None, None, None
         if patch is not None:
             try:
-                info = stream.finish(patch)
+                info = stream.finish(*encoder.file_ends())
             except FlipsyncError as e:
                 err = f"rank {self.group.rank}: {_first_line(e)}"
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()
                 if patch.needs_base:  # rank 0 squashes spans without the views in between: no ctx there
-                    data = self._base_free(patch) if self.group.size == 1 else self._base_free(patch).to_bytes()
+                    held = {n: p.tensor for n, p in self.base.items() if p.whole} if self.base else {}
+                    data = patch.decodable_alone(held)
+                    data = data if self.group.size == 1 else data.to_bytes()
         reports = self.group.gather((err, info, data), f"the parts of v{version}")
         result: tuple[str, Any] = ("fatal", "no result")
         spans_input: list[Patch] = []
@@ -406,20 +412,6 @@ class VersionRounds:
         else:
             stream.abort()  # unreferenced now; retention would remove it later anyway
         return result, spans_input, 0 if info is None else info.size
-
-    def _base_free(self, patch: Patch) -> Patch:
-        """``patch`` with every section coded by version 1 coders: those coded against the base are decoded
-        against this rank's base pieces and coded again, the others kept as they are."""
-        assert self.base is not None
-        held = {n: p.tensor for n, p in self.base.items() if p.whole}
-        builder = PatchBuilder()
-        for s in patch.sections:
-            if patch.section_needs_base(s.name):
-                builder.add(patch.change(s.name, held.get(s.name)))
-            else:
-                builder.add_encoded(s, bytes(patch.section_blob(s.name)))
-        h = patch.header
-        return builder.build(base=h.base, target=h.target, served_format=h.served_format, meta=h.meta)
 
     def _finish(
         self,

@@ -13,7 +13,7 @@ import secrets
 from datetime import UTC, datetime
 from typing import Literal, NamedTuple
 
-from flipsync.codec import FingerprintTable
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest
 
 log = logging.getLogger(__name__)

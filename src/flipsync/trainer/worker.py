@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flipsync.codec import DiffEngine, Hasher
+from flipsync.codec import DiffEngine
+from flipsync.codec.fingerprint import Hasher
 from flipsync.errors import BoardError, StoreError
 from flipsync.trainer.group import Group
 from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds, code_pool_for
@@ -101,7 +102,6 @@ class Worker:
         # Pools created here inherit the lowered priority.
         self.rounds.differ = DiffEngine(self.threads)
         self.rounds.hasher = Hasher(self.threads)
-        coder = self.rounds.coder = ThreadPoolExecutor(1, thread_name_prefix="flipsync-code")
         code_pool = self.rounds.code_pool = code_pool_for(self.threads)
         uploader = self.rounds.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
         try:
@@ -117,11 +117,9 @@ class Worker:
             self.slot.clear()
             self.rounds.differ.close()
             self.rounds.hasher.close()
-            coder.shutdown()
-            if code_pool is not None:
-                code_pool.shutdown()
+            code_pool.shutdown()
             uploader.shutdown()
-            self.rounds.coder = self.rounds.uploader = self.rounds.code_pool = None
+            self.rounds.uploader = self.rounds.code_pool = None
 
     def _solo_loop(self) -> None:
         while (item := self.slot.take()) is not None:

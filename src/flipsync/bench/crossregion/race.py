@@ -25,7 +25,8 @@ from flipsync.board.reader import BoardReader
 from flipsync.board.store import Store, StoreWrapper, open_store
 from flipsync.board.throttle import ThrottledStore, TokenBucket
 from flipsync.board.writer import BoardWriter
-from flipsync.codec import FingerprintTable, Patch
+from flipsync.codec import Patch
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import VerificationError
 from flipsync.formats import served_view

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 
 import torch
 
-from flipsync.codec import FingerprintTable, diff_views, int_view
+from flipsync.codec import diff_views
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.formats import served_view
 
 FMT = "bf16"

@@ -35,9 +35,11 @@ from typing import ClassVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from flipsync.codec import ClassIndex, FingerprintTable, Patch, StagedWrite, UndoRecord, int_view, scatter
+from flipsync.codec import ClassIndex, Patch, StagedWrite, UndoRecord, scatter
 from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
+from flipsync.codec.bits import int_view
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.torch.steplock import StepLock
 from flipsync.engines.torch.tokenizer import ByteTokenizer

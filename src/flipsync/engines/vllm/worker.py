@@ -54,7 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.codec import bits_numpy, dtype_named, dtype_of, fingerprint_of, fp_hex, int_view
+from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.fingerprint import fingerprint_of, fp_hex
 from flipsync.engines.vllm.blockmap import (
     compress_map,
     digit_probe,

@@ -1,0 +1,179 @@
+"""One changed tensor: its decoded change (``TensorChange``) and the section that codes it (positions, value
+symbols and, for a mixed section, kind flags: three streams back to back, their coders named in the header).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flipsync.codec import streams
+from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
+from flipsync.codec.context import BaseBits
+from flipsync.domain.headers import SectionHeader
+from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
+
+
+def needs_base(section: SectionHeader) -> bool:
+    """Whether the section's positions decode only with its base tensor at hand (``ctx``)."""
+    return section.pos.get("codec") in streams.BASE_POSITION_CODERS
+
+
+@dataclass
+class TensorChange:
+    """The changed elements of one tensor, decoded.
+
+    ``values`` are int64 order keys: a step (new key minus old key) where ``raw`` is False, the new key
+    where ``raw`` is True. ``raw`` is None when no value is raw.
+    """
+
+    name: str
+    dtype: DType
+    shape: tuple[int, ...]
+    positions: np.ndarray
+    values: np.ndarray
+    raw: np.ndarray | None
+
+    @property
+    def n(self) -> int:
+        return int(self.positions.size)
+
+    @property
+    def mode(self) -> str:
+        if self.raw is None or not self.raw.any():
+            return "step"
+        return "raw" if self.raw.all() else "mixed"
+
+    def new_keys(self, old_keys: np.ndarray) -> np.ndarray:
+        if self.raw is None:
+            return old_keys + self.values
+        return np.where(self.raw, self.values, old_keys + self.values)
+
+
+def _symbols(change: TensorChange) -> np.ndarray:
+    """Steps zigzag to small unsigned numbers; raw values are stored as their bit patterns."""
+    if change.raw is None:
+        return zigzag(change.values)
+    raw_bits = from_key(change.values, change.dtype).astype(np.uint64)
+    return np.where(change.raw, raw_bits, zigzag(change.values))
+
+
+STREAMS = ("pos", "val", "tag")
+
+
+Base = torch.Tensor | np.ndarray | BaseBits  # a section's base: the tensor, its bits, or its bits with counts
+
+
+def base_bits(base: Base | None, d: DType) -> BaseBits | None:
+    """The base tensor as the context coder sees it (its unsigned bit patterns, flat, on the host)."""
+    if base is None:
+        return None
+    if isinstance(base, BaseBits):
+        if base.dtype != d:
+            raise BaseMismatchError(f"the base tensor is {base.dtype.name}, the patch {d.name}")
+        return base
+    bits = base if isinstance(base, np.ndarray) else bits_numpy(base.detach().contiguous())
+    if bits.dtype.itemsize * 8 != d.bits:
+        raise BaseMismatchError(f"the base tensor has {bits.dtype.itemsize * 8}-bit elements, the patch {d.name}")
+    return BaseBits(np.ascontiguousarray(bits).reshape(-1).view(d.uint_numpy), d)
+
+
+def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None = None) -> tuple[SectionHeader, bytes]:
+    """One section header and its streams, concatenated; each stream's params record its length.
+
+    With ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it
+    (the ``ctx`` coder), when that is smaller; such a section then decodes only with the base at hand. Raw
+    (overwrite) sections never are: they must apply to whatever the receiver holds.
+    """
+    # An all-raw section is an idempotent overwrite that may be applied without its base: never ctx.
+    held = base_bits(base, change.dtype) if change.mode != "raw" else None
+    pos_params, pos_blob = streams.encode_positions(change.positions, held)
+    val_params, val_blob = streams.encode_symbols(_symbols(change))
+    pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
+    blob = pos_blob + val_blob
+    mode = change.mode
+    tag_params = None
+    if mode == "mixed":
+        assert change.raw is not None
+        tag_params, tag_blob = streams.encode_symbols(change.raw.astype(np.uint64))
+        tag_params["bytes"] = len(tag_blob)
+        blob += tag_blob
+    header = SectionHeader(
+        name=change.name,
+        dtype=change.dtype.name,
+        shape=change.shape,
+        n=change.n,
+        mode=mode,  # type: ignore[arg-type]
+        pos=pos_params,
+        val=val_params,
+        tag=tag_params,
+    )
+    return header, blob
+
+
+def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str, bytes]:
+    """Cut a section's blob into its streams, checking the lengths the header gives."""
+    params = {"pos": section.pos, "val": section.val, "tag": section.tag}
+    out, offset = {}, 0
+    for key in STREAMS:
+        if params[key] is None:
+            continue
+        size = params[key].get("bytes")  # type: ignore[union-attr]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(blob):
+            raise CorruptPatchError(f"section {section.name!r}: stream {key} runs past the section's bytes")
+        out[key] = bytes(blob[offset : offset + size])
+        offset += size
+    if offset != len(blob):
+        raise CorruptPatchError(f"section {section.name!r} holds {len(blob) - offset} unexplained bytes")
+    return out
+
+
+def decode_streams(
+    section: SectionHeader, blob: bytes | memoryview, base: Base | None = None
+) -> tuple[DType, np.ndarray, np.ndarray, np.ndarray | None]:
+    """A section's dtype, positions, symbols (zigzagged steps or raw patterns) and, for a mixed section, its
+    kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`.
+    ``base``: the tensor the section applies to, needed (and then read once) when its positions are ``ctx``-coded.
+    """
+    try:
+        d = dtype_named(section.dtype)
+    except PatchError as e:
+        raise CorruptPatchError(str(e)) from None
+    blobs = split_streams(section, blob)
+    n = section.n
+    ctx = needs_base(section)
+    positions = streams.decode_positions(
+        section.pos, blobs["pos"], n, section.numel, base_bits(base, d) if ctx else None
+    )
+    symbols = streams.decode_symbols(section.val, blobs["val"], n)
+    flags: np.ndarray | None = None
+    if section.mode == "mixed":
+        if section.tag is None:
+            raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
+        tags = streams.decode_symbols(section.tag, blobs["tag"], n)
+        if tags.size and int(tags.max()) > 1:
+            raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
+        flags = tags.astype(bool)
+    return d, positions, symbols, flags
+
+
+def decode_change(section: SectionHeader, blob: bytes | memoryview, base: Base | None = None) -> TensorChange:
+    """Decode one section (``base``: see :func:`decode_streams`); every failure is a :class:`CorruptPatchError`."""
+    d, positions, symbols, raw = decode_streams(section, blob, base)
+    if section.mode == "raw":
+        raw = np.ones(section.n, dtype=bool)
+    values = unzigzag(symbols)
+    if raw is not None:
+        if d.bits < 64 and raw.any() and int(symbols[raw].max()) >> d.bits:
+            raise CorruptPatchError(f"section {section.name!r} has raw values wider than {d.name}")
+        values = np.where(raw, to_key(symbols.astype(d.uint_numpy), d), values)
+    return TensorChange(
+        name=section.name,
+        dtype=d,
+        shape=section.shape,
+        positions=positions,
+        values=values,
+        raw=raw,
+    )
