@@ -87,6 +87,9 @@ def demo(
         "flipsync-demo"
     ),
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
+    context: Annotated[
+        bool, typer.Option(help="code patch positions against their base (the publisher's default; smaller patches)")
+    ] = True,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
     out, beside a control island that reloads full checkpoints over the same link."""
@@ -113,6 +116,7 @@ def demo(
             prompts_per_step=prompts,
             group_size=group,
             seed=seed,
+            context=context,
             out=out,
         )
         console = output_console()

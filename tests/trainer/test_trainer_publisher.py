@@ -302,7 +302,21 @@ def test_context_coded_versions_replicas_and_spans_stay_bitwise(tmp_path: Path, 
     assert_bitwise(expected_view(model, fmt), late.tensors)
 
 
-def test_context_is_off_by_default_and_needs_a_host_base(tmp_path: Path) -> None:
-    assert PublisherConfig().context is False
-    with pytest.raises(ConfigError, match="keep_on='host'"):
-        PublisherConfig(context=True, keep_on="device")
+def test_context_is_on_by_default_and_the_runs_manifests_say_so(tmp_path: Path) -> None:
+    """Patches are coded against their base unless the run says otherwise; every manifest records it, so a
+    replica that cannot hold the base learns it from the run, not from a global default."""
+    assert PublisherConfig().context is True
+    store = open_store(tmp_path)
+    for run, cfg in (
+        ("on", PublisherConfig(background=False)),
+        ("off", PublisherConfig(background=False, context=False)),
+    ):
+        model = tiny_llama(hidden=128, vocab=256)
+        opt = adam(model, lr=1e-5)
+        with Publisher(model, store, run=run, format="bf16", optimizer=opt, config=cfg) as pub:
+            train(model, opt, 2)
+            pub.flush()
+        catalog = Catalog(store, run)
+        assert {catalog.version(v).meta["context"] for v in catalog.list_versions()} == {int(cfg.context)}
+    # a device-kept view has no host base to code against: such runs say so
+    assert PublisherConfig(keep_on="device").context

@@ -74,7 +74,8 @@ def base_bits(base: Base | None, d: DType) -> BaseBits | None:
         if base.dtype != d:
             raise BaseMismatchError(f"the base tensor is {base.dtype.name}, the patch {d.name}")
         return base
-    bits = base if isinstance(base, np.ndarray) else bits_numpy(base.detach().contiguous())
+    # a device tensor's bits are copied to the host (O(size)): the coders read them there
+    bits = base if isinstance(base, np.ndarray) else bits_numpy(base.detach().contiguous().cpu())
     if bits.dtype.itemsize * 8 != d.bits:
         raise BaseMismatchError(f"the base tensor has {bits.dtype.itemsize * 8}-bit elements, the patch {d.name}")
     return BaseBits(np.ascontiguousarray(bits).reshape(-1).view(d.uint_numpy), d)

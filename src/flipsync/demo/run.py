@@ -86,6 +86,7 @@ class DemoConfig:
     max_digits: int = 3
     seed: int = 0
     engine: str = "torch"
+    context: bool = True  # the publisher codes positions against their base (PublisherConfig.context)
     masters_at: tuple[int, ...] = (0, 1, -1)  # trainer steps whose FP32 masters are saved; -1: the last
     out: Path = Path("flipsync-demo")
 
@@ -562,10 +563,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     model.train()
     # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
     # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
-    # Version 1 coders (context=False): coding positions against the base (which torch islands could decode)
-    # moved 13.4x fewer bytes than the checkpoint island against 11.6x, but on two shared cores its encoding and
-    # the islands' pass over the base made the flipsync islands trail 0.76 steps against 0.54.
-    publisher = Publisher(model, board, format=fmt, run=run, optimizer=opt, config=PublisherConfig(nice=5))
+    publisher = Publisher(
+        model, board, format=fmt, run=run, optimizer=opt, config=PublisherConfig(nice=5, context=cfg.context)
+    )
     publisher.flush()  # v0, a keyframe, is on the board before any island starts
     shelf: CheckpointShelf | None = None
     if cfg.control:

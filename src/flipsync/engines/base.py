@@ -94,6 +94,12 @@ class Engine(ABC, Generic[StagedT, UndoT]):
         None (they live elsewhere). With them the sidecar joins a version's parts coded against their base."""
         return None
 
+    @property
+    def decodes_context(self) -> bool:
+        """Whether ``stage`` decodes patches whose positions are coded against their base (``ctx``): true for
+        every engine that holds its view, or a mirror of it, where the sidecar runs."""
+        return True
+
     def label_version(self, view_fp: str, version: int) -> None:
         """Name the board version of a view before it is committed (an engine that stamps its outputs with
         a version uses it); the sidecar calls it before every commit and keyframe load."""

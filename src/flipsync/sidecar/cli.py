@@ -140,6 +140,7 @@ def sidecar(
         Sidecar,
         TorchEngineHandle,
         board_format,
+        check_decodable,
         check_format,
         find_run,
         load_engine,
@@ -196,6 +197,7 @@ def sidecar(
             assert upstream is not None
             the_engine = load_engine(engine, EngineOptions(upstream, fmt, device, engine_config))
             upstream_url = upstream
+        check_decodable(BoardReader(store, run_name, verifier=verifier), the_engine)
         service = Sidecar(
             store,
             run_name,

@@ -8,8 +8,10 @@ for the command line.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +57,9 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
 
     - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
       (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``),
-      ``mirror`` (optional: a safetensors file mirroring what the workers hold, so that patches coded against
-      their base decode; created from ``model_dir`` when missing);
+      ``mirror`` (a safetensors file mirroring what the workers hold, so that patches coded against their base
+      decode; created from ``model_dir`` when missing; default: a file under the user's cache directory named
+      after ``model_dir``; ``none``: no mirror, for runs published without context coding);
     - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
       ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
     """
@@ -80,7 +83,7 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
             module.HttpTransport(url),
             module.specs_from_checkpoint(opts["model_dir"]),
             source=opts.get("source", opts["model_dir"]),
-            mirror=open_mirror(opts) if "mirror" in opts else None,
+            mirror=None if opts.get("mirror") == "none" else open_mirror({"mirror": str(default_mirror(opts)), **opts}),
         )
     else:
         if "mirror" not in opts:
@@ -89,6 +92,15 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     if not isinstance(engine, Engine):
         raise ConfigError(f"the {kind} engine factory returned {type(engine).__name__}, not an Engine")
     return engine
+
+
+def default_mirror(opts: dict[str, str]) -> Path:
+    """Where a vLLM sidecar keeps its mirror unless told: the user's cache directory, one file per model
+    directory (reused across restarts; the engine uses it only while it holds what the workers serve)."""
+    model_dir = Path(opts["model_dir"]).resolve()
+    digest = hashlib.blake2b(str(model_dir).encode(), digest_size=8).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flipsync"
+    return cache / f"mirror-{model_dir.name}-{digest}.safetensors"
 
 
 def open_mirror(opts: dict[str, str]) -> DiskMirror:
@@ -160,6 +172,21 @@ def wait_for_format(
             next_warning = now + warn_every_s
         time.sleep(poll_s)
     return fmt
+
+
+def check_decodable(reader: BoardReader, engine: Engine) -> None:
+    """Refuse at boot a run whose patches code positions against their base when the engine cannot decode
+    them (it would exclude every patch and wait for keyframes)."""
+    head = reader.head()
+    if head is None or engine.decodes_context:
+        return
+    if reader.catalog.version(head).meta.get("context", 0):
+        raise ConfigError(
+            f"run {reader.run!r} codes its patches against their base values (PublisherConfig(context=True), the "
+            f"default), which the {engine.name} engine cannot decode without a host copy of its weights: give it "
+            "one (vllm: --engine-option mirror=FILE, or leave mirror out for the default), or publish the run "
+            "with PublisherConfig(context=False)"
+        )
 
 
 def check_format(requested: str | None, board: str, run: str) -> str:

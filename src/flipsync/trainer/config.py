@@ -56,9 +56,11 @@ class PublisherConfig:
     span_policy: SpanPolicy | None = None
     spans: bool = True  # publish squashed spans
     chunk_bytes: int = DEFAULT_CHUNK_BYTES  # a part goes up in objects of about this size while it is coded
-    # Code changed positions against the previous view (codec ``ctx``, version 2 patches, ~25% smaller at lr 1e-6)
-    # where a rank holds the whole tensor on the host. Off by default: the vLLM engine cannot stage such patches.
-    context: bool = False
+    # Code changed positions against the previous view (the codec's ``ctx`` coder, ~25% smaller patches at lr
+    # 1e-6) where a rank holds the whole tensor on the host. Every engine decodes them (vLLM through its host
+    # mirror); turn it off for a run whose replicas cannot hold the base on the host (a vLLM sidecar with
+    # mirror=none): the run's manifests record the choice, so such a sidecar refuses the run at boot.
+    context: bool = True
     store_options: StoreOptions | None = None  # when ``board`` is a URL
     max_store_failures: int = 3  # failed publications in a row before the publisher stops
     manifest_retry_s: float = 30.0
@@ -69,11 +71,6 @@ class PublisherConfig:
         if self.max_store_failures < 1:
             raise ConfigError("max_store_failures must be at least 1")
         check_chunk_bytes(self.chunk_bytes)  # here, not at the first publication on the worker
-        if self.context and self.keep_on != "host":
-            raise ConfigError(
-                "context=True codes positions against the previous view, which must then be kept on the host: "
-                "use keep_on='host' (the default), or context=False"
-            )
 
     @property
     def pool_threads(self) -> int:

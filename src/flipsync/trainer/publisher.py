@@ -132,7 +132,9 @@ class Publisher:
             if rank0
             else None
         )
-        run_meta: dict[str, str | int] = {"format": format}
+        # "context": whether patches code positions against their base, so that a replica that cannot hold the
+        # base (a vLLM sidecar without a mirror) refuses the run at boot instead of excluding every patch
+        run_meta: dict[str, str | int] = {"format": format, "context": int(cfg.context and cfg.keep_on == "host")}
         if self.plan.aliases:  # served once, under the name a checkpoint keeps
             run_meta["tied"] = ";".join(f"{a}={k}" for a, k in sorted(self.plan.aliases.items()))[:4096]
         self.rounds = VersionRounds(

@@ -435,6 +435,10 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         )
 
     @property
+    def decodes_context(self) -> bool:
+        return self._mirror is not None
+
+    @property
     def host_view(self) -> Mapping[str, torch.Tensor] | None:
         """The mirror, while it holds what the workers serve; else None (see ``__init__``)."""
         return self._mirror if self._mirror_current else None
@@ -496,8 +500,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             raise PatchError(
                 "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
                 "engine's sidecar does not hold (they live in the workers): attach the engine with a mirror "
-                "(VllmEngine(..., mirror=...), sidecar --engine-option mirror=FILE), publish with "
-                "PublisherConfig(context=False) (the default), or rebuild it with diff_views(..., context=False)"
+                "(VllmEngine(..., mirror=...); the sidecar creates one unless told mirror=none), publish with "
+                "PublisherConfig(context=False), or rebuild it with diff_views(..., context=False)"
             )
         changes = {}
         for s in patch.sections:
