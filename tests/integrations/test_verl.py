@@ -78,3 +78,12 @@ def test_flipsync_checkpoint_engine_in_real_verl(tmp_path: Path) -> None:
             f"step {r['step']}: {r['changed']} changed; flipsync {r['flipsync_bytes']} B "
             f"({r['flipsync_bytes'] / r['changed']:.2f} B/value) vs delta_sharded {r['delta_sharded_bytes']} B\n"
         )
+
+
+def test_the_verl_doc_example_runs(tmp_path: Path) -> None:
+    from tests.integrations.doc_examples import run_example
+
+    out = run_example("verl.md", "verl_sync.py", tmp_path, PYTHON, timeout=300)
+    lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert [ln.split(":")[0] for ln in lines] == ["step 0", "step 1", "step 2"], out
+    assert lines[0].startswith("step 0: v0, 1 flush(es)") and lines[2].startswith("step 2: v2"), out
