@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flipsync.bench import board, codec, fused, scaling, sidecar, trainer
+from flipsync.bench import verl as verl_bench
 from flipsync.bench.all import machine, versions
 from flipsync.bench.crossregion import measure, race
 from flipsync.bench.crossregion.costs import CostModel, extrapolate, fit_line
@@ -114,6 +115,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
         board.Setup(patch_mib=0.25, patches=2, params=100_000, change=0.02, hot=0.25, versions=16, behind=(1, 4)),
     )
     monkeypatch.setattr(fused, "QUICK", Shape(hidden=64, intermediate=128, layers=1, vocab=256))
+    monkeypatch.setattr(verl_bench, "QUICK", Shape(hidden=64, intermediate=128, layers=1, vocab=256))
     monkeypatch.setattr(
         trainer,
         "QUICK",
@@ -137,6 +139,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Board",
         "## Trainer",
         "## Trainer: the fused cast-and-diff pass",
+        "## verl: bytes per weight sync against delta_sharded",
     ):
         assert heading in text
     for header in (
@@ -150,6 +153,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| store | publish MB/s |",
         "| setup | median step |",
         "| format | threads | served | changed | fused ns/B |",
+        "| workload | step | changed % | flipsync bytes |",
     ):
         assert header in text
     assert "```json" not in text  # tables only

@@ -1,6 +1,7 @@
 """``flipsync bench all``: every benchmark in one run, written up as docs/benchmarks.md.
 
-Runs codec, cross-region, sidecar (engine pause), scaling, board and trainer in turn (each prints its own
+Runs codec, cross-region, sidecar (engine pause), scaling, board, fused, verl (bytes per sync against verl's
+delta_sharded) and trainer in turn (each prints its own
 tables to the console), then returns one markdown document: the exact command line, date, machine and package
 versions; a table of the targets, each computed from this run's numbers (met / not met, with the figure);
 then one section per benchmark with its methods, data and column meanings, its tables, and PNG plots saved
@@ -426,7 +427,7 @@ def document(run: Run, command: str, started: datetime, seconds: float) -> str:
 
 def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -> str:
     """Run every benchmark; return the markdown document for ``out``, whose plots go to ``out``'s stem folder."""
-    from flipsync.bench import board, codec, crossregion, fused, scaling, sidecar, trainer
+    from flipsync.bench import board, codec, crossregion, fused, scaling, sidecar, trainer, verl
 
     figures = Figures(out.parent / out.stem, out.stem)
     started = datetime.now(UTC)
@@ -470,6 +471,12 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         "Trainer: the fused cast-and-diff pass",
         lambda: fused.run(console, quick=quick),
         lambda r: FUSED_MD + "\n\n" + fused.markdown(r),
+    )
+    run.timed(
+        "verl",
+        "verl: bytes per weight sync against delta_sharded",
+        lambda: verl.run(console, quick=quick),
+        verl.markdown,
     )
     run.timed(
         "trainer",

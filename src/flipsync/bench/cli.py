@@ -1,4 +1,4 @@
-"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|all``: the benchmarks from a shell.
+"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|verl|all``: the benchmarks from a shell.
 
 ``bench_app`` is a Typer sub-application; ``flipsync.cli`` mounts it as ``flipsync bench``. Each benchmark
 module is imported when its command runs, so ``flipsync --help`` stays fast.
@@ -78,6 +78,12 @@ def bench_fused(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
 def bench_crossregion(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """Publish -> last replica verified over limited links: patches, patches via a relay, full checkpoints."""
     _run(lambda: _bench("crossregion", quick, json_out))
+
+
+@bench_app.command("verl")
+def bench_verl(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """Bytes per weight sync: flipsync's verl checkpoint engine beside verl's delta_sharded wire."""
+    _run(lambda: _bench("verl", quick, json_out))
 
 
 @bench_app.command("scaling")

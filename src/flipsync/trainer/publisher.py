@@ -77,7 +77,9 @@ class Publisher:
     collective) and calls ``step()`` for the same steps; each rank publishes its own shard of the view as one
     part of each version. ``group`` replaces torch.distributed by another implementation of the `Group`
     collectives (advanced; the tests use threads). ``config``: the tuning knobs (`PublisherConfig`): how
-    the view is computed and kept, the background threads, the board's cadence and signing.
+    the view is computed and kept, the background threads, the board's cadence and signing. ``first_step``:
+    the trainer step the initial weights are (v0's ``meta.step``; default 0), for a loop that counts its own
+    steps and passes them to ``step(step=...)``.
     """
 
     def __init__(
@@ -92,7 +94,10 @@ class Publisher:
         optimizer: torch.optim.Optimizer | None = None,
         group: Group | None = None,
         config: PublisherConfig | None = None,
+        first_step: int = 0,
     ) -> None:
+        if isinstance(first_step, bool) or not isinstance(first_step, int) or first_step < 0:
+            raise ConfigError(f"first_step must be a whole number >= 0, not {first_step!r}")
         # ConfigError for an unknown name, before any collective; manifests carry the canonical name ('BF16' -> bf16)
         format = get_format(format).name
         self.config = cfg = config or PublisherConfig()
@@ -115,7 +120,8 @@ class Publisher:
             drop_pending=self._drop_pending if cfg.background else None,
         )
         self.slot = Slot(self.feed.release_item)
-        self._step = 0
+        self._step = first_step
+        self._calls = 0  # step() calls and optimizer steps (the stats), whatever their step numbers
         view = self.feed.first_view()
 
         rank0 = self.group.rank == 0
@@ -178,7 +184,7 @@ class Publisher:
             threads=threads,
         )
         if kind == "adopt":
-            self.rounds.adopt(view, 0, layout, table, head)
+            self.rounds.adopt(view, first_step, layout, table, head)
             log.info("resumed run %s at v%d: HEAD holds this model's view", self.run, head)
         if cfg.background:
             # The worker builds its own (lower-priority) pools.
@@ -186,7 +192,7 @@ class Publisher:
             self.rounds.differ.close()
             self.worker.start()
         if kind != "adopt":
-            self._submit(Item(0, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
+            self._submit(Item(first_step, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
         if optimizer is not None:
             self.attach(optimizer)
 
@@ -230,16 +236,21 @@ class Publisher:
 
     # -- per step ---------------------------------------------------------------------------------------
 
-    def step(self, *, meta: Mapping[str, str | int] | None = None) -> None:
+    def step(self, *, meta: Mapping[str, str | int] | None = None, step: int | None = None) -> None:
         """Publish the model's weights as they are now (call after ``optimizer.step()``).
 
         Computes the served view in the calling thread; the diff, encoding and upload run in the background
-        (``background=True``). ``meta``: extra manifest metadata for this step's version.
+        (``background=True``). ``meta``: extra manifest metadata for this step's version. ``step``: the
+        trainer step these weights are (the version's ``meta.step``), for a loop that counts its own steps
+        (it must be greater than the last one); default the last step + 1.
         """
         self._check_open()
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step <= self._step):
+            raise ConfigError(f"step must be a whole number greater than the last step ({self._step}), not {step!r}")
         self.feed.settle()
         self._raise_pending()
-        self._step += 1
+        self._step = self._step + 1 if step is None else step
+        self._calls += 1
         step = self._step
         self.feed.compute(self.feed.gather(step), step, dict(meta or {}))
 
@@ -251,6 +262,7 @@ class Publisher:
         self._check_open()
         self._raise_pending()
         self._step += 1
+        self._calls += 1
         self.feed.after_optimizer_step(self._step)
 
     def snapshot(self) -> None:
@@ -266,6 +278,7 @@ class Publisher:
             )
         self.flush()
         self._step += 1
+        self._calls += 1
         self._submit(self.feed.snapshot(self._step))
 
     def _drop_pending(self) -> None:
@@ -384,7 +397,7 @@ class Publisher:
     @property
     def stats(self) -> PublisherStats:
         return PublisherStats(
-            steps=self._step,
+            steps=self._calls,
             versions=len(self.worker.published),
             squashed_steps=self.slot.squashed_steps,
             store_failures=self.worker.store_failures,
