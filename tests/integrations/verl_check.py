@@ -46,7 +46,7 @@ from verl.workers.rollout.sglang_rollout import delta_loader  # noqa: E402
 
 import flipsync.integrations.verl as fv  # noqa: E402  (registers "flipsync")
 from flipsync.board import BoardReader, open_store  # noqa: E402
-from flipsync.codec import int_view  # noqa: E402
+from flipsync.codec.bits import int_view  # noqa: E402
 from flipsync.formats import served_view  # noqa: E402
 
 IMPORT_S = time.perf_counter() - T0

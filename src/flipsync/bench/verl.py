@@ -23,7 +23,7 @@ from flipsync.bench.report import md_table
 from flipsync.bench.workload import FULL, QUICK, real_masters
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
-from flipsync.codec import int_view
+from flipsync.codec.bits import int_view
 from flipsync.formats import served_view
 from flipsync.integrations.named import StepPublisher
 from flipsync.synthetic import AdamSteps, llm_like_masters

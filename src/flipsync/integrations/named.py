@@ -20,10 +20,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from flipsync.board import BoardReader, Follower, KeyframeStep, PatchStep, Step
-from flipsync.board.parts import patch_from_parts
 from flipsync.board.store import Store, StoreOptions, open_store
-from flipsync.codec import ClassIndex, FingerprintTable, commit, stage
+from flipsync.codec import ClassIndex, commit, stage
+from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, ConfigError, VerificationError
+from flipsync.sidecar.commit import join_step
 from flipsync.trainer import Publisher, PublisherConfig, SoloGroup
 from flipsync.trainer.rounds import Published
 
@@ -206,7 +207,7 @@ class HostReplica:
             self._changed = None  # the whole view was replaced
         else:
             assert isinstance(step, PatchStep)
-            patch = patch_from_parts(step.parts, step.manifest, self.table, self.tensors)
+            patch = join_step(step, self.table, self.tensors)
             writes = stage(self.tensors, patch, self.table, index=self.index)
             commit(self.tensors, writes, self.table, index=self.index)
             if self._changed is not None:
