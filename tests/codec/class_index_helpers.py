@@ -9,7 +9,7 @@ import torch
 
 from flipsync.codec import ClassIndex
 from flipsync.codec.bits import bits_numpy, dtype_of
-from flipsync.codec.context import ClassTree, class_rule
+from flipsync.codec.class_index import ClassTree, class_rule
 from flipsync.codec.fingerprint import FingerprintTable
 
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from flipsync.codec import Patch, apply_patch, diff_views, squash
 from flipsync.codec.bits import bits_numpy, dtype_named
-from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder, class_rule, conditional_position_bits
+from flipsync.codec.class_index import BaseBits, ClassIndex, class_rule
+from flipsync.codec.context import ContextCoder, conditional_position_bits
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import CorruptPatchError, PatchError
 from flipsync.formats import served_view

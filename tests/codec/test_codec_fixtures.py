@@ -12,8 +12,9 @@ import torch
 
 from flipsync.codec import Patch, apply_patch
 from flipsync.codec.bits import dtype_named
+from flipsync.codec.class_index import BaseBits
 from flipsync.codec.container import PatchFileWriter
-from flipsync.codec.context import BaseBits, ContextCoder
+from flipsync.codec.context import ContextCoder
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.codec.section import encode_change
 from flipsync.errors import CorruptPatchError

@@ -18,7 +18,8 @@ from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files
 from flipsync.board.signing import Signer
 from flipsync.codec import Patch, diff_views, squash
 from flipsync.codec.bits import dtype_named
-from flipsync.codec.context import BaseBits, ContextCoder
+from flipsync.codec.class_index import BaseBits
+from flipsync.codec.context import ContextCoder
 from flipsync.domain.manifest import Kind, Manifest, Part
 from tests.strategies import PART_HASH, edit, patch_manifest
 

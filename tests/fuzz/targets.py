@@ -55,8 +55,9 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.signing import Signer, Verifier
     from flipsync.board.store import ObstoreStore
     from flipsync.codec import Patch, apply_patch
+    from flipsync.codec.class_index import BaseBits, ClassIndex
     from flipsync.codec.container import CONTAINER_FORMAT, CONTAINER_KEY, HEADER_TENSOR
-    from flipsync.codec.context import BaseBits, ClassIndex, ContextCoder
+    from flipsync.codec.context import ContextCoder
     from flipsync.codec.fingerprint import FingerprintTable
     from flipsync.domain.catchup import plan_catchup
     from flipsync.domain.headers import varint

@@ -6,7 +6,7 @@ docs/codec.md describes the coders and the container.
 """
 
 from flipsync.codec.apply import StagedWrite, UndoRecord, apply_patch, commit, scatter, stage
-from flipsync.codec.context import ClassIndex
+from flipsync.codec.class_index import ClassIndex
 from flipsync.codec.diff import Changes, DiffEngine
 from flipsync.codec.encode import PatchEncoder, diff_views
 from flipsync.codec.patch import Patch

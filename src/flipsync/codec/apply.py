@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
-from flipsync.codec.context import ClassIndex
+from flipsync.codec.class_index import ClassIndex
 from flipsync.codec.encode import gather_bits
 from flipsync.codec.fingerprint import FP_SEED, MASK64, FingerprintTable, Hasher, TensorId, combine_digests, fmix64
 from flipsync.codec.intrinsics import prefetch_write

@@ -26,8 +26,8 @@ ranks (a binary search per class) and which slice of the output are its own; the
 pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass. The encoder's
 pass (each change's class and rank) is chunked the same way and writes the same stream.
 
-A receiver that keeps a :class:`ClassIndex` of its tensors (per class, a Fenwick tree of counts over blocks,
-moved by every commit) needs no pass where changes are sparse: each rank's block is found by a search of its
+A receiver that keeps a ``ClassIndex`` (``codec.class_index``: per class, a Fenwick tree of counts over
+blocks, moved by every commit) needs no pass where changes are sparse: each rank's block is found by a search of its
 class's tree, and only the blocks that hold changes are read. The chunks take their class counts from it too.
 """
 
@@ -37,7 +37,6 @@ import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numba
@@ -45,6 +44,16 @@ import numpy as np
 
 from flipsync.codec.bitpack import flush_bits, put_bits, put_rice
 from flipsync.codec.bits import DType
+from flipsync.codec.class_index import (
+    MIN_BLOCK,
+    BaseBits,
+    ClassRule,
+    ClassTree,
+    class_rule,
+    count_classes,
+    tree_prefix,
+    tree_rows,
+)
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.codec.intrinsics import prefetch_read
 from flipsync.codec.rice import best_rice_k, rice_bits, rice_decode_runs
@@ -52,43 +61,6 @@ from flipsync.errors import CorruptPatchError
 
 _K_BITS = 6  # a class's Rice parameter, 0..62
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ClassRule:
-    """An element's class from its bit pattern u: ``((u >> s1) & m1) | (((u >> s2) & m2) << w1)``."""
-
-    s1: int
-    m1: int
-    s2: int = 0
-    m2: int = 0
-
-    @property
-    def w1(self) -> int:
-        return self.m1.bit_length()
-
-    @property
-    def n_classes(self) -> int:
-        return (self.m1 + 1) * (self.m2 + 1)
-
-
-# Float formats: the exponent field. U8 holds two packed E2M1 (FP4) codes: both codes' exponent bits.
-# E8M0 scales: their high nibble. Integers: one class (ctx then never beats Rice, and is not chosen).
-_RULES = {
-    "F64": ClassRule(52, 0x7FF),
-    "F32": ClassRule(23, 0xFF),
-    "F16": ClassRule(10, 0x1F),
-    "BF16": ClassRule(7, 0xFF),
-    "F8_E4M3": ClassRule(3, 0xF),
-    "F8_E5M2": ClassRule(2, 0x1F),
-    "F8_E8M0": ClassRule(4, 0xF),
-    "U8": ClassRule(1, 0x3, 5, 0x3),
-}
-_ONE_CLASS = ClassRule(0, 0)
-
-
-def class_rule(d: DType) -> ClassRule:
-    return _RULES.get(d.name, _ONE_CLASS)
 
 
 @numba.njit(nogil=True, cache=True)
@@ -341,94 +313,6 @@ def _emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after,
     return OK if emitted == out.shape[0] else CORRUPT
 
 
-@numba.njit(nogil=True, cache=True)
-def _count(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
-    """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
-    histograms, so that runs of one class do not wait on the previous store to the same counter."""
-    n_classes = counts.shape[0]
-    h = np.zeros((4, n_classes), dtype=np.int64)
-    two = m2 != 0
-    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
-    seg = base[lo:hi]
-    m = seg.shape[0]
-    for i in range(m):
-        u = np.uint64(seg[i])
-        c = (u >> a1) & b1
-        if two:
-            c |= ((u >> a2) & b2) << c2
-        h[i & 3, c] += 1
-    for c in range(n_classes):
-        counts[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
-
-
-# The class index: per class present in the base, a Fenwick tree over blocks of the base (tree[slot[c], i - 1]
-# covers class c's count in blocks (i - lowbit(i), i], 1-based; slot[c] is -1 for a class the base lacks), so
-# that a change of the base moves it in O(log blocks) and the block holding class c's r-th element is found in
-# O(log blocks).
-
-
-@numba.njit(nogil=True, cache=True)
-def _tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-untyped-def]
-    """Each block's class counts (``_count``), then the Fenwick sums."""
-    n_blocks = tree.shape[1]
-    counts = np.empty(slot.shape[0], dtype=np.int64)
-    for b in range(n_blocks):
-        _count(base, b * block, min((b + 1) * block, base.shape[0]), s1, m1, s2, m2, w1, counts)
-        for c in range(slot.shape[0]):
-            if slot[c] >= 0:
-                tree[slot[c], b] = counts[c]
-    for k in range(tree.shape[0]):
-        for i in range(1, n_blocks + 1):
-            j = i + (i & -i)
-            if j <= n_blocks:
-                tree[k, j - 1] += tree[k, i - 1]
-
-
-@numba.njit(nogil=True, cache=True)
-def _tree_move(tree, slot, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
-    """The base's ``old`` bits became ``new`` at ``positions``: O(changes x log blocks). Returns -1, or the first
-    change (not applied) whose new class has no tree yet (the base lacked it when the index was built), or -2
-    if the tree cannot describe the base."""
-    n_blocks = tree.shape[1]
-    a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
-    for j in range(positions.shape[0]):
-        u, v = np.uint64(old[j]), np.uint64(new[j])
-        c_old = ((u >> a1) & b1) | (((u >> a2) & b2) << c2)
-        c_new = ((v >> a1) & b1) | (((v >> a2) & b2) << c2)
-        if c_old == c_new:
-            continue
-        k_old, k_new = slot[c_old], slot[c_new]
-        if k_old < 0:
-            return -2  # an old value of a class the tree never counted: it does not describe the base
-        if k_new < 0:
-            return j
-        i = positions[j] // block + 1
-        while i <= n_blocks:
-            tree[k_old, i - 1] -= 1
-            tree[k_new, i - 1] += 1
-            i += i & -i
-    return -1
-
-
-@numba.njit(inline="always")
-def _tree_prefix(tree, blocks, k):  # type: ignore[no-untyped-def]
-    """The elements of the class in tree row k in the first ``blocks`` blocks."""
-    s = 0
-    i = blocks
-    while i > 0:
-        s += tree[k, i - 1]
-        i -= i & -i
-    return s
-
-
-@numba.njit(nogil=True, cache=True)
-def _tree_rows(tree, slot, cut, out):  # type: ignore[no-untyped-def]
-    """``out[j, c]``: class c's elements in the first ``cut[j]`` blocks."""
-    for j in range(cut.shape[0]):
-        for c in range(slot.shape[0]):
-            out[j, c] = _tree_prefix(tree, cut[j], slot[c]) if slot[c] >= 0 else 0
-
-
 _RUN = 64  # elements ``_place`` counts at a time before it scans them
 _AHEAD = 8  # how many changes ahead ``_place`` prefetches the block of
 
@@ -451,7 +335,7 @@ def _place(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, out):
         if first[c] < 0:
             continue
         row = slot[c]
-        if row < 0 or ranks[end[c] - 1] >= _tree_prefix(tree, n_blocks, row):
+        if row < 0 or ranks[end[c] - 1] >= tree_prefix(tree, n_blocks, row):
             return CORRUPT  # ranks past the class's size (or a class this base lacks)
         for t in range(first[c], end[c]):
             b, q, step = 0, ranks[t], top
@@ -549,140 +433,14 @@ def _log2_binom(u: int, n: int) -> float:
     return (math.lgamma(u + 1) - math.lgamma(n + 1) - math.lgamma(u - n + 1)) / math.log(2)
 
 
-@dataclass(frozen=True)
-class BaseBits:
-    """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on; optionally the
-    receiver's class index that holds it (as tensor ``name`` at fingerprint ``fp``), which the decoder asks
-    for the tensor's tree where it pays."""
-
-    bits: np.ndarray
-    dtype: DType
-    index: ClassIndex | None = None
-    name: str = ""
-    fp: int = 0
-
-
-_MIN_BLOCK = 512  # elements per index block at least: about what a change's block read costs against a pass
-
-
-def index_block(d: DType, numel: int, classes: int) -> tuple[int, type]:
-    """Elements per block of a class index of ``classes`` classes, and its counts' dtype: the index costs at
-    most 1/8 of the base."""
-    count = np.int32 if numel < 2**31 else np.int64
-    need = 8 * classes * np.dtype(count).itemsize // max(1, d.bits // 8)
-    return max(_MIN_BLOCK, 1 << (need - 1).bit_length()), count
-
-
-@dataclass
-class ClassTree:
-    """One tensor's class index: ``tree[slot[c]]`` is class c's Fenwick tree over blocks of ``block`` elements
-    (``slot[c]`` is -1 for a class the tensor lacked when it was built)."""
-
-    block: int
-    tree: np.ndarray
-    slot: np.ndarray
-
-
-@dataclass
-class _Entry:
-    fp: int  # the fingerprint of the tensor the tree describes
-    dtype: DType
-    numel: int
-    tree: ClassTree | None  # None: too small to index (remembered, so that it is not counted again)
-
-
-class ClassIndex:
-    """A receiver's class index of the tensors it holds: per tensor and class, a Fenwick tree of the class's
-    counts over blocks of the tensor. With it, a sparse ``ctx`` section decodes without a pass over its base
-    (each change's block is found in O(log blocks) and only that block is read), and a large base splits into
-    chunks without a counting pass: work that depends on the base alone, done before the patch arrives.
-
-    An entry is built the first time a tensor's ``ctx`` section is staged with the index where it may pay (two
-    passes over the tensor), or by :meth:`tree`, and then kept current by commit and rollback in O(changed x
-    log blocks). Each entry is tied to the fingerprint of the tensor it describes: one that does not match
-    what the receiver holds is rebuilt, never used. Memory: about 1/8 of the indexed tensors' bytes; tensors
-    of fewer than ``min_blocks`` blocks are not indexed.
-    """
-
-    def __init__(self, *, min_blocks: int = 8) -> None:
-        """``min_blocks``: index blocks a tensor must span to be indexed (a pass over fewer costs next to
-        nothing, and the index of a tensor smaller than that would cost more than 1/8 of it)."""
-        self._entries: dict[str, _Entry] = {}
-        self.min_blocks = min_blocks
-
-    def __contains__(self, name: object) -> bool:
-        e = self._entries.get(name)  # type: ignore[call-overload]
-        return e is not None and e.tree is not None
-
-    def nbytes(self) -> int:
-        return sum(e.tree.tree.nbytes for e in self._entries.values() if e.tree is not None)
-
-    def describes(self, name: str, fp: int) -> bool:
-        """Whether the index holds tensor ``name`` as of fingerprint ``fp`` (else its next use rebuilds it)."""
-        e = self._entries.get(name)
-        return e is not None and e.tree is not None and e.fp == fp
-
-    def base(self, name: str, bits: np.ndarray, d: DType, fp: int) -> BaseBits:
-        """``bits`` (the tensor ``name`` as it is now, fingerprint ``fp``) for the decoder, with this index."""
-        return BaseBits(np.ascontiguousarray(bits).reshape(-1), d, self, name, fp)
-
-    def tree(self, name: str, bits: np.ndarray, d: DType, fp: int) -> ClassTree | None:
-        """The class index of tensor ``name`` as it is now (``bits``, fingerprint ``fp``), built if the index
-        does not hold it at ``fp`` (two passes: the classes present, then the tree); None for a tensor too
-        small to index."""
-        bits = np.ascontiguousarray(bits).reshape(-1)
-        if bits.size < self.min_blocks * _MIN_BLOCK:
-            return None
-        e = self._entries.get(name)
-        if e is not None and e.fp == fp and e.dtype == d and e.numel == bits.size:
-            return e.tree
-        self._entries.pop(name, None)
-        rule = class_rule(d)
-        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
-        counts = np.zeros(rule.n_classes, dtype=np.int64)
-        _count(bits, 0, bits.size, *r, counts)
-        present = counts > 0
-        n_present = int(present.sum())
-        block, count = index_block(d, bits.size, n_present)
-        if bits.size < self.min_blocks * block:
-            self._entries[name] = _Entry(fp, d, bits.size, None)
-            return None
-        slot = np.where(present, np.cumsum(present) - 1, -1).astype(np.int64)
-        tree = np.empty((n_present, -(-bits.size // block)), dtype=count)
-        _tree_build(bits, block, *r, slot, tree)
-        found = ClassTree(block, tree, slot)
-        self._entries[name] = _Entry(fp, d, bits.size, found)
-        log.debug("class index of %s: %d classes x %d blocks of %d (%d bytes)", name, *tree.shape, block, tree.nbytes)
-        return found
-
-    def drop(self, name: str) -> None:
-        self._entries.pop(name, None)
-
-    def moved(self, name: str, positions: np.ndarray, old: np.ndarray, new: np.ndarray, fp: int, to_fp: int) -> None:
-        """Tensor ``name`` (fingerprint ``fp``) now holds ``new`` bits at ``positions`` (fingerprint ``to_fp``)."""
-        e = self._entries.get(name)
-        if e is None:
-            return
-        if e.fp != fp:
-            del self._entries[name]  # describes another tensor: rebuilt when next needed
-            return
-        if e.tree is None:  # still too small to index
-            e.fp = to_fp
-            return
-        rule = class_rule(e.dtype)
-        r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
-        t = e.tree
-        while (j := int(_tree_move(t.tree, t.slot, t.block, positions, old, new, *r))) != -1:
-            if j < 0:
-                del self._entries[name]
-                return
-            # a value entered a class the tensor lacked: one more (empty) tree for it, then the rest
-            u = int(new[j])
-            c = ((u >> rule.s1) & rule.m1) | (((u >> rule.s2) & rule.m2) << rule.w1)
-            t.slot[c] = t.tree.shape[0]
-            t.tree = np.concatenate([t.tree, np.zeros((1, t.tree.shape[1]), dtype=t.tree.dtype)])
-            positions, old, new = positions[j:], old[j:], new[j:]
-        e.fp = to_fp
+def _counts_before(
+    pool: ThreadPoolExecutor, bits: np.ndarray, bounds: np.ndarray, rule: tuple[int, ...], before: np.ndarray
+) -> None:
+    """``before[j, c]``: class c's elements before chunk j (``bounds``), counted chunk by chunk on ``pool``."""
+    list(
+        pool.map(lambda j: count_classes(bits, bounds[j], bounds[j + 1], *rule, before[j + 1]), range(len(before) - 1))
+    )
+    np.cumsum(before, axis=0, out=before)
 
 
 class ContextCoder(PositionCoder):
@@ -762,7 +520,7 @@ class ContextCoder(PositionCoder):
         then, if the receiver's index does not hold it yet, and kept current by its commits)."""
         if base.index is None:
             return None
-        if n * _MIN_BLOCK > self.place_upto * bits.size and not self._chunked(bits.size):
+        if n * MIN_BLOCK > self.place_upto * bits.size and not self._chunked(bits.size):
             return None
         return base.index.tree(base.name, bits, base.dtype, base.fp)
 
@@ -796,8 +554,7 @@ class ContextCoder(PositionCoder):
             _ranks(bits[lo:hi], positions[a:b] - lo, *r, before[j].copy(), cls[a:b], rank[a:b])
 
         with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
-            list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
-            np.cumsum(before, axis=0, out=before)
+            _counts_before(pool, bits, bounds, r, before)
             list(pool.map(ranks, range(n_chunks)))
         return cls, rank
 
@@ -833,13 +590,12 @@ class ContextCoder(PositionCoder):
         if index is not None:
             cut = np.linspace(0, index.tree.shape[1], n_chunks + 1).astype(np.int64)
             bounds = np.minimum(cut * index.block, bits.size)
-            _tree_rows(index.tree, index.slot, cut[:-1], before)
+            tree_rows(index.tree, index.slot, cut[:-1], before)
         else:
             bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
         with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
             if index is None:
-                list(pool.map(lambda j: _count(bits, bounds[j], bounds[j + 1], *r, before[j + 1]), range(n_chunks - 1)))
-                np.cumsum(before, axis=0, out=before)
+                _counts_before(pool, bits, bounds, r, before)
             offs = np.empty(n_chunks + 1, dtype=np.int64)
             _offsets(before, first, end, ranks, offs[:-1])
             offs[-1] = out.size  # a rank past its class's size in this base: the last chunk cannot emit it

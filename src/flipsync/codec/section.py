@@ -11,7 +11,7 @@ import torch
 
 from flipsync.codec import streams
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
-from flipsync.codec.context import BaseBits
+from flipsync.codec.class_index import BaseBits
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
 

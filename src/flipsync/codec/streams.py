@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from flipsync.codec.bitpack import FixedWidthCoder
+from flipsync.codec.class_index import BaseBits
 from flipsync.codec.coders import CoderRegistry, Params, PositionCoder, SymbolCoder
-from flipsync.codec.context import BaseBits, ContextCoder
+from flipsync.codec.context import ContextCoder
 from flipsync.codec.rans import RansCoder
 from flipsync.codec.rice import RiceCoder
 from flipsync.codec.zstd import ZstdCoder, ZstdGapsCoder
