@@ -1,6 +1,6 @@
 """The fused cast-and-diff pass changes nothing on the board: the same patches, byte for byte.
 
-Two publishers train the same model the same way, one with ``fused_diff`` and one without; every object
+Two publishers train the same model the same way, one with the fused pass (``feed.fuse``) and one without; every object
 they write (patches, spans, keyframes, manifests less their time, publisher and attempt folder) must be
 equal. The fused run must really have used the fused changes (no second diff of the pieces it cast).
 """
@@ -48,8 +48,9 @@ def publish(
     model = tiny_llama(seed=3, hidden=64, vocab=96)
     opt = adam(model, lr=lr)  # an RL rate: sparse changes (dense ones are diffed later, see below)
     store = open_store(root)
-    cfg = PublisherConfig(background=False, keyframe_policy=EVERY_2, fused_diff=fused)
+    cfg = PublisherConfig(background=False, keyframe_policy=EVERY_2)
     with Publisher(model, store, run="r", format=fmt, optimizer=opt, config=cfg) as pub:
+        pub.feed.fuse = fused
         train(model, opt, steps, vocab=96)
         pub.flush()
     replica = Replica(store, "r")
@@ -132,7 +133,7 @@ def test_squashed_and_background_steps_stay_bitwise(tmp_path: Path) -> None:
     store = open_store(tmp_path)
     model = tiny_llama(seed=1)
     opt = adam(model)
-    with Publisher(model, store, run="r", optimizer=opt, config=PublisherConfig(fused_diff=True)) as pub:
+    with Publisher(model, store, run="r", optimizer=opt, config=PublisherConfig()) as pub:
         train(model, opt, 6)
         pub.flush()
         pub.step()  # by hand, after a flush: diffed against the base it is sure to have

@@ -20,7 +20,7 @@ rows over their whole served view (`measure_quantized`): the publisher's fused p
 casts in one pass, scales diffed after), and `served_view` followed by ``np.flatnonzero`` or `DiffEngine`.
 
 Then the whole publication: two inline publishers (``background=False``, no spans, no keyframes) serve the
-same masters as bf16 to one in-memory board, one with ``fused_diff`` and one without, stepping in turns
+same masters as bf16 to one in-memory board, one with the fused pass and one without (``feed.fuse``), stepping in turns
 after every Adam step; the table gives each phase of `Published.timings` (view, diff, code, commit) per
 served byte, median over the steps.
 """
@@ -221,12 +221,11 @@ def publish_phases(masters: dict[str, torch.Tensor], steps: int, threads: int) -
             store,
             run=f"fused-{'on' if on else 'off'}",
             format="bf16",
-            config=PublisherConfig(
-                background=False, spans=False, keyframe_policy=never, fused_diff=on, threads=threads
-            ),
+            config=PublisherConfig(background=False, spans=False, keyframe_policy=never, threads=threads),
         )
         for on in (True, False)
     }
+    pubs[False].feed.fuse = False
     seen: dict[bool, list[dict[str, float]]] = {True: [], False: []}
     served = 0
     try:

@@ -33,38 +33,41 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    """How a `Publisher` computes, keeps and publishes its views (see docs/trainer.md for each knob)."""
+    """How a `Publisher` computes, keeps and publishes its views (docs/trainer.md has each knob). The defaults
+    suit one process or torchrun ranks publishing to an object store; each comment says when to change one."""
 
-    # The served view (passed to the format's recipe): fused groups share one fp8 / nvfp4 scale.
+    # The served view. fused_groups: tensors sharing one fp8 / nvfp4 scale ("auto": q/k/v and gate/up, as the
+    # engines fuse them); from_fp32: quantize the FP32 master instead of bf16(master), when the engine's own
+    # loader does; keep: which tensors the format quantizes (default: matrices), when the engine keeps others.
     fused_groups: FusedGroups = "auto"
     from_fp32: bool = False
-    # Plain casts (bf16 / fp16, and what quantized formats leave unquantized) of FP32 CPU masters, and of
-    # device masters kept on the device, find their changes while they are cast (`flipsync.formats.fused`)
-    # instead of in a second pass over both views; False: the separate cast and diff (same patches).
-    fused_diff: bool = True
-    keep: KeepFn | None = None  # which tensors are served in the format (the rest as they are)
-    # Threads: background=False publishes inside step(); defer_view computes an attached step's view off-thread.
+    keep: KeepFn | None = None
+    # Off the training thread (background=False: publish inside step(), e.g. to debug); keep_on="device": keep
+    # the previous view on the GPU when host memory is short (then no context coding); nice / threads: the
+    # background threads' priority and count (default: half of this rank's cores), for a busy host.
     background: bool = True
-    defer_view: bool = True
-    keep_on: KeepOn = "host"  # where the previous view is kept: pinned host memory or the device
+    keep_on: KeepOn = "host"
     nice: int = 19
-    threads: int | None = None  # None: default_threads()
-    # The board.
+    threads: int | None = None
+    # The board. publisher_id: the name manifests carry (default: host and pid); signer: sign manifests for
+    # replicas that verify them; keyframe_policy / span_policy: how often full keyframes and squashed spans are
+    # published (catch-up cost against storage); spans=False: no spans at all; chunk_bytes: the object size a
+    # part is uploaded in while it is coded (raise it for a store that charges per request).
     publisher_id: str | None = None
     signer: Signer | None = None
     keyframe_policy: KeyframePolicy | None = None
     span_policy: SpanPolicy | None = None
-    spans: bool = True  # publish squashed spans
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # a part goes up in objects of about this size while it is coded
+    spans: bool = True
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     # Code changed positions against the previous view (the codec's ``ctx`` coder, ~25% smaller patches at lr
     # 1e-6) where a rank holds the whole tensor on the host. Every engine decodes them (vLLM through its host
     # mirror); turn it off for a run whose replicas cannot hold the base on the host (a vLLM sidecar with
     # mirror=none): the run's manifests record the choice, so such a sidecar refuses the run at boot.
     context: bool = True
-    store_options: StoreOptions | None = None  # when ``board`` is a URL
+    store_options: StoreOptions | None = None  # when ``board`` is a URL: credentials, endpoint, timeouts
     max_store_failures: int = 3  # failed publications in a row before the publisher stops
-    manifest_retry_s: float = 30.0
-    timeout_s: float = 300.0  # bound on every exchange between ranks
+    manifest_retry_s: float = 30.0  # how long a manifest that did not land is retried
+    timeout_s: float = 300.0  # bound on every exchange between ranks: raise it for ranks that start far apart
     meta: Mapping[str, str | int] = field(default_factory=dict)  # extra manifest metadata of the first version
 
     def __post_init__(self) -> None:

@@ -70,6 +70,9 @@ class ViewFeed:
         # The worker uses those changes only if that view is still its base when it publishes the next one.
         self._ref: tuple[LocalView, object] | None = None
         self._caster: FusedCaster | None = None
+        # Plain casts find their changes while they cast (`flipsync.formats.fused`); False: a cast, then a diff
+        # of both views (the same patches: ``flipsync bench fused`` and the tests compare the two).
+        self.fuse = True
 
     def _make_plan(self) -> ViewPlan:
         drop_first = tied_targets(self.model)
@@ -135,7 +138,7 @@ class ViewFeed:
             self._drop_pending()  # about to be superseded: free it before computing the next
         t0 = time.perf_counter()
         ref = self._ref
-        fuse = Fuse(self._fused_caster(), ref[0]) if ref is not None and self.config.fused_diff else None
+        fuse = Fuse(self._fused_caster(), ref[0]) if ref is not None and self.fuse else None
         try:
             with self.stager.buffers() as alloc:
                 view = self.plan.compute(inputs, alloc, fuse)

@@ -227,7 +227,7 @@ class Publisher:
         """
         if self._hooks:
             raise ConfigError("this publisher is already attached to an optimizer")
-        if self.background and self.config.defer_view:
+        if self.background:
             self.feed.defer()
         self._hooks = [
             optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self._before_optimizer_step()),
