@@ -4,6 +4,7 @@ memory: no downloads. A fresh replica follows the board and must end bitwise equ
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from trainer_helpers import Replica, assert_bitwise, expected_view, tiny_llama
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
-from flipsync.errors import ConfigError
+from flipsync.errors import ConfigError, PermanentStoreError
 from flipsync.integrations.hf import FlipsyncCallback, check_shardable, unwrap_model
 
 pytest.importorskip("trl")
@@ -237,4 +238,93 @@ def test_ddp_two_ranks_publish_one_run(tmp_path: Path) -> None:
     replica = Replica(store, "ddp")
     assert replica.follow_each() == 3
     assert_bitwise(load_file(tmp_path / "ddp.st"), replica.tensors)
+    store.close()
+
+
+def ga_trainer(tmp_path: Path, callbacks: list[Any], steps: int = 4) -> Any:
+    """A plain Trainer, gradient accumulation 2, ``steps`` optimizer steps of a tiny Llama."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (32, 12), generator=g)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    return Trainer(model=tiny_model(64, seed=1), args=args, train_dataset=data, callbacks=callbacks)
+
+
+@pytest.mark.parametrize("way", [None, "chattr +i"], ids=["read-only", "immutable"])
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_an_existing_board_that_cannot_be_written_fails_train_within_seconds(
+    tmp_path: Path, background: bool, way: str | None
+) -> None:
+    """Issue 28: an existing board folder that cannot be written used to block train() for 170 s in
+    on_train_end. Now the first refused publication (v0) stops the publisher and train() raises it, one line
+    naming the board, at the first optimizer step (background) or before it (inline)."""
+    from tests.store_faults import read_only
+
+    board = tmp_path / "board"
+    ga_trainer(tmp_path, [FlipsyncCallback(board, run="first", background=False)], steps=1).train()
+    trainer = ga_trainer(tmp_path, [FlipsyncCallback(board, run="second", background=background)])
+    with read_only(board, way) as how:
+        t0 = time.monotonic()
+        with pytest.raises(PermanentStoreError) as err:
+            trainer.train()
+        elapsed = time.monotonic() - t0
+    text = str(err.value)
+    print(
+        f"\nHF callback, unwritable board ({how}, {'background' if background else 'inline'}): "
+        f"train() raised after {elapsed:.2f} s, at optimizer step {trainer.state.global_step}"
+    )
+    assert elapsed < 5, text
+    assert str(board) in text and "was refused" in text and "not writable" in text and "\n" not in text
+    assert board_versions(board, "first")  # the earlier run is untouched
+
+
+def test_a_board_refused_after_the_last_step_fails_on_train_end_within_seconds(tmp_path: Path) -> None:
+    """Training runs to its end; the last step's publication is refused (the board became read-only after
+    step 3 was published): on_train_end raises within seconds. What the user keeps: the trained model (all
+    four optimizer steps), its optimizer state, and the versions up to step 3 on the board, whole and
+    readable (in the background, steps may share a version)."""
+    import contextlib
+
+    from transformers import TrainerCallback
+
+    from tests.store_faults import read_only
+
+    board = tmp_path / "board"
+    cb = FlipsyncCallback(board, run="late", background=True)
+    closing = contextlib.ExitStack()
+    ended: list[float] = []
+
+    class LockBoardBeforeLastStep(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 4:
+                cb.flush()  # steps 1-3 are on the board
+                closing.enter_context(read_only(board))
+                ended.append(time.monotonic())
+
+    trainer = ga_trainer(tmp_path, [LockBoardBeforeLastStep(), cb])
+    with closing, pytest.raises(PermanentStoreError, match=r"v\d+ was not published.*was refused") as err:
+        trainer.train()
+    after_end = time.monotonic() - ended[0]
+    print(f"\nHF callback, board refused after the last step: raised {after_end:.2f} s after training ended")
+    assert after_end < 5, str(err.value)
+    assert trainer.state.global_step == 4 and trainer.optimizer.state
+    versions = board_versions(board, "late")
+    assert versions[max(versions)].meta["step"] == 3
+    store = open_store(board)
+    assert Replica(store, "late").follow_each() == max(versions)
     store.close()

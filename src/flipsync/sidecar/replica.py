@@ -222,10 +222,16 @@ class Replica:
             ok = self.sync_once()
             failures = 0 if ok else failures + 1
             delay = cfg.poll_interval_s if ok else min(cfg.max_backoff_s, cfg.poll_interval_s * 2 ** min(failures, 20))
+            if not ok and self._refused():
+                delay = cfg.max_backoff_s  # waiting does not heal a refusal: poll slowly until someone fixes it
             delay *= 1 + cfg.jitter * (2 * self._rng.random() - 1)
             if not (ok and self.wait_for_next(delay)):
                 self._wakeup.wait(delay)
             self._wakeup.clear()
+
+    def _refused(self) -> bool:
+        with self._n.lock:
+            return self._error is not None and self._error.kind == "board_refused"
 
     def wait_for_next(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the version after HEAD (True: waited, whatever the outcome), at the

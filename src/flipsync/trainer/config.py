@@ -60,8 +60,7 @@ class PublisherConfig:
     # where a rank holds the whole tensor on the host. Off by default: the vLLM engine cannot stage such patches.
     context: bool = False
     store_options: StoreOptions | None = None  # when ``board`` is a URL
-    max_store_failures: int = 3  # failed publications in a row before the publisher stops
-    manifest_retry_s: float = 30.0
+    max_store_failures: int = 3  # transient failed publications in a row before the publisher stops
     timeout_s: float = 300.0  # bound on every exchange between ranks
     meta: Mapping[str, str | int] = field(default_factory=dict)  # extra manifest metadata of the first version
 

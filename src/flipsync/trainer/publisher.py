@@ -125,7 +125,6 @@ class Publisher:
                 signer=cfg.signer,
                 keyframe_policy=cfg.keyframe_policy,
                 span_policy=cfg.span_policy,
-                manifest_retry_s=cfg.manifest_retry_s,
             )
             if rank0
             else None

@@ -40,7 +40,7 @@ from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.store import Store
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, dtype_named, int_view
 from flipsync.domain.headers import ViewRef
-from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
+from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
 from flipsync.trainer.group import Group
 from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
@@ -353,23 +353,32 @@ class VersionRounds:
 
     @staticmethod
     def _failure(e: FlipsyncError) -> tuple[str, Any]:
+        if isinstance(e, PermanentStoreError):
+            return "refused", str(e)
         if isinstance(e, StoreError):
             return "store", _first_line(e)
         if isinstance(e, ConflictError):
             return "conflict", str(e)
         return "fatal", _first_line(e)
 
+    def _on_rank(self, e: FlipsyncError) -> str:
+        """A rank's failure as rank 0 reports it (a store's refusal as it is, alone)."""
+        if self.group.size == 1 and isinstance(e, PermanentStoreError):
+            return str(e)
+        return f"rank {self.group.rank}: {_first_line(e)}"
+
     def _commit(
         self, stream: PartStream, patch: Patch | None, version: int, target_fp: str, meta: dict[str, Any]
     ) -> tuple[tuple[str, Any], list[Patch], int]:
         """Finish uploading this rank's part; rank 0 commits the version once every rank reported.
         (result, the parts for spans on rank 0, this rank's part size)."""
-        info, err, data = None, None, None
+        info, data = None, None
+        err: tuple[str, bool] | None = None  # (what failed, whether the store refused it for good)
         if patch is not None:
             try:
                 info = stream.finish(patch)
             except FlipsyncError as e:
-                err = f"rank {self.group.rank}: {_first_line(e)}"
+                err = (self._on_rank(e), isinstance(e, PermanentStoreError))
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()
                 if patch.needs_base:  # rank 0 squashes spans without the views in between: no ctx there
@@ -381,8 +390,12 @@ class VersionRounds:
             assert reports is not None and self.head_fp is not None
             errors = [e for e, _, _ in reports if e]
             parts = [i for _, i, _ in reports if i is not None]
-            if errors:
-                result = ("store", f"v{version} was not published: uploading parts failed ({'; '.join(errors)})")
+            refused = [text for text, permanent in errors if permanent]
+            if refused:  # one rank's refusal stops every rank: the next version would be refused too
+                result = ("refused", refused[0])
+            elif errors:
+                texts = "; ".join(text for text, _ in errors)
+                result = ("store", f"v{version} was not published: uploading parts failed ({texts})")
             else:
                 try:
                     self.board.commit_uploaded_patch(
@@ -436,6 +449,11 @@ class VersionRounds:
             self._drop(item)
             if status == "conflict":
                 raise ConflictError(str(detail))
+            if status == "refused":
+                raise PermanentStoreError(
+                    f"v{published.version} was not published and the publisher stopped: {detail}; then start it "
+                    "again (resume=True continues the run)"
+                )
             raise BoardError(f"publishing v{published.version} failed: {detail}")
         self._release(self.base)
         self.base, self.base_step, self.table, self.specs = item.view, item.step, table, layout
