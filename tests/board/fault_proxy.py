@@ -9,6 +9,7 @@ happened), so a test can count the tries a client made.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import threading
 import time
@@ -42,6 +43,7 @@ class FaultProxy:
     """``FaultProxy("http://127.0.0.1:PORT")``: ``url`` is the proxy's address for the same server."""
 
     def __init__(self, upstream: str) -> None:
+        self.upstream_url = upstream
         parsed = urlparse(upstream)
         self.upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self.base_path = parsed.path.rstrip("/")
@@ -53,7 +55,7 @@ class FaultProxy:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (the stdlib's name)
+            def log_message(self, format: str, *args: object) -> None:
                 pass
 
             def _handle(self) -> None:
@@ -83,7 +85,12 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+            def _guarded(self) -> None:
+                # the client may have given up on this request (its timeout): nothing to answer then
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self._handle()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _guarded
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True

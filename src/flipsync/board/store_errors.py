@@ -224,7 +224,7 @@ def describe_failure(e: BaseException, *, creates: bool, local: bool) -> StoreFa
             return out(BAD_REQUEST, cause)
     if "redirect without LOCATION" in text:  # object_store: "normally indicates an incorrectly configured region"
         return out(BAD_REQUEST, "the store answered with a bare redirect (usually a wrong region)")
-    if err is not None and err in _PERMANENT_ERRNO and not (http_kind and err in _CONNECT_ERRNO):
+    if err is not None and err in _PERMANENT_ERRNO and http_kind is None:  # a filesystem's, not a socket's
         return out(_PERMANENT_ERRNO[err], cause)
     if http_kind == "Timeout" or isinstance(e, TimeoutError) or err == errno.ETIMEDOUT:
         return out(TIMEOUT, cause if cause != "HTTP error: error sending request" else "the request timed out")

@@ -38,6 +38,7 @@ OBJECT_PREFIX = "/board/o/"
 WAIT_PREFIX = "/board/wait/"
 # Set by the relay on a failure of its board: "permanent" or "transient" (already retried by the relay).
 STORE_ERROR_HEADER = "X-Flipsync-Store-Error"
+STORE_ERROR_DETAIL_HEADER = "X-Flipsync-Store-Error-Detail"  # the board's message (a HEAD answer has no body)
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 # Cloud endpoints that open_store serves itself over https; any other http(s) URL is a relay.
 _CLOUD_HOSTS = ("amazonaws.com", "r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net")
@@ -248,6 +249,8 @@ class HttpStore(Store):
 
 
 def _message(r: httpx.Response) -> str:
+    if not r.content:
+        return r.headers.get(STORE_ERROR_DETAIL_HEADER, "")
     try:
         doc = r.json()
         if isinstance(doc, dict) and isinstance(doc.get("detail"), str):

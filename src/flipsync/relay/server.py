@@ -44,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from flipsync.board.layout import LATEST, MANIFEST, parse_version_name
 from flipsync.board.store import ObjectInfo, Store
 from flipsync.errors import ConfigError, FlipsyncError, NotFoundError, PermanentStoreError
-from flipsync.relay.client import STORE_ERROR_HEADER
+from flipsync.relay.client import STORE_ERROR_DETAIL_HEADER, STORE_ERROR_HEADER
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -372,7 +372,10 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
             return JSONResponse({"detail": str(e)}, status_code=404)
         # The board's store retried a transient failure already: the header tells the client not to again.
         kind = "permanent" if isinstance(e, PermanentStoreError | ConfigError) else "transient"
-        return JSONResponse({"detail": str(e)}, status_code=502, headers={STORE_ERROR_HEADER: kind})
+        # A HEAD answer has no body: the cause travels in a header too (one ASCII line).
+        detail = str(e).replace("\n", " ")[:1000].encode("ascii", "replace").decode()
+        headers = {STORE_ERROR_HEADER: kind, STORE_ERROR_DETAIL_HEADER: detail}
+        return JSONResponse({"detail": str(e)}, status_code=502, headers=headers)
 
     @app.api_route("/board/o/{path:path}", methods=["GET", "HEAD"])
     async def obj(request: Request, path: str) -> Response:

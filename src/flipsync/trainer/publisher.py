@@ -377,6 +377,12 @@ class Publisher:
     # -- state ------------------------------------------------------------------------------------------
 
     @property
+    def error(self) -> BaseException | None:
+        """What stopped this publisher for good (a refused store, a conflict, a lost rank); None while it
+        publishes. A stopped publisher raises it from every later call but ``close()``."""
+        return self.worker.error if hasattr(self, "worker") else None
+
+    @property
     def stats(self) -> PublisherStats:
         return PublisherStats(
             steps=self._step,
