@@ -376,6 +376,21 @@ def test_not_found_is_the_objects_unless_a_put_or_the_store_says_bucket(tmp_path
     store.delete(["never/was"])  # a missing object is not an error for a delete
 
 
-def test_options_document_the_bounds() -> None:
-    o = StoreOptions()
-    assert (o.max_retries, o.retry_timeout_s, o.init_backoff_s, o.max_backoff_s) == (5, 60.0, 0.1, 5.0)
+def test_board_md_states_the_bounds_the_code_uses() -> None:
+    """docs/board.md's table of retry bounds: every row names a StoreOptions field and its default."""
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "board.md").read_text()
+    rows = dict(re.findall(r"^\| [^|]+ \| `(\w+)` \| ([\d.]+)(?: s)? \|$", doc, flags=re.MULTILINE))
+    defaults = StoreOptions()
+    assert set(rows) == {
+        "max_retries",
+        "retry_timeout_s",
+        "init_backoff_s",
+        "max_backoff_s",
+        "request_timeout_s",
+        "connect_timeout_s",
+    }
+    for name, value in rows.items():
+        assert float(value) == float(getattr(defaults, name)), name
+    assert f"at most {defaults.max_retries + 1} tries" in doc.replace("\n", " ")

@@ -265,31 +265,60 @@ def ga_trainer(tmp_path: Path, callbacks: list[Any], steps: int = 4) -> Any:
     return Trainer(model=tiny_model(64, seed=1), args=args, train_dataset=data, callbacks=callbacks)
 
 
+class Clock:
+    """A callback (listed before FlipsyncCallback) that notes when each Trainer event reached the callbacks:
+    the time from the last one to train() raising is the time spent in FlipsyncCallback's handler."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        self.events: list[tuple[str, float]] = []
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_train_begin", time.monotonic()))
+
+            def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_step_end", time.monotonic()))
+
+            def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_train_end", time.monotonic()))
+
+        self.callback = Callback()
+
+
 @pytest.mark.parametrize("way", [None, "chattr +i"], ids=["read-only", "immutable"])
 @pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
 def test_an_existing_board_that_cannot_be_written_fails_train_within_seconds(
     tmp_path: Path, background: bool, way: str | None
 ) -> None:
     """Issue 28: an existing board folder that cannot be written used to block train() for 170 s in
-    on_train_end. Now the first refused publication (v0) stops the publisher and train() raises it, one line
-    naming the board, at the first optimizer step (background) or before it (inline)."""
+    on_train_end. Now the first refused publication (v0) stops the publisher, and the callback raises it,
+    one line naming the board, within seconds of the Trainer event it came in: on_train_begin (inline: v0
+    is published there), the next on_step_end or on_train_end (background)."""
     from tests.store_faults import read_only
 
     board = tmp_path / "board"
     ga_trainer(tmp_path, [FlipsyncCallback(board, run="first", background=False)], steps=1).train()
-    trainer = ga_trainer(tmp_path, [FlipsyncCallback(board, run="second", background=background)])
+    clock = Clock()
+    cb = FlipsyncCallback(board, run="second", background=background)
+    trainer = ga_trainer(tmp_path, [clock.callback, cb])
     with read_only(board, way) as how:
         t0 = time.monotonic()
         with pytest.raises(PermanentStoreError) as err:
             trainer.train()
-        elapsed = time.monotonic() - t0
+        raised = time.monotonic()
+    event, at = clock.events[-1]
     text = str(err.value)
     print(
-        f"\nHF callback, unwritable board ({how}, {'background' if background else 'inline'}): "
-        f"train() raised after {elapsed:.2f} s, at optimizer step {trainer.state.global_step}"
+        f"\nHF callback, unwritable board ({how}, {'background' if background else 'inline'}): raised in "
+        f"{event} {raised - at:.2f} s after it began (train() {raised - t0:.2f} s, optimizer step "
+        f"{trainer.state.global_step})"
     )
-    assert elapsed < 5, text
+    assert raised - at < 5, text
     assert str(board) in text and "was refused" in text and "not writable" in text and "\n" not in text
+    assert cb.publisher is None  # closed: nothing left running
     assert board_versions(board, "first")  # the earlier run is untouched
 
 
@@ -307,21 +336,22 @@ def test_a_board_refused_after_the_last_step_fails_on_train_end_within_seconds(t
     board = tmp_path / "board"
     cb = FlipsyncCallback(board, run="late", background=True)
     closing = contextlib.ExitStack()
-    ended: list[float] = []
+    clock = Clock()
 
     class LockBoardBeforeLastStep(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if state.global_step == 4:
                 cb.flush()  # steps 1-3 are on the board
                 closing.enter_context(read_only(board))
-                ended.append(time.monotonic())
 
-    trainer = ga_trainer(tmp_path, [LockBoardBeforeLastStep(), cb])
+    trainer = ga_trainer(tmp_path, [LockBoardBeforeLastStep(), clock.callback, cb])
     with closing, pytest.raises(PermanentStoreError, match=r"v\d+ was not published.*was refused") as err:
         trainer.train()
-    after_end = time.monotonic() - ended[0]
-    print(f"\nHF callback, board refused after the last step: raised {after_end:.2f} s after training ended")
-    assert after_end < 5, str(err.value)
+    event, at = clock.events[-1]
+    after_end = time.monotonic() - at
+    print(f"\nHF callback, board refused after the last step: raised in {event}, {after_end:.2f} s after it began")
+    assert event == "on_train_end" and after_end < 5, str(err.value)
+    assert cb.publisher is None
     assert trainer.state.global_step == 4 and trainer.optimizer.state
     versions = board_versions(board, "late")
     assert versions[max(versions)].meta["step"] == 3

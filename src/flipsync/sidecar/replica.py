@@ -27,7 +27,9 @@ again, and converges once the fault is gone:
   that version is reported and patches continue from it; anything else (a commit cut short by a killed
   sidecar, other weights) resyncs from a keyframe, so a half-written engine is never reported;
 - a base mismatch (the engine no longer holds the base it should) resyncs from a keyframe;
-- a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is.
+- a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is; one that
+  refuses reads for good (``PermanentStoreError``: permission, credentials, no bucket) too, and is polled
+  at ``max_backoff_s`` until someone fixes it.
 
 The replica composes three parts and keeps the books (state, metrics, status): the position on the board
 and the follow-and-replan loop are ``board.follow.Follower``'s, staging and committing one step is

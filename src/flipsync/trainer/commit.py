@@ -25,7 +25,7 @@ import blake3
 from flipsync.board.store import Store
 from flipsync.codec import Patch, PatchFileWriter
 from flipsync.domain.manifest import Chunk, Part
-from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +137,8 @@ class PartStream:
                 f.result()
             except FlipsyncError as e:
                 errors.append(e)
-        if errors:
-            raise errors[0]
+        if errors:  # a refusal first: it decides that the publisher stops
+            raise next((e for e in errors if isinstance(e, PermanentStoreError)), errors[0])
 
     def keep(self) -> None:
         """The version that references this part exists: ``abort`` must never delete it now."""
