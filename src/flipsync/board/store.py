@@ -151,7 +151,7 @@ class StoreOptions:
     allow_http: bool | None = None  # None: allow when the endpoint is http://
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
-    max_retries: int = 5
+    max_retries: int = 10
     retry_timeout_s: float = 60.0
     init_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
@@ -192,7 +192,9 @@ class StoreOptions:
             "backoff": {
                 "init_backoff": timedelta(seconds=self.init_backoff_s),
                 "max_backoff": timedelta(seconds=self.max_backoff_s),
-                "base": 2,
+                # obstore draws each wait at random between init_backoff and base x the last one
+                # (decorrelated jitter): with base 4 the waits about double, as flipsync's own retries do.
+                "base": 4,
             },
         }
 

@@ -41,7 +41,7 @@ from flipsync.board.store import Store
 from flipsync.codec import DiffEngine, FingerprintTable, Hasher, Patch, PatchBuilder, dtype_named, int_view
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
 from flipsync.trainer.group import Group
 from flipsync.trainer.part_builder import advance, build_part, diff_pieces, piece_fingerprint, table_of_pieces
 from flipsync.trainer.pieces import LocalView, PieceSpec
@@ -213,6 +213,7 @@ class VersionRounds:
         self.head: int | None = None
         self.head_fp: str | None = None
         self.last: Published | None = None
+        self.orphans: list[str] = []  # objects of this rank's failed attempts, removed after the next success
 
     # -- start ------------------------------------------------------------------------------------------
 
@@ -413,11 +414,20 @@ class VersionRounds:
                     ]
                 except FlipsyncError as e:
                     result = self._failure(e)
+                    if result[0] == "store":  # the manifest create may have failed after all: it may yet land
+                        result = ("unsure", result[1])
         result = self.group.broadcast(result, f"whether v{version} was published")
         if result[0] == "ok":
             stream.keep()
-        else:
-            stream.abort()  # unreferenced now; retention would remove it later anyway
+            orphans, self.orphans = self.orphans, []
+            if orphans:  # the store works again: remove what earlier failed attempts left
+                remove_unpublished(self.store, orphans)
+        elif result[0] == "store":
+            # Unreferenced now; removed after the next version lands, not while the store is failing (a delete
+            # now would most likely spend the store's retries failing too).
+            self.orphans += stream.abort(delete=False)
+        else:  # a manifest that lists the parts may still land late ("unsure"): left to retention
+            stream.abort(delete=result[0] != "unsure")
         return result, spans_input, 0 if info is None else info.size
 
     def _base_free(self, patch: Patch) -> Patch:
@@ -443,8 +453,8 @@ class VersionRounds:
         published: Published,
     ) -> Published:
         status, detail = result
-        if status == "store":  # the item is kept: the worker publishes it again unless a newer step covers it
-            raise RoundSkipped("store", str(detail))
+        if status in ("store", "unsure"):  # the item is kept: the worker publishes it again unless a newer step
+            raise RoundSkipped("store", str(detail))  # covers it
         if status != "ok":
             self._drop(item)
             if status == "conflict":
