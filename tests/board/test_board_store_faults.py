@@ -393,4 +393,4 @@ def test_board_md_states_the_bounds_the_code_uses() -> None:
     }
     for name, value in rows.items():
         assert float(value) == float(getattr(defaults, name)), name
-    assert f"at most {defaults.max_retries + 1} tries" in doc.replace("\n", " ")
+    assert f"tried at most {defaults.max_retries + 1} times" in doc.replace("\n", " ")
