@@ -40,7 +40,21 @@ class BoardError(FlipsyncError):
 
 
 class StoreError(BoardError):
-    """The object store failed (unreachable, timed out, refused)."""
+    """The object store failed (unreachable, timed out, refused).
+
+    The store layer raises one of its two subclasses, and callers decide by type: a `PermanentStoreError`
+    fails at once, a `TransientStoreError` was already retried within the store's bounds. A plain StoreError
+    (a wrapper's own failure) is treated as transient."""
+
+
+class PermanentStoreError(StoreError):
+    """The store refused in a way that waiting does not heal: permission or credentials, no such bucket or
+    container, a malformed request or configuration, no space left. Raised at once, never retried."""
+
+
+class TransientStoreError(StoreError):
+    """The store failed in a way that may heal (a timeout, throttling, a 5xx, a dropped connection) and kept
+    failing after the store's retries; the message says how often and for how long it tried."""
 
 
 class NotFoundError(BoardError):

@@ -12,7 +12,7 @@ import time
 import urllib.request
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -81,6 +81,23 @@ def make_s3_store(endpoint: str, options: StoreOptions | None = None) -> Obstore
 
 def _with_config(opts: StoreOptions, config: dict[str, str]) -> StoreOptions:
     return replace(opts, config=config)
+
+
+@dataclass(frozen=True)
+class MotoIam:
+    """The ``moto_iam`` fixture: an authenticating moto server and its users' keys (conftest)."""
+
+    endpoint: str
+    users: dict[str, dict[str, str]]
+    bucket: str = "iam-board"
+
+
+def moto_iam_store(
+    endpoint: str, keys: dict[str, str], bucket: str = "iam-board", options: StoreOptions | None = None
+) -> ObstoreStore:
+    opts = options or fast_options()
+    cfg = {"region": "us-east-1", "endpoint": endpoint, **keys, **opts.config}
+    return open_store(f"s3://{bucket}/board", _with_config(opts, cfg))
 
 
 # -- Azurite (Azure Blob) ---------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 - ``file``: obstore LocalStore in a temporary directory;
 - ``memory``: obstore MemoryStore;
 - ``s3``: moto's ThreadedMotoServer on 127.0.0.1 (a real S3 API server, honours If-None-Match);
-- ``azure``: Azurite (npm ``azurite``) on 127.0.0.1, skipped when ``azurite-blob`` is not installed.
+- ``azure``: Azurite (npm ``azurite``) on 127.0.0.1, skipped when ``azurite-blob`` is not installed;
+- ``moto_iam``: a second moto server that checks signatures and IAM policies (bad credentials, AccessDenied).
 
 Every client gets explicit fake credentials and a 127.0.0.1 endpoint, and metadata-service credentials are
 disabled, so nothing ever leaves the machine. Every wait is bounded.
@@ -11,12 +12,15 @@ disabled, so nothing ever leaves the machine. Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -24,11 +28,14 @@ import pytest
 from board_helpers import (
     AZURITE_ACCOUNT,
     S3_CREDS,
+    MotoIam,
     SilentS3,
+    build_run,
     fast_options,
     free_port,
     make_azure_store,
     make_s3_store,
+    moto_iam_store,
     wait_for_port,
 )
 
@@ -149,3 +156,49 @@ def silent_s3() -> Iterator[SilentS3]:
     for c in conns:
         c.close()
     srv.close()
+
+
+@pytest.fixture(scope="session")
+def moto_iam(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MotoIam]:
+    """A moto server of its own (a subprocess: moto's auth switch is process-wide) that checks signatures
+    and IAM policies, with a bucket holding a board ("run": v0-v2) and two users: ``reader`` may do anything
+    but s3:PutObject (an IAM policy denies it), ``writer`` anything."""
+    import boto3
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, 30.0, proc)
+        endpoint = f"http://127.0.0.1:{port}"
+        kw = {"endpoint_url": endpoint, "region_name": "us-east-1"}
+        creds = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+        boto3.client("s3", **kw, **creds).create_bucket(Bucket="iam-board")
+        iam = boto3.client("iam", **kw, **creds)
+        users = {}
+        for name, deny in (("reader", ["s3:PutObject"]), ("writer", [])):
+            iam.create_user(UserName=name)
+            key = iam.create_access_key(UserName=name)["AccessKey"]
+            statements: list[dict[str, object]] = [{"Effect": "Allow", "Action": "s3:*", "Resource": "*"}]
+            if deny:
+                statements.append({"Effect": "Deny", "Action": deny, "Resource": "*"})
+            policy = json.dumps({"Version": "2012-10-17", "Statement": statements})
+            iam.put_user_policy(UserName=name, PolicyName="board", PolicyDocument=policy)
+            users[name] = {"access_key_id": key["AccessKeyId"], "secret_access_key": key["SecretAccessKey"]}
+        build_run(moto_iam_store(endpoint, users["writer"]), 2)
+        req = urllib.request.Request(
+            f"{endpoint}/moto-api/reset-auth", data=b"0", method="POST", headers={"Content-Type": "text/plain"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:  # from now on every request is authenticated
+            assert resp.status == 200
+        yield MotoIam(endpoint, users)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)

@@ -16,7 +16,14 @@ from board_helpers import S3_CREDS, SilentS3, backend_params, fast_options, free
 from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
 
 from flipsync.board.store import ObstoreStore, StoreOptions, open_store
-from flipsync.errors import ConfigError, ConflictError, NotFoundError, StoreError
+from flipsync.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PermanentStoreError,
+    StoreError,
+    TransientStoreError,
+)
 
 MiB = 1 << 20
 
@@ -183,14 +190,14 @@ def test_options_are_validated() -> None:
 def test_store_that_times_out_gives_a_clear_bounded_error(silent_s3: SilentS3) -> None:
     s = silent_s3(max_retries=2)
     t0 = time.monotonic()
-    with pytest.raises(StoreError, match="failed") as err:
+    with pytest.raises(TransientStoreError, match=r"failed after 3 tries over") as err:  # obstore's retries
         s.get("runs/r/latest.json")
     assert time.monotonic() - t0 < 8
     assert "check that the store is reachable" in str(err.value)
     t0 = time.monotonic()
-    with pytest.raises(StoreError):
+    with pytest.raises(TransientStoreError, match=r"failed after \d tries"):  # a create is retried by flipsync
         s.put("runs/r/versions/000000000001/manifest.json", b"{}", create_only=True)
-    with pytest.raises(StoreError):
+    with pytest.raises(TransientStoreError):
         s.put("runs/r/versions/000000000001/x/part", b"data")  # retried, within the bound
     assert time.monotonic() - t0 < 15
 
@@ -203,12 +210,12 @@ def test_missing_cloud_credentials_are_named_not_the_metadata_endpoint() -> None
     def fail() -> None:
         raise OSError("Generic S3 error: Error performing PUT http://169.254.169.254/latest/api/token: 403")
 
-    with pytest.raises(StoreError) as err:
+    with pytest.raises(PermanentStoreError) as err:  # waiting would not make credentials appear
         store._call("list", "runs", fail)
     text = str(err.value)
     assert "no credentials for the s3 store" in text and "AWS_ACCESS_KEY_ID" in text and "AWS_ENDPOINT_URL" in text
     assert "169.254" not in text and "retried" not in text
     # with credentials given, the same failure is about reaching the store, and names the endpoint
-    store = ObstoreStore(MemoryStore(), "s3://bucket/board", cloud=("s3", True, "http://127.0.0.1:9"))
-    with pytest.raises(StoreError, match=r"check that the store is reachable \(endpoint http://127.0.0.1:9\)"):
+    store = ObstoreStore(MemoryStore(), "s3://bucket/board", fast_options(), cloud=("s3", True, "http://127.0.0.1:9"))
+    with pytest.raises(TransientStoreError, match=r"check that the store is reachable \(endpoint http://127.0.0.1:9\)"):
         store._call("list", "runs", fail)

@@ -12,8 +12,8 @@ import pytest
 
 from flipsync.board import BoardReader
 from flipsync.board.layout import RunLayout
-from flipsync.board.store import ObstoreStore
-from flipsync.errors import NotFoundError, StoreError
+from flipsync.board.store import ObjectInfo, ObstoreStore, StoreWrapper
+from flipsync.errors import NotFoundError, PermanentStoreError, StoreError, TransientStoreError
 from flipsync.relay.client import HttpStore, is_relay_url, open_board
 from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
 from flipsync.serving import ServerThread
@@ -280,3 +280,66 @@ def test_a_relay_told_not_to_fetch_ahead_only_waits(trainer: Trainer, store: Obs
         client.close()
     finally:
         server.stop()
+
+
+class RefusingBoard(StoreWrapper):
+    """The relay's board, refusing every read (as a bucket policy that denies this relay would)."""
+
+    def __init__(self, inner: ObstoreStore) -> None:
+        super().__init__(inner)
+        self.calls = 0
+
+    def _refuse(self, path: str) -> PermanentStoreError:
+        self.calls += 1
+        return PermanentStoreError(f"get {self.url}/{path} was refused: HTTP 403 AccessDenied; grant read access")
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        raise self._refuse(path)
+
+    def head(self, path: str) -> ObjectInfo:
+        raise self._refuse(path)
+
+    def exists(self, path: str) -> bool:
+        raise self._refuse(path)
+
+
+def test_a_board_refusal_through_the_relay_is_raised_at_once_and_not_retried(store: ObstoreStore) -> None:
+    upstream = RefusingBoard(store)
+    with ServerThread(create_relay_app(RelayCache(upstream, FAST_CONFIG))) as server:
+        client = HttpStore(server.url, timeout_s=5, retry_timeout_s=10, max_retries=4)
+        for call in (
+            lambda: client.get("runs/run/latest.json"),
+            lambda: client.head("runs/run/latest.json"),  # no body: the header carries the kind
+            lambda: client.wait_exists("runs/run/versions/000000000001/manifest.json", 5),
+        ):
+            before = upstream.calls
+            t0 = time.monotonic()
+            with pytest.raises(PermanentStoreError, match=r"the relay's board refused it.*AccessDenied"):
+                call()
+            assert time.monotonic() - t0 < 2
+            assert upstream.calls == before + 1  # neither the client nor the relay tried again
+        client.close()
+
+
+def test_a_transient_board_failure_through_the_relay_is_not_retried_again(store: ObstoreStore) -> None:
+    upstream = FlakyStore(store)
+    upstream.down = True
+    with ServerThread(create_relay_app(RelayCache(upstream, FAST_CONFIG))) as server:
+        client = HttpStore(server.url, timeout_s=5, retry_timeout_s=10, max_retries=4)
+        with pytest.raises(TransientStoreError, match=r"the relay retried it.*unreachable"):
+            client.get("runs/run/latest.json")
+        assert sum(upstream.heads.values()) + sum(upstream.gets.values()) <= 1  # one upstream try, by the relay
+        client.close()
+
+
+def test_a_relay_that_is_down_is_retried_within_its_bounds_and_says_so() -> None:
+    from tests.board.board_helpers import free_port
+
+    client = HttpStore(
+        f"http://127.0.0.1:{free_port()}", timeout_s=1, retry_timeout_s=5, max_retries=2, init_backoff_s=0.05
+    )
+    t0 = time.monotonic()
+    with pytest.raises(TransientStoreError, match=r"failed after 3 tries over .* s \(at most 2 retries within 5 s\)"):
+        client.get("runs/run/latest.json")
+    assert time.monotonic() - t0 < 5
+    client.close()

@@ -36,7 +36,7 @@ from flipsync.errors import (
     EngineError,
     FlipsyncError,
     NotFoundError,
-    StoreError,
+    TransientStoreError,
 )
 from flipsync.formats import served_view
 from flipsync.trainer.commit import PartStream
@@ -449,8 +449,8 @@ API_ROWS = [
     ApiRow(
         "an unreachable bucket",
         lambda e: _unreachable_bucket(),
-        StoreError,
-        ("runs/r1/latest.json", "check that the store is reachable"),
+        TransientStoreError,
+        ("runs/r1/latest.json", "failed after 1 try over", "check that the store is reachable"),
     ),
     ApiRow(
         "no run on the board the sidecar follows",

@@ -25,7 +25,7 @@ from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
-from flipsync.errors import EngineError, EngineUnavailableError, StoreError
+from flipsync.errors import EngineError, EngineUnavailableError, PermanentStoreError, StoreError
 from flipsync.formats import served_view
 from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
@@ -235,18 +235,22 @@ class FaultyEngine(Engine):
 
 
 class FlakyStore:
-    """A Store whose reads fail with StoreError while ``down`` is set, can be slow, and counts reads by path."""
+    """A Store whose reads fail with StoreError while ``down`` is set (PermanentStoreError, as a revoked
+    permission, while ``refused`` is), can be slow, and counts reads by path."""
 
     def __init__(self, inner: Store, *, get_delay_s: float = 0.0) -> None:
         self.inner = inner
         self.url = f"flaky+{inner.url}"
         self.down = False
+        self.refused = False
         self.get_delay_s = get_delay_s
         self.gets: collections.Counter[str] = collections.Counter()
         self.heads: collections.Counter[str] = collections.Counter()
         self.exist_checks: collections.Counter[str] = collections.Counter()
 
     def _check(self) -> None:
+        if self.refused:
+            raise PermanentStoreError(f"get {self.url} was refused: HTTP 403 AccessDenied (injected); grant access")
         if self.down:
             raise StoreError(f"{self.url} is unreachable (injected)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -244,6 +245,30 @@ def test_a_board_that_goes_away_leaves_the_replica_serving(store: ObstoreStore, 
     assert_failed(rep, "board_unreachable")
     flaky.down = False
     assert rep.sync_once() and rep.version == 1
+
+
+def test_a_board_that_refuses_reads_leaves_the_replica_serving_and_is_polled_slowly(
+    store: ObstoreStore, trainer: Trainer
+) -> None:
+    flaky = FlakyStore(store)
+    rep = Replica(BoardReader(flaky, "run"), tiny_engine(), config=fast_replica(poll=0.01, max_backoff=0.5))
+    assert rep.sync_once()
+    flaky.refused = True
+    trainer.step()
+    assert not rep.sync_once()
+    assert_failed(rep, "board_refused")
+    assert "AccessDenied" in rep.status()["error"]["message"] and rep.version == 0
+    rep.start()
+    try:
+        n = metric(rep, "flipsync_failures_total", kind="board_refused") or 0
+        time.sleep(1.2)
+        # A refusal is polled at max_backoff_s at once (passes at about 0, 0.5, 1.0 s), not 0.02, 0.04, ...
+        assert (metric(rep, "flipsync_failures_total", kind="board_refused") or 0) - n <= 4
+        flaky.refused = False
+        rep.wake()
+        assert rep.wait_version(1, 10) and same_bits(served(rep), trainer.views[1])
+    finally:
+        rep.stop()
 
 
 def test_the_loop_converges_and_backs_off(store: ObstoreStore, trainer: Trainer) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from trainer_helpers import RefusingStore, adam, follow_and_check, tiny_llama, t
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
-from flipsync.errors import ConflictError, FormatError, NonFiniteError, PatchError, StoreError
+from flipsync.errors import ConflictError, FormatError, NonFiniteError, PatchError, PermanentStoreError, StoreError
 from flipsync.trainer import Publisher, PublisherConfig
+from tests.store_faults import immutable, read_only
 
 
 def refuse_v2_parts_once() -> Callable[[str, bool, bytes], bool]:
@@ -93,7 +95,7 @@ def test_a_refused_write_skips_the_version_and_the_next_one_covers_it(tmp_path: 
     parts_left = [2]
 
     def refuse(path: str, create_only: bool, data: bytes) -> bool:
-        if where == "manifest":  # every try of the manifests of steps 1 and 2 (the board retries a create)
+        if where == "manifest":  # the manifests of steps 1 and 2
             return create_only and any(f'"step":{i},'.encode() in data for i in (1, 2))
         if "patch-" in path and parts_left[0] > 0:
             parts_left[0] -= 1
@@ -108,7 +110,7 @@ def test_a_refused_write_skips_the_version_and_the_next_one_covers_it(tmp_path: 
         store,
         run="flaky",
         optimizer=opt,
-        config=PublisherConfig(background=False, max_store_failures=3, manifest_retry_s=0.05),
+        config=PublisherConfig(background=False, max_store_failures=3),
     ) as pub:
         train(model, opt, 4)
     assert store.refused >= 2 and pub.stats.store_failures == 0
@@ -220,3 +222,87 @@ def test_the_slot_hears_that_an_item_is_done_only_after_the_workers_bookkeeping(
     assert seen == [(2, False, 0), (2, True, 1), (3, False, 0)]
     assert pub.flush() is not None and pub.stats.head == 2
     pub.close()
+
+
+# -- a board that refuses for good: the publisher stops within seconds, training keeps what it has -------------
+
+
+@pytest.mark.parametrize("way", [None, "chattr +i"], ids=["read-only", "immutable"])
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_an_existing_board_that_cannot_be_written_stops_the_publisher_within_seconds(
+    tmp_path: Path, background: bool, way: str | None
+) -> None:
+    board = tmp_path / "board"
+    with Publisher(tiny_llama(seed=3), board, run="earlier", config=PublisherConfig(background=False)):
+        pass  # an earlier run: the board folder exists, readable, with its runs/ folder
+    model = tiny_llama()
+    opt = adam(model)
+    with read_only(board, way) as how:
+        t0 = time.monotonic()
+        with pytest.raises(PermanentStoreError) as err:
+            # nice=0: a nice-19 worker on a machine whose cores others keep busy can wait seconds to run
+            config = PublisherConfig(background=background, nice=0)
+            pub = Publisher(model, board, run="new", optimizer=opt, config=config)
+            for _ in range(20):  # in the background, v0 fails on the worker: the next optimizer step raises
+                train(model, opt, 1)
+                time.sleep(0.05)
+        elapsed = time.monotonic() - t0
+        if background:
+            t1 = time.monotonic()
+            pub.close()  # reported already: close neither waits nor raises again
+            assert time.monotonic() - t1 < 5
+    text = str(err.value)
+    print(f"\nunwritable board ({how}, {'background' if background else 'inline'}): error after {elapsed:.2f} s")
+    assert elapsed < 5, text
+    assert "was refused" in text and str(board) in text and "v0 was not published" in text
+    assert "not writable" in text and "\n" not in text
+    assert Catalog(open_store(board), "earlier").list_versions() == [0]  # the earlier run is untouched
+
+
+def test_a_board_that_becomes_unwritable_mid_run_stops_the_next_step_and_keeps_what_landed(tmp_path: Path) -> None:
+    board = tmp_path / "board"
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, board, run="mid", optimizer=opt, config=PublisherConfig(nice=0))  # nice=0: see above
+    train(model, opt, 2)
+    pub.flush()
+    landed = versions_are_whole(open_store(board), "mid")
+    with read_only(board):
+        t0 = time.monotonic()
+        with pytest.raises(PermanentStoreError, match=r"v\d+ was not published and the publisher stopped"):
+            train(model, opt, 1)  # this step's publication is refused ...
+            pub.flush()  # ... and reported here at the latest
+        elapsed = time.monotonic() - t0
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(PermanentStoreError):
+            train(model, opt, 1)  # a stopped publisher stays stopped: the pre-step hook refuses the next step
+        t1 = time.monotonic()
+        pub.close()
+        close_s = time.monotonic() - t1
+    print(f"\nboard unwritable mid-run: error after {elapsed:.2f} s, close {close_s:.2f} s")
+    assert elapsed < 5 and close_s < 5
+    # What the user keeps: the model and optimizer as of the last step that ran (the refused step did not
+    # move the weights), and every version that landed, whole and readable.
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert opt.state and versions_are_whole(open_store(board), "mid") == landed
+
+
+def test_an_immutable_head_hint_does_not_stop_publishing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``latest.json`` is the only object a publisher overwrites; refused, it is a stale hint, and readers find
+    HEAD without it: the versions still land, each at once."""
+    board = tmp_path / "board"
+    store = open_store(board)
+    model = tiny_llama()
+    opt = adam(model)
+    pub = Publisher(model, store, run="hint", optimizer=opt, config=PublisherConfig(background=False))
+    with immutable(board / "runs" / "hint" / "latest.json"):
+        t0 = time.monotonic()
+        train(model, opt, 3)
+        elapsed = time.monotonic() - t0
+        pub.close()
+    assert elapsed < 10
+    assert versions_are_whole(store, "hint") == [0, 1, 2, 3]
+    assert any(
+        "could not update the HEAD hint" in r.getMessage() and "was refused" in r.getMessage() for r in caplog.records
+    )
+    follow_and_check(store, "hint", model)

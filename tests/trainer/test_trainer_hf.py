@@ -4,6 +4,7 @@ memory: no downloads. A fresh replica follows the board and must end bitwise equ
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from trainer_helpers import Replica, assert_bitwise, expected_view, tiny_llama
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
 from flipsync.domain.manifest import Kind
-from flipsync.errors import ConfigError
+from flipsync.errors import ConfigError, PermanentStoreError
 from flipsync.integrations.hf import FlipsyncCallback, check_shardable, unwrap_model
 
 pytest.importorskip("trl")
@@ -237,4 +238,125 @@ def test_ddp_two_ranks_publish_one_run(tmp_path: Path) -> None:
     replica = Replica(store, "ddp")
     assert replica.follow_each() == 3
     assert_bitwise(load_file(tmp_path / "ddp.st"), replica.tensors)
+    store.close()
+
+
+def ga_trainer(tmp_path: Path, callbacks: list[Any], steps: int = 4) -> Any:
+    """A plain Trainer, gradient accumulation 2, ``steps`` optimizer steps of a tiny Llama."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (32, 12), generator=g)
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    return Trainer(model=tiny_model(64, seed=1), args=args, train_dataset=data, callbacks=callbacks)
+
+
+class Clock:
+    """A callback (listed before FlipsyncCallback) that notes when each Trainer event reached the callbacks:
+    the time from the last one to train() raising is the time spent in FlipsyncCallback's handler."""
+
+    def __init__(self) -> None:
+        from transformers import TrainerCallback
+
+        self.events: list[tuple[str, float]] = []
+        clock = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_train_begin", time.monotonic()))
+
+            def on_step_end(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_step_end", time.monotonic()))
+
+            def on_train_end(self, *args: Any, **kwargs: Any) -> None:
+                clock.events.append(("on_train_end", time.monotonic()))
+
+        self.callback = Callback()
+
+
+@pytest.mark.parametrize("way", [None, "chattr +i"], ids=["read-only", "immutable"])
+@pytest.mark.parametrize("background", [False, True], ids=["inline", "background"])
+def test_an_existing_board_that_cannot_be_written_fails_train_within_seconds(
+    tmp_path: Path, background: bool, way: str | None
+) -> None:
+    """Issue 28: an existing board folder that cannot be written used to block train() for 170 s in
+    on_train_end. Now the first refused publication (v0) stops the publisher, and the callback raises it,
+    one line naming the board, within seconds of the Trainer event it came in: on_train_begin (inline: v0
+    is published there), the next on_step_end or on_train_end (background)."""
+    from tests.store_faults import read_only
+
+    board = tmp_path / "board"
+    ga_trainer(tmp_path, [FlipsyncCallback(board, run="first", background=False)], steps=1).train()
+    clock = Clock()
+    # nice=0: the time measured is the error path's; a nice-19 publisher thread on a machine whose cores other
+    # processes keep busy can wait seconds for a time slice, which says nothing about this code.
+    cb = FlipsyncCallback(board, run="second", background=background, nice=0)
+    trainer = ga_trainer(tmp_path, [clock.callback, cb])
+    with read_only(board, way) as how:
+        t0 = time.monotonic()
+        with pytest.raises(PermanentStoreError) as err:
+            trainer.train()
+        raised = time.monotonic()
+    event, at = clock.events[-1]
+    text = str(err.value)
+    print(
+        f"\nHF callback, unwritable board ({how}, {'background' if background else 'inline'}): raised in "
+        f"{event} {raised - at:.2f} s after it began (train() {raised - t0:.2f} s, optimizer step "
+        f"{trainer.state.global_step})"
+    )
+    assert raised - at < 5, text
+    assert str(board) in text and "was refused" in text and "not writable" in text and "\n" not in text
+    assert cb.publisher is None  # closed: nothing left running
+    assert board_versions(board, "first")  # the earlier run is untouched
+
+
+def test_a_board_refused_after_the_last_step_fails_on_train_end_within_seconds(tmp_path: Path) -> None:
+    """Training runs to its end; the last step's publication is refused (the board became read-only after
+    step 3 was published): on_train_end raises within seconds. What the user keeps: the trained model (all
+    four optimizer steps), its optimizer state, and the versions up to step 3 on the board, whole and
+    readable (in the background, steps may share a version)."""
+    import contextlib
+
+    from transformers import TrainerCallback
+
+    from tests.store_faults import read_only
+
+    board = tmp_path / "board"
+    cb = FlipsyncCallback(board, run="late", background=True, nice=0)  # nice=0: see the test above
+    closing = contextlib.ExitStack()
+    clock = Clock()
+
+    class LockBoardBeforeLastStep(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 4:
+                cb.flush()  # steps 1-3 are on the board
+                closing.enter_context(read_only(board))
+
+    trainer = ga_trainer(tmp_path, [LockBoardBeforeLastStep(), clock.callback, cb])
+    with closing, pytest.raises(PermanentStoreError, match=r"v\d+ was not published.*was refused") as err:
+        trainer.train()
+    event, at = clock.events[-1]
+    after_end = time.monotonic() - at
+    print(f"\nHF callback, board refused after the last step: raised in {event}, {after_end:.2f} s after it began")
+    assert event == "on_train_end" and after_end < 5, str(err.value)
+    assert cb.publisher is None
+    assert trainer.state.global_step == 4 and trainer.optimizer.state
+    versions = board_versions(board, "late")
+    assert versions[max(versions)].meta["step"] == 3
+    store = open_store(board)
+    assert Replica(store, "late").follow_each() == max(versions)
     store.close()

@@ -14,7 +14,7 @@ from flipsync.board.store import Store
 from flipsync.codec import apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.errors import BoardError, StoreError
+from flipsync.errors import BoardError, TransientStoreError
 from flipsync.formats import served_view
 from flipsync.sidecar.commit import join_step
 
@@ -186,7 +186,8 @@ def run_threads(fns: list[Any], timeout_s: float = 60.0) -> list[Any]:
 
 
 class RefusingStore:
-    """Refuses (StoreError) the writes ``refuse(path, create_only, data)`` picks; counts them."""
+    """Fails (TransientStoreError: a throttle that heals) the writes ``refuse(path, create_only, data)`` picks;
+    counts them."""
 
     def __init__(self, inner: Any, refuse: Any) -> None:
         self._inner = inner
@@ -199,7 +200,7 @@ class RefusingStore:
     def put(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         if self.refuse(path, create_only, data):
             self.refused += 1
-            raise StoreError(f"{self._inner.url}/{path}: 503 Slow Down (injected)")
+            raise TransientStoreError(f"{self._inner.url}/{path}: 503 Slow Down (injected)")
         self._inner.put(path, data, create_only=create_only)
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from flipsync.board.layout import MANIFEST
 from flipsync.board.store import Store, StoreWrapper, WaitingStore
-from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,8 @@ class FetchAhead(StoreWrapper):
         if held is not None:
             try:
                 data = held[1].result()
+            except PermanentStoreError:
+                raise  # refused for good: reading it again would be refused too
             except FlipsyncError as e:  # read it again below; a real problem shows there
                 log.debug("fetching %s ahead failed: %s", path, e)
             else:

@@ -18,7 +18,7 @@ What it does with an object the mirror does not have yet:
 - a **part** (any object other than a manifest or the HEAD hint) is only ever read because a manifest the
   reader holds lists it, so its absence is replication lag: the read waits for it on the mirror, polling
   every ``poll_s``, up to ``wait_s``; then reads it from the origin (``fallback`` and an origin given), or
-  raises ``StoreError`` saying which object the mirror lacks. The reader verifies every part's BLAKE3
+  raises ``TransientStoreError`` saying which object the mirror lacks. The reader verifies every part's BLAKE3
   before anything is applied, and a version is applied only once all its parts are in, so an object that
   never arrives leaves the replica on its last whole version: it tries again at its next poll (the mirror
   may still deliver it) and never applies part of a version;
@@ -55,7 +55,7 @@ from prometheus_client.registry import Collector
 from flipsync.board.layout import LATEST, MANIFEST
 from flipsync.board.store import ObjectInfo, Store, StoreWrapper
 from flipsync.domain.manifest import Manifest, parse_time
-from flipsync.errors import ConfigError, IntegrityError, NotFoundError, StoreError
+from flipsync.errors import ConfigError, IntegrityError, NotFoundError, TransientStoreError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -69,7 +69,7 @@ class MirrorPolicy:
 
     ``wait_s``: how long one read waits for a missing object to appear on the mirror (0: not at all).
     ``poll_s``: how often it looks meanwhile. ``fallback``: after ``wait_s``, read the object from the origin
-    board (needs an origin); without it the read fails with ``StoreError`` and the replica stays on its last
+    board (needs an origin); without it the read fails with ``TransientStoreError`` and the replica stays on its last
     whole version until the mirror has the object.
     """
 
@@ -210,7 +210,7 @@ class MirrorStore(StoreWrapper):
         with self._lock:
             self._unavailable += 1
         where = "nor on the origin" if self.policy.fallback else "(origin fallback is off)"
-        raise StoreError(
+        raise TransientStoreError(
             f"{op} {self.url}/{path}: the mirror still lacks this object after {self.policy.wait_s:g} s {where}; "
             "its replication is behind or dropped it. The replica stays on its last whole version and tries "
             "again; raise the wait (--mirror-wait) or read late objects from the origin (--origin URL)"

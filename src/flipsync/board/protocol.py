@@ -4,15 +4,15 @@
 creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``commit``). A conflict means
 someone else's manifest is there: our parts are unreferenced and removed, and a version's publisher is fenced
 off, while an extra keyframe or span that someone published with the same end views is theirs to return
-(idempotent). A failed or timed-out create may still have landed: it is read back, and retried within
-``manifest_retry_s``, never followed by deleting parts. `flipsync.board.writer` decides what to publish and
-when (fences, HEAD, cadence) on top of this.
+(idempotent). A create is tried once here (the store retries transient failures within its bounds, see
+`flipsync.board.store`); one that failed transiently may still have landed, so it is read back, and never
+followed by deleting parts. A permanent refusal (`PermanentStoreError`) is raised at once.
+`flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from flipsync.board.catalog import content_hash
@@ -20,7 +20,7 @@ from flipsync.board.layout import MANIFEST, new_attempt_id
 from flipsync.board.signing import Signer
 from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part, utc_now_iso
-from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, PermanentStoreError, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,12 @@ class ArtifactWriter:
         publisher_id: str,
         *,
         signer: Signer | None = None,
-        manifest_retry_s: float = 30.0,
         clock: Callable[[], str] = utc_now_iso,
     ) -> None:
         self.store = store
         self.run = run
         self.publisher_id = publisher_id
         self.signer = signer
-        self.manifest_retry_s = manifest_retry_s
         self._clock = clock
 
     def fenced_off(self, version: int, existing: bytes | None) -> ConflictError:
@@ -128,37 +126,36 @@ class ArtifactWriter:
         return m
 
     def _create_manifest(self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool) -> None:
-        deadline = time.monotonic() + self.manifest_retry_s
-        delay = 0.1
-        while True:
-            try:
-                self.store.put(path, payload, create_only=True)
+        """Create the manifest once; the store retries a transient failure within its own bounds (a retried
+        create whose earlier try landed reports a conflict, so a conflict is read back and compared)."""
+        try:
+            self.store.put(path, payload, create_only=True)
+            return
+        except ConflictError:
+            existing = self.read_existing(path)
+            if existing == payload:
+                return  # an earlier try of ours landed after all
+            # Someone else's manifest: our parts are unreferenced, so removing them is safe.
+            self._cleanup(written)
+            if not fence:
+                raise ConflictError(f"{self.store.url}/{path} already exists") from None
+            raise self.fenced_off(version, existing) from None
+        except PermanentStoreError:
+            raise  # refused: nothing was created, and trying again will not help
+        except StoreError as e:
+            # The last try may still have landed (a timeout). Never delete parts here: a late-landing manifest
+            # would then point at nothing. Read it back once.
+            existing = self.read_existing(path)
+            if existing == payload:
                 return
-            except ConflictError:
-                existing = self.read_existing(path)
-                if existing == payload:
-                    return  # an earlier try of ours landed after all
-                # Someone else's manifest: our parts are unreferenced, so removing them is safe.
+            if existing is not None:  # someone else's
                 self._cleanup(written)
                 if not fence:
                     raise ConflictError(f"{self.store.url}/{path} already exists") from None
                 raise self.fenced_off(version, existing) from None
-            except StoreError as e:
-                # The create may or may not have landed. Never delete parts here: a late-landing manifest
-                # would then point at nothing. Check, and retry within the bound.
-                existing = self.read_existing(path)
-                if existing == payload:
-                    return
-                if existing is not None:
-                    continue  # someone else's: handled as a conflict on the next try
-                if time.monotonic() + delay > deadline:
-                    raise StoreError(
-                        f"could not create {self.store.url}/{path} within {self.manifest_retry_s:g} s: {e}. "
-                        "The version is not published; its parts stay until retention removes them"
-                    ) from e
-                log.warning("creating %s failed, retrying in %.1f s: %s", path, delay, e)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            raise type(e)(
+                f"{e}. v{version} of run {self.run!r} is not published; its parts stay until retention removes them"
+            ) from e
 
     def read_existing(self, path: str) -> bytes | None:
         try:

@@ -3,8 +3,9 @@
 One client (obstore, the Rust ``object_store``) serves every backend: ``file://`` (the default, plain paths
 too), ``memory://``, ``s3://`` (AWS, and S3-compatible endpoints such as R2 or MinIO), ``gs://`` and
 ``az://``. Large objects go up as multipart uploads and come down as parallel range reads; transient errors
-are retried with exponential backoff inside a bounded total time; every failure surfaces as a
-``flipsync.errors`` exception that names the object and what to do.
+are retried with exponential backoff inside a bounded total time, permanent ones (permission, credentials,
+no bucket, no space) fail at once; every failure surfaces as a ``flipsync.errors`` exception that names the
+object, the cause and what to do (``PermanentStoreError`` or ``TransientStoreError`` for the store's own).
 """
 
 from __future__ import annotations
@@ -26,7 +27,30 @@ import obstore
 import obstore.exceptions as obx
 from obstore.store import LocalStore, MemoryStore
 
-from flipsync.errors import ConfigError, ConflictError, NotFoundError, StoreError
+from flipsync.board.store_errors import (
+    BAD_PATH,
+    BAD_REQUEST,
+    CREDENTIALS,
+    LOCAL_IO,
+    MISSING,
+    NO_BUCKET,
+    NO_SPACE,
+    PERMISSION,
+    SERVER,
+    THROTTLED,
+    UNSUPPORTED,
+    StoreFailure,
+    asks_metadata_service,
+    describe_failure,
+)
+from flipsync.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PermanentStoreError,
+    StoreError,
+    TransientStoreError,
+)
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, ObjectStore, RetryConfig
@@ -35,6 +59,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 MiB = 1 << 20
+_WRITES = frozenset({"put", "create", "delete", "fsync"})
 
 # Configuration keys (or environment variables) that give a backend explicit credentials; without any of
 # them obstore would ask a cloud metadata service, which StoreOptions can forbid.
@@ -115,7 +140,10 @@ class StoreOptions:
 
     ``config`` is passed to the backend (``endpoint``, ``region``, ``access_key_id``, ...; obstore also reads
     the usual environment variables such as ``AWS_ENDPOINT_URL`` or ``AZURE_STORAGE_ACCOUNT_NAME``).
-    Retries apply to 5xx, dropped connections and read timeouts, and stop after ``retry_timeout_s``.
+    Only transient failures are retried (timeouts, throttling, 5xx, dropped connections; see
+    `flipsync.board.store_errors`): each request at most ``max_retries`` times, with a backoff from
+    ``init_backoff_s`` doubling up to ``max_backoff_s``, and no retry starts after ``retry_timeout_s``.
+    Permanent failures (permission, credentials, no bucket, malformed requests, no space) are never retried.
     Every request is at most one multipart chunk or one range, so ``request_timeout_s`` bounds each.
     """
 
@@ -123,7 +151,7 @@ class StoreOptions:
     allow_http: bool | None = None  # None: allow when the endpoint is http://
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 60.0
-    max_retries: int = 5
+    max_retries: int = 10
     retry_timeout_s: float = 60.0
     init_backoff_s: float = 0.1
     max_backoff_s: float = 5.0
@@ -164,7 +192,9 @@ class StoreOptions:
             "backoff": {
                 "init_backoff": timedelta(seconds=self.init_backoff_s),
                 "max_backoff": timedelta(seconds=self.max_backoff_s),
-                "base": 2,
+                # obstore draws each wait at random between init_backoff and base x the last one
+                # (decorrelated jitter): with base 4 the waits about double, as flipsync's own retries do.
+                "base": 4,
             },
         }
 
@@ -317,70 +347,133 @@ class ObstoreStore(Store):
         return f"{self.url}/{path}"
 
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        """Run one obstore call and translate its failure into a flipsync error that names the object."""
-        try:
-            return fn()
-        except (obx.NotFoundError, FileNotFoundError):
-            raise NotFoundError(f"{self._where(path)} does not exist") from None
-        except (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError):
-            raise ConflictError(f"{self._where(path)} already exists; it was not overwritten") from None
-        except (obx.PermissionDeniedError, obx.UnauthenticatedError, PermissionError) as e:
-            raise StoreError(
-                f"{op} {self._where(path)} was refused ({_first_line(e)}); check the store credentials"
-            ) from e
-        except obx.UnknownConfigurationKeyError as e:
-            raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
-        except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
-            raise StoreError(self._failure(op, path, e)) from e
+        """Run one obstore call and translate its failure into a flipsync error that names the object.
 
-    def _failure(self, op: str, path: str, e: BaseException) -> str:
-        """What to tell a user whose request failed: the missing credentials or endpoint when that is the cause
-        (obstore's own text then names the cloud metadata endpoint it fell back to, which helps nobody)."""
-        text = str(e)
-        if self._cloud is not None:
-            kind, explicit, endpoint = self._cloud
-            if not explicit and any(m in text for m in ("169.254.169.254", "metadata", "fd00:ec2::254")):
-                return (
-                    f"{op} {self._where(path)}: no credentials for the {kind} store (none in the store options or "
-                    f"the environment, and no cloud metadata service answered); {_CREDENTIAL_HINTS[kind]}"
-                )
-            where = f"endpoint {endpoint}" if endpoint else f"the default {kind} endpoint"
-            return f"{op} {self._where(path)} failed: {_first_line(e)}; check that the store is reachable ({where})"
-        return f"{op} {self._where(path)} failed: {_first_line(e)}; check that the store is reachable"
+        A permanent failure raises PermanentStoreError at once. A transient one that obstore did not retry
+        itself (obstore retries 5xx, 429, dropped connections and timed-out reads and overwrites; a local
+        store retries nothing; a create-only put that timed out may have landed) is tried again here, within
+        the same bounds: at most ``max_retries`` retries in all, none starting after ``retry_timeout_s``.
+        Then TransientStoreError says how often and for how long it was tried.
+        """
+        o = self.options
+        start = time.monotonic()
+        tries = 0
+        delay = o.init_backoff_s
+        while True:
+            try:
+                return fn()
+            except (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError):
+                raise ConflictError(f"{self._where(path)} already exists; it was not overwritten") from None
+            except obx.UnknownConfigurationKeyError as e:
+                raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
+            except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
+                failure = describe_failure(e, creates=op in ("put", "create"), local=self._local_root is not None)
+                if failure.kind == MISSING and op not in ("put", "create"):
+                    raise NotFoundError(f"{self._where(path)} does not exist") from None
+                error: BaseException = e
+            tries += 1 + failure.retried
+            elapsed = time.monotonic() - start
+            if failure.permanent or self._missing_credentials(error):
+                raise PermanentStoreError(self._refused(op, path, failure, error)) from error
+            if failure.retried or tries > o.max_retries or elapsed + delay > o.retry_timeout_s:
+                raise TransientStoreError(self._gave_up(op, path, failure, tries, elapsed)) from error
+            log.warning(
+                "%s %s failed (%s); retrying in %.2f s (try %d of at most %d)",
+                op,
+                self._where(path),
+                failure.cause,
+                delay,
+                tries + 1,
+                o.max_retries + 1,
+            )
+            time.sleep(delay)
+            delay = min(2 * delay, o.max_backoff_s)
+
+    def _missing_credentials(self, e: BaseException) -> bool:
+        """obstore found no credentials and asked a cloud metadata service, which did not answer."""
+        return self._cloud is not None and not self._cloud[1] and asks_metadata_service(e)
+
+    def _refused(self, op: str, path: str, f: StoreFailure, e: BaseException) -> str:
+        """What to tell a user whose request the store refused for good: the cause and what to do."""
+        where = self._where(path)
+        if self._missing_credentials(e):
+            # obstore's own text names the metadata endpoint it fell back to, which helps nobody
+            assert self._cloud is not None
+            kind = self._cloud[0]
+            return (
+                f"{op} {where}: no credentials for the {kind} store (none in the store options or the environment, "
+                f"and no cloud metadata service answered); {_CREDENTIAL_HINTS[kind]}"
+            )
+        write = op in _WRITES
+        local = self._local_root is not None
+        kind = self._cloud[0] if self._cloud is not None else None
+        container = "container" if kind == "az" else "bucket"
+        advice = {
+            PERMISSION: (
+                f"{self._local_root} is not {'writable' if write else 'readable'} by this process (its permissions, "
+                "an immutable file or folder, or a read-only mount): fix that, or use another board"
+                if local
+                else f"these credentials may not {'write' if write else 'read'} it (a bucket or IAM policy denies "
+                f"it): grant them {'write' if write else 'read'} access to the board's {container} and prefix, or "
+                "use other credentials"
+            ),
+            CREDENTIALS: "the store rejected the credentials: check them"
+            + (f" ({_CREDENTIAL_HINTS[kind]})" if kind else ""),
+            NO_BUCKET: f"the {container} of {self.url} does not exist: create it, or fix the board URL",
+            BAD_REQUEST: "the store refused the request as malformed: check the board URL, its region and the "
+            "endpoint in the store options",
+            NO_SPACE: (
+                f"the filesystem holding {self._local_root} is full or over its quota: free space (e.g. "
+                "`flipsync board gc`), or use another board"
+                if local
+                else "the store's quota is used up: raise it or free space (e.g. `flipsync board gc`)"
+            ),
+            UNSUPPORTED: "this store cannot do that operation",
+            BAD_PATH: "the object path cannot be used on this store: check the board URL and the run name",
+            MISSING: f"a folder of the board vanished while it was written: check that nothing removes {self.url}",
+        }.get(f.kind, "waiting will not help: fix the cause")
+        return f"{op} {where} was refused: {f.cause}; {advice}"
+
+    def _gave_up(self, op: str, path: str, f: StoreFailure, tries: int, elapsed: float) -> str:
+        o = self.options
+        if f.kind in (THROTTLED, SERVER):
+            what = "the store is throttling requests" if f.kind == THROTTLED else "the store is failing"
+            advice = f"{what}; try again later, or allow more retries (StoreOptions max_retries, retry_timeout_s)"
+        elif f.kind == LOCAL_IO:
+            advice = f"the filesystem holding {self._local_root} keeps failing: check it"
+        elif self._cloud is not None:
+            _, _, endpoint = self._cloud
+            where = f"endpoint {endpoint}" if endpoint else f"the default {self._cloud[0]} endpoint"
+            advice = f"check that the store is reachable ({where})"
+        else:
+            advice = "check that the store is reachable"
+        return (
+            f"{op} {self._where(path)} failed after {tries} {'try' if tries == 1 else 'tries'} over {elapsed:.1f} s "
+            f"(retried with backoff, at most {o.max_retries} retries within {o.retry_timeout_s:g} s): {f.cause}; "
+            f"{advice}"
+        )
 
     # -- writes ---------------------------------------------------------------------------------------
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
-        o = self.options
         if create_only:
-            # Conditional puts are single requests (If-None-Match: *); the store decides atomically.
+            # Conditional puts are single requests (If-None-Match: *); the store decides atomically. A retried
+            # create whose earlier try had landed after all reports ConflictError: read the object to tell.
             self._call("create", path, lambda: obstore.put(self._inner, path, data, mode="create"))
             return
-        # obstore does not retry a timed-out PUT; an overwrite of a not-yet-published path is idempotent,
-        # so retry it here within the same bounded total time.
-        deadline = time.monotonic() + o.retry_timeout_s
-        delay = o.init_backoff_s
-        while True:
-            try:
-                self._call(
-                    "put",
-                    path,
-                    lambda: obstore.put(
-                        self._inner,
-                        path,
-                        data,
-                        mode="overwrite",
-                        chunk_size=o.multipart_chunk_bytes,
-                        max_concurrency=o.multipart_concurrency,
-                    ),
-                )
-                return
-            except StoreError as e:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.warning("put %s failed, retrying in %.2f s: %s", self._where(path), delay, e)
-                time.sleep(delay)
-                delay = min(delay * 2, o.max_backoff_s)
+        o = self.options
+        self._call(
+            "put",
+            path,
+            lambda: obstore.put(
+                self._inner,
+                path,
+                data,
+                mode="overwrite",
+                chunk_size=o.multipart_chunk_bytes,
+                max_concurrency=o.multipart_concurrency,
+            ),
+        )
 
     def delete(self, paths: Sequence[str]) -> None:
         for path in paths:
@@ -393,10 +486,7 @@ class ObstoreStore(Store):
         dirs: set[Path] = set()
         for path in paths:
             full = self._local_root / path
-            try:
-                _fsync(full)
-            except OSError as e:
-                raise StoreError(f"cannot fsync {full}: {e}") from e
+            self._call("fsync", path, lambda f=full: _fsync(f))  # type: ignore[misc]
             dirs.add(full.parent)
         for d in dirs:
             with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the file itself is durable

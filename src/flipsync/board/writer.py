@@ -65,7 +65,6 @@ class BoardWriter:
         keyframe_policy: KeyframePolicy | None = None,
         span_policy: SpanPolicy | None = None,
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-        manifest_retry_s: float = 30.0,
         clock: Callable[[], str] = utc_now_iso,
     ) -> None:
         self.store = store
@@ -77,9 +76,7 @@ class BoardWriter:
         self.span_policy = span_policy or SpanPolicy()
         self.max_shard_bytes = max_shard_bytes
         self._cadence = CadenceTracker(self.catalog, self.keyframe_policy, self.span_policy)
-        self._artifacts = ArtifactWriter(
-            store, run, self.publisher_id, signer=signer, manifest_retry_s=manifest_retry_s, clock=clock
-        )
+        self._artifacts = ArtifactWriter(store, run, self.publisher_id, signer=signer, clock=clock)
         self._head: Manifest | None = None
         self._resumed = False
 

@@ -49,7 +49,7 @@ import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from flipsync.board.store import Store
-from flipsync.errors import ConfigError
+from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.rounds import Published
 
@@ -126,6 +126,12 @@ class FlipsyncCallback(TrainerCallback):
     After training, ``published`` holds the last version (`Published`: version, step, bytes, ...) and
     ``run`` the run's name. A second ``train()`` on the same trainer continues the same run (resume).
     If training stops with an exception, Hugging Face does not call ``on_train_end``: call ``close()``.
+
+    A board that refuses writes for good (permission, credentials, no bucket, no space:
+    ``PermanentStoreError``) stops the publisher at its first refused version: ``train()`` raises it from
+    the next ``on_step_end``, or from ``on_train_end`` when training ended first, within seconds, and the
+    callback has closed its publisher. The model and optimizer keep their state as of the last step that
+    ran, and every version that landed stays on the board: fix the board and train on (the run resumes).
     """
 
     def __init__(
@@ -191,7 +197,12 @@ class FlipsyncCallback(TrainerCallback):
         if self.publisher is None:
             return  # on_train_begin refused or was not called: nothing to publish to
         meta: Mapping[str, str | int] = {"hf_global_step": int(state.global_step)} if self.step_meta else {}
-        self.publisher.step(meta=meta)
+        try:
+            self.publisher.step(meta=meta)
+        except FlipsyncError:
+            if self.publisher.error is not None:
+                self._release()  # stopped for good (e.g. a board that refuses writes): free it, then raise
+            raise
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -217,3 +228,15 @@ class FlipsyncCallback(TrainerCallback):
         finally:
             self.versions_before += pub.stats.versions
             pub.close(timeout_s)
+
+    def _release(self) -> None:
+        """Close a publisher that stopped with an error already raised (close() does not raise it again)."""
+        pub, self.publisher = self.publisher, None
+        if pub is None:
+            return
+        self.versions_before += pub.stats.versions
+        self.published = pub.rounds.last
+        try:
+            pub.close()
+        except FlipsyncError as e:  # a second failure while closing: the first one is what the user sees
+            log.warning("closing the stopped flipsync publisher: %s", e)

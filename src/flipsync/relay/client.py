@@ -8,8 +8,12 @@ island relay (``flipsync relay``) at ``http://HOST:PORT``. The relay API:
     GET  /board/list?prefix=<dir>   {"objects": [{"path", "size", "modified", "etag"}, ...]}
     GET  /board/dirs?prefix=<dir>   {"dirs": [name, ...]}
 
-404 is NotFoundError; connection failures, timeouts and 5xx are retried with exponential backoff (bounded in
-count and time) and then raised as StoreError naming the object.
+404 is NotFoundError. A failure of the relay's own board comes with ``X-Flipsync-Store-Error: permanent`` or
+``transient``: the relay's store has applied its retries already, so it is raised at once, as
+PermanentStoreError or TransientStoreError. Otherwise, connection failures, timeouts, 429 and 5xx from the
+relay itself (restarting, overloaded) are retried with exponential backoff, bounded in count
+(``max_retries``) and time (``retry_timeout_s``), then raised as TransientStoreError saying how often and for
+how long; any other refusal (4xx) is a PermanentStoreError at once.
 """
 
 from __future__ import annotations
@@ -26,12 +30,15 @@ from urllib.parse import quote, urlparse
 import httpx
 
 from flipsync.board.store import ObjectInfo, Store, StoreOptions, open_store
-from flipsync.errors import ConfigError, NotFoundError, StoreError
+from flipsync.errors import ConfigError, NotFoundError, PermanentStoreError, StoreError, TransientStoreError
 
 log = logging.getLogger(__name__)
 
 OBJECT_PREFIX = "/board/o/"
 WAIT_PREFIX = "/board/wait/"
+# Set by the relay on a failure of its board: "permanent" or "transient" (already retried by the relay).
+STORE_ERROR_HEADER = "X-Flipsync-Store-Error"
+STORE_ERROR_DETAIL_HEADER = "X-Flipsync-Store-Error-Detail"  # the board's message (a HEAD answer has no body)
 _RETRY_STATUS = frozenset({429, 500, 502, 503, 504})
 # Cloud endpoints that open_store serves itself over https; any other http(s) URL is a relay.
 _CLOUD_HOSTS = ("amazonaws.com", "r2.cloudflarestorage.com", ".blob.core.windows.net", ".dfs.core.windows.net")
@@ -97,8 +104,9 @@ class HttpStore(Store):
         headers: dict[str, str] | None = None,
         timeout_s: float | None = None,
     ) -> httpx.Response:
-        """One request, retried on transient failures within ``max_retries`` and ``retry_timeout_s``."""
-        deadline = time.monotonic() + self.retry_timeout_s
+        """One request, retried on transient failures of the relay itself within ``max_retries`` and
+        ``retry_timeout_s`` (a failure of the relay's board was retried by the relay: raised at once)."""
+        start = time.monotonic()
         delay = self.init_backoff_s
         attempt = 0
         while True:
@@ -115,14 +123,28 @@ class HttpStore(Store):
                     raise NotFoundError(f"{self.url}/{what} does not exist")
                 if r.status_code < 400:
                     return r
+                upstream = r.headers.get(STORE_ERROR_HEADER)
+                if upstream == "permanent":
+                    raise PermanentStoreError(
+                        f"{method} {self.url}/{what}: the relay's board refused it: {_message(r)}"
+                    )
+                if upstream is not None:
+                    raise TransientStoreError(
+                        f"{method} {self.url}/{what}: the relay's board failed (the relay retried it): {_message(r)}"
+                    )
                 problem = f"HTTP {r.status_code}: {_message(r)}"
                 if r.status_code not in _RETRY_STATUS:
-                    raise StoreError(f"{method} {self.url}/{what} was refused ({problem})")
+                    raise PermanentStoreError(
+                        f"{method} {self.url}/{what} was refused ({problem}); check the relay URL "
+                        "(http(s)://HOST:PORT of a flipsync relay)"
+                    )
             attempt += 1
-            if attempt > self.max_retries or time.monotonic() + delay > deadline:
-                raise StoreError(
-                    f"{method} {self.url}/{what} failed: {problem} (tried {attempt} times; "
-                    "check that the relay is running and reachable)"
+            elapsed = time.monotonic() - start
+            if attempt > self.max_retries or elapsed + delay > self.retry_timeout_s:
+                raise TransientStoreError(
+                    f"{method} {self.url}/{what} failed after {attempt} {'try' if attempt == 1 else 'tries'} over "
+                    f"{elapsed:.1f} s (at most {self.max_retries} retries within {self.retry_timeout_s:g} s): "
+                    f"{problem}; check that the relay is running and reachable"
                 )
             log.debug("%s %s failed (%s); retrying in %.2f s", method, what, problem, delay)
             time.sleep(delay)
@@ -131,7 +153,7 @@ class HttpStore(Store):
     @staticmethod
     def _object(path: str) -> str:
         if not path or path.startswith("/"):
-            raise StoreError(f"bad object path {path!r}")
+            raise PermanentStoreError(f"bad object path {path!r}")
         return OBJECT_PREFIX + quote(path, safe="/")
 
     # -- Store port -----------------------------------------------------------------------------------
@@ -152,7 +174,7 @@ class HttpStore(Store):
         r = self._request("HEAD", self._object(path), path)
         size = r.headers.get("content-length")
         if size is None or not size.isdigit():
-            raise StoreError(f"HEAD {self.url}/{path} gave no Content-Length")
+            raise PermanentStoreError(f"HEAD {self.url}/{path} gave no Content-Length: is {self.url} a flipsync relay?")
         return ObjectInfo(path, int(size), _parse_time(r.headers.get("last-modified")), r.headers.get("etag"))
 
     def wait_exists(self, path: str, timeout_s: float) -> bool | None:
@@ -176,7 +198,9 @@ class HttpStore(Store):
         try:
             return bool(r.json()["exists"])
         except (ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"the relay at {self.url} answered a wait for {path!r} with garbage: {e}") from None
+            raise PermanentStoreError(
+                f"the relay at {self.url} answered a wait for {path!r} with garbage: {e}"
+            ) from None
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         r = self._request("GET", "/board/list", f"{prefix} (list)", params={"prefix": prefix.rstrip("/")})
@@ -186,7 +210,9 @@ class HttpStore(Store):
                 for o in r.json()["objects"]
             ]
         except (ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}") from None
+            raise PermanentStoreError(
+                f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}"
+            ) from None
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         r = self._request("GET", "/board/dirs", f"{prefix} (dirs)", params={"prefix": prefix.rstrip("/")})
@@ -196,10 +222,12 @@ class HttpStore(Store):
                 raise TypeError("names must be strings")
             return sorted(dirs)
         except (ValueError, KeyError, TypeError) as e:
-            raise StoreError(f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}") from None
+            raise PermanentStoreError(
+                f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}"
+            ) from None
 
     def _read_only(self, op: str) -> StoreError:
-        return StoreError(f"{op} on {self.url}: a relay is read-only; publish to the board itself")
+        return PermanentStoreError(f"{op} on {self.url}: a relay is read-only; publish to the board itself")
 
     def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
         raise self._read_only(f"put {path}")
@@ -221,6 +249,8 @@ class HttpStore(Store):
 
 
 def _message(r: httpx.Response) -> str:
+    if not r.content:
+        return r.headers.get(STORE_ERROR_DETAIL_HEADER, "")
     try:
         doc = r.json()
         if isinstance(doc, dict) and isinstance(doc.get("detail"), str):

@@ -43,7 +43,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from flipsync.board.layout import LATEST, MANIFEST, parse_version_name
 from flipsync.board.store import ObjectInfo, Store
-from flipsync.errors import ConfigError, FlipsyncError, NotFoundError
+from flipsync.errors import ConfigError, FlipsyncError, NotFoundError, PermanentStoreError
+from flipsync.relay.client import STORE_ERROR_DETAIL_HEADER, STORE_ERROR_HEADER
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -257,6 +258,8 @@ class RelayCache:
             self.metrics.upstream.labels(op="wait").inc()
             try:
                 found = await loop.run_in_executor(self._pool, self.store.exists, path)
+            except (PermanentStoreError, ConfigError):
+                raise  # refused for good: every waiter hears it now
             except FlipsyncError as e:  # the board is unreachable for now: keep trying while anyone waits
                 self.metrics.upstream_errors.inc()
                 log.debug("waiting for %s: %s", path, e)
@@ -367,7 +370,12 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
     def failure(e: Exception) -> JSONResponse:
         if isinstance(e, NotFoundError):
             return JSONResponse({"detail": str(e)}, status_code=404)
-        return JSONResponse({"detail": str(e)}, status_code=502)
+        # The board's store retried a transient failure already: the header tells the client not to again.
+        kind = "permanent" if isinstance(e, PermanentStoreError | ConfigError) else "transient"
+        # A HEAD answer has no body: the cause travels in a header too (one ASCII line).
+        detail = str(e).replace("\n", " ")[:1000].encode("ascii", "replace").decode()
+        headers = {STORE_ERROR_HEADER: kind, STORE_ERROR_DETAIL_HEADER: detail}
+        return JSONResponse({"detail": str(e)}, status_code=502, headers=headers)
 
     @app.api_route("/board/o/{path:path}", methods=["GET", "HEAD"])
     async def obj(request: Request, path: str) -> Response:
@@ -403,7 +411,10 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
             return JSONResponse({"detail": why}, status_code=400)
         if not 0 <= timeout <= cache.config.max_wait_s:
             return JSONResponse({"detail": f"timeout must be within 0..{cache.config.max_wait_s:g} s"}, status_code=400)
-        return JSONResponse({"exists": await cache.wait_exists(path, timeout)})
+        try:
+            return JSONResponse({"exists": await cache.wait_exists(path, timeout)})
+        except FlipsyncError as e:
+            return failure(e)
 
     @app.get("/board/list")
     async def listing(prefix: str = "") -> Response:

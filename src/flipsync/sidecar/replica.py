@@ -27,7 +27,9 @@ again, and converges once the fault is gone:
   that version is reported and patches continue from it; anything else (a commit cut short by a killed
   sidecar, other weights) resyncs from a keyframe, so a half-written engine is never reported;
 - a base mismatch (the engine no longer holds the base it should) resyncs from a keyframe;
-- a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is.
+- a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is; one that
+  refuses reads for good (``PermanentStoreError``: permission, credentials, no bucket) too, and is polled
+  at ``max_backoff_s`` until someone fixes it.
 
 The replica composes three parts and keeps the books (state, metrics, status): the position on the board
 and the follow-and-replan loop are ``board.follow.Follower``'s, staging and committing one step is
@@ -222,10 +224,16 @@ class Replica:
             ok = self.sync_once()
             failures = 0 if ok else failures + 1
             delay = cfg.poll_interval_s if ok else min(cfg.max_backoff_s, cfg.poll_interval_s * 2 ** min(failures, 20))
+            if not ok and self._refused():
+                delay = cfg.max_backoff_s  # waiting does not heal a refusal: poll slowly until someone fixes it
             delay *= 1 + cfg.jitter * (2 * self._rng.random() - 1)
             if not (ok and self.wait_for_next(delay)):
                 self._wakeup.wait(delay)
             self._wakeup.clear()
+
+    def _refused(self) -> bool:
+        with self._n.lock:
+            return self._error is not None and self._error.kind == "board_refused"
 
     def wait_for_next(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the version after HEAD (True: waited, whatever the outcome), at the

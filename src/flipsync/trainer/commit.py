@@ -24,7 +24,7 @@ import blake3
 
 from flipsync.board.store import Store
 from flipsync.domain.manifest import Chunk, Part
-from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ class PartStream:
         self._uploads: list[Future[None]] = []
         self._first = b""
         self._kept = False
+        self._aborted = False
         self._lock = threading.Lock()  # add() runs on the coder, abort() may run on the publishing thread
 
     def add(self, data: bytes | memoryview) -> None:
@@ -128,24 +129,35 @@ class PartStream:
                 f.result()
             except FlipsyncError as e:
                 errors.append(e)
-        if errors:
-            raise errors[0]
+        if errors:  # a refusal first: it decides that the publisher stops
+            raise next((e for e in errors if isinstance(e, PermanentStoreError)), errors[0])
 
     def keep(self) -> None:
         """The version that references this part exists: ``abort`` must never delete it now."""
         self._kept = True
 
-    def abort(self) -> None:
-        """Remove whatever was uploaded, unless kept (the version will not reference it); best effort."""
-        if self._kept:
-            return
+    def abort(self, *, delete: bool = True) -> list[str]:
+        """Stop the uploads; unless kept (the version will not reference them), remove what was uploaded, best
+        effort, once. ``delete=False`` leaves the objects and returns their paths, for the caller to delete
+        later (once the store works again) or to leave to retention (a manifest listing them may land)."""
+        if self._kept or self._aborted:
+            return []
+        self._aborted = True
         with self._lock:
             uploads, self._uploads = self._uploads, []
         for f in uploads:
             f.cancel()
         wait(uploads)  # an upload still running would land after the delete
         paths = [f"{self.version_dir}/{rel}" for rel in (self.name, *(r for r, _ in self._chunks))]
-        try:
-            self.store.delete(paths)
-        except FlipsyncError as e:  # unreferenced now; retention removes it later anyway
-            log.debug("could not remove an unpublished part: %s", e)
+        if not delete:
+            return paths
+        remove_unpublished(self.store, paths)
+        return []
+
+
+def remove_unpublished(store: Store, paths: list[str]) -> None:
+    """Delete the objects of a part no version references; best effort (retention removes them otherwise)."""
+    try:
+        store.delete(paths)
+    except FlipsyncError as e:
+        log.debug("could not remove an unpublished part: %s", e)

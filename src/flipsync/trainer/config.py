@@ -65,8 +65,7 @@ class PublisherConfig:
     # mirror=none): the run's manifests record the choice, so such a sidecar refuses the run at boot.
     context: bool = True
     store_options: StoreOptions | None = None  # when ``board`` is a URL: credentials, endpoint, timeouts
-    max_store_failures: int = 3  # failed publications in a row before the publisher stops
-    manifest_retry_s: float = 30.0  # how long a manifest that did not land is retried
+    max_store_failures: int = 3  # transient failed publications in a row before the publisher stops
     timeout_s: float = 300.0  # bound on every exchange between ranks: raise it for ranks that start far apart
     meta: Mapping[str, str | int] = field(default_factory=dict)  # extra manifest metadata of the first version
 

@@ -133,7 +133,6 @@ class Publisher:
                 signer=cfg.signer,
                 keyframe_policy=cfg.keyframe_policy,
                 span_policy=cfg.span_policy,
-                manifest_retry_s=cfg.manifest_retry_s,
             )
             if rank0
             else None
@@ -393,6 +392,12 @@ class Publisher:
             raise BoardError(f"the publisher's background thread failed: {w.error!r}") from w.error
 
     # -- state ------------------------------------------------------------------------------------------
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped this publisher for good (a refused store, a conflict, a lost rank); None while it
+        publishes. A stopped publisher raises it from every later call but ``close()``."""
+        return self.worker.error if hasattr(self, "worker") else None
 
     @property
     def stats(self) -> PublisherStats:

@@ -42,8 +42,8 @@ from flipsync.codec import Changes, DiffEngine, Patch, PatchEncoder
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorId
 from flipsync.domain.headers import ViewRef
-from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, StoreError
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream
+from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
+from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
 from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import LocalView, PieceSpec
 from flipsync.trainer.slot import Item
@@ -209,6 +209,7 @@ class VersionRounds:
         self.head: int | None = None
         self.head_fp: str | None = None
         self.last: Published | None = None
+        self.orphans: list[str] = []  # objects of this rank's failed attempts, removed after the next success
 
     # -- start ------------------------------------------------------------------------------------------
 
@@ -351,11 +352,19 @@ class VersionRounds:
 
     @staticmethod
     def _failure(e: FlipsyncError) -> tuple[str, Any]:
+        if isinstance(e, PermanentStoreError):
+            return "refused", str(e)
         if isinstance(e, StoreError):
             return "store", _first_line(e)
         if isinstance(e, ConflictError):
             return "conflict", str(e)
         return "fatal", _first_line(e)
+
+    def _on_rank(self, e: FlipsyncError) -> str:
+        """A rank's failure as rank 0 reports it (a store's refusal as it is, alone)."""
+        if self.group.size == 1 and isinstance(e, PermanentStoreError):
+            return str(e)
+        return f"rank {self.group.rank}: {_first_line(e)}"
 
     def _commit(
         self,
@@ -368,12 +377,13 @@ class VersionRounds:
     ) -> tuple[tuple[str, Any], list[Patch], int]:
         """Finish uploading this rank's part; rank 0 commits the version once every rank reported.
         (result, the parts for spans on rank 0, this rank's part size)."""
-        info, err, data = None, None, None
+        info, data = None, None
+        err: tuple[str, bool] | None = None  # (what failed, whether the store refused it for good)
         if patch is not None:
             try:
                 info = stream.finish(*encoder.file_ends())
             except FlipsyncError as e:
-                err = f"rank {self.group.rank}: {_first_line(e)}"
+                err = (self._on_rank(e), isinstance(e, PermanentStoreError))
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()
                 if patch.needs_base:  # rank 0 squashes spans without the views in between: no ctx there
@@ -387,8 +397,12 @@ class VersionRounds:
             assert reports is not None and self.head_fp is not None
             errors = [e for e, _, _ in reports if e]
             parts = [i for _, i, _ in reports if i is not None]
-            if errors:
-                result = ("store", f"v{version} was not published: uploading parts failed ({'; '.join(errors)})")
+            refused = [text for text, permanent in errors if permanent]
+            if refused:  # one rank's refusal stops every rank: the next version would be refused too
+                result = ("refused", refused[0])
+            elif errors:
+                texts = "; ".join(text for text, _ in errors)
+                result = ("store", f"v{version} was not published: uploading parts failed ({texts})")
             else:
                 try:
                     self.board.commit_uploaded_patch(
@@ -406,11 +420,20 @@ class VersionRounds:
                     ]
                 except FlipsyncError as e:
                     result = self._failure(e)
+                    if result[0] == "store":  # the manifest create may have failed after all: it may yet land
+                        result = ("unsure", result[1])
         result = self.group.broadcast(result, f"whether v{version} was published")
         if result[0] == "ok":
             stream.keep()
-        else:
-            stream.abort()  # unreferenced now; retention would remove it later anyway
+            orphans, self.orphans = self.orphans, []
+            if orphans:  # the store works again: remove what earlier failed attempts left
+                remove_unpublished(self.store, orphans)
+        elif result[0] == "store":
+            # Unreferenced now; removed after the next version lands, not while the store is failing (a delete
+            # now would most likely spend the store's retries failing too).
+            self.orphans += stream.abort(delete=False)
+        else:  # a manifest that lists the parts may still land late ("unsure"): left to retention
+            stream.abort(delete=result[0] != "unsure")
         return result, spans_input, 0 if info is None else info.size
 
     def _finish(
@@ -422,12 +445,17 @@ class VersionRounds:
         published: Published,
     ) -> Published:
         status, detail = result
-        if status == "store":  # the item is kept: the worker publishes it again unless a newer step covers it
-            raise RoundSkipped("store", str(detail))
+        if status in ("store", "unsure"):  # the item is kept: the worker publishes it again unless a newer step
+            raise RoundSkipped("store", str(detail))  # covers it
         if status != "ok":
             self._drop(item)
             if status == "conflict":
                 raise ConflictError(str(detail))
+            if status == "refused":
+                raise PermanentStoreError(
+                    f"v{published.version} was not published and the publisher stopped: {detail}; then start it "
+                    "again (resume=True continues the run)"
+                )
             raise BoardError(f"publishing v{published.version} failed: {detail}")
         self._release(self.base)
         self.base, self.base_step, self.table, self.specs = item.view, item.step, table, layout

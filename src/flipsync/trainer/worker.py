@@ -2,10 +2,14 @@
 
 Error policy (all surfaced to the training thread by the next ``step()``, ``flush()`` or ``close()``):
 
-- a store failure (upload or manifest create refused, timed out) skips the version: nothing is visible to
-  readers, the base stays, and the next step's publication covers both steps. The failed step is kept
-  (``unpublished``) until one does, so that ``flush()`` and ``close()`` can publish it again when no newer
-  step comes. After ``max_store_failures`` failures in a row the publisher stops with the store's error.
+- a store failure that cannot heal (``PermanentStoreError``: permission, credentials, no such bucket or
+  container, a malformed request, no space left) stops the publisher at once, on every rank: the next call
+  raises it, within one step of the failure, and nothing half-published is visible;
+- a transient store failure (``TransientStoreError``, after the store's own retries: timeouts, throttling,
+  5xx, dropped connections) skips the version: nothing is visible to readers, the base stays, and the next
+  step's publication covers both steps. The failed step is kept (``unpublished``) until one does, so that
+  ``flush()`` and ``close()`` can publish it again when no newer step comes. After ``max_store_failures``
+  failures in a row the publisher stops with the store's error.
 - a conflict (another trainer published on this run) stops the publisher: it is fenced off.
 - a rank that could not serve a step (non-finite weights, a layout change) makes every rank skip that step;
   the failing rank raised it from ``step()``, the others raise it once from their next call.
@@ -28,7 +32,7 @@ import torch
 
 from flipsync.codec import DiffEngine
 from flipsync.codec.fingerprint import Hasher
-from flipsync.errors import BoardError, StoreError
+from flipsync.errors import BoardError, TransientStoreError
 from flipsync.trainer.group import Group
 from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds, code_pool_for
 from flipsync.trainer.slot import Item, Slot
@@ -198,7 +202,7 @@ class Worker:
         if held is not None and held is not item:  # the newer step covers it
             self._release(held)
         if self.store_failures >= self.max_store_failures:
-            raise StoreError(
+            raise TransientStoreError(
                 f"{skip}; gave up after {self.store_failures} failed publications in a row. Nothing half-"
                 "published is visible; check the board's store, then resume the run (resume=True)"
             )

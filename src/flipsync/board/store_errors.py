@@ -1,0 +1,243 @@
+"""What an object-store failure means: permanent (waiting does not heal it) or transient, and what to do.
+
+obstore raises a few typed exceptions (``PermissionDeniedError`` for HTTP 403, ``UnauthenticatedError`` for
+401, ``NotFoundError`` for 404, ...) and ``GenericError`` for everything else; the HTTP status, the store's
+error code (``<Code>SlowDown</Code>``), the OS error number (``os error 28``), the kind of transport failure
+and how often obstore already retried are in its text. That text is read here, and only here: the store
+raises `flipsync.errors.PermanentStoreError` or `TransientStoreError` from what `describe_failure` finds,
+and every caller above decides by type.
+
+Permanent: permission denied or forbidden, rejected credentials, no such bucket or container, a malformed
+request (bad URL, region, endpoint), an operation the backend cannot do, no space left. Transient:
+timeouts, throttling (429, 503 SlowDown / ServerBusy), other 5xx, refused or dropped connections, and
+local I/O errors other than the permanent ones (e.g. ``EIO`` or ``ESTALE`` on a network filesystem); an
+unrecognised failure counts as transient, so it is retried within the bounds and then reported.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+from dataclasses import dataclass
+
+import obstore.exceptions as obx
+
+PERMISSION, CREDENTIALS, NO_BUCKET, BAD_REQUEST, NO_SPACE, UNSUPPORTED, BAD_PATH, MISSING = (
+    "permission",
+    "credentials",
+    "no_bucket",
+    "bad_request",
+    "no_space",
+    "unsupported",
+    "bad_path",
+    "missing",
+)
+THROTTLED, SERVER, TIMEOUT, CONNECTION, LOCAL_IO, UNKNOWN = (
+    "throttled",
+    "server",
+    "timeout",
+    "connection",
+    "local_io",
+    "unknown",
+)
+PERMANENT_KINDS = frozenset({PERMISSION, CREDENTIALS, NO_BUCKET, BAD_REQUEST, NO_SPACE, UNSUPPORTED, BAD_PATH, MISSING})
+
+# Store error codes (S3, Azure, GCS) that settle the kind whatever the status says.
+_CODES: dict[str, str] = {
+    **dict.fromkeys(
+        (
+            "InvalidAccessKeyId",
+            "SignatureDoesNotMatch",
+            "ExpiredToken",
+            "InvalidToken",
+            "TokenRefreshRequired",
+            "RequestTimeTooSkewed",
+            "AuthenticationFailed",
+            "AuthorizationFailure",
+            "InvalidAuthenticationInfo",
+            "NoAuthenticationInformation",
+            "AccountIsDisabled",
+            "InvalidSecurity",
+        ),
+        CREDENTIALS,
+    ),
+    **dict.fromkeys(
+        (
+            "AccessDenied",
+            "AllAccessDisabled",
+            "AuthorizationPermissionMismatch",
+            "AuthorizationResourceTypeMismatch",
+            "AuthorizationSourceIPMismatch",
+            "InsufficientAccountPermissions",
+            "forbidden",
+        ),
+        PERMISSION,
+    ),
+    **dict.fromkeys(("NoSuchBucket", "ContainerNotFound", "ContainerBeingDeleted", "ResourceNotFound"), NO_BUCKET),
+    **dict.fromkeys(
+        (
+            "SlowDown",
+            "Throttling",
+            "ThrottlingException",
+            "RequestLimitExceeded",
+            "RequestThrottled",
+            "TooManyRequests",
+            "TooManyRequestsException",
+            "ServerBusy",
+            "rateLimitExceeded",
+            "userRateLimitExceeded",
+        ),
+        THROTTLED,
+    ),
+    **dict.fromkeys(
+        ("InternalError", "ServiceUnavailable", "OperationTimedOut", "backendError", "InternalServerError"), SERVER
+    ),
+    "RequestTimeout": TIMEOUT,
+    **dict.fromkeys(
+        (
+            "AuthorizationHeaderMalformed",
+            "InvalidBucketName",
+            "InvalidArgument",
+            "InvalidRequest",
+            "InvalidURI",
+            "PermanentRedirect",
+            "IllegalLocationConstraintException",
+            "InvalidResourceName",
+            "InvalidUri",
+            "UnsupportedHeader",
+        ),
+        BAD_REQUEST,
+    ),
+    "QuotaExceeded": NO_SPACE,
+}
+_PERMANENT_ERRNO: dict[int, str] = {
+    **dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), PERMISSION),
+    **dict.fromkeys((errno.ENOSPC, errno.EDQUOT, errno.EFBIG), NO_SPACE),
+    **dict.fromkeys(
+        (errno.ENAMETOOLONG, errno.ENOTDIR, errno.EISDIR, errno.ELOOP, errno.EINVAL, errno.EXDEV, errno.EMLINK),
+        BAD_PATH,
+    ),
+    **dict.fromkeys((errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENODEV, errno.ENXIO), UNSUPPORTED),
+    errno.ENOENT: MISSING,
+}
+_CONNECT_ERRNO = frozenset(
+    {errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH}
+)
+
+_STATUS = re.compile(r"status code: (\d{3})|\bstatus: (\d{3})\b")
+_CODE = re.compile(r"<Code>([^<]{1,80})</Code>|\"(?:code|reason)\":\s*\"([A-Za-z]{3,80})\"")
+_MESSAGE = re.compile(r"<Message>([^<]{1,300})")
+_ERRNO = re.compile(r"os error (\d+)|\bcode: (\d+),")
+_RETRIES = re.compile(r"\bretries: (\d+)|after (\d+) retries")
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_METADATA = ("169.254.169.254", "fd00:ec2::254", "metadata.google.internal", "/metadata/")
+
+
+@dataclass(frozen=True)
+class StoreFailure:
+    """What one failed store call means (see the module doc)."""
+
+    kind: str
+    cause: str  # what the store said, short: "HTTP 403 AccessDenied: Access Denied", "No space left on device"
+    retried: int  # retries obstore already made of the failing request (0 for local stores)
+    status: int | None = None
+    code: str | None = None
+    errno: int | None = None
+
+    @property
+    def permanent(self) -> bool:
+        return self.kind in PERMANENT_KINDS
+
+
+def _first(pattern: re.Pattern[str], text: str) -> str | None:
+    m = pattern.search(text)
+    if m is None:
+        return None
+    return next((g for g in m.groups() if g is not None), None)
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None else None
+
+
+def _short(text: str) -> str:
+    """obstore's first line without its prefixes (the store and the request are named by the caller)."""
+    line = text.strip().split("\n", 1)[0] if text.strip() else ""
+    line = re.sub(r"^Generic \w+ error: ", "", line)
+    line = re.sub(r"^Error performing \S+ \S+ in [^-]+- ", "", line)
+    return line[:300]
+
+
+def describe_failure(e: BaseException, *, creates: bool, local: bool) -> StoreFailure:
+    """Classify the exception an obstore call (or an fsync) raised. ``creates``: the call writes an object
+    (a put), so nothing it names can be missing but its bucket; ``local``: the store is the local filesystem."""
+    text = str(e)
+    status = _int(_first(_STATUS, text))
+    code = _first(_CODE, text)
+    err = e.errno if isinstance(e, OSError) and e.errno else _int(_first(_ERRNO, text))
+    retried = _int(_first(_RETRIES, text)) or 0
+    http_kind = _first(_HTTP_KIND, text)
+    message = _first(_MESSAGE, text)
+
+    def out(kind: str, cause: str) -> StoreFailure:
+        return StoreFailure(kind, cause, retried, status, code, err)
+
+    if status is not None or code is not None:
+        cause = " ".join(str(x) for x in (f"HTTP {status}" if status else None, code) if x)
+        if message:
+            cause += f": {message.strip().splitlines()[0]}"
+        cause = cause or _short(text)
+    elif err is not None:
+        cause = os.strerror(err) + f" (os error {err})"
+        if local:
+            cause = _short(text) or cause
+    else:
+        cause = _short(text) or type(e).__name__
+
+    if isinstance(e, obx.InvalidPathError):
+        return out(BAD_PATH, cause)
+    if isinstance(e, obx.NotSupportedError | NotImplementedError):
+        return out(UNSUPPORTED, cause)
+    if code in _CODES:
+        return out(_CODES[code], cause)
+    if isinstance(e, obx.UnauthenticatedError) or status == 401:
+        return out(CREDENTIALS, cause)
+    if isinstance(e, obx.PermissionDeniedError | PermissionError) or status == 403:
+        return out(PERMISSION, cause)
+    if isinstance(e, obx.NotFoundError | FileNotFoundError):
+        # A put cannot miss its object: what is missing is the bucket or container. Any other call's 404 is
+        # the object's, unless the store's code said otherwise above.
+        return out(NO_BUCKET if creates and not local else MISSING, cause)
+    if status is not None:
+        if status == 404:
+            return out(NO_BUCKET, cause)
+        if status in (408,):
+            return out(TIMEOUT, cause)
+        if status == 429:
+            return out(THROTTLED, cause)
+        if status == 501:
+            return out(UNSUPPORTED, cause)
+        if status >= 500:
+            return out(SERVER, cause)
+        if 300 <= status < 500:
+            return out(BAD_REQUEST, cause)
+    if "redirect without LOCATION" in text:  # object_store: "normally indicates an incorrectly configured region"
+        return out(BAD_REQUEST, "the store answered with a bare redirect (usually a wrong region)")
+    if err is not None and err in _PERMANENT_ERRNO and http_kind is None:  # a filesystem's, not a socket's
+        return out(_PERMANENT_ERRNO[err], cause)
+    if http_kind == "Timeout" or isinstance(e, TimeoutError) or err == errno.ETIMEDOUT:
+        return out(TIMEOUT, cause if cause != "HTTP error: error sending request" else "the request timed out")
+    if http_kind in ("Connect", "Request", "Interrupted") or (err is not None and err in _CONNECT_ERRNO):
+        if err is not None and not cause.startswith(os.strerror(err)):
+            cause = f"{os.strerror(err)} (os error {err})"
+        return out(CONNECTION, cause)
+    if local and err is not None:
+        return out(LOCAL_IO, cause)
+    return out(UNKNOWN, cause)
+
+
+def asks_metadata_service(e: BaseException) -> bool:
+    """Whether obstore failed asking a cloud metadata service for credentials (none were configured)."""
+    text = str(e)
+    return any(m in text for m in _METADATA) or ("metadata" in text.lower() and "credential" in text.lower())
