@@ -56,7 +56,9 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
       (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``),
       ``mirror`` (optional: a safetensors file mirroring what the workers hold, so that patches coded against
-      their base decode; created from ``model_dir`` when missing);
+      their base decode; created from ``model_dir`` when missing), ``audit`` (``every``, ``sample`` or ``off``:
+      how often the workers compare reloaded layers with a fresh load, default ``every``), ``repair``
+      (``on``/``off``: whether a kind of layer the engine reloads wrongly takes a fresh load's state, default on);
     - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
       ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
     """
@@ -76,11 +78,16 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     elif kind == "vllm":
         if "model_dir" not in opts:
             raise ConfigError("the vllm engine needs --engine-option model_dir=PATH (the checkpoint vLLM serves)")
+        repair = opts.get("repair", "on").lower()
+        if repair not in ("on", "off"):
+            raise ConfigError(f"--engine-option repair must be on or off, not {opts['repair']!r}")
         engine = module.VllmEngine(
             module.HttpTransport(url),
             module.specs_from_checkpoint(opts["model_dir"]),
             source=opts.get("source", opts["model_dir"]),
             mirror=open_mirror(opts) if "mirror" in opts else None,
+            audit=opts.get("audit", "every"),
+            repair=repair == "on",
         )
     else:
         if "mirror" not in opts:

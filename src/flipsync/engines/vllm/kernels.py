@@ -49,6 +49,7 @@ SAMPLE_ROWS = 64
 # The objects whose post-load step turns a layer into kernel format (vLLM: the quant method and, for
 # compressed-tensors, the layer's scheme); a twin gets them afresh.
 _METHODS = ("quant_method", "scheme")
+_ORIGIN = "_flipsync_twin_of"  # a twin's attribute naming the live layer it was made from
 
 
 @dataclass(frozen=True)
@@ -161,8 +162,8 @@ def fresh(obj: Any, context: Callable[[], Any] | None = None) -> Any:
             if _plain(value):
                 vars(new)[key] = copy.copy(value)
         return new
-    for key, value in vars(obj).items():
-        if key not in vars(new):
+    for key, value in vars(obj).items():  # not what shadows the class's own (a method patched on the instance)
+        if key not in vars(new) and not hasattr(cls, key):
             vars(new)[key] = copy.copy(value) if _plain(value) else value
     return new
 
@@ -193,7 +194,7 @@ def default_twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch
     for name, t in loaded.items():
         twin._parameters[name] = _as_param(t)
     _freshen(module, twin, None)
-    method = vars(twin).get("quant_method")
+    method = _method(twin)
     with torch.no_grad():
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(twin)
@@ -203,12 +204,20 @@ def default_twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch
 
 
 def _freshen(module: torch.nn.Module, twin: torch.nn.Module, context: Callable[[], Any] | None) -> None:
-    """The twin's method objects built afresh; its other plain objects copied (never shared with the live)."""
+    """The twin's method objects built afresh (attributes, or children where they are modules: vLLM's MoE
+    quant method is one); its other plain objects copied, so that nothing is shared with the live layer."""
     for key, value in vars(module).items():
         if key in _METHODS and hasattr(value, "process_weights_after_loading"):
             vars(twin)[key] = fresh(value, context)
         elif _plain(value):
             vars(twin)[key] = copy.copy(value)
+    for key, child in module._modules.items():
+        if key in _METHODS and child is not None and hasattr(child, "process_weights_after_loading"):
+            twin._modules[key] = fresh(child, context)
+
+
+def _method(module: torch.nn.Module, name: str = "quant_method") -> Any:
+    return vars(module).get(name, module._modules.get(name))
 
 
 def default_probe(mname: str, module: torch.nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
@@ -217,7 +226,7 @@ def default_probe(mname: str, module: torch.nn.Module, rows: int | None, seed: i
 
 def default_transplant(live: torch.nn.Module, twin: torch.nn.Module) -> None:
     """The live module takes every attribute of the twin that is not a parameter, buffer or child."""
-    skip = {"_parameters", "_buffers", "_modules"}
+    skip = {"_parameters", "_buffers", "_modules", _ORIGIN, "_flipsync_adopted_twin"}
     for key, value in vars(twin).items():
         if key not in skip and vars(live).get(key) is not value:
             vars(live)[key] = value
@@ -237,7 +246,7 @@ def vllm_kind(module: torch.nn.Module) -> str:
     """The module's class and those of its method objects and their kernels (what decides its update path)."""
     parts = [type(module).__name__]
     for attr in _METHODS:
-        obj = vars(module).get(attr)
+        obj = _method(module, attr)
         if obj is None:
             continue
         parts.append(type(obj).__name__)
@@ -268,6 +277,7 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         from vllm.model_executor.model_loader.reload import layerwise
 
         tw = shell(module)
+        vars(tw)[_ORIGIN] = module  # the probe reads the layer's recorded model format through it
         info = layerwise.LAYERWISE_INFO.get(module)
         meta_params, meta_buffers = info.restore_metadata if info is not None else ({}, {})
         for name in list(tw._parameters):
@@ -289,7 +299,7 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
             if tw._buffers.get(name) is None:
                 tw._buffers[name] = torch.zeros(tuple(meta.shape), dtype=meta.dtype)
         _freshen(module, tw, first_load)
-        method = vars(tw).get("quant_method")
+        method = _method(tw)
         with first_load(), torch.no_grad():
             if method is not None:
                 method.process_weights_after_loading(tw)
@@ -301,9 +311,9 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         """A linear layer's kernel on identity rows (weights it computes from, read back); {} for others."""
         from vllm.model_executor.model_loader.reload import layerwise
 
-        method = vars(module).get("quant_method")
+        method = _method(module)
         apply = getattr(method, "apply", None)
-        info = layerwise.LAYERWISE_INFO.get(module)
+        info = layerwise.LAYERWISE_INFO.get(vars(module).get(_ORIGIN, module))
         if apply is None or info is None or "weight" not in info.restore_metadata[0]:
             return {}
         shape = tuple(info.restore_metadata[0]["weight"].shape)

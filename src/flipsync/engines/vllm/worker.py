@@ -197,6 +197,7 @@ def _write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DTyp
 
 
 _KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
+ADOPTED = "_flipsync_adopted_twin"  # a live layer's attribute holding the twin whose opaque state it took
 
 
 class WorkerCore:
@@ -708,6 +709,9 @@ class WorkerCore:
         bad = self._compare(mname, twin, None)
         if bad:
             self.hooks.transplant(module, twin)
+            # The opaque state a post-load step builds may read the tensors it was built from (vLLM CPU's oneDNN
+            # INT8 handle reads its scales from them): the live layer keeps its twin alive, until the next one.
+            vars(module)[ADOPTED] = twin
             bad = self._compare(mname, twin, None)
         return bad
 
