@@ -85,5 +85,5 @@ def test_the_sidecar_builds_the_engine_with_its_audit_settings(tmp_path) -> None
         assert engine.audit == "sample" and core.audit == "sample" and core.repair is False
         engine.close()
         for bad in ({"audit": "often"}, {"repair": "maybe"}):
-            with pytest.raises(ConfigError, match="audit|repair"):
+            with pytest.raises(ConfigError, match=r"audit|repair"):
                 load_engine("vllm", EngineOptions(upstream_url=url, options={"model_dir": opts["model_dir"], **bad}))
