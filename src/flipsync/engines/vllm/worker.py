@@ -234,6 +234,7 @@ class WorkerCore:
         self.audit = AUDIT_EVERY
         self.repair = True
         self.kinds: dict[str, str] = {}  # kind of layer -> whether the engine's reload of it is faithful
+        self._opaque: dict[str, bool] = {}  # repaired kind -> whether its repair takes the twin's opaque state
         self.audit_s = 0.0  # time the last reload's audit took (twins built, compared)
         self.audited: list[str] = []  # the layers the last reload's audit compared
         self._dropped: set[str] = set()  # parameters the engine set to None after loading (model format known)
@@ -328,7 +329,7 @@ class WorkerCore:
         t0 = time.perf_counter()
         self.attached = False
         self.audit, self.repair = audit, repair
-        self.kinds = {}
+        self.kinds, self._opaque = {}, {}
         self.specs = {n: (tuple(int(x) for x in s), str(d)) for n, (s, d) in specs.items()}
         with self._buffers_guard():
             return self._attach(source, t0)
@@ -690,30 +691,32 @@ class WorkerCore:
         bad += compare(self.hooks.probe(mname, module, rows, seed), self.hooks.probe(mname, twin, rows, seed), "probe ")
         return bad
 
-    def _adopt(self, mname: str, twin: torch.nn.Module) -> list[str]:
+    def _adopt(self, mname: str, twin: torch.nn.Module, *, opaque: bool = False) -> tuple[list[str], bool]:
         """Make layer ``mname`` hold its twin's processed state: tensors copied into the live storage (same
-        shapes, dtypes, strides), then, if the kernel's outputs still differ, the twin's opaque state; what
-        still differs after that (empty: the layer now equals a fresh load)."""
+        shapes, dtypes, strides), then, if the kernel's outputs still differ (or ``opaque``: the kind's repair
+        needed it before), the twin's opaque state. Returns what still differs (empty: the layer now equals a
+        fresh load) and whether the opaque state was taken."""
         module = self.model.get_submodule(mname)
         live_t, twin_t = module_tensors(module), module_tensors(twin)
         if set(live_t) != set(twin_t):
-            return [f"the layer holds tensors {sorted(live_t)}, a fresh load {sorted(twin_t)}"]
+            return [f"the layer holds tensors {sorted(live_t)}, a fresh load {sorted(twin_t)}"], False
         for name, b in twin_t.items():
             a = live_t[name]
             if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype or (a.numel() > 1 and a.stride() != b.stride()):
-                return [f"{name} has another layout than in a fresh load; it cannot be copied over"]
+                return [f"{name} has another layout than in a fresh load; it cannot be copied over"], False
         with torch.no_grad():
             for name, b in twin_t.items():
                 if compare({name: live_t[name]}, {name: b}):
                     live_t[name].data.copy_(b.data)
-        bad = self._compare(mname, twin, None)
-        if bad:
+        bad = [] if opaque else self._compare(mname, twin, None)
+        if opaque or bad:
+            # An opaque copy can look right and still be wrong later: vLLM CPU's oneDNN INT8 handle reads its
+            # scales from the tensors it was built from, which a reload frees. The live layer takes the twin's
+            # state and keeps the twin alive (its tensors with it) until the next one.
             self.hooks.transplant(module, twin)
-            # The opaque state a post-load step builds may read the tensors it was built from (vLLM CPU's oneDNN
-            # INT8 handle reads its scales from them): the live layer keeps its twin alive, until the next one.
             vars(module)[ADOPTED] = twin
-            bad = self._compare(mname, twin, None)
-        return bad
+            return self._compare(mname, twin, None), True
+        return bad, False
 
     def _check_reloaded(self, modules: list[str], seed: int) -> None:
         """The audit after a reload. A kind of layer reloaded for the first time is always compared with its
@@ -736,22 +739,27 @@ class WorkerCore:
                 kind = self._kind(m)
                 status = self.kinds.get(kind, _KIND_UNKNOWN)
                 twin = self._twin(m)
-                full = status != _KIND_FAITHFUL or self.audit == AUDIT_EVERY
-                bad = self._compare(m, twin, None if full else SAMPLE_ROWS)
                 self.audited.append(m)
-                if not bad:
-                    self.kinds.setdefault(kind, _KIND_FAITHFUL)
-                    continue
-                if status != _KIND_FAITHFUL and self.repair:
-                    left = self._adopt(m, twin)
+                if status == _KIND_REPAIRED:  # the engine's path is known to fall short: take the fresh state
+                    bad, _ = self._adopt(m, twin, opaque=self._opaque.get(kind, False))
+                    if not bad:
+                        continue
+                else:
+                    full = status != _KIND_FAITHFUL or self.audit == AUDIT_EVERY
+                    bad = self._compare(m, twin, None if full else SAMPLE_ROWS)
+                    if not bad:
+                        self.kinds.setdefault(kind, _KIND_FAITHFUL)
+                        continue
+                if status == _KIND_UNKNOWN and self.repair:
+                    left, opaque = self._adopt(m, twin)
                     if not left:
-                        if status == _KIND_UNKNOWN:
-                            log.warning(
-                                "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
-                                "load (%s); such layers now take a fresh load's processed state after each reload",
-                                self.rank, m, kind, "; ".join(bad[:3]),
-                            )  # fmt: skip
+                        log.warning(
+                            "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
+                            "load (%s); such layers now take a fresh load's processed state after each reload",
+                            self.rank, m, kind, "; ".join(bad[:3]),
+                        )  # fmt: skip
                         self.kinds[kind] = _KIND_REPAIRED
+                        self._opaque[kind] = opaque
                         continue
                     bad = left
                 failures.append(f"layer {m} ({kind}): {'; '.join(bad[:3])}")
