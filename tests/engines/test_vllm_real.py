@@ -86,6 +86,7 @@ def test_patches_into_live_vllm_server(tmp_path: Path) -> None:
 # (every module as the kernels hold it, greedy tokens and logprobs); see vllm_real_check.CASES.
 CASES = {
     "dense-tp2": "dense Llama, BF16, tensor parallel 2; a broken post-load step on rank 0 must be refused",
+    "dense-fp32": "dense Llama, a BF16 checkpoint served with --dtype float32 (every tensor widened exactly)",
     "moe": "Qwen3-MoE (2 layers, 4 experts, top-2), BF16, tensor parallel 1",
     "moe-tp2": "Qwen3-MoE, BF16, tensor parallel 2",
     "fp8": "compressed-tensors FP8 per channel (flipsync fp8-channel), tensor parallel 1",

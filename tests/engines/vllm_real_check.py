@@ -133,6 +133,7 @@ def main(workdir: Path) -> dict:
     res["timings"]["attach_s"] = time.perf_counter() - t
     res["checks"]["mirror_in_use"] = engine.host_view is mirror
     res["modes"] = engine.modes()
+    res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed
     res["checks"]["attach_table_matches_checkpoint"] = engine.table.view_fp() == t0.view_fp()
 
     t = time.perf_counter()
@@ -276,13 +277,14 @@ def server(workdir: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ cases
-# name -> (architecture, served format, tensor parallel size, break a post-load step once)
+# name -> (architecture, served format, tensor parallel size, break a post-load step once, engine dtype)
 CASES = {
-    "dense-tp2": ("llama", "bf16", 2, True),
-    "moe": ("moe", "bf16", 1, False),
-    "moe-tp2": ("moe", "bf16", 2, False),
-    "fp8": ("llama", "fp8-channel", 1, False),
-    "int8": ("llama", "int8-channel", 1, False),
+    "dense-tp2": ("llama", "bf16", 2, True, "bfloat16"),
+    "dense-fp32": ("llama", "bf16", 1, False, "float32"),  # BF16 checkpoint tensors widened into FP32 parameters
+    "moe": ("moe", "bf16", 1, False, "bfloat16"),
+    "moe-tp2": ("moe", "bf16", 2, False, "bfloat16"),
+    "fp8": ("llama", "fp8-channel", 1, False, "bfloat16"),
+    "int8": ("llama", "int8-channel", 1, False, "bfloat16"),
 }
 CASE_PROMPTS = ["hello world from", "the trainer publishes", "a sidecar applies", "every replica reports"]
 
@@ -327,13 +329,13 @@ def case_generate(llm, sp) -> list[dict]:
     ]
 
 
-def case_start(model_dir: Path, tp: int, extension: str):
+def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"):
     from vllm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model_dir),
-        dtype="bfloat16",
+        dtype=dtype,
         tensor_parallel_size=tp,
         enforce_eager=True,
         max_model_len=128,
@@ -355,7 +357,7 @@ def case(workdir: Path, name: str) -> dict:
     from tiny_llama import write_view
     from vllm_faults import EXTENSION
 
-    arch, fmt, tp, fault = CASES[name]
+    arch, fmt, tp, fault, dtype = CASES[name]
     # the fault extension lives beside this file: vLLM's worker processes import it by name
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
@@ -372,12 +374,13 @@ def case(workdir: Path, name: str) -> dict:
     start_dir = write_view(model_dir, views[0], workdir / "v0", fmt)
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=5, seed=0)
 
-    llm, timings["engine_start_s"] = case_start(start_dir, tp, EXTENSION)
+    llm, timings["engine_start_s"] = case_start(start_dir, tp, EXTENSION, dtype)
     gens = [case_generate(llm, sp)]
     t = time.perf_counter()
     engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(start_dir))
     timings["attach_s"] = time.perf_counter() - t
     res["modes"] = engine.modes()
+    res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed
     res["audit"]["attach"] = {r: {"layers": len(a.get("layers", [])), "seconds": a.get("seconds")}
                               for r, a in engine.attach_audit.items()}  # fmt: skip
     checks["attach_table_is_v0"] = engine.table.view_fp() == tables[0].view_fp()
@@ -426,7 +429,7 @@ def case(workdir: Path, name: str) -> dict:
     gc.collect()
 
     fresh_dir = write_view(model_dir, views[3], workdir / "v3", fmt)
-    fresh, timings["fresh_start_s"] = case_start(fresh_dir, tp, EXTENSION)
+    fresh, timings["fresh_start_s"] = case_start(fresh_dir, tp, EXTENSION, dtype)
     checks["fresh_v3_generates_identically"] = case_generate(fresh, sp) == gens[3]
     ref = VllmEngine(LLMTransport(fresh), specs_from_checkpoint(fresh_dir))
     kf = ref.kernel_state()
