@@ -377,8 +377,8 @@ ABOUT = (
     "engine write, fingerprint check, publish); *engine write* is the scatter into the served tensors (for "
     "quantized formats, the parameter elements that staging found changed); *stage* is decoding and "
     "preparing the writes while the engine keeps serving. The first version is a keyframe (a full load); "
-    "*pause / full load* compares each patch with it. vLLM needs a GPU: on this CPU-only machine only the "
-    "PyTorch engine is measured (`flipsync.engines.vllm.engine` has the vLLM path)."
+    "*pause / full load* compares each patch with it. The vLLM engine's pause is timed by its live tests "
+    "(docs/engines.md), not here; its worker's kernel-state audit is measured below on a stand-in."
 )
 
 

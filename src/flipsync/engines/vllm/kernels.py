@@ -50,6 +50,7 @@ SAMPLE_ROWS = 64
 # compressed-tensors, the layer's scheme); a twin gets them afresh.
 _METHODS = ("quant_method", "scheme")
 _ORIGIN = "_flipsync_twin_of"  # a twin's attribute naming the live layer it was made from
+ADOPTED = "_flipsync_adopted_twin"  # a live layer's attribute holding the twin whose opaque state it took
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def default_probe(mname: str, module: torch.nn.Module, rows: int | None, seed: i
 
 def default_transplant(live: torch.nn.Module, twin: torch.nn.Module) -> None:
     """The live module takes every attribute of the twin that is not a parameter, buffer or child."""
-    skip = {"_parameters", "_buffers", "_modules", _ORIGIN, "_flipsync_adopted_twin"}
+    skip = {"_parameters", "_buffers", "_modules", _ORIGIN, ADOPTED}
     for key, value in vars(twin).items():
         if key not in skip and vars(live).get(key) is not value:
             vars(live)[key] = value
@@ -240,8 +241,6 @@ DEFAULT_HOOKS = KernelHooks(default_twin, default_probe, default_transplant, def
 
 
 # --------------------------------------------------------------------------------------------- vLLM
-
-
 def vllm_kind(module: torch.nn.Module) -> str:
     """The module's class and those of its method objects and their kernels (what decides its update path)."""
     parts = [type(module).__name__]

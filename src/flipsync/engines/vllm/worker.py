@@ -79,6 +79,7 @@ from flipsync.engines.vllm.blockmap import (
     probe_passes,
 )
 from flipsync.engines.vllm.kernels import (
+    ADOPTED,
     DEFAULT_HOOKS,
     SAMPLE_ROWS,
     KernelHooks,
@@ -197,7 +198,6 @@ def _write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DTyp
 
 
 _KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
-ADOPTED = "_flipsync_adopted_twin"  # a live layer's attribute holding the twin whose opaque state it took
 
 
 class WorkerCore:
