@@ -79,7 +79,9 @@ def demo(
         "100mbit"
     ),
     max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
-    model: Annotated[str, typer.Option(help="demo model: llama-20m (40 MB in bf16) or llama-1m")] = "llama-20m",
+    model: Annotated[
+        str, typer.Option(help="demo model: llama-20m (40 MB in bf16), llama-1m or moe-2m (Qwen3-MoE-shaped)")
+    ] = "llama-20m",
     warm_start: Annotated[int, typer.Option(help="supervised steps before RL, so rewards have room to move")] = 100,
     prompts: Annotated[int, typer.Option(help="prompts per RL step (each sampled --group times)")] = 6,
     group: Annotated[int, typer.Option(help="samples per prompt (GRPO group)")] = 4,

@@ -13,7 +13,7 @@ from flipsync.demo.run import DemoConfig, DemoReport, run_demo
 def run_short_demo(out: Path, **over: Any) -> DemoReport:
     """The 1M-parameter model, 3 RL steps of 3 prompts x 3 samples, behind a 200 Mbit/s link; ``over`` changes
     any other `DemoConfig` field (the engine, the number of islands)."""
-    cfg = DemoConfig(
+    settings: dict[str, Any] = dict(
         model="llama-1m",
         steps=3,
         warm_start_steps=20,
@@ -23,6 +23,6 @@ def run_short_demo(out: Path, **over: Any) -> DemoReport:
         max_staleness=3,  # the loaded CI machine may be slow to start; these tests check plumbing, not lag
         bandwidth="200mbit",
         out=out,
-        **over,
     )
+    cfg = DemoConfig(**{**settings, **over})
     return run_demo(cfg, Console(width=200, record=True))

@@ -81,3 +81,19 @@ def test_short_demo_run(tmp_path: Path) -> None:
 
     got, want = load_checkpoint(tmp_path / "v1b.safetensors"), load_checkpoint(tmp_path / "v1.safetensors")
     assert set(got) == set(want) and all(int_view(got[k]).equal(int_view(want[k])) for k in want)
+
+
+def test_short_demo_on_a_mixture_of_experts(tmp_path: Path) -> None:
+    """``--model moe-2m``: a Qwen3-MoE-shaped policy on the torch engine; the report gives the share of each
+    expert's served values that change per version beside the dense layers' and the routers'."""
+    report = run_short_demo(tmp_path, islands=1, control=False, model="moe-2m")
+    assert report.bitwise_equal == {"island-0": True}
+    experts = report.summary["experts"]
+    assert experts["experts"] == 8 and len(experts["per_expert_pct"]) == 8
+    assert experts["versions"] == len(report.versions) - 1  # every patch, not the keyframe
+    assert all(0 <= p <= 100 for p in experts["per_expert_pct"]) and 0 <= experts["dense_pct"] <= 100
+    assert experts["router_pct"] is not None
+    patches = [r for r in report.versions if r.version > 0]
+    if any(r.changed for r in patches):
+        assert experts["experts_pct"] > 0 or experts["dense_pct"] > 0
+    assert any(ln.startswith("MoE: served values changed per version") for ln in summary_lines(report))

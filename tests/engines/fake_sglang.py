@@ -54,6 +54,10 @@ class FakeSglang:
         self.calls: list[tuple[str, dict[str, Any]]] = []
         self.loaded: list[list[str]] = []
         self.fail_next = False
+        # faults of a real engine's reload path: tensors whose update is acknowledged but not applied (a stale
+        # reload), and tensors the model holds in another layout than the checkpoint's (read back transposed)
+        self.stale: set[str] = set()
+        self.transposed: set[str] = set()
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -86,6 +90,8 @@ class FakeSglang:
             t = self.weights.get(obj.name)
             if t is None:
                 return JSONResponse({"error": {"message": "Get parameter by name failed"}}, status_code=400)
+            if obj.name in self.transposed and t.dim() == 2:
+                t = t.t()
             return JSONResponse(t[: obj.truncate_size].to(torch.float32).tolist())
 
         return app
@@ -108,7 +114,7 @@ class FakeSglang:
                     if cur is None or cur.shape != t.shape or cur.dtype != t.dtype:
                         return False, f"Failed to update weights: unexpected tensor {name}.\nRolling back."
                     staged[name] = t
-        self.weights.update(staged)
+        self.weights.update({n: t for n, t in staged.items() if n not in self.stale})
         self.loaded.append(sorted(staged))
         self.model_path = str(path)
         return True, "Succeeded to update model weights."

@@ -7,12 +7,18 @@ padded and split by rows (``VocabParallelEmbedding``); norms are replicated and 
 ``load_weights`` returns the names of the parameters it loaded.
 
 A layer built with ``packed=True`` computes from a copy made by ``process_weights_after_loading`` and then
-drops its weight, like vLLM's CPU backend does for oneDNN: patches must go through the reload path.
+drops its weight, like vLLM's CPU backend does for oneDNN: patches must go through the reload path; with
+``packed="none"`` it sets the weight to None instead (vLLM's oneDNN INT8 path). ``moe=True`` replaces each
+layer's MLP by fused experts (``experts.<e>.gate_proj/up_proj`` into ``w13``, ``down_proj`` into ``w2``) whose
+method object prepacks them in place on the first load only, as vLLM CPU's ``UnquantizedFusedMoEMethod`` does
+(its weight-update path skips the prepack). ``norm_dtype`` keeps the norms in another dtype than the
+checkpoint's (FP32 norms fed from BF16 tensors: an exact widening).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from typing import ClassVar
 
 import numpy as np
@@ -21,7 +27,10 @@ from torch import nn
 
 from flipsync.codec.bits import int_view
 from flipsync.engines.vllm.blockmap import expand_blocks
+from flipsync.engines.vllm.kernels import KernelHooks, default_kind, default_transplant, default_twin, probe_rows
 from flipsync.engines.vllm.worker import WorkerCore
+
+_EXPERT = re.compile(r"^(.*\.mlp\.)experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -32,7 +41,7 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
 class ColumnLinear(nn.Module):
     """Output rows split across ranks; ``shards`` names the fused pieces (q, k, v) and their full sizes."""
 
-    def __init__(self, in_f: int, shards: dict[str | int, int], rank: int, size: int, packed: bool) -> None:
+    def __init__(self, in_f: int, shards: dict[str | int, int], rank: int, size: int, packed: bool | str) -> None:
         super().__init__()
         self.shards = shards
         self.rank, self.size, self.packed = rank, size, packed
@@ -57,7 +66,10 @@ class ColumnLinear(nn.Module):
     def process_weights_after_loading(self) -> None:
         if self.packed:
             self.packed_copy = self.weight.detach().clone().t().contiguous()  # a "repacked" layout
-            self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+            if self.packed == "none":
+                self.weight = None  # type: ignore[assignment]  # the kernel keeps the only copy, as oneDNN INT8
+            else:
+                self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
 
     def effective(self) -> torch.Tensor:
         if self.packed:
@@ -69,7 +81,7 @@ class ColumnLinear(nn.Module):
 class RowLinear(nn.Module):
     """Input columns split across ranks."""
 
-    def __init__(self, in_f: int, out_f: int, rank: int, size: int, packed: bool) -> None:
+    def __init__(self, in_f: int, out_f: int, rank: int, size: int, packed: bool | str) -> None:
         super().__init__()
         self.rank, self.size, self.packed = rank, size, packed
         self.weight = nn.Parameter(torch.zeros(out_f, in_f // size, dtype=torch.bfloat16), requires_grad=False)
@@ -103,22 +115,78 @@ class VocabEmbedding(nn.Module):
 
 
 class Norm(nn.Module):
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dtype=torch.bfloat16), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(dim, dtype=dtype), requires_grad=False)
+
+
+class FakeMoeMethod:
+    """The experts' method object: prepacks on the first call only (its kernel is built then), as vLLM CPU's
+    ``UnquantizedFusedMoEMethod`` does; ``faithful=True`` prepacks on every call."""
+
+    def __init__(self, faithful: bool = False) -> None:
+        self.faithful = faithful
+        self.kernel: object | None = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.kernel is None or self.faithful:
+            with torch.no_grad():  # "prepack": a same-shape relayout the kernel reads (last dim reversed)
+                layer.w13.data.copy_(layer.w13.data.flip(-1))
+                layer.w2.data.copy_(layer.w2.data.flip(-1))
+        self.kernel = object()
+
+
+class Experts(nn.Module):
+    """Fused experts: ``experts.<e>.gate_proj``/``up_proj`` rows into ``w13`` [E, 2I/size, H] (column shard),
+    ``down_proj`` into ``w2`` [E, H, I/size] (row-parallel: column shard)."""
+
+    packed = True
+
+    def __init__(self, n: int, hidden: int, inter: int, rank: int, size: int, faithful: bool) -> None:
+        super().__init__()
+        self.n, self.inter, self.rank, self.size = n, inter, rank, size
+        per = inter // size
+        self.w13 = nn.Parameter(torch.zeros(n, 2 * per, hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.w2 = nn.Parameter(torch.zeros(n, hidden, per, dtype=torch.bfloat16), requires_grad=False)
+        self.w13.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.w2.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.quant_method = FakeMoeMethod(faithful)
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, expert: int, shard: str) -> None:
+        per = self.inter // self.size
+        if shard == "w2":
+            param.data[expert].copy_(loaded.narrow(1, self.rank * per, per))
+        else:
+            offset = 0 if shard == "w1" else per
+            param.data[expert, offset : offset + per].copy_(loaded.narrow(0, self.rank * per, per))
 
 
 class Layer(nn.Module):
-    def __init__(self, hidden: int, q: int, kv: int, inter: int, rank: int, size: int, packed: bool) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        q: int,
+        kv: int,
+        inter: int,
+        rank: int,
+        size: int,
+        packed: bool | str,
+        norm_dtype: torch.dtype = torch.bfloat16,
+        moe: int = 0,
+        faithful_moe: bool = False,
+    ) -> None:
         super().__init__()
         self.self_attn = nn.Module()
         self.self_attn.qkv_proj = ColumnLinear(hidden, {"q": q, "k": kv, "v": kv}, rank, size, packed)
         self.self_attn.o_proj = RowLinear(q, hidden, rank, size, packed)
         self.mlp = nn.Module()
-        self.mlp.gate_up_proj = ColumnLinear(hidden, {0: inter, 1: inter}, rank, size, packed)
-        self.mlp.down_proj = RowLinear(inter, hidden, rank, size, packed)
-        self.input_layernorm = Norm(hidden)
-        self.post_attention_layernorm = Norm(hidden)
+        if moe:
+            self.mlp.experts = Experts(moe, hidden, inter, rank, size, faithful_moe)
+        else:
+            self.mlp.gate_up_proj = ColumnLinear(hidden, {0: inter, 1: inter}, rank, size, packed)
+            self.mlp.down_proj = RowLinear(inter, hidden, rank, size, packed)
+        self.input_layernorm = Norm(hidden, norm_dtype)
+        self.post_attention_layernorm = Norm(hidden, norm_dtype)
 
 
 class FakeLlama(nn.Module):
@@ -141,13 +209,18 @@ class FakeLlama(nn.Module):
         layers: int = 2,
         rank: int = 0,
         size: int = 1,
-        packed: bool = False,
+        packed: bool | str = False,
+        norm_dtype: torch.dtype = torch.bfloat16,
+        moe: int = 0,
+        faithful_moe: bool = False,
     ) -> None:
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(vocab, hidden, rank, size)
-        self.model.layers = nn.ModuleList(Layer(hidden, q, kv, inter, rank, size, packed) for _ in range(layers))
-        self.model.norm = Norm(hidden)
+        self.model.layers = nn.ModuleList(
+            Layer(hidden, q, kv, inter, rank, size, packed, norm_dtype, moe, faithful_moe) for _ in range(layers)
+        )
+        self.model.norm = Norm(hidden, norm_dtype)
         self.lm_head = ColumnLinear(hidden, {0: -(-vocab // (8 * size)) * 8 * size}, rank, size, packed)
         self.lm_head.weight.weight_loader = self._lm_head_loader  # type: ignore[attr-defined]
         self.lm_head._loader_for_scratch = self._lm_head_loader
@@ -164,6 +237,15 @@ class FakeLlama(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for name, w in weights:
+            expert = _EXPERT.match(name)
+            if expert is not None:  # experts.<e>.<proj>.weight -> the layer's fused w13 / w2
+                prefix, e, proj = expert.groups()
+                shard = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[proj]
+                target = f"{prefix}experts.{'w2' if shard == 'w2' else 'w13'}"
+                param = params[target]
+                param.weight_loader(param, w, int(e), shard)  # type: ignore[attr-defined]
+                loaded.add(target)
+                continue
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
                 if weight_name not in name:
                     continue
@@ -181,17 +263,20 @@ class FakeLlama(nn.Module):
     def process_weights_after_loading(self, modules: Iterable[str] | None = None) -> None:
         wanted = set(modules) if modules is not None else None
         for mname, mod in self.named_modules():
-            if (
-                hasattr(mod, "process_weights_after_loading")
-                and mod is not self
-                and (wanted is None or mname in wanted)
-            ):
+            if mod is self or (wanted is not None and mname not in wanted):
+                continue
+            if hasattr(mod, "quant_method"):
+                mod.quant_method.process_weights_after_loading(mod)
+            elif hasattr(mod, "process_weights_after_loading"):
                 mod.process_weights_after_loading()
 
     def effective(self, name: str) -> torch.Tensor:
-        """What the 'kernel' computes from for a vLLM parameter name (repacked copies for packed layers)."""
+        """What the 'kernel' computes from for a vLLM parameter name (repacked copies for packed layers, the
+        experts unpacked from their prepacked layout)."""
         mname, _, pname = name.rpartition(".")
         mod = self.get_submodule(mname)
+        if isinstance(mod, Experts):
+            return getattr(mod, pname).flip(-1)
         return mod.effective() if hasattr(mod, "effective") else getattr(mod, pname)
 
 
@@ -201,14 +286,33 @@ def fake_policy(module_name: str, module: nn.Module, pname: str, param: torch.Te
     return True, "as loaded"
 
 
-def make_reloader(model: FakeLlama):
-    """The fake's layerwise reload: restore model-format params of the touched layers, load, reprocess."""
+def _dropped(mod: nn.Module) -> bool:
+    return getattr(mod, "packed", False) and (mod.weight is None or mod.weight.numel() == 0)
+
+
+Fault = Callable[[FakeLlama, set[str]], None]
+
+
+def make_reloader(model: FakeLlama, *, stale: bool = False, fault: list[Fault] | None = None):
+    """The fake's layerwise reload: restore model-format params of every repacked layer, load, process the
+    touched ones and copy their results into the kernel tensors (experts), put the untouched ones back.
+    ``stale``: packed layers keep their old packed copy (an engine whose opaque handle is not rebuilt);
+    ``fault``: callables run on (model, touched layers) after processing (a broken update path)."""
 
     def reload(tensors: list[tuple[str, torch.Tensor]]) -> None:
+        experts: dict[str, tuple[nn.Parameter, nn.Parameter]] = {}
         for mname, mod in model.named_modules():
-            if getattr(mod, "packed", False) and mod.weight.numel() == 0:
+            if isinstance(mod, Experts):  # fresh model-format tensors, kernel tensors kept aside
+                experts[mname] = (mod.w13, mod.w2)
+                for attr in ("w13", "w2"):
+                    old = getattr(mod, attr)
+                    new = nn.Parameter(torch.zeros_like(old), requires_grad=False)
+                    new.weight_loader = mod.weight_loader  # type: ignore[attr-defined]
+                    setattr(mod, attr, new)
+            elif _dropped(mod):
                 # restore the model-format parameter (vLLM does this from recorded metadata)
                 shape = tuple(mod.packed_copy.t().shape)
+                mod._was = mod.weight  # type: ignore[assignment]
                 mod.weight = nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16), requires_grad=False)
                 mod.weight.weight_loader = (  # type: ignore[attr-defined]
                     model._lm_head_loader if mname == "lm_head" else mod.weight_loader
@@ -217,35 +321,57 @@ def make_reloader(model: FakeLlama):
         loaded = model.load_weights(tensors)
         touched = {n.rpartition(".")[0] for n in loaded}
         for mname, mod in model.named_modules():
-            if getattr(mod, "_restored", False):
-                mod._restored = False  # type: ignore[assignment]
+            if mname in experts:
+                w13, w2 = experts[mname]
                 if mname in touched:
+                    mod.quant_method.process_weights_after_loading(mod)
+                    w13.data.copy_(mod.w13.data)
+                    w2.data.copy_(mod.w2.data)
+                mod.w13, mod.w2 = w13, w2
+            elif getattr(mod, "_restored", False):
+                mod._restored = False  # type: ignore[assignment]
+                if mname in touched and not stale:
                     mod.process_weights_after_loading()
-                else:  # untouched: put the old packed state back
-                    mod.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+                else:  # untouched (or a stale engine): put the old packed state back
+                    mod.weight = mod._was
+        for f in fault or []:
+            f(model, touched)
 
     return reload
 
 
-def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor | None) -> torch.Tensor | None:
     """Model-format scratch for dropped weights (vLLM rebuilds it from recorded metadata)."""
     from flipsync.engines.vllm.scratch import copy_attrs, default_scratch
 
-    if live.numel() == 0 and getattr(module, "packed_copy", None) is not None:
+    if (live is None or live.numel() == 0) and getattr(module, "packed_copy", None) is not None:
         shape = tuple(module.packed_copy.t().shape)
-        t = torch.zeros(shape, dtype=live.dtype)
-        tmpl = torch.nn.Parameter(torch.empty(0, dtype=live.dtype), requires_grad=False)
+        t = torch.zeros(shape, dtype=module.packed_copy.dtype)
+        tmpl = torch.nn.Parameter(torch.empty(0, dtype=module.packed_copy.dtype), requires_grad=False)
         owner_loader = getattr(module, "_loader_for_scratch", None) or module.weight_loader
         tmpl.weight_loader = owner_loader  # type: ignore[attr-defined]
         return copy_attrs(t, tmpl, module)
+    if live is None:
+        return None
     return default_scratch(module, pname, live)
+
+
+def fake_probe(mname: str, module: nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
+    """What a packed layer's 'kernel' computes from (its packed copy, read back), for the rows probed."""
+    if not getattr(module, "packed", False) or isinstance(module, Experts) or module.packed_copy is None:
+        return {}
+    eff = module.effective()
+    return {"effective": eff[:, torch.from_numpy(probe_rows(eff.shape[1], rows, seed))]}
+
+
+FAKE_HOOKS = KernelHooks(default_twin, fake_probe, default_transplant, default_kind)
 
 
 # ------------------------------------------------------------------------------------ test helpers
 DIMS = {"vocab": 50, "hidden": 16, "q": 16, "kv": 8, "inter": 24, "layers": 2}
 
 
-def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+def checkpoint(seed: int = 0, *, moe: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, q, kv, inter, vocab = DIMS["hidden"], DIMS["q"], DIMS["kv"], DIMS["inter"], DIMS["vocab"]
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
@@ -256,20 +382,36 @@ def checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
             p + "self_attn.k_proj.weight": (kv, h),
             p + "self_attn.v_proj.weight": (kv, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        experts = [f"{p}mlp.experts.{e}." for e in range(moe)] if moe else [p + "mlp."]
+        for e in experts:
+            shapes |= {
+                e + "gate_proj.weight": (inter, h),
+                e + "up_proj.weight": (inter, h),
+                e + "down_proj.weight": (h, inter),
+            }
     return {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in sorted(shapes.items())}
 
 
-def boot(view: dict[str, torch.Tensor], *, size: int = 1, packed: bool = False) -> list[tuple[FakeLlama, WorkerCore]]:
+def boot(
+    view: dict[str, torch.Tensor],
+    *,
+    size: int = 1,
+    packed: bool | str = False,
+    norm_dtype: torch.dtype = torch.bfloat16,
+    moe: int = 0,
+    faithful_moe: bool = False,
+    stale: bool = False,
+    fault: list[Fault] | None = None,
+) -> list[tuple[FakeLlama, WorkerCore]]:
     """Fake workers that loaded ``view`` at start-up, as vLLM does (load, then process)."""
     out = []
     for rank in range(size):
-        model = FakeLlama(**DIMS, rank=rank, size=size, packed=packed)
+        model = FakeLlama(
+            **DIMS, rank=rank, size=size, packed=packed, norm_dtype=norm_dtype, moe=moe, faithful_moe=faithful_moe
+        )
         model.load_weights(view.items())
         model.process_weights_after_loading()
         core = WorkerCore(
@@ -277,8 +419,9 @@ def boot(view: dict[str, torch.Tensor], *, size: int = 1, packed: bool = False) 
             rank=rank,
             policy=fake_policy,
             scratch=packed_scratch,
-            reloader=make_reloader(model),
+            reloader=make_reloader(model, stale=stale, fault=fault),
             default_source=lambda v=view: v,
+            hooks=FAKE_HOOKS,
         )
         out.append((model, core))
     return out
@@ -293,7 +436,7 @@ def held_view(pairs, engine) -> dict[str, torch.Tensor]:
         for (model, _core), rank in zip(pairs, sorted(engine._maps, key=int), strict=True):
             for pname, blocks in engine._maps[rank].get(name, []):
                 c, p = expand_blocks(blocks)
-                src = int_view(model.effective(pname).contiguous()).numpy()
+                src = int_view(model.effective(pname).to(torch.bfloat16).contiguous()).numpy()
                 int_view(flat).numpy()[c] = src[p]
                 seen[c] = True
         assert seen.all(), name

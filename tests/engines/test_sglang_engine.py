@@ -160,3 +160,57 @@ def test_a_patch_coded_against_its_base_decodes_from_the_mirror(setup) -> None:
     engine.commit(engine.stage(patch))
     assert same(fake.weights, v1) and same(dict(engine.host_view), v1)
     assert engine.table.view_fp() == t1.view_fp()
+
+
+# ------------------------------------------------------------------------------------- the read-back audit
+def test_an_update_sglang_acknowledges_but_does_not_hold_is_undone_and_raised(tmp_path) -> None:
+    """A stale reload path (success answered, old values kept): the audit reads the touched tensors back
+    through /get_weights_by_name, pushes the undo checkpoint and raises; the table and the mirror stay."""
+    v0 = view0()
+    fake = FakeSglang(v0)
+    with serve(fake.app) as url:
+        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s")
+        assert engine.auditable == set(v0)
+        v1 = nudge(v0, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
+        patch, t1 = diff_views(v0, v1)
+        fake.stale = {"model.norm.weight"}
+        before = engine.table.view_fp()
+        with pytest.raises(EngineError, match=r"reads back other values for model\.norm\.weight.*undone"):
+            engine.commit(engine.stage(patch))
+        assert engine.table.view_fp() == before and same(dict(engine.host_view), v0)
+        assert same(fake.weights, v0)  # the undo checkpoint was pushed
+        fake.stale = set()
+        engine.commit(engine.stage(patch))
+        assert engine.table.view_fp() == t1.view_fp() and same(fake.weights, v1)
+        assert set(engine.last_audit) == {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"}
+        engine.close()
+
+
+def test_tensors_held_in_another_layout_are_not_audited(tmp_path) -> None:
+    v0 = view0()
+    fake = FakeSglang(v0)
+    fake.transposed = {"model.layers.0.self_attn.q_proj.weight"}  # e.g. an FP8 weight kept as its .t()
+    with serve(fake.app) as url:
+        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
+                              audit="sample")  # fmt: skip
+        assert "model.layers.0.self_attn.q_proj.weight" not in engine.auditable
+        v1 = nudge(v0, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
+        patch, _ = diff_views(v0, v1)
+        engine.commit(engine.stage(patch))
+        assert engine.last_audit == ["model.norm.weight"]  # sample: one auditable touched tensor
+        engine.close()
+    with pytest.raises(ConfigError, match="audit"):
+        SglangEngine("http://127.0.0.1:9", {}, audit="sometimes")
+
+
+def test_with_the_audit_off_a_stale_update_goes_unseen(tmp_path) -> None:
+    v0 = view0()
+    fake = FakeSglang(v0)
+    fake.stale = {"model.norm.weight"}
+    with serve(fake.app) as url:
+        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
+                              audit="off")  # fmt: skip
+        patch, t1 = diff_views(v0, nudge(v0, ["model.norm.weight"]))
+        engine.commit(engine.stage(patch))
+        assert engine.table.view_fp() == t1.view_fp() and not same(fake.weights, dict(engine.host_view))
+        engine.close()

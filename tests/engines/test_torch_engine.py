@@ -42,7 +42,10 @@ def test_bf16_parameters_are_the_served_tensors(store: object) -> None:
     assert eng.table.view_fp() == tr.fps[0]
 
 
-@pytest.mark.parametrize(("fmt", "prepared"), [("fp8-block", True), ("nvfp4", True), ("mxfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize(
+    ("fmt", "prepared"),
+    [("fp8-block", True), ("nvfp4", True), ("mxfp4", True), ("mxfp4", False), ("int8-channel", True)],
+)
 def test_quantized_commit_refreshes_the_touched_parameters(store: object, fmt: str, prepared: bool) -> None:
     tr = Trainer(store, fmt=fmt)  # type: ignore[arg-type]
     eng = tiny_engine(fmt)

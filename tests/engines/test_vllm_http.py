@@ -68,3 +68,23 @@ def test_engine_over_http_transport() -> None:
 def test_server_without_dev_mode_is_a_config_error() -> None:
     with serve(FastAPI()) as url, pytest.raises(ConfigError, match="VLLM_SERVER_DEV_MODE"):
         VllmEngine(HttpTransport(url), {"w": specs_of({"w": torch.zeros(2)})["w"]})
+
+
+def test_the_sidecar_builds_the_engine_with_its_audit_settings(tmp_path) -> None:
+    """``--engine-option audit=...`` / ``repair=...`` reach the workers; a wrong value is a config error."""
+    from flipsync.checkpoint import save_checkpoint
+    from flipsync.sidecar.service import EngineOptions, load_engine
+
+    v0 = checkpoint()
+    save_checkpoint(v0, tmp_path / "model")
+    model = FakeLlama(**DIMS)
+    model.load_weights(v0.items())
+    core = WorkerCore(model, policy=fake_policy, reloader=make_reloader(model))
+    with serve(fake_vllm_server([core], [])) as url:
+        opts = {"model_dir": str(tmp_path / "model"), "audit": "sample", "repair": "off"}
+        engine = load_engine("vllm", EngineOptions(upstream_url=url, options=opts))
+        assert engine.audit == "sample" and core.audit == "sample" and core.repair is False
+        engine.close()
+        for bad in ({"audit": "often"}, {"repair": "maybe"}):
+            with pytest.raises(ConfigError, match=r"audit|repair"):
+                load_engine("vllm", EngineOptions(upstream_url=url, options={"model_dir": opts["model_dir"], **bad}))

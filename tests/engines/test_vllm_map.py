@@ -287,7 +287,7 @@ def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
     v1 = one_class_step(v0)
     patch, _ = diff_views(v0, v1)
     assert patch.needs_base
-    with pytest.raises(PatchError, match="mirror=FILE"):
+    with pytest.raises(PatchError, match="mirror=none"):
         engine.stage(patch)
     plain, _ = diff_views(v0, v1, context=False)
     engine.commit(engine.stage(plain))

@@ -12,7 +12,7 @@ skip. Set it up once (about 2-4 minutes, 3.5 GB):
     FLIPSYNC_VLLM_PYTHON=.vllm-venv/bin/python pytest tests/engines/test_vllm_real.py
 
 Each test starts vLLM in a subprocess (``tests/engines/vllm_real_check.py``) under a hard timeout and reads
-the one ``RESULT`` line it prints.
+the one ``RESULT`` line it prints: the dense TP 1 run (offline, then a server), and one per case of ``CASES``.
 """
 
 from __future__ import annotations
@@ -80,3 +80,27 @@ def test_patches_into_live_vllm_server(tmp_path: Path) -> None:
     result = run_check(tmp_path, "--server", timeout=600)
     failed = [k for k, ok in result["checks"].items() if not ok]
     assert not failed, f"failed checks: {failed}; timings {result['timings']}"
+
+
+# Model shape x served format x tensor parallelism, each against a fresh vLLM started from the target version
+# (every module as the kernels hold it, greedy tokens and logprobs); see vllm_real_check.CASES.
+CASES = {
+    "dense-tp2": "dense Llama, BF16, tensor parallel 2; a broken post-load step on rank 0 must be refused",
+    "dense-fp32": "dense Llama, a BF16 checkpoint served with --dtype float32 (every tensor widened exactly)",
+    "moe": "Qwen3-MoE (2 layers, 4 experts, top-2), BF16, tensor parallel 1",
+    "moe-tp2": "Qwen3-MoE, BF16, tensor parallel 2",
+    "fp8": "compressed-tensors FP8 per channel (flipsync fp8-channel), tensor parallel 1",
+    "int8": "compressed-tensors INT8 W8A8 per channel (flipsync int8-channel), tensor parallel 1",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_live_case_matches_a_fresh_engine(case: str, tmp_path: Path) -> None:
+    result = run_check(tmp_path, case, "--case", timeout=900)
+    failed = [k for k, ok in result["checks"].items() if not ok]
+    assert not failed, f"{CASES[case]}: failed checks {failed}; {result.get('kernel_diff')}; {result['timings']}"
+    assert all(n > 0 for n in result["modules_compared"].values())
+    if case.startswith("moe"):  # vLLM CPU's reload skips the expert prepack: found, and completed
+        assert any("experts" in m and v.startswith("reload") for m, v in result["modes"].items())
+    if case == "dense-tp2":
+        assert "model.layers.1.mlp.down_proj" in result["refusal"]

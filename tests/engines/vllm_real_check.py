@@ -17,6 +17,14 @@ With ``--server`` it does the same over HTTP instead: ``vllm serve`` on 127.0.0.
 ``VLLM_SERVER_DEV_MODE=1`` and ``--worker-extension-cls``, reached by ``HttpTransport``; generation through
 ``/v1/completions``.
 
+With ``--case NAME`` it runs one of ``CASES`` (model shape, served format, tensor parallelism): FP32 masters
+moved by three training-like steps give served views v0..v3 (``flipsync.formats``; a compressed-tensors
+checkpoint for the quantized ones), the engine starts from v0, takes p1, p2, p3, rolls p3 back and re-applies
+it, and then every module's tensors as the kernels hold them (and the kernel outputs on identity probes, for
+repacked layers) and greedy tokens with top-5 and prompt logprobs must equal those of a fresh vLLM started
+from v3. Cases with ``fault`` also break the engine's post-load step of one layer on rank 0 once: the commit
+must be refused by the kernel-state audit, with every rank back at v3.
+
 Prints one line ``RESULT {json}`` with the checks and timings.
 """
 
@@ -127,6 +135,7 @@ def main(workdir: Path) -> dict:
     res["timings"]["attach_s"] = time.perf_counter() - t
     res["checks"]["mirror_in_use"] = engine.host_view is mirror
     res["modes"] = engine.modes()
+    res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed
     res["checks"]["attach_table_matches_checkpoint"] = engine.table.view_fp() == t0.view_fp()
 
     t = time.perf_counter()
@@ -269,8 +278,183 @@ def server(workdir: Path) -> dict:
     return res
 
 
+# ------------------------------------------------------------------------------------------------ cases
+# name -> (architecture, served format, tensor parallel size, break a post-load step once, engine dtype)
+CASES = {
+    "dense-tp2": ("llama", "bf16", 2, True, "bfloat16"),
+    "dense-fp32": ("llama", "bf16", 1, False, "float32"),  # BF16 checkpoint tensors widened into FP32 parameters
+    "moe": ("moe", "bf16", 1, False, "bfloat16"),
+    "moe-tp2": ("moe", "bf16", 2, False, "bfloat16"),
+    "fp8": ("llama", "fp8-channel", 1, False, "bfloat16"),
+    "int8": ("llama", "int8-channel", 1, False, "bfloat16"),
+}
+CASE_PROMPTS = ["hello world from", "the trainer publishes", "a sidecar applies", "every replica reports"]
+
+
+def case_views(arch: str, fmt: str, workdir: Path, steps: int):
+    """A model folder (config, tokenizer), and served views v0..v{steps} of FP32 masters moved step by step;
+    the first step also rotates the LM head's rows, so that greedy decoding changes visibly."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_llama import tiny_masters
+
+    from flipsync.formats import served_view
+
+    model_dir, masters = tiny_masters(arch, workdir / "base")
+    g = torch.Generator().manual_seed(7)
+    views = [served_view(masters, fmt)]
+    for k in range(steps):
+        nxt = {}
+        for name, m in masters.items():  # a relative move of ~2**-10: a few percent of BF16 values change
+            nxt[name] = m * (1 + torch.randn(m.shape, generator=g) * 2.0**-10)
+        if k == 0:
+            nxt["lm_head.weight"] = torch.roll(nxt["lm_head.weight"], shifts=7, dims=0).contiguous()
+        masters = nxt
+        views.append(served_view(masters, fmt))
+    return model_dir, views
+
+
+def case_generate(llm, sp) -> list[dict]:
+    outs = llm.generate(CASE_PROMPTS, sp, use_tqdm=False)
+
+    def top(d) -> list[list]:
+        return sorted([int(t), float(lp.logprob)] for t, lp in d.items())
+
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "logprobs": [top(d) for d in o.outputs[0].logprobs],
+            "prompt_logprobs": [top(d) if d is not None else None for d in o.prompt_logprobs],
+        }
+        for o in outs
+    ]
+
+
+def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"):
+    from vllm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir),
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        worker_extension_cls=extension,
+    )
+    return llm, time.perf_counter() - t0
+
+
+def case(workdir: Path, name: str) -> dict:
+    from vllm import SamplingParams
+
+    from flipsync.codec import diff_views
+    from flipsync.codec.fingerprint import FingerprintTable
+    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, cpu_env, specs_from_checkpoint
+    from flipsync.errors import EngineError
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_llama import write_view
+    from vllm_faults import EXTENSION
+
+    arch, fmt, tp, fault, dtype = CASES[name]
+    # the fault extension lives beside this file: vLLM's worker processes import it by name
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
+    )
+    os.environ.update(cpu_env(tp))  # tensor parallelism on the CPU build: flipsync binds the ranks' threads
+    res: dict = {"case": name, "checks": {}, "timings": {}, "audit": {}}
+    checks, timings = res["checks"], res["timings"]
+    model_dir, views = case_views(arch, fmt, workdir, 4 if fault else 3)
+    tables = [FingerprintTable.of(v) for v in views]
+    patches = [
+        diff_views(views[k - 1], views[k], old_table=tables[k - 1], context=False)[0] for k in range(1, len(views))
+    ]
+    res["patch_changed"] = [sum(s.n for s in p.sections) for p in patches]
+    start_dir = write_view(model_dir, views[0], workdir / "v0", fmt)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=5, prompt_logprobs=5, seed=0)
+
+    llm, timings["engine_start_s"] = case_start(start_dir, tp, EXTENSION, dtype)
+    gens = [case_generate(llm, sp)]
+    t = time.perf_counter()
+    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(start_dir))
+    timings["attach_s"] = time.perf_counter() - t
+    res["modes"] = engine.modes()
+    res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed
+    res["audit"]["attach"] = {r: {"layers": len(a.get("layers", [])), "seconds": a.get("seconds")}
+                              for r, a in engine.attach_audit.items()}  # fmt: skip
+    checks["attach_table_is_v0"] = engine.table.view_fp() == tables[0].view_fp()
+    checks["attach_audit_clean"] = all(not a.get("mismatches") for a in engine.attach_audit.values())
+    undo = None
+    for k in (1, 2, 3):
+        t = time.perf_counter()
+        undo = engine.commit(engine.stage(patches[k - 1]))
+        timings[f"stage_commit_{k}_s"] = time.perf_counter() - t
+        res["audit"][f"p{k}"] = {"seconds": engine.last_audit["seconds"],
+                                 "layers": {r: len(v) for r, v in engine.last_audit["layers"].items()},
+                                 "reloaded": {r: len(v) for r, v in engine.last_audit["reloaded"].items()},
+                                 "apply_s": engine.last_audit["apply_s"]}  # fmt: skip
+        checks[f"workers_hold_v{k}"] = engine.recompute_table().view_fp() == tables[k].view_fp()
+        gens.append(case_generate(llm, sp))
+    checks["generation_changed"] = [g["tokens"] for g in gens[1]] != [g["tokens"] for g in gens[0]]
+    engine.rollback(undo)
+    checks["rollback_holds_v2"] = engine.recompute_table().view_fp() == tables[2].view_fp()
+    checks["rollback_generates_as_v2"] = case_generate(llm, sp) == gens[2]
+    engine.commit(engine.stage(patches[2]))
+    checks["reapplied_holds_v3"] = engine.recompute_table().view_fp() == tables[3].view_fp()
+    checks["reapplied_generates_as_v3"] = case_generate(llm, sp) == gens[3]
+    t = time.perf_counter()
+    k3 = engine.kernel_state()
+    timings["kernel_state_s"] = time.perf_counter() - t
+    if fault:
+        layer = "model.layers.1.mlp.down_proj"
+        broken = llm.collective_rpc("flipsync_break_post_load", args=(layer, 0))
+        checks["fault_installed_on_rank_0"] = list(broken) == [True] + [False] * (tp - 1)
+        try:
+            engine.commit(engine.stage(patches[3]))
+            checks["broken_post_load_refused"] = False
+        except EngineError as e:
+            checks["broken_post_load_refused"] = "fresh load" in str(e) and layer in str(e)
+            res["refusal"] = str(e)[:400]
+        checks["after_refusal_table_is_v3"] = engine.table.view_fp() == tables[3].view_fp()
+        checks["after_refusal_workers_hold_v3"] = engine.recompute_table().view_fp() == tables[3].view_fp()
+        checks["after_refusal_kernels_hold_v3"] = engine.kernel_state() == k3
+        checks["after_refusal_generates_as_v3"] = case_generate(llm, sp) == gens[3]
+        u4 = engine.commit(engine.stage(patches[3]))  # the step works again: once only
+        checks["workers_hold_v4"] = engine.recompute_table().view_fp() == tables[4].view_fp()
+        engine.rollback(u4)
+        checks["back_at_v3_kernels"] = engine.kernel_state() == k3
+    engine.close()
+    del engine, llm
+    gc.collect()
+
+    fresh_dir = write_view(model_dir, views[3], workdir / "v3", fmt)
+    fresh, timings["fresh_start_s"] = case_start(fresh_dir, tp, EXTENSION, dtype)
+    checks["fresh_v3_generates_identically"] = case_generate(fresh, sp) == gens[3]
+    ref = VllmEngine(LLMTransport(fresh), specs_from_checkpoint(fresh_dir))
+    kf = ref.kernel_state()
+    checks["fresh_v3_kernels_identical"] = kf == k3
+    if kf != k3:
+        res["kernel_diff"] = sorted(f"rank {r} {m} {t}" for r in kf for m in kf[r] for t in kf[r][m]
+                                    if k3.get(r, {}).get(m, {}).get(t) != kf[r][m][t])[:20]  # fmt: skip
+    res["modules_compared"] = {r: len(v) for r, v in kf.items()}
+    ref.close()
+    del ref, fresh
+    gc.collect()
+    res["ok"] = all(checks.values())
+    return res
+
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    out = server(Path(args[0])) if "--server" in sys.argv else main(Path(args[0]))
+    if "--case" in sys.argv:
+        out = case(Path(args[0]), args[1])
+    elif "--server" in sys.argv:
+        out = server(Path(args[0]))
+    else:
+        out = main(Path(args[0]))
     print("RESULT " + json.dumps(out), flush=True)
     sys.exit(0 if out["ok"] else 1)

@@ -93,6 +93,15 @@ def ref_fp8_channel(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
     return {name: e4m3_bits((x / scale).astype(F32)), name + "_scale": bits(scale)}
 
 
+def ref_int8_channel(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
+    """compressed-tensors symmetric int8: scale = amax / 127.5 (bit range 255 halved), clamp, then round half
+    to even (np.rint), in float32."""
+    scale = (np.max(np.abs(x), axis=1, keepdims=True) / F32(127.5)).astype(F32)
+    scale[scale == 0] = np.finfo(F32).eps
+    q = np.rint(np.clip((x / scale).astype(F32), F32(-128.0), F32(127.0))).astype(np.int8)
+    return {name: q.view(np.uint8), name + "_scale": bits(scale)}
+
+
 def ref_fp8_block(name: str, x: np.ndarray) -> dict[str, np.ndarray]:
     n, k = x.shape
     nb, kb = -(-n // 128), -(-k // 128)
@@ -163,6 +172,7 @@ REFERENCES = {
     "mxfp8": ref_mxfp8,
     "mxfp4": ref_mxfp4,
     "nvfp4": ref_nvfp4,
+    "int8-channel": ref_int8_channel,
 }
 
 

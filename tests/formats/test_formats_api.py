@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ QUANTIZED = [f for f in FORMAT_NAMES if f not in ("bf16", "fp16")]
 LAYOUT = {
     "fp8-tensor": (torch.float8_e4m3fn, (70, 100), {"_scale": (torch.float32, (1,))}),
     "fp8-channel": (torch.float8_e4m3fn, (70, 100), {"_scale": (torch.float32, (70, 1))}),
+    "int8-channel": (torch.int8, (70, 100), {"_scale": (torch.float32, (70, 1))}),
     "fp8-block": (torch.float8_e4m3fn, (70, 100), {"_scale_inv": (torch.float32, (1, 1))}),
     "mxfp8": (torch.float8_e4m3fn, (70, 100), {"_scale": (torch.uint8, (70, 4))}),
     "mxfp4": (torch.uint8, (70, 50), {"_scale": (torch.uint8, (70, 4))}),
@@ -45,6 +47,7 @@ def test_format_names_and_lookup() -> None:
         "mxfp8",
         "mxfp4",
         "nvfp4",
+        "int8-channel",
     )
     for name in FORMAT_NAMES:
         fmt = get_format(name)
@@ -315,3 +318,65 @@ def test_cuda_gives_the_cpu_bytes(fmt: str) -> None:
     for key, tensor in cpu.items():
         assert gpu[key].device.type == "cuda"
         assert torch.equal(gpu[key].cpu().view(torch.uint8), tensor.view(torch.uint8)), key
+
+
+# --- tensors kept in the checkpoint's own dtype ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8-channel", "fp8-channel"])
+def test_dtypes_serve_named_tensors_as_the_checkpoint_holds_them(fmt: str) -> None:
+    """FP32 norms and router weights beside BF16 (or quantized) weights, as released checkpoints ship them:
+    served with the master's own bits, never aliasing the master, and never quantized."""
+    g = torch.Generator().manual_seed(0)
+    masters = {
+        "l.input_layernorm.weight": torch.randn(8, generator=g),
+        "l.mlp.gate.weight": torch.randn(4, 8, generator=g),  # a router: 2-D, quantizable by name
+        "l.mlp.down_proj.weight": torch.randn(8, 16, generator=g),
+    }
+    masters["l.input_layernorm.weight"][0] = 2.0**-140  # an fp32 subnormal: kept as it is
+    dtypes = {"l.input_layernorm.weight": torch.float32, "l.mlp.gate.weight": torch.float32}
+    out = served_view(masters, fmt, dtypes=dtypes)
+    for name in dtypes:
+        assert out[name].dtype == torch.float32 and name + "_scale" not in out
+        assert torch.equal(out[name].view(torch.int32), masters[name].view(torch.int32))
+        assert out[name].data_ptr() != masters[name].data_ptr()
+    assert out["l.mlp.down_proj.weight"].dtype == get_format(fmt).payload_dtype
+    assert dequantize_view(out, fmt)["l.mlp.gate.weight"].equal(masters["l.mlp.gate.weight"])
+    bad = dict(masters)
+    bad["l.input_layernorm.weight"] = masters["l.input_layernorm.weight"].clone()
+    bad["l.input_layernorm.weight"][1] = float("nan")
+    with pytest.raises(NonFiniteError, match="input_layernorm"):
+        served_view(bad, fmt, dtypes=dtypes)
+    with pytest.raises(ConfigError, match="not a master"):
+        served_view(masters, fmt, dtypes={"nope": torch.float32})
+    with pytest.raises(ConfigError, match="float8"):
+        served_view(masters, fmt, dtypes={"l.mlp.gate.weight": torch.float8_e4m3fn})
+
+
+def test_checkpoint_dtypes_follow_the_checkpoint_headers() -> None:
+    from flipsync.formats import checkpoint_dtypes
+
+    masters = {"n.weight": torch.randn(4), "a.proj.weight": torch.randn(4, 4), "b.proj.weight": torch.randn(4, 4)}
+    headers = {"n.weight": "F32", "a.proj.weight": "I8", "b.proj.weight": "BF16"}  # b: left unquantized
+    assert checkpoint_dtypes(headers, "int8-channel", masters) == {
+        "n.weight": torch.float32,
+        "b.proj.weight": torch.bfloat16,
+    }
+    assert checkpoint_dtypes({"n.weight": "F32", "b.proj.weight": "BF16"}, "bf16", masters) == {
+        "n.weight": torch.float32
+    }
+
+
+def test_the_fused_pass_diffs_fp32_tensors_by_32_bit_patterns() -> None:
+    from flipsync.formats.fused import FusedCaster
+
+    x = torch.randn(1000)
+    prev = x.clone()
+    prev.view(torch.int32)[::97] += 1
+    with FusedCaster(1) as caster:
+        new, changes = caster.cast_diff("n.weight", x, torch.float32, prev)
+    assert torch.equal(new.view(torch.int32), x.view(torch.int32)) and new.data_ptr() != x.data_ptr()
+    assert changes.positions.tolist() == list(range(0, 1000, 97))
+    assert changes.old.dtype == np.uint32 and np.array_equal(
+        changes.new, x.view(torch.int32).numpy()[::97].view(np.uint32)
+    )

@@ -213,7 +213,7 @@ def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
 
 # --- fp8 and MX: quantize and diff the payload in one pass ---------------------------------------------
 
-QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
+QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel")
 FP4 = ("mxfp4", "nvfp4")
 
 
@@ -221,6 +221,8 @@ def zero_payload(fmt: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A previous payload of the right layout, all zero bytes."""
     if fmt in FP4:
         return torch.zeros((shape[0], shape[1] // 2), dtype=torch.uint8)
+    if fmt == "int8-channel":
+        return torch.zeros(shape, dtype=torch.int8)
     return torch.zeros(shape, dtype=E4M3)
 
 
@@ -294,7 +296,8 @@ def test_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
-    """Every e4m3 value, its midpoints and one fp32 step either side (times 2**k scales), zero rows, -0."""
+    """Every e4m3 value, its midpoints and one fp32 step either side (times 2**k scales), zero rows, -0; for
+    int8, every integer code's ties and neighbours too (the e4m3 grid holds all integers up to 16)."""
     every = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float().numpy().astype(np.float64)
     mid = (every[:-1] + every[1:]) / 2
     vals = np.concatenate([every, mid, np.nextafter(mid, 0), np.nextafter(mid, np.inf)]).astype(np.float32)
@@ -311,6 +314,12 @@ def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
     tiny = torch.full((2, 64), 2.0**-130)  # MX: a zero exponent field, the 2**-126 divisor
     tiny[1] = torch.linspace(-(2.0**-120), 2.0**-121, 64)
     check_quantized(caster, fmt, tiny, zero_payload(fmt, (2, 64)), from_fp32=True)
+    codes = np.arange(-128, 128, dtype=np.float64)  # scale 1 (amax 127.5): every code, its ties and neighbours
+    ties = np.concatenate([codes, codes + 0.5, np.nextafter(codes + 0.5, 0), np.nextafter(codes + 0.5, 200)])
+    row = np.clip(ties, -127.5, 127.5).astype(np.float32)
+    row[0] = 127.5
+    check_quantized(caster, fmt, torch.from_numpy(np.stack([row, -row])), zero_payload(fmt, (2, row.size)),
+                    from_fp32=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from flipsync.errors import FormatError
-from flipsync.formats import get_format, served_view
+from flipsync.formats import dequantize_view, get_format, served_view
 
 
 def u8(t: torch.Tensor) -> list[int]:
@@ -163,6 +163,51 @@ def test_fp8_channel_golden() -> None:
     assert out["w.weight_scale"].shape == (4, 1)
     tiny = np.array([np.float32(2.0**-20) / np.float32(448.0)], np.float32).view(np.uint32)[0]
     assert u32(out["w.weight_scale"]) == [0x3F800000, 0x34000000, 0x40000000, int(tiny)]
+
+
+# --- int8-channel ----------------------------------------------------------------------------------
+
+
+def test_int8_channel_golden() -> None:
+    rows = [
+        # scale 127.5 / 127.5 = 1: 127.5 clamps to 127; -127.5 rounds half to even, to -128; ties 0.5 -> 0,
+        # 1.5 -> 2, 2.5 -> 2, -0.5 -> 0; -0.0 -> 0; 63.75 -> 64
+        [127.5, -127.5, 0.5, -0.0, 1.5, 2.5, -0.5, 63.75],
+        [0.0, 0.0, -0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # all zero: scale = fp32 eps 2**-23, q = 0
+        [255.0, 1.0, -1.0, 0.75, 100.0, -254.0, 3.0, 0.0],  # scale 2: 127.5 -> 127, 0.5 -> 0, -127 -> 0x81
+        [2.0**-20, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],  # no floor: scale = 2**-20 / 127.5, q = 127
+    ]
+    out = serve("int8-channel", rows)
+    assert out["w.weight"].dtype == torch.int8
+    assert u8(out["w.weight"]) == [
+        0x7F, 0x80, 0x00, 0x00, 0x02, 0x02, 0x00, 0x40,
+        0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+        0x7F, 0x00, 0x00, 0x00, 0x32, 0x81, 0x02, 0x00,
+        0x7F, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00,
+    ]  # fmt: skip
+    assert out["w.weight_scale"].shape == (4, 1) and out["w.weight_scale"].dtype == torch.float32
+    tiny = np.array([np.float32(2.0**-20) / np.float32(127.5)], np.float32).view(np.uint32)[0]
+    assert u32(out["w.weight_scale"]) == [0x3F800000, 0x34000000, 0x40000000, int(tiny)]
+    back = dequantize_view(out, "int8-channel")["w.weight"]
+    assert back[0].tolist() == [127.0, -128.0, 0.0, 0.0, 2.0, 2.0, 0.0, 64.0]
+
+
+def test_int8_channel_keeps_what_engines_keep() -> None:
+    """Norms, embeddings, the LM head and 1-D tensors stay bf16, as a compressed-tensors W8A8 checkpoint has them."""
+    masters = {
+        "model.embed_tokens.weight": torch.randn(8, 4),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(4, 8),
+        "model.layers.0.input_layernorm.weight": torch.randn(4),
+        "lm_head.weight": torch.randn(8, 4),
+    }
+    out = served_view(masters, "int8-channel")
+    assert {k: v.dtype for k, v in out.items()} == {
+        "model.embed_tokens.weight": torch.bfloat16,
+        "model.layers.0.mlp.down_proj.weight": torch.int8,
+        "model.layers.0.mlp.down_proj.weight_scale": torch.float32,
+        "model.layers.0.input_layernorm.weight": torch.bfloat16,
+        "lm_head.weight": torch.bfloat16,
+    }
 
 
 # --- fp8-block -------------------------------------------------------------------------------------

@@ -163,6 +163,9 @@ def error_bound(fmt: str, name: str, x: torch.Tensor, served: dict[str, torch.Te
     if fmt == "fp8-channel":
         s = served[name + "_scale"].float()
         return (ax * 2.0**-4 + 2.0**-10 * s) * slack + 4 * 2.0**-23 * ax
+    if fmt == "int8-channel":  # half a step of the scale (plus the scale's own rounding), clamped at -128 / 127
+        s = served[name + "_scale"].float()
+        return (0.5 * s + torch.clamp(ax - 127 * s, min=0)) * slack + 4 * 2.0**-23 * ax
     if fmt == "fp8-block":
         n, k = x.shape
         s = served[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)[:n, :k]

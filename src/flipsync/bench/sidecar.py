@@ -16,6 +16,13 @@ a changed scale moves its whole block, so the pause grows a little faster than t
 
 Changes are +-1 steps of the served bit patterns at random positions, the typical change under Adam at RL
 learning rates. Timings are medians over repeats; the machine's other load shows up as noise.
+
+**The vLLM kernel-state audit, per touched layer.** The vLLM worker's reload path (``WorkerCore``) runs on a
+stand-in for vLLM CPU's linear layers (the post-load step packs the weight into a transposed copy the GEMM
+reads, and drops the weight): for each layer size, one patch touching every layer is committed with the audit
+``off``, ``sample`` and ``every``; the audit's cost (a twin loaded and processed, its tensors compared, the
+GEMM run on identity rows: all of them for ``every``, 64 for ``sample``) is reported per touched layer beside
+the reload's own (the checkpoint tensors rebuilt, reloaded and reprocessed).
 """
 
 from __future__ import annotations
@@ -41,6 +48,10 @@ from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
+from flipsync.engines.vllm.kernels import KernelHooks, default_kind, default_transplant, default_twin, identity_rows
+from flipsync.engines.vllm.kernels import probe_rows as pick_rows
+from flipsync.engines.vllm.scratch import copy_attrs, default_policy
+from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.formats import served_view
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.metrics import SidecarMetrics
@@ -55,10 +66,18 @@ class Setup:
     fractions: tuple[float, ...]
     repeat: int
     formats: tuple[str, ...]
+    # (hidden, intermediate) of the stand-in layers the kernel-state audit is measured on
+    audit_sizes: tuple[tuple[int, int], ...] = ((256, 704),)
 
 
-QUICK = Setup("small", (1e-5, 1e-4, 1e-3, 1e-2), repeat=3, formats=("bf16", "fp8-block"))
-FULL = Setup("base", (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2), repeat=3, formats=("bf16", "fp8-block"))
+QUICK = Setup("small", (1e-5, 1e-4, 1e-3, 1e-2), repeat=3, formats=("bf16", "fp8-block"), audit_sizes=((512, 1408),))
+FULL = Setup(
+    "base",
+    (1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 5e-2),
+    repeat=3,
+    formats=("bf16", "fp8-block"),
+    audit_sizes=((1024, 2816), (2048, 5632)),
+)
 
 
 def _bump(view: dict[str, torch.Tensor], fraction: float, rng: np.random.Generator) -> None:
@@ -162,6 +181,116 @@ def _measure(setup: Setup, fmt: str, console: Console) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------------------------------------- the kernel-state audit
+class _PackedLinear(torch.nn.Module):
+    """vLLM CPU's linear layer, in miniature: the post-load step packs the weight into the transposed copy the
+    GEMM reads (oneDNN's reorder) and drops the parameter."""
+
+    def __init__(self, out_f: int, in_f: int) -> None:
+        super().__init__()
+        self.shape = (out_f, in_f)
+        self.weight = torch.nn.Parameter(torch.zeros(out_f, in_f, dtype=torch.bfloat16), requires_grad=False)
+        self.packed: torch.Tensor | None = None
+
+    def process_weights_after_loading(self) -> None:
+        self.packed = self.weight.detach().t().contiguous()
+        self.weight = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+
+class _StandIn(torch.nn.Module):
+    """``layers`` MLP blocks of packed linears, loaded by checkpoint name (vLLM's ``load_weights`` contract)."""
+
+    def __init__(self, hidden: int, inter: int, layers: int) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList()
+        for _ in range(layers):
+            block = torch.nn.Module()
+            block.mlp = torch.nn.Module()
+            block.mlp.up_proj = _PackedLinear(inter, hidden)
+            block.mlp.down_proj = _PackedLinear(hidden, inter)
+            self.model.layers.append(block)
+
+    def load_weights(self, weights: Any) -> set[str]:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            params[name].data.copy_(w)
+        return {name for name, _ in weights}
+
+
+def _stand_in_core(hidden: int, inter: int, layers: int, view: dict[str, torch.Tensor]) -> WorkerCore:
+    model = _StandIn(hidden, inter, layers)
+    model.load_weights(view.items())
+    for m in model.modules():
+        if isinstance(m, _PackedLinear):
+            m.process_weights_after_loading()
+
+    def scratch(module: torch.nn.Module, pname: str, live: torch.Tensor | None) -> torch.Tensor | None:
+        if isinstance(module, _PackedLinear) and (live is None or live.numel() == 0):
+            return copy_attrs(torch.zeros(module.shape, dtype=torch.bfloat16), module.weight, module)
+        return None if live is None else copy_attrs(torch.zeros_like(live), live, module)
+
+    def reload(tensors: list[tuple[str, torch.Tensor]]) -> None:  # the layerwise reload: restore, load, process
+        touched = {n.rpartition(".")[0] for n, _ in tensors}
+        for name in touched:
+            mod = model.get_submodule(name)
+            assert isinstance(mod, _PackedLinear)
+            mod.weight = torch.nn.Parameter(torch.zeros(mod.shape, dtype=torch.bfloat16), requires_grad=False)
+        model.load_weights(tensors)
+        for name in touched:
+            model.get_submodule(name).process_weights_after_loading()  # type: ignore[operator]
+
+    def probe(mname: str, module: torch.nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
+        packed = getattr(module, "packed", None)
+        if packed is None:
+            return {}
+        k = packed.shape[0]
+        return {"identity": identity_rows(k, pick_rows(k, rows, seed), torch.bfloat16) @ packed}
+
+    hooks = KernelHooks(default_twin, probe, default_transplant, default_kind)
+    return WorkerCore(
+        model, policy=default_policy, scratch=scratch, reloader=reload, hooks=hooks, default_source=lambda: view
+    )
+
+
+def audit_cost(sizes: tuple[tuple[int, int], ...], layers: int, console: Console) -> dict[str, Any]:
+    """Per touched layer: the reload's time and the audit's (``sample``, ``every``) for each layer size."""
+    from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+
+    out: dict[str, Any] = {"layers": layers, "rows": []}
+    for hidden, inter in sizes:
+        g = torch.Generator().manual_seed(hidden)
+        view = {}
+        for i in range(layers):
+            view[f"model.layers.{i}.mlp.up_proj.weight"] = (torch.randn(inter, hidden, generator=g) * 0.02).bfloat16()
+            view[f"model.layers.{i}.mlp.down_proj.weight"] = (torch.randn(hidden, inter, generator=g) * 0.02).bfloat16()
+        row: dict[str, Any] = {"hidden": hidden, "inter": inter, "layer_params": hidden * inter}
+        for mode in ("off", "sample", "every"):
+            console.log(f"sidecar bench: kernel-state audit {mode}, layers {hidden}x{inter}")
+            engine = VllmEngine(LocalTransport([_stand_in_core(hidden, inter, layers, view)]), specs_of(view),
+                                table=FingerprintTable.of(view), audit=mode)  # fmt: skip
+            cur = {k: v.clone() for k, v in view.items()}
+            table = FingerprintTable.of(view)
+            rng = np.random.default_rng(0)
+            applies, audits = [], []
+            for _ in range(3):  # the first reload of a kind is always compared: measure the later ones
+                prev = {k: v.clone() for k, v in cur.items()}
+                _bump(cur, 1e-4, rng)
+                patch, table = diff_views(prev, cur, old_table=table, context=False)
+                engine.commit(engine.stage(patch))
+                applies.append(engine.last_audit["apply_s"])
+                audits.append(engine.last_audit["seconds"])
+            touched = 2 * layers
+            apply_s, audit_s = statistics.median(applies[1:]), statistics.median(audits[1:])
+            row[mode] = {
+                "apply_per_layer_s": apply_s / touched,
+                "audit_per_layer_s": audit_s / touched,
+                "reload_per_layer_s": (apply_s - audit_s) / touched,
+            }
+        out["rows"].append(row)
+    return out
+
+
 def _table(result: dict[str, Any]) -> Table:
     kf = result["keyframe"]
     t = Table(
@@ -206,8 +335,40 @@ def run(console: Console, quick: bool = False, *, setup: Setup | None = None) ->
             f"{hi['pause_s'] / max(lo['pause_s'], 1e-9):,.1f}x the pause; the largest patch pauses "
             f"{hi['pause_s'] * 1e3:.1f} ms against {bf16['keyframe']['pause_s'] * 1e3:.1f} ms for a full load"
         )
+    results["audit"] = audit_cost(setup.audit_sizes, 2, console)
+    console.print(_audit_table(results["audit"]))
     results["seconds"] = time.perf_counter() - t0
     return results
+
+
+def _audit_rows(audit: dict[str, Any]) -> list[tuple[str, ...]]:
+    out = []
+    for r in audit["rows"]:
+        reload = r["off"]["reload_per_layer_s"]
+        for mode in ("sample", "every"):
+            a = r[mode]["audit_per_layer_s"]
+            out.append(
+                (
+                    f"{r['hidden']}x{r['inter']} ({r['layer_params'] / 1e6:.1f}M)",
+                    mode,
+                    f"{reload * 1e3:.2f}",
+                    f"{a * 1e3:.2f}",
+                    f"{a / reload:.2f}" if reload > 0 else "-",
+                )
+            )
+    return out
+
+
+AUDIT_COLUMNS = ("layer (params)", "audit", "reload ms / layer", "audit ms / layer", "audit / reload")
+
+
+def _audit_table(audit: dict[str, Any]) -> Table:
+    t = Table(title="vLLM kernel-state audit, per touched layer (stand-in for vLLM CPU's packed linears)")
+    for col in AUDIT_COLUMNS:
+        t.add_column(col, justify="right")
+    for row in _audit_rows(audit):
+        t.add_row(*row)
+    return t
 
 
 ABOUT = (
@@ -218,8 +379,8 @@ ABOUT = (
     "engine write, fingerprint check, publish); *engine write* is the scatter into the served tensors (for "
     "quantized formats, the parameter elements that staging found changed); *stage* is decoding and "
     "preparing the writes while the engine keeps serving. The first version is a keyframe (a full load); "
-    "*pause / full load* compares each patch with it. vLLM needs a GPU: on this CPU-only machine only the "
-    "PyTorch engine is measured (`flipsync.engines.vllm.engine` has the vLLM path)."
+    "*pause / full load* compares each patch with it. The vLLM engine's pause is timed by its live tests "
+    "(docs/engines.md), not here; its worker's kernel-state audit is measured below on a stand-in."
 )
 
 
@@ -259,6 +420,16 @@ def markdown(result: dict[str, Any], figures: Figures | None = None) -> str:
         )
     if figures is not None:
         parts.append(figures.link(plot(result, figures.path("engine-pause.png")).name, "engine pause"))
+    if result.get("audit"):
+        parts.append(
+            "**The vLLM kernel-state audit, per touched layer.** vLLM's worker half (`WorkerCore`) on a stand-in for "
+            "vLLM CPU's linear layers (the post-load step packs the weight into the transposed copy the GEMM reads "
+            "and drops it); one patch touching every layer, committed with the audit off, `sample` and `every`. "
+            "*reload* is the reload path's own cost per layer (checkpoint tensors rebuilt, reloaded, reprocessed), "
+            "*audit* the twin (loaded, processed), the tensor comparison and the GEMM on identity rows (every row "
+            "for `every`, 64 for `sample`)."
+        )
+        parts.append(md_table(AUDIT_COLUMNS, _audit_rows(result["audit"]), left=0))
     return "\n\n".join(parts)
 
 

@@ -6,6 +6,9 @@ over a 100 Mbit/s link takes seconds, small enough that two CPU cores train it. 
 0..261 only; the embedding rows of the other ids never get a gradient and never change, as the rows of
 tokens absent from a batch do not in a real RL step (the LM head's rows all change: every logit gets one).
 
+``moe-2m`` is a Qwen3-MoE-shaped policy (8 experts, top-2, in each of its 2 layers), for the demo on a mixture of
+experts: its report gives the share of each expert's values that change beside the dense layers'.
+
 ``write_model_dir`` writes what an engine started from disk needs (vLLM): ``config.json``, a Hugging Face
 tokenizer that reproduces `ByteTokenizer`'s ids exactly, and the served weights of the first version.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from flipsync.checkpoint import save_checkpoint
 from flipsync.engines.torch.tokenizer import SPECIALS, ByteTokenizer
@@ -43,25 +46,42 @@ DEMO_MODELS: dict[str, dict[str, Any]] = {
         num_attention_heads=2,
         num_key_value_heads=1,
     ),
+    # ~1.5M parameters, 3 MB: a Qwen3-MoE shape, 8 experts of 128 (vLLM CPU's MoE wants multiples of 32), top-2.
+    "moe-2m": dict(
+        arch="qwen3_moe",
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=128,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    ),
 }
 
 
-def demo_config(name: str) -> LlamaConfig:
-    """A Llama config of a demo model (head size 64: vLLM's CPU attention supports it); untied embeddings."""
+def demo_config(name: str) -> PretrainedConfig:
+    """A Llama (or Qwen3-MoE) config of a demo model (head size 64: vLLM's CPU attention supports it); untied
+    embeddings."""
     if name not in DEMO_MODELS:
         raise ConfigError(f"unknown demo model {name!r}; models: {', '.join(DEMO_MODELS)}")
     tok = ByteTokenizer()
-    shape = DEMO_MODELS[name]
+    shape = dict(DEMO_MODELS[name])
     if shape["vocab_size"] < tok.vocab_size:
         raise ConfigError(f"demo model {name!r} has fewer ids than the byte tokenizer ({tok.vocab_size})")
-    return LlamaConfig(
+    arch = shape.pop("arch", "llama")
+    common = dict(
         max_position_embeddings=256,
         tie_word_embeddings=False,
         bos_token_id=tok.bos_id,
         eos_token_id=tok.eos_id,
         head_dim=shape["hidden_size"] // shape["num_attention_heads"],
-        **shape,
     )
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(decoder_sparse_step=1, norm_topk_prob=True, **common, **shape)
+    return LlamaConfig(**common, **shape)
 
 
 def _byte_level_tokenizer(out: Path) -> None:
@@ -96,12 +116,17 @@ def _unicode_to_byte() -> dict[str, int]:
     return {chr(c): b for b, c in zip(bs, cs, strict=True)}
 
 
-def write_model_dir(out: Path, config: LlamaConfig, view: Mapping[str, torch.Tensor] | None = None) -> Path:
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def write_model_dir(out: Path, config: PretrainedConfig, view: Mapping[str, torch.Tensor] | None = None) -> Path:
     """``config.json`` (and, with ``view``, the byte-level tokenizer and ``model.safetensors`` holding that
     served view): a folder an engine can start from. Returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     doc = config.to_dict()
     doc["torch_dtype"] = "bfloat16"
+    if not doc.get("architectures") and config.model_type in _ARCHITECTURES:  # vLLM picks its model class by it
+        doc["architectures"] = [_ARCHITECTURES[config.model_type]]
     (out / "config.json").write_text(json.dumps(doc, indent=2))
     if view is not None:
         _byte_level_tokenizer(out)

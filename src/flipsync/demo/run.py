@@ -47,6 +47,8 @@ from flipsync.codec import Patch
 from flipsync.codec.bits import int_view as bits_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.demo.control import CheckpointShelf
+from flipsync.demo.experts import ExpertRates
+from flipsync.demo.experts import summary_line as experts_line
 from flipsync.demo.grpo import Rollout, policy_loss, rl_optimizer, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python
 from flipsync.demo.model import DEMO_MODELS, demo_config, write_model_dir
@@ -306,9 +308,17 @@ class Monitor(Workers):
     """
 
     def __init__(
-        self, board: str, run: str, islands: list[Island], steps: StepIndex, served_values: int, checkpoint_bytes: int
+        self,
+        board: str,
+        run: str,
+        islands: list[Island],
+        steps: StepIndex,
+        served_values: int,
+        checkpoint_bytes: int,
+        experts: ExpertRates | None = None,
     ) -> None:
         self.reader = BoardReader(open_store(board), run)
+        self.experts = experts  # a mixture of experts: where each version's changes land
         self.islands = islands
         self.steps = steps
         self.served_values, self.checkpoint_bytes = served_values, checkpoint_bytes
@@ -339,7 +349,10 @@ class Monitor(Workers):
         changed = 0
         if m.kind is not Kind.KEYFRAME:
             parts = self.reader.catalog.fetch_parts(m, self.reader.catalog.artifact_dir(m))
-            changed = sum(Patch.from_bytes(p).header.n_changed for p in parts)
+            patches = [Patch.from_bytes(p) for p in parts]
+            changed = sum(p.header.n_changed for p in patches)
+            if self.experts is not None:
+                self.experts.add(patches)
         meta = m.meta or {}
         step = int(meta.get("step", v))
         steps = int(meta.get("steps", 1))
@@ -585,7 +598,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 island.wait_ready(timeout_s=900 if cfg.engine == "vllm" else 180)
         timings["setup_s"] = time.monotonic() - t_start
         step_index = StepIndex(board, run)
-        monitor = Monitor(board, run, islands, step_index, served_values, checkpoint_bytes).start()
+        experts = ExpertRates.of(view0)
+        monitor = Monitor(board, run, islands, step_index, served_values, checkpoint_bytes, experts).start()
         table = StepTable(cfg, run, names, monitor)
         pool = RolloutPool(islands, task, tok, cfg, lambda: publisher.stats.head or 0, step_index).start()
         progress = Progress(TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -681,7 +695,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             audits={n: {k: v for k, v in a.items() if k != "tensors"} for n, a in audits.items()},
             final_view_fp=final_fp,
             bitwise_equal=equal,
-            summary=summarize(records, rows, monitor.samples, flipsync_names, CONTROL if shelf else None, cfg),
+            summary={
+                **summarize(records, rows, monitor.samples, flipsync_names, CONTROL if shelf else None, cfg),
+                **({"experts": monitor.experts.summary()} if monitor.experts is not None else {}),
+            },
             timings=timings,
             masters=[str(p) for p in master_paths],
             wall_s=time.monotonic() - t_start,
@@ -760,6 +777,8 @@ def summary_lines(report: DemoReport) -> list[str]:
             f"({s['reward_last5'] - s['reward_first5']:+.3f}); served values changed per version at "
             f"{lr_text(s['lr'], s.get('head_lr_scale'))}: {changed} (mean)"
         )
+    if s.get("experts"):
+        lines.append(experts_line(s["experts"]))
     return lines
 
 

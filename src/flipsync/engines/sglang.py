@@ -23,16 +23,22 @@ tensors) in memory; SGLang reads O(touched tensors) from local disk and reproces
 either touched or not, so a patch of a few elements of every tensor reloads the whole model.
 
 What is checked where: ``table`` and ``recompute_table`` describe the mirror, i.e. what was pushed and
-acknowledged. SGLang's memory is reachable only through ``/get_weights_by_name`` (a truncated, float-valued
-slice of one parameter); :meth:`SglangEngine.sample_check` compares such slices with the mirror for tensors
-SGLang keeps unfused (norms, embeddings, lm_head). Tested only against a fake server that implements this
-HTTP contract (``tests/engines/fake_sglang.py``); SGLang has no CPU build that runs here.
+acknowledged. SGLang's memory is reachable only through ``/get_weights_by_name`` (the first rows of one
+parameter as the model holds it, as float32; its Llama-style models map ``q_proj`` / ``gate_proj`` names onto
+their slice of the fused parameter and gather row-parallel shards). That is the audit SGLang's routes allow:
+at start the engine reads back the first ``audit_rows`` rows of every tensor and keeps as *auditable* those
+that equal the mirror's (a runtime layout other than the checkpoint's, such as a transposed or repacked
+quantized weight, cannot be compared); after every update it reads the touched auditable tensors again
+(``audit="every"``; ``"sample"``: one of them; ``"off"``) and a mismatch (SGLang acknowledged values it does
+not hold) undoes the update and raises. Tested only against a fake server that implements this HTTP contract
+(``tests/engines/fake_sglang.py``); SGLang has no CPU build that runs here.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import secrets
 import shutil
 import tempfile
@@ -98,8 +104,13 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         abort_all_requests: bool = False,
         keep_updates: int = 2,
         client: httpx.Client | None = None,
+        audit: str = "every",
+        audit_rows: int = 2,
     ) -> None:
-        """``mirror`` must hold exactly what the server serves now (e.g. the checkpoint it started from)."""
+        """``mirror`` must hold exactly what the server serves now (e.g. the checkpoint it started from).
+        ``audit``: read back the touched tensors after each update (``every``, ``sample``: one, ``off``)."""
+        if audit not in ("every", "sample", "off"):
+            raise ConfigError(f"audit must be every, sample or off, not {audit!r}")
         self.base_url = base_url.rstrip("/")
         self._mirror = mirror
         self._timeout = timeout_s
@@ -117,6 +128,23 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         if set(self._table) != set(mirror):
             raise ConfigError("the fingerprint table does not describe the mirror's tensors")
         self.weight_version = self._get_weight_version()
+        self.audit, self.audit_rows = audit, max(1, audit_rows)
+        self._rng = random.Random(0)
+        self.auditable: set[str] = set()
+        self.last_audit: list[str] = []  # the tensors the last update's audit read back
+        if audit != "off":
+            found = self.sample_check(sorted(mirror), rows=self.audit_rows)
+            self.auditable = {n for n, ok in found.items() if ok}
+            skipped = sorted(set(found) - self.auditable)
+            if skipped:
+                log.warning(
+                    "sglang engine: %d of %d tensors do not read back as the mirror holds them (%s...): a runtime "
+                    "layout other than the checkpoint's, or a server that does not serve the mirror; they are not "
+                    "audited",
+                    len(skipped),
+                    len(found),
+                    ", ".join(skipped[:3]),
+                )
 
     # ------------------------------------------------------------------------------------- HTTP
     def _request(self, method: str, route: str, body: Mapping[str, Any] | None = None, timeout: float = 30.0) -> Any:
@@ -235,6 +263,13 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             # SGLang reports a failed load after trying to restore; push the old values to be sure
             self._recover(staged.undo_dir, before, "SGLang refused the update")
             raise
+        bad = self._audit_update(staged)
+        if bad:
+            self._recover(staged.undo_dir, before, "SGLang acknowledged an update it does not hold")
+            raise EngineError(
+                f"SGLang acknowledged the update but reads back other values for {', '.join(bad[:3])} (the first "
+                f"{self.audit_rows} rows, /get_weights_by_name); the update was undone"
+            )
         record = codec_commit(self._mirror, staged.writes, self._table, index=self._index)
         self._flush()
         self.weight_version = staged.weight_version
@@ -269,15 +304,39 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             self._mirror.flush()
 
     # ------------------------------------------------------------------------------------ extras
-    def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
-        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the mirror, exactly."""
-        out: dict[str, bool] = {}
+    def _audit_update(self, staged: SglangStaged) -> list[str]:
+        """The touched auditable tensors that do not read back with the update's values (O(touched x rows))."""
+        touched = sorted({w.name for w in staged.writes} & self.auditable)
+        if self.audit == "off" or not touched:
+            self.last_audit = []
+            return []
+        names = touched if self.audit == "every" else [self._rng.choice(touched)]
+        self.last_audit = names
+        expected = {w.name: w for w in staged.writes}
+        bad = []
         for name in names:
-            data = self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": rows})
-            want = self._mirror[name][:rows].to(torch.float32)
-            got = torch.tensor(data, dtype=torch.float32)
-            out[name] = got.shape == want.shape and bool(torch.equal(got, want))
-        return out
+            t = self._mirror[name][: self.audit_rows].detach().clone()
+            w = expected[name]
+            rows = t.numel()
+            keep = w.positions < rows
+            scatter(t, w.positions[keep], w.new_bits[keep])
+            if not self._reads_back(name, t):
+                bad.append(name)
+        return bad
+
+    def _reads_back(self, name: str, want: torch.Tensor) -> bool:
+        try:
+            data = self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
+        except EngineError:
+            return False
+        got = torch.tensor(data, dtype=torch.float32)
+        want32 = want.to(torch.float32)
+        return got.shape == want32.shape and bool(torch.equal(got.view(torch.int32), want32.view(torch.int32)))
+
+    def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
+        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the mirror, exactly
+        (float32 bit patterns); a tensor SGLang cannot report reads as False."""
+        return {name: self._reads_back(name, self._mirror[name][:rows]) for name in names}
 
     # -------------------------------------------------------------------------------- plumbing
     def _new_dir(self, stem: str) -> Path:

@@ -7,11 +7,12 @@ fused-group scale sharing. docs/formats.md documents every recipe.
 
 from flipsync.formats.base import ServedFormat, is_quantizable
 from flipsync.formats.registry import FORMAT_NAMES, get_format
-from flipsync.formats.view import dequantize_view, fused_groups_auto, served_view
+from flipsync.formats.view import checkpoint_dtypes, dequantize_view, fused_groups_auto, served_view
 
 __all__ = [
     "FORMAT_NAMES",
     "ServedFormat",
+    "checkpoint_dtypes",
     "dequantize_view",
     "fused_groups_auto",
     "get_format",

@@ -56,6 +56,7 @@ _FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
 
 _BF16, _FP16 = 0, 1
 _FP4 = ("mxfp4", "nvfp4")  # two e2m1 codes per payload byte
+_QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel")
 _GROUP = 64  # lanes whose differences make one 64-bit mask
 
 _U = np.uint32
@@ -338,6 +339,44 @@ def _fp8_rows(
     return n, top
 
 
+_I8_HALF_RANGE = np.float32(127.5)  # compressed-tensors' symmetric int8 divisor: (127 - (-128)) / 2
+_I8_MIN, _I8_MAX = np.float32(-128.0), np.float32(127.0)
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy")
+def _i8_rows(
+    src: np.ndarray,
+    ref: np.ndarray,
+    out: np.ndarray,
+    scales: np.ndarray,
+    round_bf16: bool,
+    pos: np.ndarray,
+    old: np.ndarray,
+    new: np.ndarray,
+) -> tuple[int, np.uint32]:
+    """Rows of fp32 bits ``src`` [R, K] -> int8 codes (as bytes) in ``out`` and the changes against ``ref``:
+    compressed-tensors symmetric int8 (row scale amax/127.5 into ``scales``, a zero one 2**-23,
+    ``rint(clamp(x / scale, -128, 127))``, round half to even). Returns (changes, max |master| bits)."""
+    rows, k = src.shape
+    vals = np.empty(k, np.float32)
+    bits = vals.view(np.uint32)
+    codes = np.empty(k, np.uint8)
+    n = 0
+    top = _U(0)
+    for r in range(rows):
+        top = _load_row(src[r], bits, round_bf16, top)
+        amax = viewer(_abs_max_bits(bits), np.float32)
+        scale = np.float32(amax / _I8_HALF_RANGE)
+        if scale == 0:
+            scale = _EPS32
+        scales[r] = scale
+        for j in range(k):
+            y = np.rint(min(max(np.float32(vals[j] / scale), _I8_MIN), _I8_MAX))
+            codes[j] = np.uint8(np.int32(y) & 0xFF)
+        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
+    return n, top
+
+
 _TILE = 128  # fp8-block: DeepGEMM's 128x128 tiles
 _TILE_AMAX_FLOOR = np.float32(1e-4)
 
@@ -612,17 +651,17 @@ class FusedCaster:
         *,
         from_fp32: bool,
     ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4: ``x``'s components (payload, scales)
-        and the payload's changes against ``ref`` (its previous payload), or None when this pass does not cover the
-        tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another layout): quantize
-        it as usual.
+        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4 / int8-channel: ``x``'s components
+        (payload, scales) and the payload's changes against ``ref`` (its previous payload), or None when this
+        pass does not cover the tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another
+        layout): quantize it as usual.
 
         ``x`` is the master, or the recipe's prepared input (bf16(master) as fp32: rounding it again is
         exact). Masters the recipe refuses (non-finite, bf16 overflow) return None too, so that the
         format's own path raises its error. The scale component is left to the ordinary diff.
         """
         if (
-            fmt not in ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4")
+            fmt not in _QUANTIZED
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or ref.device.type != "cpu"
@@ -630,7 +669,8 @@ class FusedCaster:
             or x.numel() == 0
             or not x.is_contiguous()
             or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt in _FP4 else x.shape[1])
-            or ref.dtype != (torch.uint8 if fmt in _FP4 else torch.float8_e4m3fn)
+            or ref.dtype
+            != (torch.uint8 if fmt in _FP4 else torch.int8 if fmt == "int8-channel" else torch.float8_e4m3fn)
             or not ref.is_contiguous()
             or (fmt in _FP4 and x.shape[1] % 2 != 0)  # the recipe refuses it
         ):
@@ -639,6 +679,8 @@ class FusedCaster:
             return self._fp8_block(name, x, ref, from_fp32=from_fp32)
         if fmt in ("mxfp8", "mxfp4"):
             return self._mx(fmt, name, x, ref, from_fp32=from_fp32)
+        if fmt == "int8-channel":
+            return self._int8(name, x, ref, from_fp32=from_fp32)
         channel = fmt == "fp8-channel"
         rows, k = x.shape
         inv = np.float32(0.0)
@@ -668,6 +710,28 @@ class FusedCaster:
             return None
         scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
         return {name: q, name + "_scale": scale_out}, changes
+
+    def _int8(
+        self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
+    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
+        """int8-channel (compressed-tensors): rows in chunks, each row's scale from its own amax."""
+        rows, k = x.shape
+        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+        src = x.detach().view(torch.int32).numpy().view(np.uint32)
+        was = ref.detach().view(torch.uint8).numpy()
+        q = torch.empty((rows, k), dtype=torch.int8)
+        dst = q.view(torch.uint8).numpy()
+        scales = np.empty(rows, np.float32)
+
+        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
+            return _i8_rows(  # type: ignore[no-any-return]
+                src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], not from_fp32, buf.pos, buf.old, buf.new
+            )
+
+        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), k, limit, kernel)
+        if changes is None:
+            return None
+        return {name: q, name + "_scale": torch.from_numpy(scales).reshape(rows, 1)}, changes
 
     def _fp8_block(
         self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
@@ -894,11 +958,14 @@ def _torch_cast_diff(
     if out is not None and (_overlap(out, ref) or out.device != master.device):
         out = None  # the compare below reads ref after the cast: never write the cast over it
     new = cast_master(name, master, dtype, out)
+    if new is master:  # an FP32 master served as FP32: the view must not alias it
+        new = new.clone()
     other = ref.detach().to(new.device).reshape(-1)
-    a = other.view(torch.int16) if other.element_size() == 2 else other.view(torch.uint8)
+    width = {1: (torch.uint8, np.uint8), 2: (torch.int16, np.uint16), 4: (torch.int32, np.uint32)}
+    signed, ubits = width[other.element_size()]
+    a = other.view(signed)
     b = new.detach().reshape(-1).view(a.dtype)
     idx = torch.nonzero(a != b).reshape(-1)
-    ubits = np.uint16 if a.dtype == torch.int16 else np.uint8
     return new, Changes(
         idx.cpu().numpy().astype(np.int64),
         a[idx].cpu().numpy().view(ubits),

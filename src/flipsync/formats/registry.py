@@ -6,6 +6,7 @@ from flipsync.errors import ConfigError
 from flipsync.formats.base import ServedFormat
 from flipsync.formats.floats import Bf16Format, Fp16Format
 from flipsync.formats.fp8 import Fp8BlockFormat, Fp8ChannelFormat, Fp8TensorFormat
+from flipsync.formats.int8 import Int8ChannelFormat
 from flipsync.formats.mx import MxFp4Format, MxFp8Format
 from flipsync.formats.nvfp4 import NvFp4Format
 
@@ -20,6 +21,7 @@ _FORMATS: dict[str, ServedFormat] = {
         MxFp8Format(),
         MxFp4Format(),
         NvFp4Format(),
+        Int8ChannelFormat(),
     )
 }
 

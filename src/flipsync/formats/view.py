@@ -100,6 +100,7 @@ def served_view(
     alloc: Alloc | None = None,
     cast: Cast | None = None,
     quantize: Quantize | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint-format tensors an engine holds for `masters` under format `fmt`.
 
@@ -113,15 +114,22 @@ def served_view(
     result (a publisher passes reused buffers); by default every output is newly allocated. ``cast``: what
     computes those plain casts instead of `cast_master` (it must give the same bits and errors); ``quantize``
     likewise for the quantized tensors, given the master or (fused-group members) the prepared input.
+    ``dtypes``: tensors served in another dtype than the format gives them, by a plain cast (``float32``: the
+    master's own bits, checked finite), as released checkpoints and their engines keep norms, biases and router
+    weights in FP32 beside BF16 or quantized weights; such tensors are never quantized.
 
     Output keys: the master's name for the payload plus the format's scale names (e.g.
     ``X.weight_scale``), in master order. Each output lives on its master's device.
     """
     f = get_format(fmt)
+    kept_dtypes = _check_dtypes(dtypes, masters)
     selected = {
         name
         for name, tensor in masters.items()
-        if tensor.is_floating_point() and f.selects(name, tensor) and not (keep is not None and keep(name, tensor))
+        if tensor.is_floating_point()
+        and f.selects(name, tensor)
+        and not (keep is not None and keep(name, tensor))
+        and name not in kept_dtypes
     }
     groups = _resolve_groups(fused_groups, masters, selected)
     group_of = {member: i for i, group in enumerate(groups) for member in group} if f.uses_group_amax else {}
@@ -154,9 +162,12 @@ def served_view(
             else:
                 parts = f.components(name, x, amax, from_fp32=from_fp32)
         else:  # a plain cast: every float tensor of bf16/fp16 views, the kept ones of quantized views
-            dtype = f.payload_dtype if name in selected else f.unquantized_dtype
+            dtype = kept_dtypes.get(name) or (f.payload_dtype if name in selected else f.unquantized_dtype)
             buf = alloc(tuple(tensor.shape), dtype, tensor.device) if alloc is not None else None
-            parts = {name: (cast or cast_master)(name, tensor, dtype, buf)}
+            value = (cast or cast_master)(name, tensor, dtype, buf)
+            if value is tensor:  # an FP32 master served as FP32: never hand out the master itself
+                value = value.clone()
+            parts = {name: value}
         for key, value in parts.items():
             if key in out:
                 raise ConfigError(
@@ -164,6 +175,49 @@ def served_view(
                     "rename the master tensors"
                 )
             out[key] = value
+    return out
+
+
+_PLAIN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_SAFETENSORS_FLOATS = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _check_dtypes(
+    dtypes: Mapping[str, torch.dtype] | None, masters: Mapping[str, torch.Tensor]
+) -> dict[str, torch.dtype]:
+    if not dtypes:
+        return {}
+    for name, dtype in dtypes.items():
+        if name not in masters:
+            raise ConfigError(f"dtypes names {name!r}, which is not a master tensor")
+        if dtype not in _PLAIN_DTYPES:
+            raise ConfigError(
+                f"dtypes gives {name!r} the dtype {dtype}; a tensor kept out of the format is served as one of "
+                f"{', '.join(str(d) for d in _PLAIN_DTYPES)}"
+            )
+        if not masters[name].is_floating_point():
+            raise ConfigError(f"dtypes names {name!r}, which is not a floating tensor")
+    return dict(dtypes)
+
+
+def checkpoint_dtypes(
+    dtypes: Mapping[str, str | torch.dtype], fmt: str | ServedFormat, masters: Mapping[str, torch.Tensor]
+) -> dict[str, torch.dtype]:
+    """The ``dtypes`` argument of `served_view` that serves masters the way a checkpoint holds them (``dtypes``:
+    name -> safetensors dtype name or torch dtype, e.g. from its headers): a tensor the checkpoint keeps in a
+    plain float dtype other than the one the format gives it (FP32 norms beside BF16 weights), or unquantized
+    where the format would quantize it, is served in the checkpoint's dtype."""
+    f = get_format(fmt)
+    out: dict[str, torch.dtype] = {}
+    for name, tensor in masters.items():
+        want = dtypes.get(name)
+        d = want if isinstance(want, torch.dtype) else _SAFETENSORS_FLOATS.get(str(want))
+        if d is None or not tensor.is_floating_point():
+            continue
+        quantized = f.quantized and f.selects(name, tensor)
+        default = f.payload_dtype if not f.quantized else f.unquantized_dtype
+        if quantized or d != default:
+            out[name] = d
     return out
 
 

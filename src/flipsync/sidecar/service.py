@@ -59,7 +59,10 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
       (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``),
       ``mirror`` (a safetensors file mirroring what the workers hold, so that patches coded against their base
       decode; created from ``model_dir`` when missing; default: a file under the user's cache directory named
-      after ``model_dir``; ``none``: no mirror, for runs published without context coding);
+      after ``model_dir``; ``none``: no mirror, for runs published without context coding), ``audit``
+      (``every``, ``sample`` or ``off``: how often the workers compare reloaded layers with a fresh load,
+      default ``every``), ``repair`` (``on``/``off``: whether a kind of layer the engine reloads wrongly takes a
+      fresh load's state, default on);
     - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
       ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
     """
@@ -79,11 +82,16 @@ def load_engine(kind: str, options: EngineOptions) -> Engine:
     elif kind == "vllm":
         if "model_dir" not in opts:
             raise ConfigError("the vllm engine needs --engine-option model_dir=PATH (the checkpoint vLLM serves)")
+        repair = opts.get("repair", "on").lower()
+        if repair not in ("on", "off"):
+            raise ConfigError(f"--engine-option repair must be on or off, not {opts['repair']!r}")
         engine = module.VllmEngine(
             module.HttpTransport(url),
             module.specs_from_checkpoint(opts["model_dir"]),
             source=opts.get("source", opts["model_dir"]),
             mirror=None if opts.get("mirror") == "none" else open_mirror({"mirror": str(default_mirror(opts)), **opts}),
+            audit=opts.get("audit", "every"),
+            repair=repair == "on",
         )
     else:
         if "mirror" not in opts:

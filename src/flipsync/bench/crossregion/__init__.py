@@ -9,7 +9,7 @@ The served view is bf16; what changes in it comes from real Adam absorption at t
 **Clock.** It starts when ``optimizer.step()`` returns, and stops when the last replica holds v1 with its
 fingerprint verified. For patches the step runs with the real trainer publisher attached
 (``flipsync.trainer.Publisher``, background mode: the post-step hook hands the masters to the view thread,
-then diff, encode and upload run on the worker, with its default version 1 coders), warmed by two
+then diff, encode and upload run on the worker, with its default coders), warmed by two
 versions of unchanged weights first so that
 the measured step is a steady-state one (pooled buffers); for full checkpoints the trainer casts the masters to bf16,
 fingerprints them and writes them as a snapshot (``BoardWriter.publish_snapshot``). Both therefore include

@@ -108,7 +108,7 @@ v0 -> v1; every replica's tensors are compared bit for bit with the expected v1 
 **Clock.** From `optimizer.step()` returning to the last replica holding v1 with its fingerprint verified.
 *patch* and *patch + relay*: the step runs with the real trainer publisher attached (`flipsync.trainer.Publisher`,
 background mode: the post-step hook hands the masters to the view thread; diff, encode and upload run on the
-worker; its default coders, version 1: `context=False`, which every engine decodes), after two versions of
+worker; its default coders, positions coded against the base where the rank holds it), after two versions of
 unchanged weights, so the measured step is a steady-state one (its buffers are
 reused, as in every step of a training run; the replicas start from that HEAD). *full checkpoint*: the trainer
 casts the masters to BF16, fingerprints them and writes the whole view as a snapshot
@@ -200,7 +200,7 @@ def _extrapolation_md(e: Mapping[str, Any], *, first: bool = True) -> str:
         [
             f"**Extrapolation (a model, not a measurement).** One replica of a 500 GB BF16 served view "
             f"({e['changed'] / 1e9:.2f}G of 250G values changed = {100 * e['changed_fraction']:.2f}%, at "
-            f"{e['bytes_per_change']:.3f} B per change, from {e['source']}, its version 1 coders: what the "
+            f"{e['bytes_per_change']:.3f} B per change, from {e['source']}: what the "
             f"trainer publishes by default): patch {e['patch_bytes'] / 1e9:.2f} GB against 500 GB. "
             "*This machine*: the per-unit costs as measured here, one trainer process and one "
             f"receiver core. *Parallel model*: assumes the trainer's view is diffed by {e['trainer_shards']} "

@@ -57,10 +57,8 @@ class Trained:
         del p1, o1
         t0 = FingerprintTable.of(self.v0)
         self.table0 = t0
-        # version 1 coders: the patch the trainer publisher ships by default (context=False)
-        patch, t1 = diff_views(
-            self.v0, self.v1, old_table=t0, base_version=0, target_version=1, served_format=FMT, context=False
-        )
+        # the patch the trainer publisher ships by default (positions coded against the base)
+        patch, t1 = diff_views(self.v0, self.v1, old_table=t0, base_version=0, target_version=1, served_format=FMT)
         self.fp0, self.fp1 = t0.view_fp(), t1.view_fp()
         self.patch = patch.to_bytes()
         self.changed = sum(int((int_view(self.v0[k]) != int_view(self.v1[k])).sum()) for k in self.v0)

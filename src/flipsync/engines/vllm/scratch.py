@@ -18,8 +18,9 @@ import torch
 
 # A policy says whether the kernel computes from a parameter as loaded: (module name, module, param) -> (ok, why).
 Policy = Callable[[str, torch.nn.Module, str, torch.Tensor], tuple[bool, str]]
-# Makes a zeroed model-format scratch parameter for (module, parameter name, live parameter).
-ScratchFactory = Callable[[torch.nn.Module, str, torch.Tensor], torch.Tensor]
+# Makes a zeroed model-format scratch parameter for (module, parameter name, live parameter or None where the
+# engine dropped it); None when it cannot (a dropped parameter whose model format is unknown).
+ScratchFactory = Callable[[torch.nn.Module, str, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
 def _unwrap_loader(fn: Any) -> Any:
@@ -42,7 +43,9 @@ def copy_attrs(dst: torch.Tensor, template: torch.Tensor, module: torch.nn.Modul
     return dst
 
 
-def default_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
+def default_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor | None) -> torch.Tensor | None:
+    if live is None:
+        return None
     return copy_attrs(torch.zeros(live.shape, dtype=live.dtype, device=live.device), live, module)
 
 
@@ -71,21 +74,22 @@ def vllm_policy(module_name: str, module: torch.nn.Module, pname: str, param: to
     return True, "the kernel reads the parameter as loaded"
 
 
-def vllm_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor) -> torch.Tensor:
-    """Zeroed scratch in *model format*: vLLM records it before kernel processing (layerwise reload metadata)."""
+def vllm_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor | None) -> torch.Tensor | None:
+    """Zeroed scratch in *model format*: vLLM records it before kernel processing (layerwise reload metadata),
+    also for a parameter the engine set to None after loading (None where no such record exists)."""
     template = None
-    device = live.device
+    device = live.device if live is not None else torch.device("cpu")
     try:
         from vllm.model_executor.model_loader.reload import layerwise
 
         info = layerwise.LAYERWISE_INFO.get(module)
         if info is not None:
             template = info.restore_metadata[0].get(pname)
-            if live.numel() == 0:
+            if live is None or live.numel() == 0:
                 device = torch.device(info.restore_device)
     except ImportError:  # older vLLM: the live parameter is the template
         template = None
     if template is None:
-        return default_scratch(module, pname, live)
+        return default_scratch(module, pname, live) if live is not None else None
     t = torch.zeros(tuple(template.shape), dtype=template.dtype, device=device)
     return copy_attrs(t, template, module)

@@ -1,5 +1,6 @@
 """What the sidecar half and the worker half of the vLLM engine agree on: the RPC method and protocol
-version, the parameter modes, and how arrays travel inside the JSON requests (base64 of little-endian bytes).
+version, the parameter modes, the kernel-state audit's settings, and how arrays travel inside the JSON
+requests (base64 of little-endian bytes).
 
 No vLLM and no torch here: both halves import it.
 """
@@ -11,15 +12,27 @@ import base64
 import numpy as np
 from numpy.typing import DTypeLike
 
-PROTOCOL = 1
+PROTOCOL = 2
 RPC_METHOD = "flipsync_call"
 EXTENSION_CLS = "flipsync.engines.vllm.worker.FlipsyncWorkerExtension"
 INPLACE, RELOAD = "inplace", "reload"
 DEFAULT_MAX_UNDO = 2
+# How often the worker compares reloaded layers with a fresh load of the same tensors (the kernel-state audit):
+# every touched layer, one touched layer of each kind per update, or never.
+AUDIT_EVERY, AUDIT_SAMPLE, AUDIT_OFF = "every", "sample", "off"
+AUDIT_MODES = (AUDIT_EVERY, AUDIT_SAMPLE, AUDIT_OFF)
 
 
 class WorkerOpError(Exception):
     """A worker-side operation failed; reported to the sidecar as an error answer, never raised across RPC."""
+
+
+class AuditError(WorkerOpError):
+    """A layer's kernels compute from other weights than a fresh load of the same checkpoint tensors gives."""
+
+
+class StateUnknownError(WorkerOpError):
+    """An operation failed and so did undoing it: the worker's weights are unknown until a full load."""
 
 
 def b64(a: np.ndarray) -> str:

@@ -34,6 +34,20 @@ Two ways to apply the writes of a patch, decided per parameter at start-up:
   layer from it and hands them to vLLM's layerwise reload (``model_runner.reload_weights``), which reprocesses
   only those layers: O(size of the touched layers).
 
+Parameters the engine dropped after loading (set to None, their values kept in an opaque handle) are found
+through vLLM's recorded model-format metadata and go through the reload path. A checkpoint tensor loaded into
+a parameter of a wider dtype (BF16 or FP16 into FP32) is patched through that exact conversion; a narrowing
+one is refused (the engine could not report the checkpoint's bits).
+
+After every reload the worker audits the touched layers (:mod:`flipsync.engines.vllm.kernels`): a *twin* of
+the layer, loaded with the same checkpoint tensors through the same loaders and processed as at engine start,
+must equal the live layer bitwise (tensors, and the kernel's outputs on identity probes where it computes
+from an opaque copy). The first reload of each kind of layer is always audited: where the engine's update
+path leaves the layer differing from a fresh load (vLLM CPU's MoE skips its expert prepack), the layer takes
+the twin's processed state, and so does every later reload of that kind. Any other mismatch refuses the
+update (the writes are undone). ``audit``: ``every`` touched layer (default), ``sample`` (one per kind and
+update, a sample of probe rows) or ``off`` (only the first reload of each kind).
+
 Every apply keeps the old bits as an undo record (at most ``max_undo`` records per worker, oldest dropped).
 """
 
@@ -42,6 +56,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 import time
 import traceback
 import zlib
@@ -54,7 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.fingerprint import fingerprint_of, fp_hex
 from flipsync.engines.vllm.blockmap import (
     compress_map,
@@ -63,6 +78,16 @@ from flipsync.engines.vllm.blockmap import (
     group_key,
     iter_chunks,
     probe_passes,
+)
+from flipsync.engines.vllm.kernels import (
+    ADOPTED,
+    DEFAULT_HOOKS,
+    SAMPLE_ROWS,
+    KernelHooks,
+    compare,
+    digest,
+    module_tensors,
+    vllm_hooks,
 )
 from flipsync.engines.vllm.scratch import (
     Policy,
@@ -74,10 +99,15 @@ from flipsync.engines.vllm.scratch import (
     vllm_scratch,
 )
 from flipsync.engines.vllm.wire import (
+    AUDIT_EVERY,
+    AUDIT_MODES,
+    AUDIT_OFF,
     DEFAULT_MAX_UNDO,
     INPLACE,
     PROTOCOL,
     RELOAD,
+    AuditError,
+    StateUnknownError,
     WorkerOpError,
     b64,
     uint_dtype,
@@ -130,6 +160,47 @@ def _np_int(bits: int) -> np.dtype:
     return np.dtype(np.uint8) if bits == 8 else np.dtype(f"<i{bits // 8}")
 
 
+# Checkpoint dtype -> engine parameter dtypes it converts into exactly (and back, for the values it came from).
+_WIDENS: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.bfloat16: (torch.float32,),
+    torch.float16: (torch.float32,),
+}
+
+
+def widens(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` converts exactly into ``dst`` (BF16 or FP16 loaded into FP32)."""
+    return dst in _WIDENS.get(src, ())
+
+
+def _read_as(t: torch.Tensor, positions: np.ndarray, ck: DType) -> np.ndarray:
+    """The checkpoint-dtype bits of elements ``positions`` of ``t`` (which may hold them widened)."""
+    if t.dtype == ck.torch_dtype:
+        return _read_bits(t, positions)
+    flat = t.detach().reshape(-1)
+    vals = flat[torch.from_numpy(positions).to(flat.device)]
+    back = vals.to(ck.torch_dtype)
+    if not torch.equal(int_view(back.to(t.dtype)), int_view(vals)):
+        raise WorkerOpError(
+            f"a {t.dtype} parameter holds values that are not {ck.name} values; it no longer holds what the "
+            "checkpoint loaded into it"
+        )
+    return int_view(back).cpu().numpy().view(ck.uint_numpy)
+
+
+def _write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DType) -> None:
+    """Write checkpoint-dtype ``bits`` at ``positions`` of ``t``, converted exactly into its dtype."""
+    if t.dtype == ck.torch_dtype:
+        _write_bits(t, positions, bits)
+        return
+    raw = np.ascontiguousarray(bits.astype(ck.uint_numpy, copy=False)).view(_np_int(ck.bits))
+    flat = t.detach().reshape(-1)
+    vals = torch.from_numpy(raw).view(ck.torch_dtype).to(t.dtype).to(flat.device)
+    flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), vals)
+
+
+_KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
+
+
 class WorkerCore:
     """Learns the checkpoint-to-parameter map of one worker and applies, undoes and fingerprints writes."""
 
@@ -143,6 +214,7 @@ class WorkerCore:
         reloader: Reloader | None = None,
         default_source: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
         open_source: Callable[[str], Mapping[str, torch.Tensor]] | None = None,
+        hooks: KernelHooks = DEFAULT_HOOKS,
     ) -> None:
         self.model = model
         self.rank = rank
@@ -151,6 +223,7 @@ class WorkerCore:
         self.reloader = reloader
         self.default_source = default_source
         self.open_source = open_source or _open_checkpoint
+        self.hooks = hooks
         self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self.maps: dict[str, list[tuple[str, np.ndarray]]] = {}
         self.params: dict[str, ParamInfo] = {}
@@ -159,23 +232,42 @@ class WorkerCore:
         self.undo: OrderedDict[str, UndoEntry] = OrderedDict()
         self.max_undo = DEFAULT_MAX_UNDO
         self.attached = False
+        self.audit = AUDIT_EVERY
+        self.repair = True
+        self.kinds: dict[str, str] = {}  # kind of layer -> whether the engine's reload of it is faithful
+        self._opaque: dict[str, bool] = {}  # repaired kind -> whether its repair takes the twin's opaque state
+        self.audit_s = 0.0  # time the last reload's audit took (twins built, compared)
+        self.audited: list[str] = []  # the layers the last reload's audit compared
+        self._dropped: set[str] = set()  # parameters the engine set to None after loading (model format known)
         self._probe_shapes: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
+        self._rng = random.Random(rank)
 
     # ------------------------------------------------------------------------------ module tree
-    def _live_params(self) -> dict[str, tuple[str, torch.nn.Module, str, torch.Tensor]]:
-        """Every parameter by its name in ``named_parameters``: (module name, module, attribute, tensor)."""
-        out: dict[str, tuple[str, torch.nn.Module, str, torch.Tensor]] = {}
-        seen: dict[int, str] = {}
+    def _live_params(self) -> dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]]:
+        """Every parameter by its name in ``named_parameters`` (module name, module, attribute, tensor), and the
+        ones the engine dropped (None: the kernel holds them elsewhere) whose model format is known."""
+        out: dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]] = {}
+        seen: set[int] = set()
         for mname, mod in self.model.named_modules():
             for pname, p in mod._parameters.items():
-                if p is None:
-                    continue
                 full = f"{mname}.{pname}" if mname else pname
+                if p is None:
+                    if full in self._dropped:
+                        out[full] = (mname, mod, pname, None)
+                    continue
                 if id(p) in seen:
                     continue
-                seen[id(p)] = full
+                seen.add(id(p))
                 out[full] = (mname, mod, pname, p)
         return out
+
+    def _find_dropped(self) -> None:
+        """Parameters set to None whose model format the scratch factory can rebuild (vLLM's metadata)."""
+        self._dropped = set()
+        for mname, mod in self.model.named_modules():
+            for pname, p in mod._parameters.items():
+                if p is None and self.scratch(mod, pname, None) is not None:
+                    self._dropped.add(f"{mname}.{pname}" if mname else pname)
 
     def _owners(self) -> dict[int, list[tuple[str, torch.nn.Module, str]]]:
         owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
@@ -190,19 +282,28 @@ class WorkerCore:
         """Swap the named parameters for zeroed scratch and every other one for a tripwire; restore on exit."""
         live = self._live_params()
         owners = self._owners()
-        saved: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
+        saved: list[tuple[torch.nn.Module, str, torch.Tensor | None]] = []
         scratch: dict[str, torch.Tensor] = {}
         try:
             for full, (_mname, mod, pname, p) in live.items():
+                if p is None:  # dropped: scratch only where probed
+                    if full in scratch_names:
+                        s = self.scratch(mod, pname, None)
+                        if s is not None:
+                            scratch[full] = s
+                            saved.append((mod, pname, None))
+                            mod._parameters[pname] = s  # type: ignore[assignment]
+                    continue
                 if full in scratch_names:
                     s = self.scratch(mod, pname, p)
+                    assert s is not None
                     scratch[full] = s
                 elif p.numel() == 0:
                     continue
                 else:
                     s = tripwire(p, mod)
                 for _m, omod, opname in owners.get(id(p), [(_mname, mod, pname)]):
-                    saved.append((omod, opname, omod._parameters[opname]))  # type: ignore[arg-type]  # the slot holds p: never None
+                    saved.append((omod, opname, omod._parameters[opname]))
                     omod._parameters[opname] = s  # type: ignore[assignment]
             yield scratch
         finally:
@@ -214,10 +315,22 @@ class WorkerCore:
         return set(ret) if isinstance(ret, set | frozenset | list | tuple) else None
 
     # ------------------------------------------------------------------------------- attach
-    def attach(self, specs: Mapping[str, tuple[Sequence[int], str]], source: Mapping[str, torch.Tensor] | None) -> dict:
-        """Learn the map for every checkpoint tensor in ``specs``; capture host copies of reload parameters."""
+    def attach(
+        self,
+        specs: Mapping[str, tuple[Sequence[int], str]],
+        source: Mapping[str, torch.Tensor] | None,
+        *,
+        audit: str = AUDIT_EVERY,
+        repair: bool = True,
+    ) -> dict:
+        """Learn the map for every checkpoint tensor in ``specs``; capture host copies of reload parameters;
+        audit the reload-mode layers against a fresh load of ``source`` (``audit``)."""
+        if audit not in AUDIT_MODES:
+            raise WorkerOpError(f"audit must be one of {', '.join(AUDIT_MODES)}, not {audit!r}")
         t0 = time.perf_counter()
         self.attached = False
+        self.audit, self.repair = audit, repair
+        self.kinds, self._opaque = {}, {}
         self.specs = {n: (tuple(int(x) for x in s), str(d)) for n, (s, d) in specs.items()}
         with self._buffers_guard():
             return self._attach(source, t0)
@@ -235,10 +348,15 @@ class WorkerCore:
                         b.copy_(copy)
 
     def _attach(self, source: Mapping[str, torch.Tensor] | None, t0: float) -> dict:
+        self._find_dropped()
         live = self._live_params()
         owners = self._owners()
         modes: dict[str, ParamInfo] = {}
         for full, (mname, _mod, _pname, p) in live.items():
+            if p is None:
+                why = "dropped after loading (None): the kernel holds the values elsewhere (an opaque handle)"
+                modes[full] = ParamInfo(full, mname, RELOAD, why, "", ())
+                continue
             ok, why = True, ""
             for omname, omod, opname in owners[id(p)]:
                 o_ok, o_why = self.policy(omname, omod, opname, p)
@@ -248,7 +366,8 @@ class WorkerCore:
                 why = o_why
             modes[full] = ParamInfo(full, mname, INPLACE if ok else RELOAD, why, "", tuple(p.shape))
         narrowest = min(
-            (exact_int_base(p.dtype) for _, _, _, p in live.values() if p.dtype.is_floating_point), default=1 << 30
+            (exact_int_base(p.dtype) for _, _, _, p in live.values() if p is not None and p.dtype.is_floating_point),
+            default=1 << 30,
         )
         groups: dict[str, list[str]] = {}
         names: list[str] | set[str]  # the group's names here, the tensors fed into a parameter below
@@ -280,7 +399,11 @@ class WorkerCore:
         for pname, names in fed.items():
             info = modes[pname]
             dtypes = {self.specs[n][1] for n in names}
+            if len(dtypes) > 1:
+                raise WorkerOpError(f"checkpoint tensors of several dtypes ({sorted(dtypes)}) load into {pname!r}")
             info.dtype = next(iter(dtypes))
+            if not info.shape and pname in self._probe_shapes:
+                info.shape = self._probe_shapes[pname][0]
             self.params[pname] = info
             self.feeds.setdefault(info.module, set()).update(names)
         self.host = {}
@@ -303,7 +426,31 @@ class WorkerCore:
             sum(p.mode == RELOAD for p in self.params.values()),
             time.perf_counter() - t0,
         )
-        return self.describe(unheld)
+        out = self.describe(unheld)
+        out["audit"] = self._attach_audit()
+        return out
+
+    def _attach_audit(self) -> dict[str, Any]:
+        """Compare the reload-mode layers, as the engine loaded them at start, with twins loaded from the host
+        copies (``source``): equal means the engine serves ``source`` and the twins are fresh loads. A
+        mismatch is reported (the sidecar then refuses patches until a full load), not raised."""
+        modules = sorted(m for m in self.feeds if self._module_reloads(m))
+        picked = self._pick(modules) if self.audit != AUDIT_OFF else []
+        t0 = time.perf_counter()
+        bad: dict[str, list[str]] = {}
+        for m in picked:
+            twin = self._twin(m)
+            found = self._compare(m, twin, self._rows())
+            if found:
+                bad[m] = found
+                log.warning(
+                    "flipsync: rank %d: layer %s (%s) differs from a fresh load of the source checkpoint: %s",
+                    self.rank,
+                    m,
+                    self._kind(m),
+                    "; ".join(found[:3]),
+                )
+        return {"layers": picked, "mismatches": bad, "seconds": time.perf_counter() - t0}
 
     def _module_reloads(self, module: str) -> bool:
         return any(p.mode == RELOAD for p in self.params.values() if p.module == module)
@@ -394,23 +541,26 @@ class WorkerCore:
         places: list[tuple[str, np.ndarray]],
         scratch: Mapping[str, torch.Tensor],
     ) -> None:
-        """Load random values and check that every mapped element holds the checkpoint's exact bits."""
+        """Load random values and check that every mapped element holds the checkpoint's exact bits (or their
+        exact conversion into a wider parameter dtype)."""
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         if dtype.is_floating_point:
             rnd = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
         else:
-            rnd = torch.randint(0, 100, shape, generator=g).to(dtype)
+            rnd = torch.randint(-100 if dtype.is_signed else 0, 100, shape, generator=g).to(dtype)
         self._load(name, rnd)
+        ck = dtype_named(dtype_of(rnd).name)
         src = bits_numpy(rnd.contiguous())
         for pname, blocks in places:
             t = scratch[pname]
-            if t.dtype != dtype:
+            if t.dtype != dtype and not widens(dtype, t.dtype):
                 raise WorkerOpError(
-                    f"checkpoint tensor {name!r} is {dtype} but loads into {pname!r} as {t.dtype}; serve the model "
-                    "in the served view's dtype (e.g. --dtype bfloat16) so that bits can be patched exactly"
+                    f"checkpoint tensor {name!r} is {dtype} but loads into {pname!r} as {t.dtype}, which cannot hold "
+                    f"its bits exactly; serve the model so that the engine keeps the checkpoint's dtype (e.g. --dtype "
+                    f"bfloat16 for a BF16 view), or save the checkpoint with {name!r} in {t.dtype}"
                 )
             for c, p in iter_chunks(blocks):
-                if not np.array_equal(_read_bits(t, p), src[c]):
+                if not np.array_equal(_read_as(t, p, ck), src[c]):
                     raise WorkerOpError(f"loading {name!r} into {pname!r} does not copy bits exactly; not supported")
                 _write_bits(t, p, np.zeros(p.size, dtype=dtype_of(t).uint_numpy))
 
@@ -448,7 +598,7 @@ class WorkerCore:
 
     # ------------------------------------------------------------------------------- element access
     def _target(
-        self, pname: str, live: Mapping[str, tuple[str, torch.nn.Module, str, torch.Tensor]] | None = None
+        self, pname: str, live: Mapping[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]] | None = None
     ) -> torch.Tensor:
         """Where parameter ``pname``'s checkpoint-format bits live: its host copy (reload) or itself (in place)."""
         info = self.params.get(pname)
@@ -457,7 +607,12 @@ class WorkerCore:
         if info.mode == RELOAD:
             return self.host[pname]
         live = live if live is not None else self._live_params()
-        return live[pname][3]
+        t = live[pname][3]
+        assert t is not None  # dropped parameters are reload-mode
+        return t
+
+    def _ck(self, pname: str) -> DType:
+        return dtype_named(self.params[pname].dtype)
 
     def _positions_ok(self, pname: str, t: torch.Tensor, positions: np.ndarray) -> None:
         if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= t.numel()):
@@ -470,70 +625,232 @@ class WorkerCore:
             t = self._target(pname, live)
             pos = unb64(pos_b64, np.int64)
             self._positions_ok(pname, t, pos)
-            out.append(b64(_read_bits(t, pos)))
+            out.append(b64(_read_as(t, pos, self._ck(pname))))
         return out
 
-    def _reload_modules(self, modules: set[str]) -> None:
-        """Rebuild every checkpoint tensor that loads into ``modules`` from the held values; reprocess them."""
-        if not modules:
-            return
-        if self.reloader is None:
-            raise WorkerOpError("this worker has reload-mode parameters but no reload path")
-        names = sorted({n for m in modules for n in self.feeds.get(m, ())})
+    def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors ``names`` rebuilt from the held values (host copies, live parameters)."""
         live = self._live_params()
         tensors = []
-        for name in names:
+        for name in sorted(names):
             shape, dname = self.specs[name]
             d = dtype_named(dname)
             out = torch.zeros(shape, dtype=d.torch_dtype)
             for pname, blocks in self.maps[name]:
                 target = self._target(pname, live)
                 for c, p in iter_chunks(blocks):
-                    _write_bits(out, c, _read_bits(target, p))
+                    _write_bits(out, c, _read_as(target, p, d))
             tensors.append((name, out))
-        self.reloader(tensors)
+        return tensors
 
+    def _reload_modules(self, modules: set[str], *, seed: int = 0) -> None:
+        """Rebuild every checkpoint tensor that loads into ``modules`` from the held values; reprocess them
+        through the engine's reload path; audit (and where the engine's path is known to fall short, complete)
+        the reloaded layers."""
+        if not modules:
+            return
+        if self.reloader is None:
+            raise WorkerOpError("this worker has reload-mode parameters but no reload path")
+        names = {n for m in modules for n in self.feeds.get(m, ())}
+        self.reloader(self._held_checkpoint(names))
+        self._check_reloaded(sorted(modules), seed)
+
+    # ------------------------------------------------------------------------------- the audit
+    def _kind(self, mname: str) -> str:
+        return self.hooks.kind(self.model.get_submodule(mname))
+
+    def _rows(self) -> int | None:
+        return None if self.audit == AUDIT_EVERY else SAMPLE_ROWS
+
+    def _pick(self, modules: Sequence[str]) -> list[str]:
+        """The layers an audit compares: all of them (``every``) or one of each kind, at random (``sample``)."""
+        if self.audit == AUDIT_EVERY:
+            return list(modules)
+        by_kind: dict[str, list[str]] = {}
+        for m in modules:
+            by_kind.setdefault(self._kind(m), []).append(m)
+        return sorted(self._rng.choice(ms) for ms in by_kind.values())
+
+    def _twin(self, mname: str) -> torch.nn.Module:
+        """A fresh load of layer ``mname``: its checkpoint tensors (rebuilt from the held values) loaded into
+        zeroed model-format scratch through the model's own loaders, then processed by the hooks' twin."""
+        module = self.model.get_submodule(mname)
+        names = sorted(self.feeds.get(mname, ()))
+        members = {p for p, info in self.params.items() if info.module == mname}
+        tensors = self._held_checkpoint(names)
+        with self._buffers_guard(), self._swapped(members) as scratch:
+            for name, t in tensors:
+                self._load(name, t)
+            loaded = {full.rpartition(".")[2]: s for full, s in scratch.items() if full in members}
+        return self.hooks.twin(mname, module, loaded)
+
+    def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None) -> list[str]:
+        """What differs between layer ``mname`` as the kernels hold it and its twin (empty: nothing)."""
+        module = self.model.get_submodule(mname)
+        bad = compare(module_tensors(module), module_tensors(twin))
+        seed = self._rng.randrange(1 << 30)
+        bad += compare(self.hooks.probe(mname, module, rows, seed), self.hooks.probe(mname, twin, rows, seed), "probe ")
+        return bad
+
+    def _adopt(self, mname: str, twin: torch.nn.Module, *, opaque: bool = False) -> tuple[list[str], bool]:
+        """Make layer ``mname`` hold its twin's processed state: tensors copied into the live storage (same
+        shapes, dtypes, strides), then, if the kernel's outputs still differ (or ``opaque``: the kind's repair
+        needed it before), the twin's opaque state. Returns what still differs (empty: the layer now equals a
+        fresh load) and whether the opaque state was taken."""
+        module = self.model.get_submodule(mname)
+        live_t, twin_t = module_tensors(module), module_tensors(twin)
+        if set(live_t) != set(twin_t):
+            return [f"the layer holds tensors {sorted(live_t)}, a fresh load {sorted(twin_t)}"], False
+        for name, b in twin_t.items():
+            a = live_t[name]
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype or (a.numel() > 1 and a.stride() != b.stride()):
+                return [f"{name} has another layout than in a fresh load; it cannot be copied over"], False
+        with torch.no_grad():
+            for name, b in twin_t.items():
+                if compare({name: live_t[name]}, {name: b}):
+                    live_t[name].data.copy_(b.data)
+        bad = [] if opaque else self._compare(mname, twin, None)
+        if opaque or bad:
+            # An opaque copy can look right and still be wrong later: vLLM CPU's oneDNN INT8 handle reads its
+            # scales from the tensors it was built from, which a reload frees. The live layer takes the twin's
+            # state and keeps the twin alive (its tensors with it) until the next one.
+            self.hooks.transplant(module, twin)
+            vars(module)[ADOPTED] = twin
+            return self._compare(mname, twin, None), True
+        return bad, False
+
+    def _check_reloaded(self, modules: list[str], seed: int) -> None:
+        """The audit after a reload. A kind of layer reloaded for the first time is always compared with its
+        twin: equal, its reload path is faithful; different, the layer takes the twin's state (``repair``) and
+        so will every later reload of that kind. Faithful kinds are then audited per ``audit``. Raises
+        `AuditError` for any layer that still differs."""
+        t0 = time.perf_counter()
+        self.audited = []
+        rng_state = self._rng.getstate()
+        self._rng.seed(self.rank * 1_000_003 + seed)
+        try:
+            by_status: dict[str, list[str]] = {}
+            for m in modules:
+                by_status.setdefault(self.kinds.get(self._kind(m), _KIND_UNKNOWN), []).append(m)
+            must = by_status.get(_KIND_UNKNOWN, []) + by_status.get(_KIND_REPAIRED, [])
+            faithful = by_status.get(_KIND_FAITHFUL, [])
+            chosen = self._pick(faithful) if self.audit != AUDIT_OFF and faithful else []
+            failures: list[str] = []
+            for m in sorted(set(must) | set(chosen)):
+                kind = self._kind(m)
+                status = self.kinds.get(kind, _KIND_UNKNOWN)
+                twin = self._twin(m)
+                self.audited.append(m)
+                if status == _KIND_REPAIRED:  # the engine's path is known to fall short: take the fresh state
+                    bad, _ = self._adopt(m, twin, opaque=self._opaque.get(kind, False))
+                    if not bad:
+                        continue
+                else:
+                    full = status != _KIND_FAITHFUL or self.audit == AUDIT_EVERY
+                    bad = self._compare(m, twin, None if full else SAMPLE_ROWS)
+                    if not bad:
+                        self.kinds.setdefault(kind, _KIND_FAITHFUL)
+                        continue
+                if status == _KIND_UNKNOWN and self.repair:
+                    left, opaque = self._adopt(m, twin)
+                    if not left:
+                        log.warning(
+                            "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
+                            "load (%s); such layers now take a fresh load's processed state after each reload",
+                            self.rank, m, kind, "; ".join(bad[:3]),
+                        )  # fmt: skip
+                        self.kinds[kind] = _KIND_REPAIRED
+                        self._opaque[kind] = opaque
+                        continue
+                    bad = left
+                failures.append(f"layer {m} ({kind}): {'; '.join(bad[:3])}")
+                log.error(
+                    "flipsync: rank %d: kernel-state audit: layer %s (%s) computes from other weights than a "
+                    "fresh load of the same checkpoint tensors: %s",
+                    self.rank,
+                    m,
+                    kind,
+                    "; ".join(bad[:3]),
+                )
+            if failures:
+                raise AuditError(
+                    f"rank {self.rank}: {len(failures)} reloaded layer(s) differ from a fresh load of the same "
+                    f"checkpoint tensors, e.g. {failures[0]}; the update is refused"
+                )
+        finally:
+            self._rng.setstate(rng_state)
+            self.audit_s = time.perf_counter() - t0
+
+    def kernel_state(self, modules: Iterable[str] | None = None) -> dict[str, dict[str, list[Any]]]:
+        """Digests of every module's tensors as the kernels hold them, and of the kernel outputs on the full
+        identity probes for reload-mode layers: what a fresh engine of the same version must also give."""
+        wanted = set(modules) if modules is not None else None
+        out: dict[str, dict[str, list[Any]]] = {}
+        for mname, module in self.model.named_modules():
+            if wanted is not None and mname not in wanted:
+                continue
+            rows: dict[str, list[Any]] = {n: digest(t) for n, t in module_tensors(module).items()}
+            if mname in self.feeds and self._module_reloads(mname):
+                for label, t in self.hooks.probe(mname, module, None, 0).items():
+                    rows[f"probe {label}"] = digest(t)
+            if rows:
+                out[mname] = rows
+        return out
+
+    def audit_now(self, modules: Iterable[str] | None = None) -> dict[str, list[str]]:
+        """Compare the named reload-mode layers (default: all) with twins of the held values, full probes."""
+        names = sorted(modules) if modules is not None else sorted(m for m in self.feeds if self._module_reloads(m))
+        return {m: found for m in names if (found := self._compare(m, self._twin(m), None))}
+
+    # ------------------------------------------------------------------------------- writes
     def apply(self, token: str, writes: list[list[str]]) -> dict:
         decoded = []
         live = self._live_params()
         for pname, pos_b64, bits_b64 in writes:
             t = self._target(pname, live)
-            d = dtype_of(t)
+            ck = self._ck(pname)
             pos = unb64(pos_b64, np.int64)
-            bits = unb64(bits_b64, uint_dtype(d.bits))
+            bits = unb64(bits_b64, uint_dtype(ck.bits))
             if bits.size != pos.size:
                 raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
             self._positions_ok(pname, t, pos)
-            decoded.append((pname, t, pos, bits))
+            decoded.append((pname, t, ck, pos, bits))
         entry = UndoEntry()
         t0 = time.perf_counter()
         try:
-            for pname, t, pos, bits in decoded:
-                entry.writes.append((pname, pos, _read_bits(t, pos)))
-                _write_bits(t, pos, bits)
+            for pname, t, ck, pos, bits in decoded:
+                entry.writes.append((pname, pos, _read_as(t, pos, ck)))
+                _write_as(t, pos, bits, ck)
                 if self.params[pname].mode == RELOAD:
                     entry.modules.add(self.params[pname].module)
-            for pname, t, pos, bits in decoded:
-                if not np.array_equal(_read_bits(t, pos), bits):
+            for pname, t, ck, pos, bits in decoded:
+                if not np.array_equal(_read_as(t, pos, ck), bits):
                     raise WorkerOpError(f"read-back of {pname!r} after the scatter differs from what was written")
-            self._reload_modules(entry.modules)
-        except BaseException:
-            self._revert(entry)
+            self._reload_modules(entry.modules, seed=zlib.crc32(token.encode()))
+        except BaseException as e:
+            try:
+                self._revert(entry)
+            except Exception as undo_error:
+                raise StateUnknownError(
+                    f"{e}; undoing it failed too ({undo_error}): this worker's weights are unknown, resync it"
+                ) from None
             raise
         self.undo[token] = entry
         while len(self.undo) > self.max_undo:
             old, _ = self.undo.popitem(last=False)
             log.info("flipsync: dropped undo record %s (keeping %d)", old, self.max_undo)
         return {
-            "n": int(sum(p.size for _, _, p, _ in decoded)),
+            "n": int(sum(p.size for _, _, _, p, _ in decoded)),
             "reloaded": sorted(entry.modules),
+            "audited": list(self.audited) if entry.modules else [],
+            "audit_s": self.audit_s if entry.modules else 0.0,
             "seconds": time.perf_counter() - t0,
         }
 
     def _revert(self, entry: UndoEntry) -> None:
         live = self._live_params()
         for pname, pos, old in reversed(entry.writes):
-            _write_bits(self._target(pname, live), pos, old)
+            _write_as(self._target(pname, live), pos, old, self._ck(pname))
         if entry.modules:
             self._reload_modules(entry.modules)
 
@@ -552,14 +869,15 @@ class WorkerCore:
             rows = []
             for pname, blocks in self.maps.get(name, []):
                 t = self._target(pname, live)
+                ck = self._ck(pname)
                 for block in blocks:
-                    fp = sum(fingerprint_of(c, _read_bits(t, p)) for c, p in iter_chunks(block[None, :]))
+                    fp = sum(fingerprint_of(c, _read_as(t, p, ck)) for c, p in iter_chunks(block[None, :]))
                     rows.append([pname, [int(x) for x in block], fp_hex(fp & 0xFFFFFFFFFFFFFFFF)])
             out[name] = rows
         return out
 
     def load(self, source: Mapping[str, torch.Tensor]) -> None:
-        """Load a full served view through the engine's reload path, then refresh the host copies."""
+        """Load a full served view through the engine's reload path, refresh the host copies, then audit."""
         missing = sorted(set(self.specs) - set(source))
         if missing:
             raise WorkerOpError(f"the view lacks {len(missing)} tensors, e.g. {missing[:3]}")
@@ -572,6 +890,7 @@ class WorkerCore:
         if reload_names:
             self._capture(reload_names, source)
         self.undo.clear()
+        self._check_reloaded(sorted(m for m in self.feeds if self._module_reloads(m)), 0)
 
     # ------------------------------------------------------------------------------- dispatch
     def handle(self, request: Mapping[str, Any]) -> dict:
@@ -585,12 +904,14 @@ class WorkerCore:
                 src_path = request.get("source")
                 src = self.open_source(src_path) if src_path else None
                 specs = {n: (tuple(s), d) for n, (s, d) in request["specs"].items()}
-                return {"ok": True, "rank": self.rank, "result": self.attach(specs, src)}
+                audit = str(request.get("audit", AUDIT_EVERY))
+                result = self.attach(specs, src, audit=audit, repair=bool(request.get("repair", True)))
+                return {"ok": True, "rank": self.rank, "result": result}
             if not self.attached:
                 raise WorkerOpError("the worker is not attached; call attach first")
             mine = request.get("per_rank", {}).get(str(self.rank), [])
             if op == "gather":
-                result: Any = self.gather(mine)
+                result = self.gather(mine)
             elif op == "apply":
                 result = self.apply(str(request["token"]), mine)
             elif op == "undo":
@@ -602,6 +923,10 @@ class WorkerCore:
                 result = True
             elif op == "describe":
                 result = self.describe()
+            elif op == "kernels":
+                result = self.kernel_state(request.get("modules"))
+            elif op == "audit":
+                result = self.audit_now(request.get("modules"))
             else:
                 raise WorkerOpError(f"unknown operation {op!r}")
             return {"ok": True, "rank": self.rank, "result": result}
@@ -610,6 +935,7 @@ class WorkerCore:
             return {
                 "ok": False,
                 "rank": self.rank,
+                "unknown": isinstance(e, StateUnknownError),
                 "error": f"{type(e).__name__}: {e}",
                 "trace": traceback.format_exc(limit=6) if not isinstance(e, WorkerOpError) else "",
             }
@@ -634,6 +960,7 @@ class FlipsyncWorkerExtension:
                 scratch=vllm_scratch,
                 reloader=self._flipsync_reload,
                 default_source=self._flipsync_default_source,
+                hooks=vllm_hooks(self.vllm_config),  # type: ignore[attr-defined]
             )
             self._flipsync_core = core
         try:

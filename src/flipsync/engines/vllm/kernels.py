@@ -1,0 +1,343 @@
+"""The kernel-state audit: do the kernels compute from what a fresh load of the same checkpoint tensors gives?
+
+A reload-mode layer is written through the engine's own update path (vLLM's layerwise reload), and engines
+have bugs there that no checksum of the shipped bytes can see (vLLM CPU's MoE skips its expert prepack on a
+weight update). The worker therefore builds a *twin* of a touched layer: a copy of the module whose
+parameters are fresh model-format tensors loaded through the same weight loaders, processed by the same
+post-load step with freshly built method objects (as at engine start), and compares it with the live layer:
+
+- every parameter and buffer, bitwise (shape, dtype, strides and bits), which covers kernels that read
+  tensors (prepacked experts, transposed FP8 weights, scales);
+- where the kernel computes from an opaque copy (a oneDNN handle, a packed copy the module keeps outside
+  its parameters), the kernel's own outputs on fixed probe inputs, bitwise: a linear layer is run on rows
+  of the identity matrix, so each output element is one weight times one (plus zeros), which reads back the
+  effective weight matrix exactly (up to the sign of zeros and what the kernel does to subnormals); an
+  INT8 kernel quantizes each identity row to 127 at one position, so its outputs are ``q * scale`` rounded
+  to the output dtype, which tells every int8 code apart and its per-channel scale to that precision.
+
+The hooks here say how to build a twin, probe a module, carry a twin's opaque state over and name a layer's
+kind, for any model with vLLM's ``load_weights`` contract (``default_*``, used by the tests) and for vLLM
+(``vllm_*``). The worker (:mod:`flipsync.engines.vllm.worker`) decides what to audit and what a mismatch means.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flipsync.codec.bits import int_view
+
+# (module name, live module, loaded model-format tensors by attribute) -> a processed twin, outside the model.
+TwinFactory = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], torch.nn.Module]
+# (module name, module, probe rows (None: all), seed) -> the kernel's outputs on fixed inputs, by label.
+Prober = Callable[[str, torch.nn.Module, "int | None", int], dict[str, torch.Tensor]]
+# (live module, twin): the live module takes the twin's opaque (non-tensor) processed state.
+Transplant = Callable[[torch.nn.Module, torch.nn.Module], None]
+# module -> its kind (class names of the module and of the method objects that process it).
+KindOf = Callable[[torch.nn.Module], str]
+
+#: Probe rows per layer in ``sample`` mode (``every`` probes every row).
+SAMPLE_ROWS = 64
+
+# The objects whose post-load step turns a layer into kernel format (vLLM: the quant method and, for
+# compressed-tensors, the layer's scheme); a twin gets them afresh.
+_METHODS = ("quant_method", "scheme")
+_ORIGIN = "_flipsync_twin_of"  # a twin's attribute naming the live layer it was made from
+ADOPTED = "_flipsync_adopted_twin"  # a live layer's attribute holding the twin whose opaque state it took
+
+
+@dataclass(frozen=True)
+class KernelHooks:
+    """How the audit builds and inspects twins for one engine."""
+
+    twin: TwinFactory
+    probe: Prober
+    transplant: Transplant
+    kind: KindOf
+
+
+# ------------------------------------------------------------------------------------------ comparisons
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's own parameters and buffers that are set (not its children's)."""
+    out = {n: p for n, p in module._parameters.items() if p is not None}
+    out.update({n: b for n, b in module._buffers.items() if b is not None})
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return int_view(t.contiguous())
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when ``a`` and ``b`` hold the same bits in the same layout; else what differs."""
+    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+        return f"is {tuple(a.shape)} {a.dtype} here, {tuple(b.shape)} {b.dtype} in a fresh load"
+    if a.numel() > 1 and a.stride() != b.stride():
+        return f"has strides {a.stride()} here, {b.stride()} in a fresh load"
+    x, y = _bits(a), _bits(b)
+    if torch.equal(x, y):
+        return None
+    n = int((x != y).sum())
+    return f"differs from a fresh load at {n} of {a.numel()} elements"
+
+
+def compare(live: Mapping[str, torch.Tensor], twin: Mapping[str, torch.Tensor], prefix: str = "") -> list[str]:
+    """What differs between two sets of named tensors (empty: bitwise equal)."""
+    bad = []
+    for name in sorted(set(live) | set(twin)):
+        a, b = live.get(name), twin.get(name)
+        if a is None or b is None:
+            bad.append(f"{prefix}{name} is {'missing here' if a is None else 'absent from a fresh load'}")
+            continue
+        why = same_tensor(a, b)
+        if why is not None:
+            bad.append(f"{prefix}{name} {why}")
+    return bad
+
+
+def digest(t: torch.Tensor) -> list[Any]:
+    """[shape, dtype, strides, blake2b of the bits in logical order]: what two engines can compare."""
+    h = hashlib.blake2b(_bits(t).numpy().tobytes(), digest_size=16).hexdigest()
+    return [list(t.shape), str(t.dtype).removeprefix("torch."), list(t.stride()), h]
+
+
+def probe_rows(k: int, rows: int | None, seed: int) -> np.ndarray:
+    """Which rows of the k x k identity a probe feeds: all, or ``rows`` of them drawn with ``seed``."""
+    if rows is None or rows >= k:
+        return np.arange(k, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).choice(k, size=rows, replace=False)).astype(np.int64)
+
+
+def identity_rows(k: int, rows: np.ndarray, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    x = torch.zeros((rows.size, k), dtype=dtype, device=device)
+    x[torch.arange(rows.size), torch.from_numpy(rows).to(x.device)] = 1
+    return x
+
+
+# ------------------------------------------------------------------------------------ method objects
+def _plain(value: Any) -> bool:
+    """An object whose state processing may change (a quant method's kernel), not a tensor, module or code."""
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, torch.Tensor | torch.nn.Module | type)
+        and not callable(value)
+        and not inspect.ismodule(value)
+    )
+
+
+def fresh(obj: Any, context: Callable[[], Any] | None = None) -> Any:
+    """A method object as its constructor made it: rebuilt from its constructor's arguments, which vLLM's
+    method objects keep under the same names; attributes set after construction (by ``create_weights``, a
+    kernel chosen for the layer) are carried over, plain objects among them copied, so that processing the
+    twin never writes into the live layer's objects. Falls back to a copy when the constructor cannot be
+    called that way."""
+    cls = type(obj)
+    try:
+        sig = inspect.signature(cls.__init__)
+        args = {}
+        for pname, p in list(sig.parameters.items())[1:]:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                continue
+            if pname in vars(obj):
+                args[pname] = vars(obj)[pname]
+            elif p.default is p.empty:
+                raise TypeError(f"no attribute {pname!r}")
+        if context is not None:
+            with context():
+                new = cls(**args)
+        else:
+            new = cls(**args)
+    except Exception:
+        new = copy.copy(obj)
+        for key, value in vars(obj).items():
+            if _plain(value):
+                vars(new)[key] = copy.copy(value)
+        return new
+    for key, value in vars(obj).items():  # not what shadows the class's own (a method patched on the instance)
+        if key not in vars(new) and not hasattr(cls, key):
+            vars(new)[key] = copy.copy(value) if _plain(value) else value
+    return new
+
+
+def shell(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object sharing ``module``'s attributes, with parameter, buffer and child dicts of its own."""
+    twin = object.__new__(type(module))
+    twin.__dict__.update(module.__dict__)
+    twin._parameters = dict(module._parameters)  # type: ignore[assignment]
+    twin._buffers = {n: (b.detach().clone() if b is not None else None) for n, b in module._buffers.items()}  # type: ignore[assignment]
+    twin._modules = dict(module._modules)  # type: ignore[assignment]
+    return twin
+
+
+def _as_param(t: torch.Tensor) -> torch.nn.Parameter:
+    if isinstance(t, torch.nn.Parameter):
+        return t
+    p = torch.nn.Parameter(t, requires_grad=False)
+    p.__dict__.update(t.__dict__)
+    return p
+
+
+# ------------------------------------------------------------------------------------------ defaults
+def default_twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A twin for models whose layers are processed by ``layer.quant_method.process_weights_after_loading(layer)``
+    (the method object built afresh) or by their own ``process_weights_after_loading()``."""
+    twin = shell(module)
+    for name, t in loaded.items():
+        twin._parameters[name] = _as_param(t)
+    _freshen(module, twin, None)
+    method = _method(twin)
+    with torch.no_grad():
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(twin)
+        elif callable(getattr(twin, "process_weights_after_loading", None)):
+            twin.process_weights_after_loading()
+    return twin
+
+
+def _freshen(module: torch.nn.Module, twin: torch.nn.Module, context: Callable[[], Any] | None) -> None:
+    """The twin's method objects built afresh (attributes, or children where they are modules: vLLM's MoE
+    quant method is one); its other plain objects copied, so that nothing is shared with the live layer."""
+    for key, value in vars(module).items():
+        if key in _METHODS and hasattr(value, "process_weights_after_loading"):
+            vars(twin)[key] = fresh(value, context)
+        elif _plain(value):
+            vars(twin)[key] = copy.copy(value)
+    for key, child in module._modules.items():
+        if key in _METHODS and child is not None and hasattr(child, "process_weights_after_loading"):
+            twin._modules[key] = fresh(child, context)
+
+
+def _method(module: torch.nn.Module, name: str = "quant_method") -> Any:
+    return vars(module).get(name, module._modules.get(name))
+
+
+def default_probe(mname: str, module: torch.nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
+    return {}
+
+
+def default_transplant(live: torch.nn.Module, twin: torch.nn.Module) -> None:
+    """The live module takes every attribute of the twin that is not a parameter, buffer or child."""
+    skip = {"_parameters", "_buffers", "_modules", _ORIGIN, ADOPTED}
+    for key, value in vars(twin).items():
+        if key not in skip and vars(live).get(key) is not value:
+            vars(live)[key] = value
+
+
+def default_kind(module: torch.nn.Module) -> str:
+    return type(module).__name__
+
+
+DEFAULT_HOOKS = KernelHooks(default_twin, default_probe, default_transplant, default_kind)
+
+
+# --------------------------------------------------------------------------------------------- vLLM
+def vllm_kind(module: torch.nn.Module) -> str:
+    """The module's class and those of its method objects and their kernels (what decides its update path)."""
+    parts = [type(module).__name__]
+    for attr in _METHODS:
+        obj = _method(module, attr)
+        if obj is None:
+            continue
+        parts.append(type(obj).__name__)
+        for inner in ("kernel", "moe_kernel"):
+            k = getattr(obj, inner, None)
+            if k is not None:
+                parts.append(type(k).__name__)
+                experts = getattr(k, "fused_experts", None)
+                if experts is not None:
+                    parts.append(type(experts).__name__)
+    return "/".join(parts)
+
+
+def vllm_hooks(vllm_config: Any) -> KernelHooks:
+    """Hooks for a vLLM worker: twins processed as at engine start (the model dtype as default dtype, the
+    vLLM config current), probes through the layer's quant method, opaque state carried over."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def first_load() -> Any:
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
+            yield
+
+    def twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        tw = shell(module)
+        vars(tw)[_ORIGIN] = module  # the probe reads the layer's recorded model format through it
+        info = layerwise.LAYERWISE_INFO.get(module)
+        meta_params, meta_buffers = info.restore_metadata if info is not None else ({}, {})
+        for name in list(tw._parameters):
+            if name in meta_params or name in loaded:
+                tw._parameters[name] = None  # set below, in model format
+        for name, meta in meta_params.items():
+            if name in loaded:
+                tw._parameters[name] = _as_param(loaded[name])
+            else:  # not in the checkpoint: the live value where it still has the model-format layout
+                live = module._parameters.get(name)
+                if live is not None and tuple(live.shape) == tuple(meta.shape) and live.dtype == meta.dtype:
+                    tw._parameters[name] = _as_param(live.detach().clone())
+                else:
+                    tw._parameters[name] = _as_param(torch.zeros(tuple(meta.shape), dtype=meta.dtype))
+        for name, t in loaded.items():
+            if name not in meta_params:
+                tw._parameters[name] = _as_param(t)
+        for name, meta in meta_buffers.items():
+            if tw._buffers.get(name) is None:
+                tw._buffers[name] = torch.zeros(tuple(meta.shape), dtype=meta.dtype)
+        _freshen(module, tw, first_load)
+        method = _method(tw)
+        with first_load(), torch.no_grad():
+            if method is not None:
+                method.process_weights_after_loading(tw)
+            if hasattr(tw, "update_param_tp_status"):
+                tw.update_param_tp_status()
+        return tw
+
+    def probe(mname: str, module: torch.nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
+        """A linear layer's kernel on identity rows (weights it computes from, read back); {} for others."""
+        from vllm.model_executor.model_loader.reload import layerwise
+
+        method = _method(module)
+        apply = getattr(method, "apply", None)
+        info = layerwise.LAYERWISE_INFO.get(vars(module).get(_ORIGIN, module))
+        if apply is None or info is None or "weight" not in info.restore_metadata[0]:
+            return {}
+        shape = tuple(info.restore_metadata[0]["weight"].shape)
+        if len(shape) != 2 or not _linear_like(module):
+            return {}
+        k = shape[1]
+        picked = probe_rows(k, rows, seed)
+        dtype = vllm_config.model_config.dtype
+        device = next((t.device for t in module_tensors(module).values()), torch.device("cpu"))
+        x = identity_rows(k, picked, dtype, device)
+        with torch.no_grad():
+            y = apply(module, x, None)
+        if isinstance(y, tuple):
+            y = y[0]
+        return {"identity": y}
+
+    def transplant(live: torch.nn.Module, tw: torch.nn.Module) -> None:
+        """The live layer takes the twin's method objects and the attributes its post-load step set (the
+        GEMM closure holding a oneDNN handle, ...)."""
+        default_transplant(live, tw)
+
+    return KernelHooks(twin, probe, transplant, vllm_kind)
+
+
+def _linear_like(module: torch.nn.Module) -> bool:
+    """Layers whose quant method's ``apply(layer, x, bias)`` is a GEMM with the weight (linear, LM head)."""
+    names = {c.__name__ for c in type(module).__mro__}
+    return bool(names & {"LinearBase", "ParallelLMHead"})
