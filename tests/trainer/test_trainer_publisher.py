@@ -320,3 +320,27 @@ def test_context_is_on_by_default_and_the_runs_manifests_say_so(tmp_path: Path) 
         assert {catalog.version(v).meta["context"] for v in catalog.list_versions()} == {int(cfg.context)}
     # a device-kept view has no host base to code against: such runs say so
     assert PublisherConfig(keep_on="device").context
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8-block"])
+def test_tensors_kept_in_their_own_dtype_are_served_and_patched_in_it(tmp_path: Path, fmt: str) -> None:
+    """Norms kept in FP32 beside BF16 (or FP8) weights, as released checkpoints and their engines hold them:
+    served in FP32, patched bitwise in FP32."""
+    from flipsync.formats import served_view
+
+    store = open_store(tmp_path)
+    model = tiny_llama(hidden=128, vocab=256)
+    opt = adam(model, lr=1e-3)
+    norms = {k: torch.float32 for k in model.state_dict() if k.endswith("norm.weight")}
+    assert norms
+    cfg = PublisherConfig(background=False, dtypes=norms)
+    with Publisher(model, store, run="mixed", format=fmt, optimizer=opt, config=cfg) as pub:
+        train(model, opt, 3)
+        pub.flush()
+    replica = Replica(store, "mixed")
+    replica.follow_each()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or k in replica.tensors}
+    want = {k: v.contiguous() for k, v in served_view(state, fmt, dtypes=norms).items()}
+    assert_bitwise(want, replica.tensors)
+    assert all(replica.tensors[k].dtype == torch.float32 for k in norms)
+    assert len(replica.patches) >= 1

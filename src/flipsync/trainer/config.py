@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
+
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
 from flipsync.board.store import StoreOptions
@@ -38,10 +40,14 @@ class PublisherConfig:
 
     # The served view. fused_groups: tensors sharing one fp8 / nvfp4 scale ("auto": q/k/v and gate/up, as the
     # engines fuse them); from_fp32: quantize the FP32 master instead of bf16(master), when the engine's own
-    # loader does; keep: which tensors the format quantizes (default: matrices), when the engine keeps others.
+    # loader does; keep: which tensors the format quantizes (default: matrices), when the engine keeps others;
+    # dtypes: tensors served in another plain dtype than the format gives them, where the checkpoint and its
+    # engine keep them so (FP32 norms, biases and router weights beside BF16 weights;
+    # `flipsync.formats.checkpoint_dtypes` derives them from a checkpoint's headers).
     fused_groups: FusedGroups = "auto"
     from_fp32: bool = False
     keep: KeepFn | None = None
+    dtypes: Mapping[str, torch.dtype] | None = None
     # Off the training thread (background=False: publish inside step(), e.g. to debug); keep_on="device": keep
     # the previous view on the GPU when host memory is short (then no context coding); nice / threads: the
     # background threads' priority and count (default: half of this rank's cores), for a busy host.

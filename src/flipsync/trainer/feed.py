@@ -88,6 +88,7 @@ class ViewFeed:
             from_fp32=self.config.from_fp32,
             keep=self.config.keep,
             fused_groups=self.config.fused_groups,
+            dtypes=self.config.dtypes,
         )
 
     # -- full views ---------------------------------------------------------------------------------------

@@ -271,6 +271,7 @@ class ViewPlan:
     fmt: str
     from_fp32: bool
     keep: KeepFn | None
+    dtypes: Mapping[str, torch.dtype]  # tensors served in their own plain dtype (see `served_view`)
     order: list[str]  # every master name, in state-dict order (without aliases)
     aliases: dict[str, str]
     drop_first: set[str]
@@ -329,6 +330,7 @@ class ViewPlan:
                 from_fp32=self.from_fp32,
                 fused_groups=self.groups,
                 keep=self.keep,
+                dtypes={n: d for n, d in self.dtypes.items() if n in inputs.whole},
                 alloc=alloc,
                 cast=fuse.hook(0) if fuse is not None else None,
                 quantize=fuse.quantize if fuse is not None else None,
@@ -338,8 +340,15 @@ class ViewPlan:
                 out[key] = Piece(_own(t, held), 0, tuple(t.shape))
         for name, local, offset, shape in inputs.rows:
             hook = fuse.hook(offset) if fuse is not None else None
+            dtype = {name: self.dtypes[name]} if name in self.dtypes else None
             cast = served_view(
-                {name: local}, self.fmt, fused_groups=None, keep=lambda _n, _t: True, alloc=alloc, cast=hook
+                {name: local},
+                self.fmt,
+                fused_groups=None,
+                keep=lambda _n, _t: True,
+                dtypes=dtype,
+                alloc=alloc,
+                cast=hook,
             )[name]
             out[name] = Piece(_own(cast, _storages([local])), offset, shape)
         return out
@@ -423,6 +432,7 @@ def plan_view(
     from_fp32: bool,
     keep: KeepFn | None,
     fused_groups: Literal["auto"] | Sequence[Sequence[str]] | None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> ViewPlan:
     """Decide who serves what from every rank's `master_infos` (identical inputs give identical plans)."""
     world = len(infos)
@@ -464,6 +474,7 @@ def plan_view(
         fmt=fmt,
         from_fp32=from_fp32,
         keep=keep,
+        dtypes=dict(dtypes or {}),
         order=order,
         aliases=aliases,
         drop_first=drop_first,
