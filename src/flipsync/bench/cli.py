@@ -25,10 +25,10 @@ def bench_codec(
     markdown: Annotated[Path | None, typer.Option(help="also write the table as markdown here")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
 ) -> None:
-    """Our codec beside XOR+zstd-1, int32+values and int64+values, on the same Adam steps."""
+    """Our patch beside the encodings slime, TRL, vLLM and verl ship, on the same Adam (and Muon) steps."""
     from flipsync.bench import codec
 
-    console = Console(width=max(200, Console().width))
+    console = Console()  # its tables fit 100 columns; the full ones go to --markdown and --json
     report = codec.run(console, quick=quick)
     if markdown:
         markdown.write_text(codec.markdown(report))
