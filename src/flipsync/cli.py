@@ -87,6 +87,15 @@ def demo(
         "flipsync-demo"
     ),
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
+    optimizer: Annotated[
+        str, typer.Option(help="RL optimizer: adam, adamw, muon (Muon on 2-D hidden weights, AdamW on the rest) or sgd")
+    ] = "adam",
+    muon_lr_scaling: Annotated[
+        str, typer.Option(help="Muon's adjust_lr_fn: match_rms_adamw (its step RMS about AdamW's) or original")
+    ] = "match_rms_adamw",
+    compare: Annotated[
+        Path | None, typer.Option(help="a previous run's report.json (or its folder): print both runs side by side")
+    ] = None,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
     out, beside a control island that reloads full checkpoints over the same link."""
@@ -97,6 +106,9 @@ def demo(
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
         from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
+        from flipsync.demo.summary import comparison, load_report
+
+        earlier = load_report(compare) if compare is not None else None
 
         cfg = DemoConfig(
             steps=steps,
@@ -114,6 +126,8 @@ def demo(
             group_size=group,
             seed=seed,
             out=out,
+            optimizer=optimizer.strip().lower(),
+            muon_lr_scaling=muon_lr_scaling,
         )
         console = output_console()
         report = run_demo(cfg, console)
@@ -121,6 +135,8 @@ def demo(
         console.print()
         for line in summary_lines(report):
             console.print(line)
+        if earlier is not None and compare is not None:
+            console.print(comparison([(str(compare), earlier), (str(out), report.to_json())]))
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
         held = ", ".join(f"{name}: v{report.audits[name]['version']}" for name in report.bitwise_equal)
