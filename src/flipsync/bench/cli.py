@@ -1,4 +1,4 @@
-"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|all``: the benchmarks from a shell.
+"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|optimizers|all``: the benchmarks from a shell.
 
 ``bench_app`` is a Typer sub-application; ``flipsync.cli`` mounts it as ``flipsync bench``. Each benchmark
 module is imported when its command runs, so ``flipsync --help`` stays fast.
@@ -84,6 +84,24 @@ def bench_crossregion(quick: QuickOpt = False, json_out: JsonOpt = None) -> None
 def bench_scaling(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """Diff, encode, decode, apply and fingerprint cost as one tensor grows."""
     _run(lambda: _bench("scaling", quick, json_out))
+
+
+@bench_app.command("optimizers")
+def bench_optimizers(
+    quick: QuickOpt = False,
+    json_out: JsonOpt = None,
+    out: Annotated[Path | None, typer.Option("--output", "-o", help="folder for the PNG plots and their JSON")] = None,
+) -> None:
+    """Adam against Muon (same lr, matched update RMS): served change per step, by tensor kind and |w|; patch bytes."""
+
+    def go() -> None:
+        from flipsync.bench import optimizers
+
+        results = optimizers.run(Console(), quick=quick, out=out)
+        if json_out:
+            json_out.write_text(json.dumps(results, indent=2, default=str))
+
+    _run(go)
 
 
 @bench_app.command("all")
