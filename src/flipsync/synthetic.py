@@ -86,8 +86,8 @@ class OptimizerSpec:
     ``muon``: ``torch.optim.Muon`` (momentum 0.95, Nesterov, 5 Newton-Schulz steps, its defaults) on the 2-D
     ``matrix`` tensors, with ``muon_lr_scaling`` as its ``adjust_lr_fn``: ``match_rms_adamw`` scales each
     matrix's step by 0.2 sqrt(max(rows, cols)), so that its RMS is about AdamW's at the same lr (Moonshot's
-    choice); ``original`` by sqrt(max(1, rows / cols)) (Keller Jordan's), a step ~0.2 sqrt(max(rows, cols))
-    times smaller at the same lr. Every other tensor gets AdamW (betas 0.9/0.999); ``weight_decay`` applies to
+    choice); ``original`` by sqrt(max(1, rows / cols)) (Keller Jordan's), a step 0.2 sqrt(cols) times smaller at
+    the same lr. Every other tensor gets AdamW (betas 0.9/0.999); ``weight_decay`` applies to
     both parts. ``muon_lr_scale`` multiplies the Muon part's lr only (matching update RMS).
     """
 
