@@ -490,7 +490,7 @@ def terminal_tables(report: CodecReport) -> list[Table]:
         "The peers as they ship, bytes per changed value (each decoded back bit for bit)",
         ("workload", "format", "lr", "ours", *(h for _, h, _ in PEER_COLUMNS)),
         [
-            (*ident, f"{r.ours_bpc:.3f}", *(_cell(r.peer(k)) for k, _, _ in PEER_COLUMNS))
+            (*ident, f"{r.ours_bpc:.2f}", *(_cell(r.peer(k), ".2f") for k, _, _ in PEER_COLUMNS))
             for ident, r in zip(row_id, rows, strict=True)
         ],
         left=3,
