@@ -92,6 +92,15 @@ def demo(
     context: Annotated[
         bool, typer.Option(help="code patch positions against their base (the publisher's default; smaller patches)")
     ] = True,
+    optimizer: Annotated[
+        str, typer.Option(help="RL optimizer: adam, adamw, muon (Muon on 2-D hidden weights, AdamW on the rest) or sgd")
+    ] = "adam",
+    muon_lr_scaling: Annotated[
+        str, typer.Option(help="Muon's adjust_lr_fn: match_rms_adamw (its step RMS about AdamW's) or original")
+    ] = "match_rms_adamw",
+    compare: Annotated[
+        Path | None, typer.Option(help="a previous run's report.json (or its folder): print both runs side by side")
+    ] = None,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
     out, beside a control island that reloads full checkpoints over the same link."""
@@ -102,6 +111,9 @@ def demo(
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
         from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
+        from flipsync.demo.summary import comparison, load_report
+
+        earlier = load_report(compare) if compare is not None else None
 
         cfg = DemoConfig(
             steps=steps,
@@ -120,6 +132,8 @@ def demo(
             seed=seed,
             context=context,
             out=out,
+            optimizer=optimizer.strip().lower(),
+            muon_lr_scaling=muon_lr_scaling,
         )
         console = output_console()
         report = run_demo(cfg, console)
@@ -127,6 +141,8 @@ def demo(
         console.print()
         for line in summary_lines(report):
             console.print(line)
+        if earlier is not None and compare is not None:
+            console.print(comparison([(str(compare), earlier), (str(out), report.to_json())]))
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
         held = ", ".join(f"{name}: v{report.audits[name]['version']}" for name in report.bitwise_equal)
@@ -150,7 +166,22 @@ def analyze(
     checkpoint: Annotated[Path, typer.Argument(help="master checkpoint (a .safetensors file or an HF directory)")],
     other: Annotated[Path | None, typer.Argument(help="a second checkpoint: measure the change between them")] = None,
     formats: Annotated[str, typer.Option(help="comma-separated served formats")] = ",".join(FORMAT_NAMES),
-    lr: Annotated[float, typer.Option(help="with one checkpoint: Adam learning rate of the simulated step")] = 1e-6,
+    lr: Annotated[float, typer.Option(help="with one checkpoint: learning rate of the simulated steps")] = 1e-6,
+    optimizer: Annotated[
+        str | None,
+        typer.Option(help="with one checkpoint: adam, adamw, muon or sgd; several, comma-separated, side by side"),
+    ] = None,
+    muon_lr_scaling: Annotated[
+        str, typer.Option(help="Muon's adjust_lr_fn: match_rms_adamw (its step RMS about AdamW's) or original")
+    ] = "match_rms_adamw",
+    weight_decay: Annotated[float, typer.Option(help="decoupled weight decay of AdamW and Muon")] = 0.0,
+    match: Annotated[str, typer.Option(help="with several optimizers: lr, rms or lr,rms (matched update RMS)")] = (
+        "lr,rms"
+    ),
+    steps: Annotated[int, typer.Option(help="with several optimizers: measured steps (after 2 warm-up steps)")] = 3,
+    gradients: Annotated[
+        str, typer.Option(help="simulated gradients: noise, or correlated (half a fixed direction)")
+    ] = ("noise"),
     out: Annotated[Path, typer.Option("--output", "-o", help="folder for the JSON report and PNG plots")] = Path(
         "flipsync-analysis"
     ),
@@ -158,18 +189,48 @@ def analyze(
 ) -> None:
     """How many served values change, per tensor and format, and where (by |w|).
 
-    With two checkpoints: measured. With one: a simulated Adam step, predicted by the absorption rule
-    (a step changes a served value with probability min(1, |step| / grid spacing)) next to the measurement.
+    With two checkpoints: measured. With one: simulated optimizer steps (Adam unless --optimizer), predicted by
+    the absorption rule (a step changes a served value with probability min(1, |step| / grid spacing)) next to
+    the measurement. With several optimizers: each one's change per step, per tensor kind and by |w|, at the
+    same lr and at matched update RMS of the 2-D weights, side by side.
     """
     from flipsync import analyze as an
+    from flipsync.synthetic import OptimizerSpec
 
     def go() -> None:
         fmts = [f.strip() for f in formats.split(",") if f.strip()]
+        specs = [
+            OptimizerSpec(name.strip().lower(), muon_lr_scaling=muon_lr_scaling, weight_decay=weight_decay)
+            for name in (optimizer or "adam").split(",")
+            if name.strip()
+        ]
+        if other is not None and optimizer is not None:
+            raise ConfigError(
+                "--optimizer simulates steps from one checkpoint; two checkpoints are measured as they are"
+            )
         a = {k: v.float() for k, v in Checkpoint(checkpoint).items() if v.is_floating_point()}
         console = output_console()
+        if other is None and len(specs) > 1:
+            with console.status(f"analysing {len(specs)} optimizers"):
+                comp = an.compare_optimizers(
+                    a,
+                    fmts,
+                    specs,
+                    lr=lr,
+                    steps=steps,
+                    match=[m.strip() for m in match.split(",") if m.strip()],
+                    gradients=gradients,
+                )
+            for table in an.comparison_tables(comp):
+                console.print(table)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "optimizers.json").write_text(json.dumps(comp.to_json(), indent=2))
+            plot = an.plot_comparison(comp, out / "change_vs_magnitude_by_optimizer.png", f"lr {lr:g}")
+            console.print(f"wrote {out / 'optimizers.json'} and {plot}")
+            return
         with console.status("analysing"):
             if other is None:
-                result = an.simulate(a, fmts, lr=lr)
+                result = an.simulate(a, fmts, lr=lr, optimizer=specs[0], gradients=gradients)
             else:
                 b = {k: v.float() for k, v in Checkpoint(other).items() if v.is_floating_point()}
                 check_same_names(a, b)

@@ -144,7 +144,8 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         assert heading in text
     for header in (
         "| target | result | figure |",
-        "| workload | format | lr | changed % | bound B/chg | flipsync B/chg |",
+        "| workload | optimizer | format | lr | changed % | bound B/chg | conditional bound B/chg | flipsync B/chg |",
+        "| workload | optimizer | format | lr | changed % | flipsync B/chg | slime 0.4.0 / miles xor+zstd-1",
         "| link | N | patch | model |",
         "| part | measured | model | bitwise |",
         "| component | cost | covers |",

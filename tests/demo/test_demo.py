@@ -97,3 +97,21 @@ def test_short_demo_on_a_mixture_of_experts(tmp_path: Path) -> None:
     if any(r.changed for r in patches):
         assert experts["experts_pct"] > 0 or experts["dense_pct"] > 0
     assert any(ln.startswith("MoE: served values changed per version") for ln in summary_lines(report))
+
+
+def test_short_demo_under_muon(tmp_path: Path) -> None:
+    """The same run with Muon on the hidden matrices: the islands still end bitwise equal, and the report says
+    which optimizer moved the weights, so two runs can be put side by side (``flipsync demo --compare``)."""
+    from flipsync.demo.summary import comparison
+
+    report = run_short_demo(tmp_path, islands=1, optimizer="muon")
+    assert report.bitwise_equal == {"island-0": True}
+    assert report.config["optimizer"] == "muon" and report.summary["optimizer"] == "muon"
+    assert any(r.changed > 0 for r in report.versions if r.version > 0)
+    lines = summary_lines(report)
+    assert any("muon, lr" in ln for ln in lines)
+    write_outputs(report, tmp_path)
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["config"]["optimizer"] == "muon"
+    table = comparison([("adam", {**doc, "config": {**doc["config"], "optimizer": "adam"}}), ("muon", doc)])
+    assert table.row_count > 10

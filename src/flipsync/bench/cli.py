@@ -1,4 +1,4 @@
-"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|verl|all``: the benchmarks from a shell.
+"""``flipsync bench NAME``: the benchmarks from a shell, one command per module (``flipsync bench --help``).
 
 ``bench_app`` is a Typer sub-application; ``flipsync.cli`` mounts it as ``flipsync bench``. Each benchmark
 module is imported when its command runs, so ``flipsync --help`` stays fast.
@@ -25,10 +25,10 @@ def bench_codec(
     markdown: Annotated[Path | None, typer.Option(help="also write the table as markdown here")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
 ) -> None:
-    """Our codec beside XOR+zstd-1, int32+values and int64+values, on the same Adam steps."""
+    """Our patch beside the encodings slime, TRL, vLLM and verl ship, on the same Adam (and Muon) steps."""
     from flipsync.bench import codec
 
-    console = Console(width=max(200, Console().width))
+    console = Console()  # its tables fit 100 columns; the full ones go to --markdown and --json
     report = codec.run(console, quick=quick)
     if markdown:
         markdown.write_text(codec.markdown(report))
@@ -90,6 +90,24 @@ def bench_verl(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
 def bench_scaling(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """Diff, encode, decode, apply and fingerprint cost as one tensor grows."""
     _run(lambda: _bench("scaling", quick, json_out))
+
+
+@bench_app.command("optimizers")
+def bench_optimizers(
+    quick: QuickOpt = False,
+    json_out: JsonOpt = None,
+    out: Annotated[Path | None, typer.Option("--output", "-o", help="folder for the PNG plots and their JSON")] = None,
+) -> None:
+    """Adam against Muon (same lr, matched update RMS): served change per step, by tensor kind and |w|; patch bytes."""
+
+    def go() -> None:
+        from flipsync.bench import optimizers
+
+        results = optimizers.run(Console(), quick=quick, out=out)
+        if json_out:
+            json_out.write_text(json.dumps(results, indent=2, default=str))
+
+    _run(go)
 
 
 @bench_app.command("all")

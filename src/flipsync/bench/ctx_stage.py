@@ -1,4 +1,4 @@
-"""Stage cost of a ``ctx`` patch against the same change coded with version 1 coders, side by side.
+"""Stage cost of a ``ctx`` patch against the same change coded without the base (plain), side by side.
 
 ``python -m flipsync.bench.ctx_stage [ELEMENTS] [REPEATS]``: one weight-like BF16 tensor (N(0, 0.02)) moved by
 Adam-like steps of four sizes; ``codec.stage`` of both patches, the ``ctx`` one also with the receiver's class
@@ -29,7 +29,7 @@ def main(numel: int = 1 << 24, repeats: int = 7) -> None:
         step = scale * (2e-6 * torch.randn(numel, generator=g).sign() + 1e-6 * torch.randn(numel, generator=g))
         old, new = {"w": w.to(torch.bfloat16)}, {"w": (w + step).to(torch.bfloat16)}
         ctx, _ = diff_views(old, new)
-        v1, _ = diff_views(old, new, context=False)
+        plain, _ = diff_views(old, new, context=False)
         n = ctx.header.n_changed
         table = FingerprintTable.of(old)
         codec = ctx.sections[0].pos["codec"]
@@ -37,7 +37,7 @@ def main(numel: int = 1 << 24, repeats: int = 7) -> None:
         index = ClassIndex()
         index.tree("w", bits_numpy(old["w"]), dtype_of(old["w"]), table["w"].fp)  # once after a full load
         build = time.perf_counter() - t
-        patches = {"v1": (v1, None), codec: (ctx, None), f"{codec}+index": (ctx, index)}
+        patches = {"plain": (plain, None), codec: (ctx, None), f"{codec}+index": (ctx, index)}
         best = dict.fromkeys(patches, float("inf"))
         cpu = dict.fromkeys(patches, float("inf"))
         for _ in range(repeats):
@@ -54,7 +54,7 @@ def main(numel: int = 1 << 24, repeats: int = 7) -> None:
                 f"  (CPU {c * 1e9 / n:7.1f} ns/change {c * 1e9 / (2 * numel):6.3f} ns/base byte)"
             )
         for k in (codec, f"{codec}+index"):
-            print(f"  {k} / v1 = {best[k] / best['v1']:.2f} (CPU {cpu[k] / cpu['v1']:.2f})")
+            print(f"  {k} / plain = {best[k] / best['plain']:.2f} (CPU {cpu[k] / cpu['plain']:.2f})")
 
 
 if __name__ == "__main__":

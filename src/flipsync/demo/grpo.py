@@ -11,12 +11,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from flipsync.demo.task import Problem, ReverseDigits
 from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import ConfigError
+from flipsync.synthetic import OptimizerSpec, ParamGroup, build_optimizer
 
 
 @dataclass(frozen=True)
@@ -59,23 +61,34 @@ def _token_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def rl_optimizer(model: torch.nn.Module, lr: float, head_lr_scale: float = 1.0) -> torch.optim.Adam:
-    """Adam for the RL steps, in two parameter groups: the output layer (the LM head and the final norm
-    before it) learns at ``head_lr_scale`` times ``lr``, the rest at ``lr``. The head turns the body's
-    features into the few logits the reward depends on (stop or not, which digit), so a step there moves
-    the reward most for the values it changes; the body keeps the low rate whose sparse change patches
-    are made for."""
+def optimizer_spec(cfg: Any) -> OptimizerSpec:
+    """The RL optimizer a demo config names (``optimizer``, ``muon_lr_scaling``)."""
+    return OptimizerSpec(
+        getattr(cfg, "optimizer", "adam"), muon_lr_scaling=getattr(cfg, "muon_lr_scaling", "match_rms_adamw")
+    )
+
+
+def rl_optimizer(
+    model: torch.nn.Module, lr: float, head_lr_scale: float = 1.0, *, optimizer: OptimizerSpec | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer of the RL steps (Adam unless ``optimizer``), in two parameter groups: the output layer (the
+    LM head and the final norm before it) learns at ``head_lr_scale`` times ``lr``, the rest at ``lr``. The head
+    turns the body's features into the few logits the reward depends on (stop or not, which digit), so a step
+    there moves the reward most for the values it changes; the body keeps the low rate whose sparse change
+    patches are made for. Under Muon (`flipsync.synthetic.build_optimizer`) the body's 2-D hidden weights take
+    Muon steps; the embedding, the head, norms and biases take AdamW steps, the head with the eps below."""
+    spec = optimizer or OptimizerSpec()
+    named = list(model.named_parameters())
     if head_lr_scale == 1.0:
-        return torch.optim.Adam(model.parameters(), lr=lr)
+        return build_optimizer([ParamGroup(named, lr)], spec)
     head_names = ("lm_head.", "model.norm.")
-    head = [p for n, p in model.named_parameters() if n.startswith(head_names)]
-    body = [p for n, p in model.named_parameters() if not n.startswith(head_names)]
+    head = [(n, p) for n, p in named if n.startswith(head_names)]
+    body = [(n, p) for n, p in named if not n.startswith(head_names)]
     if not head:
         raise ConfigError("a head learning-rate scale needs a model with an lm_head; this one has none")
     # eps 1e-5 (the usual PPO value) on the head: the rows of tokens the policy never samples get tiny
     # gradients, which Adam at eps 1e-8 would turn into full-size steps that change their served values
-    head_group = {"params": head, "lr": lr * head_lr_scale, "eps": 1e-5}
-    return torch.optim.Adam([{"params": body, "lr": lr}, head_group])
+    return build_optimizer([ParamGroup(body, lr), ParamGroup(head, lr * head_lr_scale, eps=1e-5)], spec)
 
 
 def policy_loss(model: torch.nn.Module, tok: ByteTokenizer, rollouts: Sequence[Rollout]) -> torch.Tensor:

@@ -48,10 +48,11 @@ from flipsync.codec.bits import int_view as bits_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.demo.control import CheckpointShelf
 from flipsync.demo.experts import ExpertRates
-from flipsync.demo.experts import summary_line as experts_line
-from flipsync.demo.grpo import Rollout, policy_loss, rl_optimizer, warm_start
+from flipsync.demo.grpo import Rollout, optimizer_spec, policy_loss, rl_optimizer, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python
 from flipsync.demo.model import DEMO_MODELS, demo_config, write_model_dir
+from flipsync.demo.summary import lr_text, summarize
+from flipsync.demo.summary import summary_lines as summary_lines  # where callers have always found it
 from flipsync.demo.task import Problem, ReverseDigits
 from flipsync.demo.warmup import compile_codec_kernels
 from flipsync.domain.manifest import Kind
@@ -91,6 +92,8 @@ class DemoConfig:
     context: bool = True  # the publisher codes positions against their base (PublisherConfig.context)
     masters_at: tuple[int, ...] = (0, 1, -1)  # trainer steps whose FP32 masters are saved; -1: the last
     out: Path = Path("flipsync-demo")
+    optimizer: str = "adam"  # adam, adamw, muon or sgd (see grpo.rl_optimizer)
+    muon_lr_scaling: str = "match_rms_adamw"  # Muon's adjust_lr_fn
 
 
 @dataclass
@@ -483,11 +486,7 @@ def _check(cfg: DemoConfig) -> None:
         raise ConfigError("--max-staleness must be 0 or more trainer steps")
     if cfg.lr <= 0 or cfg.head_lr_scale <= 0:
         raise ConfigError("--lr and --head-lr-scale must be positive (1: the LM head learns at --lr)")
-
-
-def lr_text(lr: float, head_lr_scale: float | None) -> str:
-    head = f" (LM head and final norm {lr * head_lr_scale:g})" if head_lr_scale not in (None, 1.0) else ""
-    return f"lr {lr:g}{head}"
+    optimizer_spec(cfg)  # an unknown optimizer fails here, before the warm start
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
@@ -553,8 +552,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         + (link if bandwidth else "")
     )
     console.print(
-        f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with Adam at "
-        f"{lr_text(cfg.lr, cfg.head_lr_scale)}, {cfg.steps} steps"
+        f"warm start done (loss {loss:.3f}, {timings['warm_start_s']:.0f} s); RL with "
+        f"{optimizer_spec(cfg).describe()} at {lr_text(cfg.lr, cfg.head_lr_scale)}, {cfg.steps} steps"
     )
     if cfg.engine == "vllm":
         write_model_dir(model_dir, config, view0)  # vLLM starts from these weights: the board's v0
@@ -572,7 +571,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             saver.submit(save_checkpoint, masters(), path)
 
     save_masters(0)
-    opt = rl_optimizer(model, cfg.lr, cfg.head_lr_scale)
+    opt = rl_optimizer(model, cfg.lr, cfg.head_lr_scale, optimizer=optimizer_spec(cfg))
     model.train()
     # The publisher lowers its threads' priority (nice 19 by default) so training comes first; the demo's
     # islands, which stand for machines elsewhere, run at nice 10, so here it runs between the two.
@@ -712,74 +711,6 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             island.stop()
         saver.shutdown(wait=True)
     return report
-
-
-def summarize(
-    records: list[StepRecord],
-    rows: list[VersionRow],
-    samples: list[tuple[float, int, dict[str, int]]],
-    flipsync: list[str],
-    control: str | None,
-    cfg: DemoConfig,
-) -> dict[str, Any]:
-    """The run's figures: bytes and lag of the flipsync islands against the control, reward, change rate."""
-    rl = [s for s in samples if s[1] >= 1]  # from the first trainer step on
-
-    def lag(name: str) -> float:
-        return statistics.fmean(max(0, step - held[name]) for _, step, held in rl) if rl else 0.0
-
-    last = records[-1].islands if records else {}
-    out: dict[str, Any] = {
-        "lag_steps": {n: lag(n) for n in [*flipsync, *([control] if control else [])]},
-        "bytes": {n: last[n].bytes for n in last},
-        "dropped": {n: sum(r.islands[n].dropped for r in records) for n in last},
-        "reward_first5": statistics.fmean(r.reward for r in records[:5]) if records else None,
-        "reward_last5": statistics.fmean(r.reward for r in records[-5:]) if records else None,
-        "changed_pct_mean": statistics.fmean(r.changed_pct for r in rows if r.version > 0) if len(rows) > 1 else None,
-        "lr": cfg.lr,
-        "head_lr_scale": cfg.head_lr_scale,
-    }
-    if control and flipsync and last:
-        f_bytes = statistics.fmean(last[n].bytes for n in flipsync)
-        f_lag = statistics.fmean(out["lag_steps"][n] for n in flipsync)
-        out["flipsync_bytes_mean"] = f_bytes
-        out["flipsync_lag_mean"] = f_lag
-        out["bytes_ratio"] = last[control].bytes / f_bytes if f_bytes else None
-        out["lag_ratio"] = out["lag_steps"][control] / f_lag if f_lag > 0 else None
-    return out
-
-
-def summary_lines(report: DemoReport) -> list[str]:
-    s = report.summary
-    lines = []
-    if "bytes_ratio" in s:
-        lines.append(
-            f"bytes over each link: flipsync islands {s['flipsync_bytes_mean'] / 1e6:.1f} MB (mean), full-checkpoint "
-            f"island {s['bytes'][CONTROL] / 1e6:.1f} MB: flipsync moved "
-            + (f"{s['bytes_ratio']:.1f}x fewer bytes" if s["bytes_ratio"] else "no bytes")
-        )
-        r = s["lag_ratio"]
-        if r is None:
-            verdict = "the flipsync islands never trailed"
-        elif r >= 1:
-            verdict = f"the flipsync islands trailed {r:.1f}x less"
-        else:
-            verdict = f"the full-checkpoint island trailed {1 / r:.1f}x less"
-        lines.append(
-            f"lag (trainer steps the served weights trailed the trainer, time-averaged): flipsync islands "
-            f"{s['flipsync_lag_mean']:.2f}, full-checkpoint island {s['lag_steps'][CONTROL]:.2f}: {verdict}; "
-            "rollouts dropped as stale: " + ", ".join(f"{n} {d}" for n, d in s["dropped"].items())
-        )
-    if s["reward_first5"] is not None:
-        changed = f"{s['changed_pct_mean']:.2f}%" if s["changed_pct_mean"] is not None else "-"
-        lines.append(
-            f"reward: first five steps {s['reward_first5']:.3f}, last five {s['reward_last5']:.3f} "
-            f"({s['reward_last5'] - s['reward_first5']:+.3f}); served values changed per version at "
-            f"{lr_text(s['lr'], s.get('head_lr_scale'))}: {changed} (mean)"
-        )
-    if s.get("experts"):
-        lines.append(experts_line(s["experts"]))
-    return lines
 
 
 def write_outputs(report: DemoReport, out: Path) -> list[Path]:
