@@ -2,7 +2,7 @@
 
 Codec commands (view, diff, apply, squash, inspect): `flipsync.local_cli`; board and keygen:
 `flipsync.board.cli`; publish and watch: `flipsync.trainer.cli`; sidecar and relay: `flipsync.sidecar.cli`;
-bench: `flipsync.bench.cli`. The demo and analyze commands are defined here.
+gateway: `flipsync.fleet.cli`; bench: `flipsync.bench.cli`. The demo and analyze commands are defined here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from flipsync.board.cli import board_app, keygen, output_console
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint
 from flipsync.errors import ConfigError
+from flipsync.fleet.cli import gateway
 from flipsync.formats import FORMAT_NAMES, get_format
 from flipsync.relay.cli import relay
 from flipsync.sidecar.cli import sidecar
@@ -217,6 +218,7 @@ app.add_typer(board_app, name="board")
 app.command("keygen")(keygen)
 app.command("sidecar")(sidecar)
 app.command("relay")(relay)
+app.command("gateway")(gateway)
 app.command("watch")(watch_cmd)
 app.command("publish")(publish_cmd)
 
