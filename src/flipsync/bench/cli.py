@@ -1,4 +1,4 @@
-"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|all``: the benchmarks from a shell.
+"""``flipsync bench codec|board|trainer|fused|sidecar|crossregion|scaling|gateway|all``: the benchmarks from a shell.
 
 ``bench_app`` is a Typer sub-application; ``flipsync.cli`` mounts it as ``flipsync bench``. Each benchmark
 module is imported when its command runs, so ``flipsync --help`` stays fast.
@@ -84,6 +84,12 @@ def bench_crossregion(quick: QuickOpt = False, json_out: JsonOpt = None) -> None
 def bench_scaling(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """Diff, encode, decode, apply and fingerprint cost as one tensor grows."""
     _run(lambda: _bench("scaling", quick, json_out))
+
+
+@bench_app.command("gateway")
+def bench_gateway(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """The gateway's added latency against direct requests, and fleet membership at 1,000 replicas on S3."""
+    _run(lambda: _bench("gateway", quick, json_out))
 
 
 @bench_app.command("all")

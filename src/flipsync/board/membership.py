@@ -9,12 +9,14 @@ source of truth (a gateway keeps nothing of its own).
 for each record it will not route to, why: malformed JSON or fields, a record under another run's or
 replica's key, expired, written in the future, and, with a verifier (a signed board), unsigned, signed by an
 untrusted key, or modified after signing. A record whose listing (size, time, ETag) has not changed since the
-last scan is not downloaded again.
+last scan is not downloaded again, and the ones that changed are downloaded ``max_parallel_reads`` at a time
+(an object store answers each GET in tens of milliseconds, and a fleet rewrites its records every few seconds).
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -91,7 +93,9 @@ class MemberReader:
     verifier: Verifier | None = None
     max_skew_s: float = 5.0
     max_ttl_s: float | None = None
+    max_parallel_reads: int = 32
     _seen: dict[str, _Seen] = field(default_factory=dict, repr=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
 
     def scan(self, now: datetime | None = None) -> MemberScan:
         """Every run's records, split into live (and trusted) and rejected. Store failures propagate."""
@@ -99,25 +103,40 @@ class MemberReader:
         runs = self.runs if self.runs is not None else tuple(self.store.list_dirs(RUNS))
         live: list[MemberRecord] = []
         rejected: list[Rejected] = []
-        listed: set[str] = set()
-        for run in runs:
-            layout = RunLayout(run)
-            for obj in self.store.list(layout.members_dir):
-                if not obj.path.endswith(".json"):
-                    continue
-                listed.add(obj.path)
-                record, error = self._read(obj, run)
-                if error is None and record is not None:
-                    why = liveness(record, now, max_skew_s=self.max_skew_s, max_ttl_s=self.max_ttl_s)
-                    if why is not None:
-                        error = Rejected(obj.path, "future" if "future" in why else "expired", why)
-                if error is not None:
-                    rejected.append(error)
-                elif record is not None:
-                    live.append(record)
+        objects = [
+            (obj, run)
+            for run in runs
+            for obj in self.store.list(RunLayout(run).members_dir)
+            if obj.path.endswith(".json")
+        ]
+        listed = {obj.path for obj, _ in objects}
+        changed = [(obj, run) for obj, run in objects if not self._unchanged(obj)]
+        if len(changed) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_parallel_reads, thread_name_prefix="flipsync-members")
+            list(self._pool.map(lambda item: self._read(*item), changed))
+        for obj, run in objects:
+            record, error = self._read(obj, run)
+            if error is None and record is not None:
+                why = liveness(record, now, max_skew_s=self.max_skew_s, max_ttl_s=self.max_ttl_s)
+                if why is not None:
+                    error = Rejected(obj.path, "future" if "future" in why else "expired", why)
+            if error is not None:
+                rejected.append(error)
+            elif record is not None:
+                live.append(record)
         for gone in set(self._seen) - listed:  # deleted records: forget them
             del self._seen[gone]
         return MemberScan(tuple(live), tuple(rejected), tuple(runs), now)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _unchanged(self, obj: ObjectInfo) -> bool:
+        seen = self._seen.get(obj.path)
+        return seen is not None and seen.listing == (obj.size, obj.modified.isoformat(), obj.etag)
 
     def _read(self, obj: ObjectInfo, run: str) -> tuple[MemberRecord | None, Rejected | None]:
         listing = (obj.size, obj.modified.isoformat(), obj.etag)

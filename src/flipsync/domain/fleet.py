@@ -23,6 +23,7 @@ access can put bytes in; the board's membership module checks signatures.
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -400,13 +401,24 @@ def floor_version(want: Want, head: int | None, max_lag: int) -> int | None:
     return max(0, head - max_lag)
 
 
-def rank(candidates: Iterable[MemberRecord], in_flight: Mapping[str, int] | None = None) -> list[MemberRecord]:
+def rank(
+    candidates: Iterable[MemberRecord], in_flight: Mapping[str, int] | None = None, rng: random.Random | None = None
+) -> list[MemberRecord]:
     """Least requests in flight first: the caller's own count (exact, this instant) then the record's (a
-    heartbeat old, everyone's); among equals the newer version, then the replica id (a stable order)."""
+    heartbeat old, everyone's); among equals the newer version, then at random with ``rng`` (so that
+    sequential traffic spreads over equals) or by replica id (a stable order)."""
     mine = in_flight or {}
+    items = list(candidates)
+    ties = {r.replica: rng.random() for r in items} if rng is not None else {}
     return sorted(
-        candidates,
-        key=lambda r: (mine.get(r.replica, 0), r.in_flight, -(r.version if r.version is not None else -1), r.replica),
+        items,
+        key=lambda r: (
+            mine.get(r.replica, 0),
+            r.in_flight,
+            -(r.version if r.version is not None else -1),
+            ties.get(r.replica, 0.0),
+            r.replica,
+        ),
     )
 
 

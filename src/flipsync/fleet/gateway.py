@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -129,6 +130,7 @@ class FleetView:
         self.suspects: dict[str, tuple[datetime, float]] = {}  # replica -> (failed at, skip until monotonic)
         self.holders = 0
         self.scans = 0
+        self.rng = random.Random()  # ties between equally loaded replicas
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -212,7 +214,7 @@ class FleetView:
     def candidates(self, want: Want) -> tuple[list[MemberRecord], FleetSnapshot]:
         snap = self.snapshot
         ok = [r for r in snap.members if admits(r, want, snap.head(r), self.config.max_lag) and not self.suspect(r)]
-        return rank(ok, self.in_flight), snap
+        return rank(ok, self.in_flight, self.rng), snap
 
     def models(self) -> list[dict[str, Any]]:
         seen: dict[str, set[str]] = {}
@@ -296,7 +298,7 @@ class Gateway:
         try:
             request = await self._read(scope, receive)
             if isinstance(request, Response):
-                self.metrics.requests.labels(outcome="bad_request").inc()
+                self.metrics.outcome("bad_request")
                 await request(scope, receive, send)
                 return
             await self._serve(request, scope, receive, send, t0)
@@ -372,7 +374,7 @@ class Gateway:
                     last = outcome or last
             self.metrics.held_seconds.observe(time.monotonic() - held_since)
         except httpcore.TimeoutException as e:  # the replica took longer than request_timeout_s to answer
-            self.metrics.requests.labels(outcome="timeout").inc()
+            self.metrics.outcome("timeout")
             await _error(504, f"the replica did not answer in time: {e}", "upstream_timeout")(scope, receive, send)
             return
         await self._refuse(req, last, scope, receive, send)
@@ -388,7 +390,7 @@ class Gateway:
                 await self._attempt(r, snap, req, attempts[0], send, t0)
             except _Retry as e:
                 last = e
-                self.metrics.retries.labels(reason=e.reason).inc()
+                self.metrics.retry(e.reason)
                 continue
             return True
         return last
@@ -438,7 +440,7 @@ class Gateway:
                 if status == 409 or status == 503 or _is_unreachable(body):
                     raise _Retry({409: "refused_409", 503: "refused_503"}.get(status, "upstream_502"), status, body)
                 await self._answer(resp.status, resp.headers, body, r, head, attempt, send)
-                self.metrics.requests.labels(outcome="upstream_status").inc()
+                self.metrics.outcome("upstream_status")
                 return
             if is_stream:
                 await self._relay_stream(resp, r, head, attempt, send, t0)
@@ -450,7 +452,7 @@ class Gateway:
                 raise _Retry("broken") from e
             self.metrics.request_seconds.observe(time.monotonic() - t0)
             await self._answer(status, resp.headers, body, r, head, attempt, send)
-            self.metrics.requests.labels(outcome="ok" if status < 400 else "upstream_status").inc()
+            self.metrics.outcome("ok" if status < 400 else "upstream_status")
         finally:
             n = view.in_flight.get(r.replica, 1) - 1
             if n > 0:
@@ -519,7 +521,7 @@ class Gateway:
                     }
                 )
             await send({"type": "http.response.body", "body": b""})
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.outcome(outcome)
         finally:
             await resp.aclose()
 
@@ -531,7 +533,7 @@ class Gateway:
         heads = sorted({h for r in mine if (h := snap.head(r)) is not None})
         headers = {"Retry-After": self.retry_after}
         if want.constrained:
-            self.metrics.requests.labels(outcome="rejected_version").inc()
+            self.metrics.outcome("rejected_version")
             served = ", ".join(f"v{v}" for v in versions) or "none"
             response = _error(
                 409,
@@ -547,7 +549,7 @@ class Gateway:
                 },
             )
         else:
-            self.metrics.requests.labels(outcome="unavailable").inc()
+            self.metrics.outcome("unavailable")
             why = (
                 f"; last answer: {last.status} {last.body[:200].decode('utf-8', 'replace')}"
                 if last and last.status

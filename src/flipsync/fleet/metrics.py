@@ -56,6 +56,15 @@ class GatewayMetrics:
         )
         for reason in REASONS:
             self.rejected.labels(reason=reason).set(0)
+        # Bound once: a label lookup on every request costs more than the count.
+        self._outcomes = {o: self.requests.labels(outcome=o) for o in OUTCOMES}
+        self._retries = {r: self.retries.labels(reason=r) for r in RETRY_REASONS}
+
+    def outcome(self, outcome: str) -> None:
+        self._outcomes[outcome].inc()
+
+    def retry(self, reason: str) -> None:
+        self._retries[reason].inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -160,6 +160,7 @@ class BoardPool(Pool):
         return FleetSnapshot(scan.live, heads, scan.rejected, scan.at)
 
     def close(self) -> None:
+        self.members.close()
         self.store.close()
 
 
