@@ -42,7 +42,7 @@ class Member:
     @property
     def replica_id(self) -> str:
         assert self.sidecar.heartbeat is not None
-        return self.sidecar.heartbeat.config.replica
+        return self.sidecar.heartbeat.replica_id
 
     def kill(self) -> None:
         """What a crash leaves: the proxy and loop stop, the record stays (and expires)."""

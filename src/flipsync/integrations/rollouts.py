@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,6 +162,7 @@ class RolloutClient:
         self._snapshot: FleetSnapshot | None = None
         self._snapshot_at = 0.0
         self._in_flight: dict[str, int] = {}
+        self._rng = random.Random()  # ties between equally loaded replicas
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -206,7 +208,7 @@ class RolloutClient:
         snap = await self._fleet()
         ready: list[MemberRecord] = [r for r in snap.members if admits(r, want, snap.head(r), self.max_lag)]
         out = []
-        for r in rank(ready, self._in_flight):
+        for r in rank(ready, self._in_flight, self._rng):
             floor = floor_version(want, snap.head(r), self.max_lag)
             out.append((r.url.rstrip("/") + "/v1", {H_MIN: str(floor)} if floor is not None else {}))
         return out

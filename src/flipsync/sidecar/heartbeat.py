@@ -100,6 +100,10 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def replica_id(self) -> str:
+        return self.config.replica
+
     # -- the record -------------------------------------------------------------------------------------
 
     def model(self) -> str | None:
