@@ -106,7 +106,8 @@ class RolloutClient:
     """Samples completions from island proxies with ``openai.AsyncOpenAI``; see the module doc.
 
     ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``); or one URL: a gateway's
-    (``http://HOST:PORT/v1``) or a board's (``s3://...``, a path), or a `Pool`. ``model``: the model name sent
+    (``http://HOST:PORT/v1``) or a board's (``s3://``, ``gs://``, ``az://``, ``file://``, a path; an http(s) URL
+    is taken for a gateway), or a `Pool`. ``model``: the model name sent
     (default: the first one the first island lists). ``max_staleness``: how many versions a rollout's start
     may be behind the trainer's version. ``patience_s``: how long one request keeps trying islands that
     refuse it before `RolloutError`. ``client_options`` go to ``AsyncOpenAI`` (``timeout``, headers, ...).
@@ -137,9 +138,7 @@ class RolloutClient:
             self.pool = islands
             islands = []
         elif isinstance(islands, str):
-            from flipsync.relay.client import is_relay_url
-
-            if is_relay_url(islands):  # an http(s) URL: a gateway (or one proxy)
+            if islands.startswith(("http://", "https://")):  # a gateway (or one proxy)
                 islands = [islands]
             else:  # a board: its member records name the replicas
                 from flipsync.board.store import open_store
