@@ -88,6 +88,13 @@ def demo(
         "flipsync-demo"
     ),
     seed: Annotated[int, typer.Option(help="seed of the model, task and sampling")] = 0,
+    fleet: Annotated[
+        bool,
+        typer.Option(
+            help="rollouts through a gateway (flipsync gateway); an island joins a third of the way in and one "
+            "is killed two thirds of the way in"
+        ),
+    ] = True,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
     out, beside a control island that reloads full checkpoints over the same link."""
@@ -97,6 +104,7 @@ def demo(
         get_format(fmt)
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
+        from flipsync.demo.fleet import fleet_lines
         from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
 
         cfg = DemoConfig(
@@ -115,12 +123,15 @@ def demo(
             group_size=group,
             seed=seed,
             out=out,
+            fleet=fleet,
         )
         console = output_console()
         report = run_demo(cfg, console)
         paths = write_outputs(report, out)
         console.print()
         for line in summary_lines(report):
+            console.print(line)
+        for line in fleet_lines(report.fleet, report.failed_rollouts):
             console.print(line)
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
