@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.bench import board, codec, fused, scaling, sidecar, trainer
+from flipsync.bench import board, codec, fused, gateway, scaling, sidecar, trainer
 from flipsync.bench.all import machine, versions
 from flipsync.bench.crossregion import measure, race
 from flipsync.bench.crossregion.costs import CostModel, extrapolate, fit_line
@@ -119,6 +119,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
         "QUICK",
         trainer.Setup(hidden=32, intermediate=64, layers=1, vocab=128, seq=16, batch=2, rounds=2, block=2),
     )
+    monkeypatch.setattr(gateway, "QUICK", gateway.Setup(pairs=4, warmup=1, replicas=12))
 
 
 def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None:
@@ -137,6 +138,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Board",
         "## Trainer",
         "## Trainer: the fused cast-and-diff pass",
+        "## Fleet: the gateway",
     ):
         assert heading in text
     for header in (
@@ -150,6 +152,8 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| store | publish MB/s |",
         "| setup | median step |",
         "| format | threads | served | changed | fused ns/B |",
+        "| request | until | direct p50 |",
+        "| scan | seconds | live records | GETs | LIST pages |",
     ):
         assert header in text
     assert "```json" not in text  # tables only

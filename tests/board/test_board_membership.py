@@ -149,3 +149,24 @@ def test_unchanged_records_are_not_downloaded_again(store: ObstoreStore) -> None
     assert sum(counting.gets.values()) == 6 and counting.gets["runs/run/members/r2.json"] == 2
     assert {r.replica: r.in_flight for r in scan.live} == {"r0": 0, "r1": 0, "r2": 7, "r3": 0}
     reader.close()
+
+
+def test_gc_deletes_the_records_of_replicas_long_gone(store: ObstoreStore) -> None:
+    from board_helpers import build_run
+
+    from flipsync.board.retention import RetentionPolicy, collect_garbage
+
+    build_run(store, 3)
+    w = MemberWriter(store, "run")
+    w.put(record("r1"))
+    w.put(record("r2"))
+    policy = RetentionPolicy(keep_versions=100, member_grace_s=600)
+    r = collect_garbage(store, "run", policy)
+    assert r.deleted_members == 0 and len(store.list("runs/run/members")) == 2
+    later = datetime.now(UTC) + timedelta(hours=1)
+    dry = collect_garbage(store, "run", policy, now=later, dry_run=True)
+    assert dry.deleted_members == 2 and len(store.list("runs/run/members")) == 2
+    r = collect_garbage(store, "run", policy, now=later)
+    assert r.deleted_members == 2 and not store.list("runs/run/members") and not r.deleted_versions
+    with pytest.raises(Exception, match="member_grace_s"):
+        RetentionPolicy(member_grace_s=0)

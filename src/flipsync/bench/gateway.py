@@ -357,12 +357,14 @@ def markdown(result: dict[str, Any]) -> str:
         "The sidecar (the torch engine, `tiny` preset, behind its version-aware proxy) and the gateway run as "
         "`flipsync sidecar` and `flipsync gateway` processes on loopback, as deployed; the benchmark process "
         "sends each request straight to the sidecar and through the gateway, alternating in ABBA order on "
-        f"kept-alive connections, {lat[0]['pairs']} pairs per case after a warm-up. *Added* is the gateway's "
-        "percentile minus the direct one; *paired median* the median of the per-pair differences.",
+        f"kept-alive connections, {lat[0]['pairs']} pairs per case after a warm-up; a streamed answer is timed to its "
+        "first byte and to its end. *Added* is the gateway's percentile minus the direct one; *paired median* the "
+        "median of the per-pair differences.",
         "",
         md_table(
             (
                 "request",
+                "until",
                 "direct p50",
                 "direct p99",
                 "gateway p50",
@@ -374,6 +376,7 @@ def markdown(result: dict[str, Any]) -> str:
             (
                 (
                     r["case"],
+                    r["measure"],
                     f"{r['direct_p50_ms']:.2f} ms",
                     f"{r['direct_p99_ms']:.2f} ms",
                     f"{r['gateway_p50_ms']:.2f} ms",
@@ -384,6 +387,7 @@ def markdown(result: dict[str, Any]) -> str:
                 )
                 for r in lat
             ),
+            left=2,
         ),
         "",
     ]
