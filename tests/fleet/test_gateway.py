@@ -337,3 +337,26 @@ def test_a_static_pool(trainer: Trainer, make_member: MemberFactory, make_gatewa
         assert r.status_code == 200 and r.json()["weight_version"]["start"] == 3
     with pytest.raises(NotImplementedError, match="cannot scale"):
         gw.gateway.pool.scale(1, 4)
+
+
+def test_a_client_that_leaves_a_stream_stops_it_at_the_replica(
+    trainer: Trainer, make_member: MemberFactory, make_gateway: GatewayFactory
+) -> None:
+    m = make_member()
+    assert wait_until(lambda: m.sidecar.replica.version == 0)
+    gw = make_gateway()
+    assert wait_until(lambda: gw.fleet()["ready"] == 1)
+    body = {"prompt": "long", "max_tokens": 250, "temperature": 0}
+    t = time.monotonic()
+    assert gw.client.post("/v1/completions", json=body).status_code == 200
+    whole_s = time.monotonic() - t  # what the 250 tokens take
+    with httpx.Client(base_url=gw.url, timeout=30) as client:
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            next(s.iter_lines())
+            assert m.sidecar.gate.in_flight == 1
+        t = time.monotonic()
+    # The gateway saw the client go and closed the replica's stream: its request ends long before 250 tokens.
+    assert wait_until(lambda: m.sidecar.gate.in_flight == 0, timeout=30)
+    assert time.monotonic() - t < whole_s / 2, (time.monotonic() - t, whole_s)
+    assert wait_until(lambda: gw.gateway.view.in_flight == {}, timeout=5)

@@ -244,6 +244,7 @@ class _Request:
     headers: list[tuple[bytes, bytes]]
     body: bytes
     want: Want
+    receive: Receive | None = None  # the client's channel, to see it go away mid-stream
 
 
 class Gateway:
@@ -301,6 +302,7 @@ class Gateway:
                 self.metrics.outcome("bad_request")
                 await request(scope, receive, send)
                 return
+            request.receive = receive
             await self._serve(request, scope, receive, send, t0)
         finally:
             self.metrics.in_flight.dec()
@@ -443,7 +445,7 @@ class Gateway:
                 self.metrics.outcome("upstream_status")
                 return
             if is_stream:
-                await self._relay_stream(resp, r, head, attempt, send, t0)
+                await self._relay_stream(resp, r, head, attempt, send, t0, req.receive)
                 return
             try:
                 body = await _read_all(resp)
@@ -486,7 +488,14 @@ class Gateway:
         await send({"type": "http.response.body", "body": body})
 
     async def _relay_stream(
-        self, resp: httpcore.Response, r: MemberRecord, head: int | None, attempt: int, send: Send, t0: float
+        self,
+        resp: httpcore.Response,
+        r: MemberRecord,
+        head: int | None,
+        attempt: int,
+        send: Send,
+        t0: float,
+        receive: Receive | None,
     ) -> None:
         stream = resp.aiter_stream()
         try:
@@ -500,10 +509,14 @@ class Gateway:
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": first, "more_body": True})
             outcome = "ok" if resp.status < 400 else "upstream_status"
+            gone = asyncio.Event()
+            watcher = asyncio.create_task(_watch_disconnect(receive, gone)) if receive is not None else None
             try:
                 async for chunk in stream:
+                    if gone.is_set():  # the client left: stop (closing the replica's stream stops its generation)
+                        break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:
+            except (httpcore.NetworkError, httpcore.RemoteProtocolError, httpcore.TimeoutException) as e:
                 # The status line has gone out: say so in the stream, as an engine that breaks off does.
                 self.view.unreachable(r)
                 outcome = "stream_cut"
@@ -520,6 +533,9 @@ class Gateway:
                         "more_body": True,
                     }
                 )
+            finally:
+                if watcher is not None:
+                    watcher.cancel()
             await send({"type": "http.response.body", "body": b""})
             self.metrics.outcome(outcome)
         finally:
@@ -654,6 +670,13 @@ def create_gateway_app(
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The gateway's ASGI application (uvicorn serves it; its lifespan starts the fleet refresher)."""
     return Gateway(pool, config).app
+
+
+async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Set ``gone`` once the client disconnects (the request body was read already: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
 
 
 def _netloc(url: str) -> bytes:
