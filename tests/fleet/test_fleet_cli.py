@@ -111,6 +111,7 @@ def test_settings_are_refused_before_anything_starts(board_dir: str) -> None:
         (["sidecar", "--board", board_dir, "--public-url", "ftp://10.0.0.1:8100"], "http"),
         (["sidecar", "--board", board_dir, "--public-url", "http://10.0.0.1:8100", "--heartbeat", "20"], "below"),
         (["sidecar", "--board", board_dir, "--exit-timeout", "-1"], "--exit-timeout"),
+        (["sidecar", "--board", "http://127.0.0.1:9", "--public-url", "http://10.0.0.1:8100"], "--fleet-board"),
     ):
         r = runner.invoke(app, args)
         assert r.exit_code == 2 and words in r.output, (args, r.output)

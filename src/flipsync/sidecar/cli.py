@@ -194,6 +194,11 @@ def sidecar(
     service: Sidecar | None = None
     store = None
     try:
+        if public_url is not None and fleet_board is None and is_relay_url(board):
+            raise ConfigError(
+                "--board is a relay, which is read-only: pass --fleet-board with the board itself (where the "
+                "gateways read member records)"
+            )
         if served_format is not None:
             get_format(served_format)  # an unknown name is refused before waiting for the board
         verifier = Verifier.from_pem(*public_key) if public_key else None
@@ -264,11 +269,6 @@ def sidecar(
             member_store = store
             if fleet_board is not None:
                 member_store = open_board(fleet_board, StoreOptions(config=store_config))
-            elif is_relay_url(board):
-                raise ConfigError(
-                    "--board is a relay, which is read-only: pass --fleet-board with the board itself (where the "
-                    "gateways read member records)"
-                )
             service.join(membership, store=member_store, signer=signer)
         typer.echo(f"flipsync sidecar: run {run_name!r} on {store.url}, {engine} engine, proxy on {host}:{port}")
         the_service = service
