@@ -678,6 +678,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                     director.after_step(step)
                 per_island = {}
                 for island in list(islands):
+                    if island.spec.name not in held:
+                        continue  # it joined while this step ran: its first row is the next step's
                     mine = [r for r in rollouts if r.island == island.spec.name]
                     per_island[island.spec.name] = IslandStep(
                         behind=max(0, step - 1 - held[island.spec.name]),
