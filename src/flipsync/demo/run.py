@@ -605,6 +605,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         islands = [Island(spec).start() for spec in specs]
     names = [i.spec.name for i in islands]
     flipsync_names = [i.spec.name for i in islands if not i.spec.control]
+    first_names = list(flipsync_names)  # the islands there from the start
     pool: RolloutPool | None = None
     monitor: Monitor | None = None
     director: FleetDirector | None = None
@@ -740,7 +741,16 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             audits={n: {k: v for k, v in a.items() if k != "tensors"} for n, a in audits.items()},
             final_view_fp=final_fp,
             bitwise_equal=equal,
-            summary=summarize(records, rows, monitor.samples, flipsync_names, CONTROL if shelf else None, cfg),
+            # The comparison with the control: the flipsync islands that ran the whole run (not the one that
+            # joined late, nor the one killed), when there are any.
+            summary=summarize(
+                records,
+                rows,
+                monitor.samples,
+                [n for n in first_names if n in flipsync_names] or flipsync_names,
+                CONTROL if shelf else None,
+                cfg,
+            ),
             timings=timings,
             masters=[str(p) for p in master_paths],
             wall_s=time.monotonic() - t_start,
@@ -779,7 +789,7 @@ def summarize(
     out: dict[str, Any] = {
         "lag_steps": {n: lag(n) for n in [*flipsync, *([control] if control else [])]},
         "bytes": {n: last[n].bytes for n in last},
-        "dropped": {n: sum(r.islands[n].dropped for r in records) for n in last},
+        "dropped": {n: sum(r.islands[n].dropped for r in records if n in r.islands) for n in last},
         "reward_first5": statistics.fmean(r.reward for r in records[:5]) if records else None,
         "reward_last5": statistics.fmean(r.reward for r in records[-5:]) if records else None,
         "changed_pct_mean": statistics.fmean(r.changed_pct for r in rows if r.version > 0) if len(rows) > 1 else None,
