@@ -321,27 +321,31 @@ def plot(fleet: dict[str, Any], ax: Any) -> None:
     if not samples:
         return
     ts = [s["t"] for s in samples]
-    ax.step(ts, [len(s["members"]) for s in samples], where="post", label="members (live records)")
-    ax.step(ts, [len(s["ready"]) for s in samples], where="post", label=f"ready (within {fleet['max_lag']} of HEAD)")
-    twin = ax.twinx()
-    twin.plot(
-        ts,
-        [s["readiness"] if s["readiness"] is not None else 0 for s in samples],
-        color="tab:green",
-        lw=0.8,
-        alpha=0.7,
-        label="readiness (fraction at HEAD)",
+    members = [len(s["members"]) for s in samples]
+    ax.step(ts, members, where="post", lw=2.2, label="members (live records)")
+    ax.step(
+        ts, [len(s["ready"]) for s in samples], where="post", lw=1.2, label=f"ready (within {fleet['max_lag']} of HEAD)"
     )
+    top = max(members) + 1
+    ax.set_ylim(0, top)
+    twin = ax.twinx()
+    readiness = [s["readiness"] if s["readiness"] is not None else 0 for s in samples]
+    twin.plot(ts, readiness, color="tab:green", lw=0.6, alpha=0.5, label="readiness (fraction at HEAD)")
     twin.set_ylim(0, 1.05)
     twin.set_ylabel("fraction of members at HEAD")
     colors = {"join": "tab:blue", "ready": "tab:green", "kill": "tab:red", "left": "tab:gray"}
-    for e in fleet["events"]:
-        if e["kind"] in colors:
-            ax.axvline(e["t"], color=colors[e["kind"]], ls="--", lw=1)
-            ax.annotate(f"{e['island']} {e['kind']}", (e["t"], 0.2), rotation=90, fontsize=7, color=colors[e["kind"]])
+    for k, e in enumerate(x for x in fleet["events"] if x["kind"] in colors):
+        ax.axvline(e["t"], color=colors[e["kind"]], ls="--", lw=1)
+        ax.annotate(
+            f"{e['island']} {e['kind']} (step {e['step']})",
+            (e["t"], top - 0.15 - 0.3 * (k % 3)),
+            fontsize=7,
+            color=colors[e["kind"]],
+            ha="left",
+        )
     ax.set_xlabel("wall time since the RL steps started (s)")
     ax.set_ylabel("islands")
     ax.set_title("The fleet behind the gateway: joins, kills and readiness")
     lines, labels = ax.get_legend_handles_labels()
     more, more_labels = twin.get_legend_handles_labels()
-    ax.legend(lines + more, labels + more_labels, loc="upper left", fontsize=8)
+    ax.legend(lines + more, labels + more_labels, loc="lower left", fontsize=8)
