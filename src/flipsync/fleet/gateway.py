@@ -49,6 +49,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from flipsync.board.membership import REASONS
 from flipsync.domain.fleet import MemberRecord, Want, admits, floor_version, rank, satisfies, serves
 from flipsync.errors import FlipsyncError
 from flipsync.fleet.metrics import GatewayMetrics
@@ -160,7 +161,7 @@ class FleetView:
         counts: dict[str, int] = {}
         for rej in snap.rejected:
             counts[rej.reason] = counts.get(rej.reason, 0) + 1
-        for reason in list(counts) + [k for k in ("malformed", "expired") if k not in counts]:
+        for reason in {*REASONS, *counts}:
             m.rejected.labels(reason=reason).set(counts.get(reason, 0))
 
     def start(self) -> FleetView:
