@@ -248,7 +248,7 @@ def _record(i: int, version: int) -> MemberRecord:
     )
 
 
-def _membership(store: Store, replicas: int) -> dict[str, Any]:
+def membership_scans(store: Store, replicas: int) -> dict[str, Any]:
     writer = MemberWriter(store, "bench")
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(lambda i: writer.put(_record(i, 1)), range(replicas)))
@@ -317,7 +317,7 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
         with local_s3() as make_s3:
             if make_s3 is not None:
                 store = make_s3()
-                results["membership"] = _membership(store, setup.replicas)
+                results["membership"] = membership_scans(store, setup.replicas)
                 store.close()
             else:
                 results["membership"] = {**s3_costs(1000), "scans": [], "replicas": 0}
