@@ -76,7 +76,9 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
         assert r.status_code == 200 and r.json()["weight_version"]["start"] == 1, r.text
 
         def long_request() -> None:
-            slow["r"] = httpx.post(f"{gateway}/v1/completions", json={"prompt": "a", "max_tokens": 240}, timeout=120)
+            slow["r"] = httpx.post(
+                f"{gateway}/v1/completions", json={"prompt": "a", "max_tokens": 240, "ignore_eos": True}, timeout=120
+            )
 
         worker = threading.Thread(target=long_request)
         worker.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -50,6 +51,17 @@ def served_by(r: httpx.Response) -> str:
     return r.headers["x-flipsync-replica"]
 
 
+def spread(one: Callable[[], str], n: int = 40) -> set[str]:
+    """Who served ``n`` sequential requests, a heartbeat apart now and then: among equally loaded replicas the
+    order is random, but a record's in-flight count is a heartbeat old, so a burst can favour one."""
+    seen = set()
+    for i in range(n):
+        seen.add(one())
+        if i % 4 == 3:
+            time.sleep(0.1)
+    return seen
+
+
 def test_routes_by_readiness_and_constraint(
     trainer: Trainer, make_member: MemberFactory, make_gateway: GatewayFactory
 ) -> None:
@@ -85,8 +97,7 @@ def test_routes_by_readiness_and_constraint(
     # The behind replica catches up and enters rotation.
     assert behind.sidecar.replica.sync_once() and behind.sidecar.replica.version == 3
     assert wait_until(lambda: gw.fleet()["ready"] == 2)
-    seen = {served_by(gw.complete()) for _ in range(12)}
-    assert seen == {fresh.replica_id, behind.replica_id}
+    assert spread(lambda: served_by(gw.complete())) == {fresh.replica_id, behind.replica_id}
 
 
 def test_a_record_out_of_date_is_corrected_by_the_replica(
@@ -152,7 +163,7 @@ def test_dead_and_draining_replicas_are_failed_over(
     assert wait_until(lambda: gw.fleet()["ready"] == 2)
     a.kill()  # its record stays until it expires
     assert gw.fleet()["ready"] == 2
-    for _ in range(6):
+    for _ in range(20):  # equally loaded replicas are tried in random order: a comes first now and then
         r = gw.complete()
         assert r.status_code == 200 and served_by(r) == b.replica_id
     unreachable = gw.gateway.metrics.registry.get_sample_value(
@@ -246,7 +257,7 @@ def test_routes_by_model_and_served_format(
             "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Flipsync-Run": "run-fp8"}
         )
         assert r.status_code == 200 and served_by(r) == b.replica_id
-    assert {served_by(gw.complete(model="flipsync-torch")) for _ in range(10)} == {a.replica_id, b.replica_id}
+    assert spread(lambda: served_by(gw.complete(model="flipsync-torch"))) == {a.replica_id, b.replica_id}
     r = gw.complete(model="flipsync-torch@nvfp4", weight_version={"min_version": 0})
     assert r.status_code == 409 and "format nvfp4" in r.json()["error"]["message"]
     fleet = gw.fleet()
@@ -283,8 +294,10 @@ def test_malformed_stale_and_forged_records_never_route(
             json.dumps({**signed.to_dict(), "heartbeat": utc_now_iso(), "in_flight": 0}).encode(),
         )
         # Someone copies the real replica's signed record under another key, pointing nowhere new.
-        assert real.sidecar.heartbeat is not None and real.sidecar.heartbeat.last is not None
-        store.put("runs/run/members/copy.json", real.sidecar.heartbeat.last.to_json().encode())
+        hb = real.sidecar.heartbeat
+        assert hb is not None and wait_until(lambda: hb.last is not None and hb.last.version == 0)
+        assert hb.last is not None
+        store.put("runs/run/members/copy.json", hb.last.to_json().encode())
 
         gw = make_gateway(member_verifier=verifier)
         assert wait_until(lambda: gw.fleet()["ready"] == 1)
@@ -346,7 +359,7 @@ def test_a_client_that_leaves_a_stream_stops_it_at_the_replica(
     assert wait_until(lambda: m.sidecar.replica.version == 0)
     gw = make_gateway()
     assert wait_until(lambda: gw.fleet()["ready"] == 1)
-    body = {"prompt": "long", "max_tokens": 250, "temperature": 0}
+    body = {"prompt": "long", "max_tokens": 250, "temperature": 0, "ignore_eos": True}
     t = time.monotonic()
     assert gw.client.post("/v1/completions", json=body).status_code == 200
     whole_s = time.monotonic() - t  # what the 250 tokens take

@@ -62,7 +62,9 @@ def test_drain_refuses_new_requests_finishes_those_in_flight_and_leaves(
 
     def long_request() -> None:
         slow["r"] = httpx.post(
-            stack.sidecar.url + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=60
+            stack.sidecar.url + "/v1/completions",
+            json={"prompt": "a", "max_tokens": 200, "ignore_eos": True},
+            timeout=60,
         )
 
     worker = threading.Thread(target=long_request)
