@@ -360,7 +360,13 @@ def targets(run: Run) -> list[Target]:
                 "the gateway adds at most 2 ms p50 on loopback against direct requests",
                 plain["added_p50_ms"] <= 2.0,
                 f"{plain['case']}: {plain['added_p50_ms']:+.2f} ms p50, {plain['added_p99_ms']:+.2f} ms p99 "
-                f"({plain['direct_p50_ms']:.2f} -> {plain['gateway_p50_ms']:.2f} ms); {others}",
+                f"({plain['direct_p50_ms']:.2f} -> {plain['gateway_p50_ms']:.2f} ms); {others}"
+                + (
+                    f"; gateway CPU {plain['gateway_cpu_ms']:.2f} ms per request against the sidecar's "
+                    f"{plain['sidecar_cpu_ms']:.2f} ms"
+                    if plain.get("gateway_cpu_ms") is not None
+                    else ""
+                ),
             )
         )
     return out

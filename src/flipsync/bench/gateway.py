@@ -86,8 +86,9 @@ def _publish_tiny(board: str) -> None:
 
 
 @contextmanager
-def _processes(board: str, log_dir: Path) -> Iterator[tuple[str, str]]:
-    """A sidecar and a gateway as ``flipsync`` processes; yields their URLs once the gateway routes."""
+def _processes(board: str, log_dir: Path) -> Iterator[tuple[str, str, list[int]]]:
+    """A sidecar and a gateway as ``flipsync`` processes; yields their URLs (and process ids) once the gateway
+    routes."""
     sidecar_port, gateway_port = _free_port(), _free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     sidecar_url = f"http://127.0.0.1:{sidecar_port}"
@@ -122,7 +123,7 @@ def _processes(board: str, log_dir: Path) -> Iterator[tuple[str, str]]:
             if time.monotonic() > deadline:
                 raise TimeoutError("the bench's sidecar and gateway did not come up within 180 s")
             time.sleep(0.2)
-        yield sidecar_url, gateway_url
+        yield sidecar_url, gateway_url, [p.pid for p in procs]
     finally:
         for p in procs:
             p.terminate()
@@ -180,12 +181,22 @@ def _stats(name: str, what: str, direct: list[float], via: list[float]) -> dict[
     }
 
 
-def _latency(sidecar: str, gateway: str, setup: Setup) -> list[dict[str, Any]]:
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) a process has used so far; None where /proc cannot say."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _latency(sidecar: str, gateway: str, setup: Setup, pids: list[int]) -> list[dict[str, Any]]:
     rows = []
     with httpx.Client(timeout=30) as client:
         for name, path, body, stream in CASES:
             direct: list[tuple[float, float]] = []
             via: list[tuple[float, float]] = []
+            cpu0 = [_cpu_s(p) for p in pids]
             for i in range(setup.warmup + setup.pairs):
                 order = [(sidecar, direct), (gateway, via)]
                 if i % 2:
@@ -194,9 +205,21 @@ def _latency(sidecar: str, gateway: str, setup: Setup) -> list[dict[str, Any]]:
                     dt = _time_one(client, base + path, body, stream)
                     if i >= setup.warmup:
                         out.append(dt)
+            cpu1 = [_cpu_s(p) for p in pids]
+            n = setup.warmup + setup.pairs
+            # CPU per request of each process: the sidecar served 2n requests, the gateway n.
+            cpu = [None if a is None or b is None else (b - a) for a, b in zip(cpu0, cpu1, strict=True)]
+            sidecar_ms = None if cpu[0] is None else 1e3 * cpu[0] / (2 * n)
+            gateway_ms = None if cpu[1] is None else 1e3 * cpu[1] / n
             if stream:
                 rows.append(_stats(name, "first byte", [d[0] for d in direct], [v[0] for v in via]))
-            rows.append(_stats(name, "whole response", [d[1] for d in direct], [v[1] for v in via]))
+            rows.append(
+                {
+                    **_stats(name, "whole response", [d[1] for d in direct], [v[1] for v in via]),
+                    "sidecar_cpu_ms": sidecar_ms,
+                    "gateway_cpu_ms": gateway_ms,
+                }
+            )
     return rows
 
 
@@ -310,9 +333,9 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
         board = str(Path(tmp) / "board")
         _publish_tiny(board)
         status.update("gateway bench: starting a sidecar and a gateway")
-        with _processes(board, Path(tmp)) as (sidecar, gateway):
+        with _processes(board, Path(tmp)) as (sidecar, gateway, pids):
             status.update("gateway bench: direct and through the gateway, alternating")
-            results["latency"] = _latency(sidecar, gateway, setup)
+            results["latency"] = _latency(sidecar, gateway, setup, pids)
         status.update(f"gateway bench: {setup.replicas} member records on S3 (moto)")
         with local_s3() as make_s3:
             if make_s3 is not None:
@@ -391,6 +414,15 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "",
     ]
+    cpu = next((r for r in lat if r.get("gateway_cpu_ms") is not None), None)
+    if cpu is not None:
+        parts += [
+            f"CPU per request ({cpu['case']}, from /proc, the same runs): the gateway {cpu['gateway_cpu_ms']:.2f} ms, "
+            f"the sidecar {cpu['sidecar_cpu_ms']:.2f} ms (its proxy, its engine's HTTP server and one generated "
+            f"token): a gateway hop costs {cpu['gateway_cpu_ms'] / cpu['sidecar_cpu_ms']:.2f}x a sidecar's request. "
+            "On a loaded machine the added latency grows with the wait for a core, which both hops share.",
+            "",
+        ]
     if m["scans"]:
         parts += [
             f"A gateway's view of {m['replicas']:,} replicas: their member records ({m['record_bytes']} bytes "

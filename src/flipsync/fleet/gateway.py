@@ -54,6 +54,7 @@ from flipsync.domain.fleet import MemberRecord, Want, admits, floor_version, ran
 from flipsync.errors import FlipsyncError
 from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
+from flipsync.fleet.transport import AsyncioBackend
 from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, BadRequest, parse_constraint
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,10 @@ class Gateway:
     @asynccontextmanager
     async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
         self.http = httpcore.AsyncConnectionPool(
-            max_connections=self.config.max_connections, max_keepalive_connections=256, keepalive_expiry=30.0
+            max_connections=self.config.max_connections,
+            max_keepalive_connections=256,
+            keepalive_expiry=30.0,
+            network_backend=AsyncioBackend(),
         )
         await asyncio.to_thread(self.view.start)
         try:
