@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     "engines": BASE | {"domain", "formats", "checkpoint", "codec", "serving"},
     "relay": BASE | {"board", "serving", "terminal"},
     "sidecar": BASE | {"domain", "formats", "checkpoint", "codec", "board", "engines", "relay", "serving", "terminal"},
-    "integrations": BASE | {"domain", "formats", "codec", "board", "trainer", "sidecar"},
+    "fleet": BASE | {"domain", "board", "sidecar", "serving", "terminal"},
+    "integrations": BASE | {"domain", "formats", "codec", "board", "trainer", "sidecar", "fleet"},
 }
 # Applications: they assemble everything below them, and nothing imports them but each other.
 APPS = {"demo", "bench", "analyze", "local_cli", "cli", "__init__", "__main__"}

@@ -2,7 +2,7 @@
 
 Codec commands (view, diff, apply, squash, inspect): `flipsync.local_cli`; board and keygen:
 `flipsync.board.cli`; publish and watch: `flipsync.trainer.cli`; sidecar and relay: `flipsync.sidecar.cli`;
-bench: `flipsync.bench.cli`. The demo and analyze commands are defined here.
+gateway: `flipsync.fleet.cli`; bench: `flipsync.bench.cli`. The demo and analyze commands are defined here.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from flipsync.board.cli import board_app, keygen, output_console
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import Checkpoint
 from flipsync.errors import ConfigError
+from flipsync.fleet.cli import gateway
 from flipsync.formats import FORMAT_NAMES, get_format
 from flipsync.relay.cli import relay
 from flipsync.sidecar.cli import sidecar
@@ -101,6 +102,13 @@ def demo(
     compare: Annotated[
         Path | None, typer.Option(help="a previous run's report.json (or its folder): print both runs side by side")
     ] = None,
+    fleet: Annotated[
+        bool,
+        typer.Option(
+            help="rollouts through a gateway (flipsync gateway); an island joins a third of the way in and one "
+            "is killed two thirds of the way in"
+        ),
+    ] = True,
 ) -> None:
     """A small RL run on this CPU: a trainer publishes every step; flipsync islands follow the board and roll
     out, beside a control island that reloads full checkpoints over the same link."""
@@ -110,6 +118,7 @@ def demo(
         get_format(fmt)
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
+        from flipsync.demo.fleet import fleet_lines
         from flipsync.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
         from flipsync.demo.summary import comparison, load_report
 
@@ -134,6 +143,7 @@ def demo(
             out=out,
             optimizer=optimizer.strip().lower(),
             muon_lr_scaling=muon_lr_scaling,
+            fleet=fleet,
         )
         console = output_console()
         report = run_demo(cfg, console)
@@ -143,6 +153,8 @@ def demo(
             console.print(line)
         if earlier is not None and compare is not None:
             console.print(comparison([(str(compare), earlier), (str(out), report.to_json())]))
+        for line in fleet_lines(report.fleet, report.failed_rollouts):
+            console.print(line)
         ok = all(report.bitwise_equal.values())
         verdict = "[green]bitwise equal[/]" if ok else "[red]NOT equal[/]"
         held = ", ".join(f"{name}: v{report.audits[name]['version']}" for name in report.bitwise_equal)
@@ -284,6 +296,7 @@ app.add_typer(board_app, name="board")
 app.command("keygen")(keygen)
 app.command("sidecar")(sidecar)
 app.command("relay")(relay)
+app.command("gateway")(gateway)
 app.command("watch")(watch_cmd)
 app.command("publish")(publish_cmd)
 

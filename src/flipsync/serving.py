@@ -4,16 +4,20 @@ or on the main thread until a signal (the ``sidecar`` and ``relay`` commands); p
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import FrameType
 
 import uvicorn
-from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from flipsync.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -54,21 +58,48 @@ def exit_on_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def serve_until_signal(app: FastAPI, host: str, port: int) -> None:
+def serve_until_signal(app: ASGIApp, host: str, port: int, *, before_exit: Callable[[], None] | None = None) -> None:
     """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
 
     uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
-    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0.
+    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0. With
+    ``before_exit`` (a sidecar's drain), the first signal runs it on a thread while the server keeps serving
+    the requests in flight, and the server stops once it returns; a second signal stops it at once.
     """
     with exit_on_signals():
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)).run()
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        (uvicorn.Server(config) if before_exit is None else _LeavingServer(config, before_exit)).run()
+
+
+class _LeavingServer(uvicorn.Server):
+    """A uvicorn server whose first SIGINT / SIGTERM runs ``before_exit`` before it shuts down."""
+
+    def __init__(self, config: uvicorn.Config, before_exit: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._before_exit = before_exit
+        self._leaving: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._leaving is not None:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        self._leaving = threading.Thread(target=self._leave, name="flipsync-leave", daemon=True)
+        self._leaving.start()
+
+    def _leave(self) -> None:
+        try:
+            self._before_exit()
+        except Exception:  # the server must still stop
+            log.exception("leaving failed")
+        finally:
+            self.should_exit = True
 
 
 class ServerThread:
     """A uvicorn server bound to ``host:port`` (0: any free port), served from a daemon thread."""
 
     def __init__(
-        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", grace_s: float = 3.0
+        self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", grace_s: float = 3.0
     ) -> None:
         self.host = host
         config = uvicorn.Config(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.bench import board, codec, fused, scaling, sidecar, trainer
+from flipsync.bench import board, codec, fused, gateway, scaling, sidecar, trainer
 from flipsync.bench import verl as verl_bench
 from flipsync.bench.all import machine, versions
 from flipsync.bench.crossregion import measure, race
@@ -121,6 +121,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
         "QUICK",
         trainer.Setup(hidden=32, intermediate=64, layers=1, vocab=128, seq=16, batch=2, rounds=2, block=2),
     )
+    monkeypatch.setattr(gateway, "QUICK", gateway.Setup(pairs=4, warmup=1, replicas=12))
 
 
 def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None:
@@ -140,6 +141,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Trainer",
         "## Trainer: the fused cast-and-diff pass",
         "## verl: bytes per weight sync against delta_sharded",
+        "## Fleet: the gateway",
     ):
         assert heading in text
     for header in (
@@ -155,6 +157,8 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| setup | median step |",
         "| format | threads | served | changed | fused ns/B |",
         "| workload | step | changed % | flipsync bytes |",
+        "| request | until | direct p50 |",
+        "| scan | seconds | live records | GETs | LIST pages |",
     ):
         assert header in text
     assert "```json" not in text  # tables only

@@ -185,3 +185,26 @@ def test_engine_on_fp32_model_for_quantized_formats() -> None:
     # bf16 tensors of the view (norms, embeddings) are cast into the fp32 parameters.
     emb = eng.model.state_dict()["model.embed_tokens.weight"]
     assert emb.dtype == torch.float32 and torch.equal(emb, view["model.embed_tokens.weight"].float())
+
+
+def test_ignore_eos_generates_max_tokens() -> None:
+    import httpx
+
+    from flipsync.engines.torch.openai_server import create_engine_app
+    from flipsync.serving import ServerThread
+
+    engine = tiny_engine()
+    with ServerThread(create_engine_app(engine, max_concurrency=2)) as server, httpx.Client(timeout=60) as client:
+        url = server.url + "/v1/completions"
+        # Sampling from random weights emits an end-of-sequence token sooner or later: find a seed where it does.
+        for seed in range(40):
+            body = {"prompt": "x", "max_tokens": 120, "seed": seed, "temperature": 1.0}
+            choice = client.post(url, json=body).json()["choices"][0]
+            if choice["finish_reason"] == "stop":
+                break
+        else:
+            pytest.fail("no seed stopped early")
+        assert len(choice["token_versions"]) < 120
+        forced = client.post(url, json={**body, "ignore_eos": True}).json()["choices"][0]
+        assert forced["finish_reason"] == "length" and len(forced["token_versions"]) == 120
+        assert client.post(url, json={**body, "ignore_eos": "yes"}).status_code == 400

@@ -1,7 +1,7 @@
 """``flipsync bench all``: every benchmark in one run, written up as docs/benchmarks.md.
 
 Runs codec, cross-region, sidecar (engine pause), scaling, board, fused, verl (bytes per sync against verl's
-delta_sharded) and trainer in turn (each prints its own
+delta_sharded), trainer and gateway in turn (each prints its own
 tables to the console), then returns one markdown document: the exact command line, date, machine and package
 versions; a table of the targets, each computed from this run's numbers (met / not met, with the figure);
 then one section per benchmark with its methods, data and column meanings, its tables, and PNG plots saved
@@ -357,6 +357,25 @@ def targets(run: Run) -> list[Target]:
     if tr is not None and "background" in tr.get("configs", {}):
         a = tr["configs"]["background"]["added"]
         out.append(Target("background publisher adds at most 5% to a training step", a <= 0.05, f"{100 * a:+.1f}%"))
+    gw = run.numbers.get("gateway")
+    if gw is not None and gw.get("latency"):
+        rows = gw["latency"]
+        plain = rows[0]
+        others = "; ".join(f"{r['case']} ({r['measure']}): {r['added_p50_ms']:+.2f} ms p50" for r in rows[1:])
+        out.append(
+            Target(
+                "the gateway adds at most 2 ms p50 on loopback against direct requests",
+                plain["added_p50_ms"] <= 2.0,
+                f"{plain['case']}: {plain['added_p50_ms']:+.2f} ms p50, {plain['added_p99_ms']:+.2f} ms p99 "
+                f"({plain['direct_p50_ms']:.2f} -> {plain['gateway_p50_ms']:.2f} ms); {others}"
+                + (
+                    f"; gateway CPU {plain['gateway_cpu_ms']:.2f} ms per request against the sidecar's "
+                    f"{plain['sidecar_cpu_ms']:.2f} ms"
+                    if plain.get("gateway_cpu_ms") is not None
+                    else ""
+                ),
+            )
+        )
     return out
 
 
@@ -433,7 +452,7 @@ def document(run: Run, command: str, started: datetime, seconds: float) -> str:
 
 def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -> str:
     """Run every benchmark; return the markdown document for ``out``, whose plots go to ``out``'s stem folder."""
-    from flipsync.bench import board, codec, crossregion, fused, scaling, sidecar, trainer, verl
+    from flipsync.bench import board, codec, crossregion, fused, gateway, scaling, sidecar, trainer, verl
 
     figures = Figures(out.parent / out.stem, out.stem)
     started = datetime.now(UTC)
@@ -490,5 +509,11 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         "Trainer: what publishing adds to a step",
         lambda: trainer.run(console, quick=quick),
         lambda r: trainer.markdown(r, quick=quick),
+    )
+    run.timed(
+        "gateway",
+        "Fleet: the gateway, and heartbeats at 1,000 replicas",
+        lambda: gateway.run(console, quick=quick),
+        gateway.markdown,
     )
     return document(run, command, started, time.perf_counter() - t0)

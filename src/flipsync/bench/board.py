@@ -66,7 +66,7 @@ def _fp(v: int) -> str:
 
 
 @contextmanager
-def _local_s3() -> Iterator[Callable[[], ObstoreStore] | None]:
+def local_s3() -> Iterator[Callable[[], ObstoreStore] | None]:
     """A moto S3 server on 127.0.0.1 (None when moto is not installed)."""
     try:
         from moto.server import ThreadedMotoServer
@@ -245,7 +245,7 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
             store = open_store(tmp)
             results["throughput"]["file"] = _throughput(store, setup)
             store.close()
-        with _local_s3() as make_s3:
+        with local_s3() as make_s3:
             if make_s3 is not None:
                 status.update("board bench: S3 (moto on 127.0.0.1)")
                 store = make_s3()

@@ -108,6 +108,10 @@ def bench_optimizers(
             json_out.write_text(json.dumps(results, indent=2, default=str))
 
     _run(go)
+@bench_app.command("gateway")
+def bench_gateway(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """The gateway's added latency against direct requests, and fleet membership at 1,000 replicas on S3."""
+    _run(lambda: _bench("gateway", quick, json_out))
 
 
 @bench_app.command("all")

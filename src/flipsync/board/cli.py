@@ -307,6 +307,7 @@ def gc(
     table.add_row("keyframes deleted", str(len(r.deleted_keyframes)))
     table.add_row("spans deleted", str(len(r.deleted_spans)))
     table.add_row("orphan objects deleted", str(r.deleted_orphans))
+    table.add_row("member records of long-gone replicas deleted", str(r.deleted_members))
     table.add_row("bytes freed", _size(r.deleted_bytes))
     console.print(table)
     for folder in r.kept_unreadable:

@@ -7,6 +7,7 @@ runs/<run>/keyframes/<v>/manifest.json       an extra keyframe of version v
 runs/<run>/keyframes/<v>/<attempt>/          plain safetensors shards + model.safetensors.index.json
 runs/<run>/spans/<a>-<b>/manifest.json       a squashed patch a -> b
 runs/<run>/latest.json                       a hint of the newest version; readers never trust it alone
+runs/<run>/members/<replica>.json            one replica's fleet membership record, rewritten by its sidecar
 ```
 
 Version numbers are zero-padded so that names sort as numbers. Parts sit in a per-attempt folder so that
@@ -23,6 +24,7 @@ from flipsync.domain.manifest import Kind, Manifest, check_name
 from flipsync.errors import BoardError
 
 RUNS = "runs"
+MEMBERS = "members"
 MANIFEST = "manifest.json"
 LATEST = "latest.json"
 VERSION_DIGITS = 12
@@ -76,6 +78,13 @@ class RunLayout:
     @property
     def latest(self) -> str:
         return f"{self.root}/{LATEST}"
+
+    @property
+    def members_dir(self) -> str:
+        return f"{self.root}/{MEMBERS}"
+
+    def member_path(self, replica: str) -> str:
+        return f"{self.members_dir}/{check_name(replica, 'replica id')}.json"
 
     def version_dir(self, v: int) -> str:
         return f"{self.versions_dir}/{version_name(v)}"

@@ -6,7 +6,8 @@ older of the window's start and the newest keyframe, so the chain from that keyf
 in the window) to HEAD stays complete. Below the cutoff, versions, keyframes and spans starting there go,
 each manifest before its parts (a half-finished deletion leaves only unreferenced parts, never a manifest
 pointing at nothing). Unreferenced parts (publish attempts that lost a race or crashed) go once they are
-older than a grace period, so a publish in progress is never touched.
+older than a grace period, so a publish in progress is never touched. Fleet member records that no sidecar
+has rewritten for ``member_grace_s`` (replicas that died and never came back) go too.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
 from flipsync.board.catalog import Catalog
-from flipsync.board.layout import MANIFEST, parse_span_name, parse_version_name
+from flipsync.board.layout import MANIFEST, MEMBERS, parse_span_name, parse_version_name
 from flipsync.board.store import ObjectInfo, Store
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import ConfigError, IntegrityError, NotFoundError
@@ -30,6 +31,7 @@ class RetentionPolicy:
     keep_versions: int = 100  # the newest versions a lagging replica can still catch up from by patches
     keep_seconds: float | None = None  # also keep every version created within this time
     orphan_grace_s: float = 3600.0  # unreferenced parts younger than this may belong to a publish in flight
+    member_grace_s: float = 3600.0  # a member record not rewritten for this long belongs to a replica long dead
 
     def __post_init__(self) -> None:
         if self.keep_versions < 1:
@@ -38,6 +40,8 @@ class RetentionPolicy:
             raise ConfigError("keep_seconds must be >= 0")
         if self.orphan_grace_s < 0:
             raise ConfigError("orphan_grace_s must be >= 0")
+        if self.member_grace_s <= 0:
+            raise ConfigError("member_grace_s must be > 0 (a live replica's record is rewritten every few seconds)")
 
 
 @dataclass
@@ -51,6 +55,7 @@ class GcReport:
     deleted_keyframes: list[int] = field(default_factory=list)
     deleted_spans: list[tuple[int, int]] = field(default_factory=list)
     deleted_orphans: int = 0  # objects
+    deleted_members: int = 0  # member records of replicas gone for member_grace_s
     deleted_bytes: int = 0
     kept_unreadable: list[str] = field(default_factory=list)  # folders whose manifest could not be read
 
@@ -121,13 +126,22 @@ def collect_garbage(
     report = GcReport(run, head, cutoff, kf, dry_run)
 
     grace = now - timedelta(seconds=policy.orphan_grace_s)
+    members_gone = now - timedelta(seconds=policy.member_grace_s)
     groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    stale_members: list[ObjectInfo] = []
     root = cat.layout.root + "/"
     for obj in store.list(cat.layout.root):
         rel = obj.path[len(root) :] if obj.path.startswith(root) else obj.path
         bits = rel.split("/")
         if len(bits) >= 3 and bits[0] in ("versions", "keyframes", "spans"):
             groups[f"{bits[0]}/{bits[1]}"].append(obj)
+        elif len(bits) == 2 and bits[0] == MEMBERS and obj.modified < members_gone:
+            stale_members.append(obj)
+    if stale_members:
+        if not dry_run:
+            store.delete([o.path for o in stale_members])
+        report.deleted_members = len(stale_members)
+        report.deleted_bytes += sum(o.size for o in stale_members)
 
     doomed: list[tuple[tuple[int, int], str, list[ObjectInfo]]] = []
     for key, objs in groups.items():
@@ -164,7 +178,8 @@ def collect_garbage(
             assert span is not None
             report.deleted_spans.append(span)
     log.info(
-        "gc %s: HEAD v%d, cutoff v%d, deleted %d versions, %d keyframes, %d spans, %d orphans (%d bytes)%s",
+        "gc %s: HEAD v%d, cutoff v%d, deleted %d versions, %d keyframes, %d spans, %d orphans, %d member records "
+        "(%d bytes)%s",
         run,
         head,
         cutoff,
@@ -172,6 +187,7 @@ def collect_garbage(
         len(report.deleted_keyframes),
         len(report.deleted_spans),
         report.deleted_orphans,
+        report.deleted_members,
         report.deleted_bytes,
         " [dry run]" if dry_run else "",
     )

@@ -1,8 +1,9 @@
-"""Ed25519 signatures on manifests.
+"""Ed25519 signatures on manifests and fleet member records.
 
 A publisher signs the canonical JSON of a manifest (everything but the signature field). Since the manifest
 carries the BLAKE3 hash of every part, the signature covers the parts too. A reader configured with one or
-more public keys refuses unsigned manifests, manifests signed by an unknown key and tampered ones.
+more public keys refuses unsigned manifests, manifests signed by an unknown key and tampered ones. A sidecar
+signs its member record the same way (``sign_payload`` / ``verify_payload`` over the record's canonical JSON).
 Keys are PEM files: PKCS#8 for the private key (mode 0600), SubjectPublicKeyInfo for the public one.
 """
 
@@ -58,10 +59,12 @@ class Signer:
         return self._key.public_key()
 
     def sign(self, manifest: Manifest) -> Manifest:
-        sig = self._key.sign(manifest.signing_payload())
-        return manifest.with_signature(
-            Signature(alg=ALG, key_id=self.key_id, value=base64.b64encode(sig).decode("ascii"))
-        )
+        return manifest.with_signature(self.sign_payload(manifest.signing_payload()))
+
+    def sign_payload(self, payload: bytes) -> Signature:
+        """A detached signature of ``payload`` (a document's canonical JSON without its signature)."""
+        sig = self._key.sign(payload)
+        return Signature(alg=ALG, key_id=self.key_id, value=base64.b64encode(sig).decode("ascii"))
 
 
 class Verifier:
@@ -97,16 +100,19 @@ class Verifier:
         return sorted(self._keys)
 
     def verify(self, manifest: Manifest, where: str = "manifest") -> None:
-        sig = manifest.signature
+        self.verify_payload(manifest.signature, manifest.signing_payload(), where, what="manifests")
+
+    def verify_payload(self, sig: Signature | None, payload: bytes, where: str, *, what: str = "documents") -> None:
+        """Check that ``sig`` signs ``payload`` with a trusted key; IntegrityError saying why not."""
         if sig is None:
-            raise IntegrityError(f"{where} is not signed, and this reader only accepts signed manifests")
+            raise IntegrityError(f"{where} is not signed, and this reader only accepts signed {what}")
         key = self._keys.get(sig.key_id)
         if key is None:
             raise IntegrityError(
                 f"{where} is signed by key {sig.key_id}, which is not trusted here (trusted: {self.key_ids})"
             )
         try:
-            key.verify(base64.b64decode(sig.value, validate=True), manifest.signing_payload())
+            key.verify(base64.b64decode(sig.value, validate=True), payload)
         except (InvalidSignature, ValueError):
             raise IntegrityError(f"{where} has a bad signature: it was modified after signing") from None
 

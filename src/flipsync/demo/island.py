@@ -53,6 +53,7 @@ class IslandSpec:
     max_concurrency: int = 8
     engine: str = "torch"  # torch | vllm
     control: bool = False  # reloads full checkpoints instead of following the board
+    fleet: bool = False  # joins the fleet: a member record on the board, under the island's name
 
 
 @dataclass
@@ -124,6 +125,10 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
         engine, upstream, stop_engine = handle.engine, handle.url, handle.stop
     sidecar = Sidecar(store, spec.run, engine, upstream, replica_config=ReplicaConfig(poll_interval_s=0.05))
     sidecar.start()
+    if spec.fleet:
+        from flipsync.demo.fleet import join_fleet
+
+        join_fleet(sidecar, spec)
     conn.send(("ready", sidecar.url))
     try:
         serve_commands(conn, engine, lambda: sidecar.replica.version)

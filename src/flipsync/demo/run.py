@@ -11,7 +11,9 @@ the trainer learns from; each rollout carries the trainer step of the weights th
 rollouts more than ``max_staleness`` trainer steps old are dropped.
 
 A monitor samples, every 50 ms, which trainer step each island serves and how many bytes its link has
-carried, and, per published version, when the manifest appeared and when each island committed it. The
+carried, and, per published version, when the manifest appeared and when each island committed it.
+With ``fleet`` on (the default) the flipsync islands' rollouts go through a gateway, a new island joins a
+third of the way in and one is killed two thirds of the way in (`flipsync.demo.fleet`). The
 run ends with every flipsync island recomputing its fingerprints from the weights it holds, which must
 equal the trainer's final served view, and is written out as JSON and PNG plots.
 """
@@ -25,6 +27,7 @@ import random
 import statistics
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -48,6 +51,8 @@ from flipsync.codec.bits import int_view as bits_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.demo.control import CheckpointShelf
 from flipsync.demo.experts import ExpertRates
+from flipsync.demo.fleet import FleetDirector, FleetPlan, GatewayProcess
+from flipsync.demo.fleet import plot as plot_fleet
 from flipsync.demo.grpo import Rollout, optimizer_spec, policy_loss, rl_optimizer, warm_start
 from flipsync.demo.island import Island, IslandSpec, board_url, vllm_python
 from flipsync.demo.model import DEMO_MODELS, demo_config, write_model_dir
@@ -94,6 +99,9 @@ class DemoConfig:
     out: Path = Path("flipsync-demo")
     optimizer: str = "adam"  # adam, adamw, muon or sgd (see grpo.rl_optimizer)
     muon_lr_scaling: str = "match_rms_adamw"  # Muon's adjust_lr_fn
+    fleet: bool = True  # rollouts through a gateway; an island joins and one is killed (flipsync.demo.fleet)
+    join_step: int | None = None  # when the new island joins (None: a third of the way in)
+    kill_step: int | None = None  # when island-1 is killed (None: two thirds of the way in)
 
 
 @dataclass
@@ -148,6 +156,8 @@ class DemoReport:
     timings: dict[str, float]
     masters: list[str]
     wall_s: float
+    fleet: dict[str, Any] = field(default_factory=dict)  # the gateway's view: joins, leaves, readiness
+    failed_rollouts: int = 0  # rollout requests that ended in an error (not a 409/503 retried)
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)
@@ -209,9 +219,11 @@ class RolloutPool(Workers):
         cfg: DemoConfig,
         head_version: Callable[[], int],
         steps: StepIndex,
+        gateway: str | None = None,
     ) -> None:
         self.islands, self.task, self.tok, self.cfg = islands, task, tok, cfg
         self.head_version, self.steps = head_version, steps
+        self.gateway = gateway  # the flipsync islands' requests go there; it says which island served
         self.groups: queue.Queue[Group] = queue.Queue(maxsize=4 * cfg.prompts_per_step)
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -239,7 +251,9 @@ class RolloutPool(Workers):
 
     def _loop(self, island: Island, k: int) -> None:
         rng = random.Random(hash((island.spec.name, k)))
-        with httpx.Client(base_url=island.url or "", timeout=60) as client:
+        routed = self.gateway is not None and not island.spec.control
+        base = self.gateway if routed else island.url
+        with httpx.Client(base_url=base or "", timeout=60) as client:
             while not self.stop.is_set():
                 with self._lock:
                     problem, gid = self.task.sample(), self._next_group
@@ -259,6 +273,7 @@ class RolloutPool(Workers):
                     time.sleep(0.2)
                     continue
                 doc = r.json()
+                name = r.headers.get("x-flipsync-replica", island.spec.name) if routed else island.spec.name
                 try:
                     if island.spec.control:
                         # the engine stamps every token with the trainer step of the checkpoint it came from
@@ -273,7 +288,7 @@ class RolloutPool(Workers):
                     self.errors.append(f"{island.spec.name}: unreadable answer ({e})")
                     continue
                 completions = [(c["text"], tuple(self.tok.encode(c["text"], bos=False))) for c in doc["choices"]]
-                group = Group(problem, gid, completions, step, island.spec.name)
+                group = Group(problem, gid, completions, step, name)
                 while not self.stop.is_set():
                     try:
                         self.groups.put(group, timeout=0.2)
@@ -285,7 +300,7 @@ class RolloutPool(Workers):
         """``n`` groups whose weights are at most ``max_staleness`` trainer steps older than the policy of
         ``step`` (the weights after step - 1); returns them and, per island, how many rollouts were dropped."""
         out: list[Group] = []
-        dropped = {i.spec.name: 0 for i in self.islands}
+        dropped: dict[str, int] = defaultdict(int, {i.spec.name: 0 for i in self.islands})
         deadline = time.monotonic() + timeout_s
         while len(out) < n:
             left = deadline - time.monotonic()
@@ -346,6 +361,17 @@ class Monitor(Workers):
     def start(self) -> Self:
         self.t0 = time.monotonic()
         return super().start()
+
+    def watch(self, island: Island) -> None:
+        """Follow an island that joined during the run."""
+        with self.lock:
+            self.islands.append(island)
+            self.held[island.spec.name] = 0
+        t = threading.Thread(
+            target=self._island_loop, args=(island,), daemon=True, name=f"demo-monitor-{island.spec.name}"
+        )
+        self._threads.append(t)
+        t.start()
 
     def _new_version(self, v: int, now: float) -> VersionRow:
         m = self.reader.catalog.version(v)
@@ -508,10 +534,14 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     config = demo_config(cfg.model)
     model_dir = out / "model"
     write_model_dir(model_dir, config)
-    specs = [
-        IslandSpec(f"island-{i}", board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine)
-        for i in range(cfg.islands)
-    ]
+
+    def flipsync_spec(name: str) -> IslandSpec:
+        return IslandSpec(
+            name, board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine, fleet=cfg.fleet
+        )
+
+    specs = [flipsync_spec(f"island-{i}") for i in range(cfg.islands)]
+    gateway = GatewayProcess(board, run, out / "gateway.log", max_lag=cfg.max_staleness) if cfg.fleet else None
     if cfg.control:
         specs.append(
             IslandSpec(
@@ -588,19 +618,40 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         islands = [Island(spec).start() for spec in specs]
     names = [i.spec.name for i in islands]
     flipsync_names = [i.spec.name for i in islands if not i.spec.control]
+    first_names = list(flipsync_names)  # the islands there from the start
     pool: RolloutPool | None = None
     monitor: Monitor | None = None
+    director: FleetDirector | None = None
     records: list[StepRecord] = []
     try:
         with console.status(f"starting {len(islands)} islands (each an {cfg.engine} engine behind a sidecar)"):
             for island in islands:
                 island.wait_ready(timeout_s=900 if cfg.engine == "vllm" else 180)
+            if gateway is not None:
+                gateway.wait_ready(flipsync_names, timeout_s=180)
         timings["setup_s"] = time.monotonic() - t_start
         step_index = StepIndex(board, run)
         experts = ExpertRates.of(view0)
-        monitor = Monitor(board, run, islands, step_index, served_values, checkpoint_bytes, experts).start()
+        monitor = Monitor(board, run, list(islands), step_index, served_values, checkpoint_bytes, experts).start()
         table = StepTable(cfg, run, names, monitor)
-        pool = RolloutPool(islands, task, tok, cfg, lambda: publisher.stats.head or 0, step_index).start()
+        head = lambda: publisher.stats.head or 0  # noqa: E731
+        pool = RolloutPool(islands, task, tok, cfg, head, step_index, gateway.url if gateway else None).start()
+        if gateway is not None:
+            watching = monitor
+
+            def joined(island: Island) -> None:
+                watching.watch(island)
+                names.append(island.spec.name)
+                islands.append(island)
+
+            director = FleetDirector(
+                gateway,
+                FleetPlan.for_run(cfg.steps, cfg.islands, join_step=cfg.join_step, kill_step=cfg.kill_step),
+                console,
+                start_island=lambda name: Island(flipsync_spec(name)).start(),
+                on_join=joined,
+                islands=lambda: list(islands),
+            ).start()
         progress = Progress(TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         bar = progress.add_task("steps", total=cfg.steps)
         t_rl = time.monotonic()
@@ -638,8 +689,12 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 if shelf is not None:
                     shelf.put(step, served_view(masters(), fmt))
                 save_masters(step)
+                if director is not None:
+                    director.after_step(step)
                 per_island = {}
-                for island in islands:
+                for island in list(islands):
+                    if island.spec.name not in held:
+                        continue  # it joined while this step ran: its first row is the next step's
                     mine = [r for r in rollouts if r.island == island.spec.name]
                     per_island[island.spec.name] = IslandStep(
                         behind=max(0, step - 1 - held[island.spec.name]),
@@ -653,9 +708,14 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 table.records = records
                 progress.advance(bar)
             timings["rl_s"] = time.monotonic() - t_rl
+            if director is not None:
+                director.finish()
+            killed = director.killed if director is not None else set()
+            islands_alive = [i for i in islands if i.spec.name not in killed]
+            flipsync_names = [i.spec.name for i in islands_alive if not i.spec.control]
             publisher.close()
             final = publisher.stats.head or 0
-            for island in islands:
+            for island in islands_alive:
                 if not island.spec.control:
                     httpx.get(
                         f"{island.url}/flipsync/wait", params={"min_version": final, "timeout_s": 120}, timeout=130
@@ -666,9 +726,10 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             ):
                 time.sleep(0.05)
         pool.close()
+        pool_errors = list(pool.errors)
         pool = None
         monitor.close()
-        audits = {island.spec.name: island.audit(tensors=True) for island in islands}
+        audits = {island.spec.name: island.audit(tensors=True) for island in islands_alive}
         trainer_view = served_view(masters(), fmt)
         final_fp = FingerprintTable.of(trainer_view).view_fp()
         equal = {}
@@ -694,13 +755,24 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             audits={n: {k: v for k, v in a.items() if k != "tensors"} for n, a in audits.items()},
             final_view_fp=final_fp,
             bitwise_equal=equal,
+            # The comparison with the control: the flipsync islands that ran the whole run (not the one that
+            # joined late, nor the one killed), when there are any.
             summary={
-                **summarize(records, rows, monitor.samples, flipsync_names, CONTROL if shelf else None, cfg),
+                **summarize(
+                    records,
+                    rows,
+                    monitor.samples,
+                    [n for n in first_names if n in flipsync_names] or flipsync_names,
+                    CONTROL if shelf else None,
+                    cfg,
+                ),
                 **({"experts": monitor.experts.summary()} if monitor.experts is not None else {}),
             },
             timings=timings,
             masters=[str(p) for p in master_paths],
             wall_s=time.monotonic() - t_start,
+            fleet=director.report() if director is not None else {},
+            failed_rollouts=len(pool_errors),
         )
     finally:
         if pool is not None:
@@ -709,6 +781,8 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             monitor.close()
         for island in islands:
             island.stop()
+        if gateway is not None:
+            gateway.stop()
         saver.shutdown(wait=True)
     return report
 
@@ -733,10 +807,11 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(11, 4))
     if report.lag_samples:
-        names = list(report.lag_samples[0][2])
+        names = list(dict.fromkeys(n for _, _, held in report.lag_samples for n in held))  # joiners too
         for name in names:
-            xs = [t for t, _, _ in report.lag_samples]
-            ys = [max(0, step - held[name]) for _, step, held in report.lag_samples]
+            mine = [(t, step, held) for t, step, held in report.lag_samples if name in held]
+            xs = [t for t, _, _ in mine]
+            ys = [max(0, step - held[name]) for _, step, held in mine]
             style = {"lw": 2.2, "color": "tab:red"} if name == CONTROL else {"lw": 1.2, "alpha": 0.8}
             label = f"{name} (reloads full checkpoints)" if name == CONTROL else f"{name} (flipsync patches)"
             ax.step(xs, ys, where="post", label=label, **style)
@@ -745,6 +820,11 @@ def write_outputs(report: DemoReport, out: Path) -> list[Path]:
     ax.set_title(f"How far each island's served weights trail the trainer ({report.config['bandwidth']} link)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)  # beside the data
     save(fig, "lag_over_time.png")
+
+    if report.fleet.get("samples"):
+        fig, ax = plt.subplots(figsize=(11, 4))
+        plot_fleet(report.fleet, ax)
+        save(fig, "fleet.png")
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([r.version for r in patches], [r.changed_pct for r in patches], marker="o")

@@ -48,8 +48,9 @@ def summarize(
     """The run's figures: bytes and lag of the flipsync islands against the control, reward, change rate."""
     rl = [s for s in samples if s[1] >= 1]  # from the first trainer step on
 
-    def lag(name: str) -> float:
-        return statistics.fmean(max(0, step - held[name]) for _, step, held in rl) if rl else 0.0
+    def lag(name: str) -> float:  # over the samples the island was in (one may join late or be killed)
+        mine = [max(0, step - held[name]) for _, step, held in rl if name in held]
+        return statistics.fmean(mine) if mine else 0.0
 
     last = records[-1].islands if records else {}
     patches = [r for r in rows if r.version > 0]
@@ -60,7 +61,7 @@ def summarize(
         "control": control,
         "lag_steps": {n: lag(n) for n in [*flipsync, *([control] if control else [])]},
         "bytes": {n: last[n].bytes for n in last},
-        "dropped": {n: sum(r.islands[n].dropped for r in records) for n in last},
+        "dropped": {n: sum(r.islands[n].dropped for r in records if n in r.islands) for n in last},
         "reward_window": k,
         "reward_first": statistics.fmean(r.reward for r in records[:k]) if records else None,
         "reward_last": statistics.fmean(r.reward for r in records[-k:]) if records else None,
@@ -70,6 +71,7 @@ def summarize(
         "lr": cfg.lr,
         "head_lr_scale": cfg.head_lr_scale,
     }
+    flipsync = [n for n in flipsync if n in last]  # an island killed before the last step has no last record
     if control and flipsync and last and control in last:
         f_bytes = statistics.fmean(last[n].bytes for n in flipsync)
         f_lag = statistics.fmean(out["lag_steps"][n] for n in flipsync)

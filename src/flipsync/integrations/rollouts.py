@@ -33,6 +33,11 @@ asyncio.run(main())
 concurrently across the islands (round-robin, skipping islands that refuse), and splits the results by
 freshness against ``version`` (pass ``current=`` a callable to judge them against the trainer's version at
 the time they come back instead). Needs the ``openai`` package (the ``rollouts`` extra).
+
+In place of a list of proxies, the client takes one URL: a gateway's (``flipsync gateway``, which routes
+every request across the fleet itself: ``RolloutClient("http://gateway:8300/v1")``), or a board's
+(``s3://...``, a path: the client finds the replicas from their member records, as a gateway does, and
+routes by the same rules), or a `flipsync.fleet.pool.Pool`.
 """
 
 from __future__ import annotations
@@ -40,19 +45,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from flipsync.domain.fleet import MemberRecord, Want, admits, floor_version, rank
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.fleet.pool import BoardPool, FleetSnapshot, Pool
 
 log = logging.getLogger(__name__)
 
 BODY_FIELD = "weight_version"  # the proxy's request constraint and response tag (flipsync.sidecar.proxy)
 H_START = "x-flipsync-weight-version-start"
 H_END = "x-flipsync-weight-version-end"
+H_MIN = "X-Flipsync-Min-Version"
 
 
 class RolloutError(FlipsyncError):
@@ -96,40 +105,63 @@ class RolloutStats:
 class RolloutClient:
     """Samples completions from island proxies with ``openai.AsyncOpenAI``; see the module doc.
 
-    ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``). ``model``: the model name sent
+    ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``); or one URL: a gateway's
+    (``http://HOST:PORT/v1``) or a board's (``s3://``, ``gs://``, ``az://``, ``file://``, a path; an http(s) URL
+    is taken for a gateway), or a `Pool`. ``model``: the model name sent
     (default: the first one the first island lists). ``max_staleness``: how many versions a rollout's start
     may be behind the trainer's version. ``patience_s``: how long one request keeps trying islands that
     refuse it before `RolloutError`. ``client_options`` go to ``AsyncOpenAI`` (``timeout``, headers, ...).
+    With a board or pool: ``max_lag`` (default ``max_staleness``) is how far behind HEAD a replica may be for
+    requests without a constraint, and the replicas are looked up again every ``refresh_s``.
     """
 
     def __init__(
         self,
-        islands: Sequence[str],
+        islands: Sequence[str] | str | Pool,
         *,
         model: str | None = None,
         max_staleness: int = 1,
         patience_s: float = 120.0,
         api_key: str = "flipsync",
+        max_lag: int | None = None,
+        refresh_s: float = 2.0,
         **client_options: Any,
     ) -> None:
         try:
             from openai import AsyncOpenAI
         except ImportError as e:  # pragma: no cover - depends on the environment
             raise ConfigError("the rollout client needs the openai package: pip install 'flipsync[rollouts]'") from e
-        if not islands:
-            raise ConfigError("give at least one island proxy URL (http://HOST:PORT/v1)")
         if max_staleness < 0 or not patience_s > 0:
             raise ConfigError(f"max_staleness must be >= 0 and patience_s > 0, got {max_staleness}, {patience_s}")
+        self.pool: Pool | None = None
+        if isinstance(islands, Pool):
+            self.pool = islands
+            islands = []
+        elif isinstance(islands, str):
+            if islands.startswith(("http://", "https://")):  # a gateway (or one proxy)
+                islands = [islands]
+            else:  # a board: its member records name the replicas
+                from flipsync.board.store import open_store
+
+                self.pool = BoardPool(open_store(islands))
+                islands = []
+        elif not islands:
+            raise ConfigError("give at least one island proxy URL (http://HOST:PORT/v1), a gateway's or a board's URL")
+        self._make_client = lambda url: AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, **client_options)
         self.islands = [u.rstrip("/") for u in islands]
         # Retries are ours: a refusing island is skipped for the next, and the wait honours Retry-After.
-        self.clients = {
-            u: AsyncOpenAI(base_url=u, api_key=api_key, max_retries=0, **client_options) for u in self.islands
-        }
+        self.clients = {u: self._make_client(u) for u in self.islands}
         self.model = model
         self.max_staleness = max_staleness
+        self.max_lag = max_staleness if max_lag is None else max_lag
         self.patience_s = patience_s
+        self.refresh_s = refresh_s
         self.stats = RolloutStats(per_island={u: 0 for u in self.islands})
-        self._next = itertools.cycle(range(len(self.islands)))
+        self._next = itertools.cycle(range(max(1, len(self.islands))))
+        self._snapshot: FleetSnapshot | None = None
+        self._snapshot_at = 0.0
+        self._in_flight: dict[str, int] = {}
+        self._rng = random.Random()  # ties between equally loaded replicas
 
     async def __aenter__(self) -> RolloutClient:
         return self
@@ -142,11 +174,54 @@ class RolloutClient:
     async def aclose(self) -> None:
         for c in self.clients.values():
             await c.close()
+        if self.pool is not None:
+            self.pool.close()
+
+    # -- where to send ------------------------------------------------------------------------------------
+
+    def _client(self, url: str) -> Any:
+        if url not in self.clients:
+            self.clients[url] = self._make_client(url)
+            self.stats.per_island.setdefault(url, 0)
+        return self.clients[url]
+
+    async def _fleet(self, *, fresh: bool = False) -> FleetSnapshot:
+        assert self.pool is not None
+        if fresh or self._snapshot is None or time.monotonic() - self._snapshot_at >= self.refresh_s:
+            try:
+                self._snapshot = await asyncio.to_thread(self.pool.discover_replicas)
+                self._snapshot_at = time.monotonic()
+            except FlipsyncError as e:
+                if self._snapshot is None:
+                    raise RolloutError(f"cannot find the fleet's replicas: {e}") from e
+                log.warning("cannot refresh the fleet (using the last look at it): %s", e)
+        return self._snapshot
+
+    async def _targets(self, want: Want) -> list[tuple[str, dict[str, str]]]:
+        """(base URL, extra headers) to try, in order: every island round-robin, or the fleet's replicas that
+        may serve ``want``, least loaded first (unconstrained: ready ones, asked for HEAD - max_lag at least)."""
+        if self.pool is None:
+            start = next(self._next)
+            n = len(self.islands)
+            return [(self.islands[(start + i) % n], {}) for i in range(n)]
+        snap = await self._fleet()
+        ready: list[MemberRecord] = [r for r in snap.members if admits(r, want, snap.head(r), self.max_lag)]
+        out = []
+        for r in rank(ready, self._in_flight, self._rng):
+            floor = floor_version(want, snap.head(r), self.max_lag)
+            out.append((r.url.rstrip("/") + "/v1", {H_MIN: str(floor)} if floor is not None else {}))
+        return out
 
     # -- one request ----------------------------------------------------------------------------------
 
     async def _model(self) -> str:
         if self.model is None:
+            if self.pool is not None:
+                snap = await self._fleet()
+                if not snap.members:
+                    raise RolloutError("the fleet has no live replica to ask for its model name; pass model=")
+                self.model = snap.members[0].model
+                return self.model
             models = await self.clients[self.islands[0]].models.list()
             if not models.data:
                 raise RolloutError(f"{self.islands[0]} lists no model; pass model=")
@@ -169,22 +244,41 @@ class RolloutClient:
             k: v for k, v in (("min_version", min_version), ("exact_version", exact_version)) if v is not None
         }
         extra_body = {**params.pop("extra_body", {}), **({BODY_FIELD: constraint} if constraint else {})}
+        extra_headers = dict(params.pop("extra_headers", None) or {})
         model = await self._model()
+        name, _, fmt = model.partition("@")  # NAME@FORMAT: one served format (a gateway reads it too)
+        want = Want(min_version=min_version, exact_version=exact_version, model=name, served_format=fmt or None)
+        if self.pool is not None:
+            model = name  # sent straight to a replica, which knows its model by name
         deadline = time.monotonic() + self.patience_s
         last = ""
         while True:
             wait_s = 0.0
-            for _ in range(len(self.islands)):
-                url = self.islands[next(self._next)]
-                client = self.clients[url]
+            targets = await self._targets(want)
+            if not targets:
+                last = f"no live replica of the fleet serves {want.describe()}"
+                wait_s = 0.5
+                if self.pool is not None:
+                    self._snapshot_at = 0.0  # look again before the next try
+            for url, headers in targets:
+                client = self._client(url)
+                self._in_flight[url] = self._in_flight.get(url, 0) + 1
                 try:
                     if isinstance(prompt, str):
                         raw: Any = await client.completions.with_raw_response.create(
-                            model=model, prompt=prompt, extra_body=extra_body, **params
+                            model=model,
+                            prompt=prompt,
+                            extra_body=extra_body,
+                            extra_headers={**extra_headers, **headers},
+                            **params,
                         )
                     else:
                         raw = await client.chat.completions.with_raw_response.create(
-                            model=model, messages=list(prompt), extra_body=extra_body, **params
+                            model=model,
+                            messages=list(prompt),
+                            extra_body=extra_body,
+                            extra_headers={**extra_headers, **headers},
+                            **params,
                         )
                 except (openai.ConflictError, openai.InternalServerError) as e:
                     # 409: this replica does not hold the version asked for; 503: it has none verified yet.
@@ -195,7 +289,11 @@ class RolloutClient:
                 except openai.APIConnectionError as e:
                     last = f"{url}: {e}"
                     wait_s = max(wait_s, 1.0)
+                    if self.pool is not None:
+                        self._snapshot_at = 0.0  # a replica went away: look at the fleet again
                     continue
+                finally:
+                    self._in_flight[url] -= 1
                 return self._rollout(prompt, url, raw)
             if time.monotonic() + wait_s > deadline:
                 raise RolloutError(
@@ -214,7 +312,7 @@ class RolloutClient:
         choice = body.choices[0]
         text = choice.text if hasattr(choice, "text") else (choice.message.content or "")
         self.stats.sampled += 1
-        self.stats.per_island[url] += 1
+        self.stats.per_island[url] = self.stats.per_island.get(url, 0) + 1
         return Rollout(prompt, text, url, int(start), int(end), choice.finish_reason)
 
     # -- a batch --------------------------------------------------------------------------------------

@@ -100,6 +100,36 @@ def sidecar(
             "--origin; without --origin, objects still missing then fail the pass and are retried)"
         ),
     ] = None,
+    public_url: Annotated[
+        str | None,
+        typer.Option(
+            help="Join the fleet: the URL gateways reach this proxy at; the sidecar keeps a member record on the "
+            "board (docs/fleet.md)"
+        ),
+    ] = None,
+    replica_id: Annotated[
+        str | None, typer.Option(help="Fleet: this replica's id on the board (default: host-port of --public-url)")
+    ] = None,
+    island: Annotated[str, typer.Option(help="Fleet: the island (region, cluster) this replica is in")] = "default",
+    model_name: Annotated[
+        str | None,
+        typer.Option(help="Fleet: the OpenAI model name served (default: the engine's, or its first /v1/models)"),
+    ] = None,
+    heartbeat: Annotated[float, typer.Option(help="Fleet: seconds between member record writes")] = 5.0,
+    member_ttl: Annotated[
+        float, typer.Option(help="Fleet: seconds a member record stays valid after its last write")
+    ] = 15.0,
+    member_key: Annotated[
+        Path | None, typer.Option(help="Fleet: sign the member record with this Ed25519 key (a signed board)")
+    ] = None,
+    fleet_board: Annotated[
+        str | None,
+        typer.Option(help="Fleet: the board to keep the member record on (default: --board; a relay is read-only)"),
+    ] = None,
+    exit_timeout: Annotated[
+        float,
+        typer.Option(help="On SIGTERM, longest wait for the requests in flight before leaving the fleet (s)"),
+    ] = 30.0,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
     from flipsync.serving import parse_listen, parse_pairs
@@ -123,6 +153,18 @@ def sidecar(
         if mirror_wait is not None and not mirror_wait >= 0:
             raise ConfigError(f"--mirror-wait must be a number of seconds >= 0, not {mirror_wait}")
         origin_config = parse_pairs(origin_option, "origin option")
+        if not exit_timeout >= 0:
+            raise ConfigError(f"--exit-timeout must be a number of seconds >= 0, not {exit_timeout}")
+        if public_url is not None:
+            from flipsync.domain.fleet import check_url  # pure: no torch yet
+
+            check_url(public_url)
+            if not 0 < heartbeat < member_ttl:
+                raise ConfigError(
+                    f"--heartbeat ({heartbeat:g} s) must be positive and below --member-ttl ({member_ttl:g} s)"
+                )
+        elif replica_id is not None or member_key is not None or fleet_board is not None:
+            raise ConfigError("--replica-id, --member-key and --fleet-board need --public-url (joining the fleet)")
     except FlipsyncError as e:
         raise command_error(e) from None
 
@@ -131,7 +173,7 @@ def sidecar(
     from flipsync.board.signing import Verifier
     from flipsync.board.store import StoreOptions
     from flipsync.formats import get_format
-    from flipsync.relay.client import open_board
+    from flipsync.relay.client import is_relay_url, open_board
     from flipsync.serving import exit_on_signals, serve_until_signal
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
@@ -153,6 +195,11 @@ def sidecar(
     service: Sidecar | None = None
     store = None
     try:
+        if public_url is not None and fleet_board is None and is_relay_url(board):
+            raise ConfigError(
+                "--board is a relay, which is read-only: pass --fleet-board with the board itself (where the "
+                "gateways read member records)"
+            )
         if served_format is not None:
             get_format(served_format)  # an unknown name is refused before waiting for the board
         verifier = Verifier.from_pem(*public_key) if public_key else None
@@ -208,13 +255,33 @@ def sidecar(
             proxy_config=ProxyConfig(upstream_url, retry_after_s=max(1, round(poll))),
         )
         service.replica.start()
+        if public_url is not None:
+            from flipsync.board.signing import Signer
+            from flipsync.sidecar.heartbeat import MembershipConfig
+
+            membership = MembershipConfig(
+                public_url=public_url,
+                replica_id=replica_id,
+                island=island,
+                model=model_name,
+                interval_s=heartbeat,
+                ttl_s=member_ttl,
+            )
+            signer = Signer.from_pem(member_key) if member_key is not None else None
+            member_store = store
+            if fleet_board is not None:
+                member_store = open_board(fleet_board, StoreOptions(config=store_config))
+            service.join(membership, store=member_store, signer=signer)
         typer.echo(f"flipsync sidecar: run {run_name!r} on {store.url}, {engine} engine, proxy on {host}:{port}")
-        # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly.
-        serve_until_signal(service.app, host, port)
+        the_service = service
+        # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly; the first one drains.
+        serve_until_signal(service.app, host, port, before_exit=lambda: the_service.drain(exit_timeout))
     except FlipsyncError as e:
         raise command_error(e) from None
     finally:
         if service is not None:
+            if service.heartbeat is not None:  # not drained (an error): leave the fleet all the same
+                service.heartbeat.stop(deregister=True)
             service.replica.stop()
             service.replica.engine.close()
         if torch_handle is not None:

@@ -9,6 +9,9 @@ Which requests a commit drains depends on the commit mode:
 - ``in_place``: only *pinned* requests (those that asked for an exact version); others keep running, and
   the engine pauses them between decode steps while it writes.
 Draining is bounded by a timeout; past it the commit proceeds and the late requests report both versions.
+
+A sidecar that leaves the fleet (SIGTERM) starts *draining* the gate for good: the proxy refuses new
+requests (503, so a gateway sends them elsewhere) while the ones inside finish (``wait_idle``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class RequestGate:
         self._open = True
         self._in_flight = 0
         self._pinned = 0
+        self._draining = False
 
     @property
     def is_open(self) -> bool:
@@ -59,6 +63,20 @@ class RequestGate:
     @property
     def pinned(self) -> int:
         return self._pinned
+
+    @property
+    def draining(self) -> bool:
+        """True once the sidecar is leaving: the proxy admits nothing new."""
+        return self._draining
+
+    def start_draining(self) -> None:
+        with self._n.lock:
+            self._draining = True
+            self._n.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in flight; False if some still were after ``timeout_s``."""
+        return self._n.wait(lambda: self._in_flight == 0, timeout_s)
 
     async def enter(self, *, pinned: bool, timeout: float) -> bool:
         """Admit one request once the gate is open; False if it stayed closed for ``timeout`` seconds."""

@@ -223,14 +223,19 @@ def create_proxy_app(
     async def status() -> dict[str, Any]:
         return {
             **replica.status(),
-            "proxy": {"upstream": upstream, "in_flight": gate.in_flight, "gate_open": gate.is_open},
+            "proxy": {
+                "upstream": upstream,
+                "in_flight": gate.in_flight,
+                "gate_open": gate.is_open,
+                "draining": gate.draining,
+            },
         }
 
     @app.get("/flipsync/health")
     async def health() -> Response:
-        ok = replica.serving
+        ok = replica.serving and not gate.draining
         return JSONResponse(
-            {"serving": ok, "version": replica.version, "state": replica.state.value},
+            {"serving": ok, "version": replica.version, "state": replica.state.value, "draining": gate.draining},
             status_code=200 if ok else 503,
             headers=None if ok else {"Retry-After": retry_after},
         )
@@ -304,6 +309,14 @@ def create_proxy_app(
                 return _error(400, _TOO_DEEP_REQUEST, "invalid_request_error")
 
         def refusal() -> Response | None:
+            if gate.draining:
+                metrics.requests.labels(outcome="unavailable").inc()
+                return _error(
+                    503,
+                    "this replica is leaving the fleet (draining): send the request to another one",
+                    "service_unavailable",
+                    {"Retry-After": retry_after, "X-Flipsync-Draining": "1"},
+                )
             current = replica.version
             if current is None or not replica.serving:
                 metrics.requests.labels(outcome="unavailable").inc()

@@ -114,6 +114,7 @@ class Replica:
         self._need_audit = False
         self._adopt_pending = True  # the engine may outlive its sidecar: look at what it holds first
         self._adopted: dict[str, Any] | None = None
+        self._served_format: str | None = getattr(engine, "served_format", None)  # the held version's, once known
         self._fetch_s = 0.0  # how long the step being applied was waited for
         self._error: Failure | None = None
         self._last_error: Failure | None = None
@@ -146,6 +147,11 @@ class Replica:
         return self._state
 
     @property
+    def served_format(self) -> str | None:
+        """The served format of the version held (its manifest's), or the engine's before any version."""
+        return self._served_format
+
+    @property
     def serving(self) -> bool:
         """True when requests may be sent to the engine: a verified version and a healthy engine."""
         return self.version is not None and self._engine_up and not self._need_audit
@@ -172,6 +178,8 @@ class Replica:
         with self._n.lock:
             version, head = self.version, self._head
             return {
+                "run": self.reader.run,
+                "served_format": self._served_format,
                 "state": self._state.value,
                 "state_for_s": round(time.monotonic() - self._state_since, 3),
                 "version": version,
@@ -357,6 +365,7 @@ class Replica:
             return
         self._label(match)
         with self._n.lock:
+            self._served_format = match.served_format
             self._adopted = {"version": match.target_version, "view_fp": match.target_view_fp, "at": now_iso()}
         self._set_version(match.target_version, match.target_view_fp)
         log.info(
@@ -408,6 +417,8 @@ class Replica:
         self._set_state(State.FETCHING)
 
     def _report(self, m: Manifest) -> None:
+        with self._n.lock:
+            self._served_format = m.served_format
         self._set_version(m.target_version, m.target_view_fp)
 
     def _apply_patch(self, step: PatchStep, fetch_s: float) -> None:

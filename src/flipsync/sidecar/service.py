@@ -3,7 +3,8 @@
 ``Sidecar`` wires the pieces for any engine and upstream URL; ``start_torch_engine`` builds the in-process
 torch engine and serves its OpenAI-compatible API on a loopback port for the proxy to forward to.
 ``load_engine`` builds the vLLM and SGLang engines (``flipsync.engines.vllm.engine`` / ``sglang_engine``)
-for the command line.
+for the command line. A sidecar that joins a fleet (``join``) keeps its member record on the board; ``drain``
+is how it leaves (SIGTERM).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
+from flipsync.board.membership import MemberWriter
 from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
-from flipsync.board.signing import Verifier
+from flipsync.board.signing import Signer, Verifier
 from flipsync.board.store import Store
 from flipsync.engines.base import Engine
 from flipsync.engines.mirror import DiskMirror
@@ -32,6 +34,7 @@ from flipsync.formats import get_format
 from flipsync.serving import ServerThread
 from flipsync.sidecar import ENGINE_KINDS
 from flipsync.sidecar.gate import RequestGate
+from flipsync.sidecar.heartbeat import Heartbeat, MembershipConfig
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
@@ -270,6 +273,7 @@ class Sidecar:
             raise ConfigError("upstream_url and proxy_config.upstream_url differ")
         self.app: FastAPI = create_proxy_app(self.replica, self.proxy_config)
         self.server: ServerThread | None = None
+        self.heartbeat: Heartbeat | None = None
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> Sidecar:
         """Start the reconcile loop and the proxy on a thread (tests, embedding); see ``run`` for a CLI."""
@@ -277,13 +281,49 @@ class Sidecar:
         self.server = ServerThread(self.app, host, port).start()
         return self
 
+    def join(
+        self, membership: MembershipConfig, *, store: Store | None = None, signer: Signer | None = None
+    ) -> Heartbeat:
+        """Join the fleet: keep this replica's member record on ``store`` (default: the board it reads),
+        signed with ``signer`` on a signed board. A relay is read-only: records go to the board itself."""
+        if self.heartbeat is not None:
+            raise ConfigError("this sidecar has joined a fleet already")
+        writer = MemberWriter(store if store is not None else self.store, self.reader.run, signer=signer)
+        self.heartbeat = Heartbeat(
+            writer, self.replica, self.gate, membership, upstream_url=self.proxy_config.upstream_url
+        ).start()
+        log.info("joined the fleet as %s (%s) at %s", membership.replica, membership.island, membership.public_url)
+        return self.heartbeat
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Leave: refuse new requests (503, so gateways send them elsewhere), mark the record draining, wait
+        up to ``timeout_s`` for the requests in flight, then delete the record. True if all of them finished."""
+        self.gate.start_draining()
+        if self.heartbeat is not None:
+            self.heartbeat.leave()
+        n = self.gate.in_flight
+        done = self.gate.wait_idle(timeout_s)
+        if not done:
+            log.warning(
+                "%d request(s) still in flight after %g s of draining; leaving anyway", self.gate.in_flight, timeout_s
+            )
+        if self.heartbeat is not None:
+            self.heartbeat.stop(deregister=True)
+            self.heartbeat = None
+        log.info("drained (%d request(s) were in flight) and left the fleet", n)
+        return done
+
     @property
     def url(self) -> str:
         if self.server is None:
             raise ConfigError("the sidecar is not started")
         return self.server.url
 
-    def stop(self) -> None:
+    def stop(self, *, deregister: bool = True) -> None:
+        """Stop serving; a member record is deleted (``deregister=False`` leaves it to expire, as a crash does)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop(deregister=deregister)
+            self.heartbeat = None
         if self.server is not None:
             self.server.stop()
             self.server = None

@@ -1,8 +1,8 @@
 """The torch engine's OpenAI-compatible server: ``/v1/completions`` and ``/v1/chat/completions``.
 
 This is the *upstream* a sidecar's proxy forwards to when the engine is the in-process torch engine (vLLM
-and SGLang bring their own). Streaming and non-streaming, ``n`` choices, ``stop`` strings, ``seed``,
-``temperature``/``top_p``, ``logprobs`` (of the sampled tokens). Each choice also carries
+and SGLang bring their own). Streaming and non-streaming, ``n`` choices, ``stop`` strings, ``ignore_eos``,
+``seed``, ``temperature``/``top_p``, ``logprobs`` (of the sampled tokens). Each choice also carries
 ``token_versions``: the board version of the weights that produced each generated token (the engine knows
 it exactly, because its decode steps and weight writes exclude each other).
 
@@ -129,12 +129,15 @@ def _sampling(body: dict[str, Any], engine: TorchEngine, max_tokens_limit: int) 
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise BadRequest("seed must be an integer")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    ignore_eos = body.get("ignore_eos", False)  # as vLLM: generate max_tokens whatever comes
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos must be true or false")
     return SamplingParams(
         max_tokens=_int({"max_tokens": limit}, "max_tokens", 16, 1, max_tokens_limit),
         temperature=_float(body, "temperature", 1.0, 0.0, 10.0),
         top_p=_float(body, "top_p", 1.0, 1e-6, 1.0),
         seed=seed,
-        stop_token_ids=engine.tokenizer.stop_ids,
+        stop_token_ids=frozenset() if ignore_eos else engine.tokenizer.stop_ids,
     )
 
 

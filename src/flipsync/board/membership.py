@@ -1,0 +1,204 @@
+"""Fleet membership on the board: one record per replica under ``runs/<run>/members/<replica>.json``.
+
+A sidecar that joins a fleet rewrites its record every few seconds (`MemberWriter`) and deletes it when it
+drains; a replica that dies simply stops writing, and its record expires (``ttl_s`` after its heartbeat).
+One key per replica, overwritten in place: nothing needs compare-and-swap, and the board stays the only
+source of truth (a gateway keeps nothing of its own).
+
+`MemberReader.scan` lists the records of every run (or of the runs given) and returns the live ones and,
+for each record it will not route to, why: malformed JSON or fields, a record under another run's or
+replica's key, expired, written in the future, and, with a verifier (a signed board), unsigned, signed by an
+untrusted key, or modified after signing. A record whose listing (size, time, ETag) has not changed since the
+last scan is not downloaded again, and the ones that changed are downloaded ``max_parallel_reads`` at a time
+(an object store answers each GET in tens of milliseconds, and a fleet rewrites its records every few seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from flipsync.board.layout import RUNS, RunLayout
+from flipsync.board.signing import Signer, Verifier
+from flipsync.board.store import ObjectInfo, Store
+from flipsync.domain.fleet import MAX_RECORD_BYTES, MemberRecord, liveness
+from flipsync.errors import FlipsyncError, IntegrityError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+# Why a record is not routed to (the ``reason`` of `Rejected`, and a metric label).
+REASONS = ("malformed", "misplaced", "unsigned", "untrusted_key", "bad_signature", "expired", "future", "unreadable")
+
+
+class MemberWriter:
+    """Writes (and deletes) one replica's record under its run; signs it when given a signer."""
+
+    def __init__(self, store: Store, run: str, *, signer: Signer | None = None) -> None:
+        self.store = store
+        self.layout = RunLayout(run)
+        self.signer = signer
+
+    def put(self, record: MemberRecord) -> MemberRecord:
+        """Write ``record`` (signed, with a signer) over the replica's previous one; returns what was written."""
+        if record.run != self.layout.run:
+            raise IntegrityError(f"a record of run {record.run!r} does not belong under run {self.layout.run!r}")
+        if self.signer is not None:
+            record = record.with_signature(self.signer.sign_payload(record.signing_payload()))
+        self.store.put(self.layout.member_path(record.replica), record.to_json().encode("ascii"))
+        return record
+
+    def remove(self, replica: str) -> None:
+        """Delete the replica's record (leaving the fleet); a record already gone is fine."""
+        self.store.delete([self.layout.member_path(replica)])
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A record that routes no traffic, and why (``reason`` is one of `REASONS`)."""
+
+    path: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class MemberScan:
+    """One look at the board's membership: the live, trusted records, and those refused."""
+
+    live: tuple[MemberRecord, ...]
+    rejected: tuple[Rejected, ...]
+    runs: tuple[str, ...]
+    at: datetime
+
+
+@dataclass
+class _Seen:
+    listing: tuple[int, str, str | None]  # size, modified, ETag of the object when it was read
+    record: MemberRecord | None = None
+    error: Rejected | None = None
+
+
+@dataclass
+class MemberReader:
+    """Reads the board's member records, verifying signatures with ``verifier`` (a signed board).
+
+    ``runs``: the runs to read (None: every run on the board, listed at each scan). ``max_skew_s``: how far
+    in the future a heartbeat may be (clocks disagree a little). ``max_ttl_s`` caps the TTL a record claims.
+    """
+
+    store: Store
+    runs: tuple[str, ...] | None = None
+    verifier: Verifier | None = None
+    max_skew_s: float = 5.0
+    max_ttl_s: float | None = None
+    max_parallel_reads: int = 32
+    _seen: dict[str, _Seen] = field(default_factory=dict, repr=False)
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def scan(self, now: datetime | None = None) -> MemberScan:
+        """Every run's records, split into live (and trusted) and rejected. Store failures propagate."""
+        now = now or datetime.now(UTC)
+        runs = self.runs if self.runs is not None else tuple(self.store.list_dirs(RUNS))
+        live: list[MemberRecord] = []
+        rejected: list[Rejected] = []
+        objects = [
+            (obj, run)
+            for run in runs
+            for obj in self.store.list(RunLayout(run).members_dir)
+            if obj.path.endswith(".json")
+        ]
+        listed = {obj.path for obj, _ in objects}
+        changed = [(obj, run) for obj, run in objects if not self._unchanged(obj)]
+        if len(changed) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_parallel_reads, thread_name_prefix="flipsync-members")
+            list(self._pool.map(lambda item: self._read(*item), changed))
+        for obj, run in objects:
+            record, error = self._read(obj, run)
+            if error is None and record is not None:
+                why = liveness(record, now, max_skew_s=self.max_skew_s, max_ttl_s=self.max_ttl_s)
+                if why is not None:
+                    error = Rejected(obj.path, "future" if "future" in why else "expired", why)
+            if error is not None:
+                rejected.append(error)
+            elif record is not None:
+                live.append(record)
+        for gone in set(self._seen) - listed:  # deleted records: forget them
+            del self._seen[gone]
+        return MemberScan(tuple(live), tuple(rejected), tuple(runs), now)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def _unchanged(self, obj: ObjectInfo) -> bool:
+        seen = self._seen.get(obj.path)
+        return seen is not None and seen.listing == (obj.size, obj.modified.isoformat(), obj.etag)
+
+    def _read(self, obj: ObjectInfo, run: str) -> tuple[MemberRecord | None, Rejected | None]:
+        listing = (obj.size, obj.modified.isoformat(), obj.etag)
+        seen = self._seen.get(obj.path)
+        if seen is not None and seen.listing == listing:
+            return seen.record, seen.error
+        record: MemberRecord | None = None
+        error: Rejected | None = None
+        if obj.size > MAX_RECORD_BYTES:
+            error = Rejected(obj.path, "malformed", f"{obj.size} bytes, at most {MAX_RECORD_BYTES} allowed")
+        else:
+            try:
+                record = self._check(obj.path, run, self.store.get(obj.path))
+            except NotFoundError:
+                return None, None  # deleted between the listing and the read: a replica that left
+            except IntegrityError as e:
+                error = Rejected(obj.path, _reason(e), str(e))
+            except FlipsyncError as e:
+                # Not cached: the next scan tries again.
+                return None, Rejected(obj.path, "unreadable", str(e))
+        if error is not None:
+            log.debug("member record %s: %s", obj.path, error.message)
+        self._seen[obj.path] = _Seen(listing, record, error)
+        return record, error
+
+    def _check(self, path: str, run: str, data: bytes) -> MemberRecord:
+        record = MemberRecord.from_json(data)
+        expected = RunLayout(run).member_path(record.replica)
+        if record.run != run or expected != path:
+            raise _Misplaced(
+                f"{path} holds the record of replica {record.replica!r} of run {record.run!r}: a record lives "
+                "at runs/<its run>/members/<its replica>.json (copied from elsewhere?)"
+            )
+        if self.verifier is not None:
+            sig = record.signature
+            if sig is None:
+                raise _Unsigned(f"{path} is not signed, and this board's members must sign their records")
+            if sig.key_id not in self.verifier.key_ids:
+                raise _Untrusted(f"{path} is signed by key {sig.key_id}, not a trusted member key")
+            self.verifier.verify_payload(sig, record.signing_payload(), path, what="member records")
+        return record
+
+
+class _Misplaced(IntegrityError):
+    reason = "misplaced"
+
+
+class _Unsigned(IntegrityError):
+    reason = "unsigned"
+
+
+class _Untrusted(IntegrityError):
+    reason = "untrusted_key"
+
+
+def _reason(e: IntegrityError) -> str:
+    reason = getattr(e, "reason", None)
+    if reason is not None:
+        return str(reason)
+    return "bad_signature" if "bad signature" in str(e) else "malformed"
+
+
+def member_records(store: Store, run: str) -> list[ObjectInfo]:
+    """The record objects of one run (for tools: ``flipsync board ls``, retention)."""
+    return [o for o in store.list(RunLayout(run).members_dir) if o.path.endswith(".json")]

@@ -1,0 +1,440 @@
+"""Fleet membership: the record a replica keeps on the board, and the routing rules read from those records.
+
+A sidecar that joins a fleet writes one `MemberRecord` under its run (``runs/<run>/members/<replica>.json``)
+every few seconds: where to reach it, what it serves (model, served format, run) and how it stands (the
+verified version it holds, its state, requests in flight, when it last wrote). A record expires ``ttl_s``
+after its heartbeat, so a replica that dies leaves rotation without anyone deleting it.
+
+The rules a gateway (or any client) routes by are pure functions of records and the board's HEAD:
+
+- `liveness`: a record is live from its heartbeat until ``ttl_s`` after it (a heartbeat from the future,
+  beyond the allowed clock skew, is refused);
+- `is_ready`: a live replica takes unconstrained traffic only while it serves a verified version within
+  ``max_lag`` of HEAD and is not draining;
+- `admits`: a request with ``min_version`` / ``exact_version`` may go to any live, serving replica whose
+  version satisfies it; one without goes to ready replicas only; both only to replicas of the requested
+  model, served format and run;
+- `readiness`: the fraction of live replicas at HEAD.
+
+Pure: no I/O. ``from_json`` validates strictly, because records arrive from a store anyone with write
+access can put bytes in; the board's membership module checks signatures.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+from flipsync.domain.manifest import Signature, canonical_json, check_name, parse_time
+from flipsync.errors import IntegrityError
+
+MEMBER_SCHEMA = 1
+# The replica's reconcile-loop states (flipsync.sidecar.records.State) and "draining" (leaving on SIGTERM).
+MEMBER_STATES = ("idle", "fetching", "staging", "committing", "error", "draining")
+MAX_TTL_S = 3600.0
+MAX_URL = 512
+MAX_RECORD_BYTES = 16 << 10
+# An OpenAI model name: no spaces, no '@' (a gateway request may say ``NAME@FORMAT``).
+_MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
+_FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+_HEX = re.compile(r"[0-9a-f]{1,128}")
+_FIELDS = frozenset(
+    {
+        "schema",
+        "replica",
+        "run",
+        "island",
+        "url",
+        "engine",
+        "served_format",
+        "model",
+        "version",
+        "view_fp",
+        "head",
+        "lag",
+        "state",
+        "serving",
+        "in_flight",
+        "heartbeat",
+        "ttl_s",
+        "started",
+        "seq",
+        "signature",
+    }
+)
+
+
+def _fail(msg: str) -> IntegrityError:
+    return IntegrityError(f"invalid member record: {msg}")
+
+
+def _int(value: object, what: str, *, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:  # a JSON true is not a count
+        raise _fail(f"{what} must be a non-negative integer{' or null' if optional else ''}, got {value!r}")
+    return value
+
+
+def _time(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(f"{what} must be an ISO 8601 time string, got {type(value).__name__}")
+    try:
+        ts = parse_time(value)
+    except ValueError:
+        raise _fail(f"{what} must be an ISO 8601 time, got {value!r}") from None
+    if ts.tzinfo is None:
+        raise _fail(f"{what} must carry a time zone (UTC), got {value!r}")
+    return value
+
+
+def _name(value: object, what: str) -> str:
+    try:
+        return check_name(value, what)
+    except IntegrityError:
+        raise _fail(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting alphanumeric, got {value!r}") from None
+
+
+def check_url(value: object) -> str:
+    """A replica's public URL: ``http(s)://host[:port][/path]``, no credentials, query or fragment."""
+    if not isinstance(value, str) or not value or len(value) > MAX_URL or not value.isascii():
+        raise _fail(f"url must be an ASCII http(s) URL of at most {MAX_URL} characters, got {value!r}")
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises ValueError when out of range
+    except ValueError:
+        raise _fail(f"url {value!r} is not a valid URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _fail(f"url must be http:// or https:// with a host, got {value!r}")
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise _fail(f"url may not carry credentials, a query or a fragment, got {value!r}")
+    if any(c.isspace() for c in value) or port == 0:
+        raise _fail(f"url {value!r} is not a valid URL")
+    return value
+
+
+def check_model(value: object) -> str:
+    if not isinstance(value, str) or not _MODEL.fullmatch(value):
+        raise _fail(f"model must be 1-256 characters of [A-Za-z0-9._:/+-] (no '@'), got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class MemberRecord:
+    """What one replica says about itself; written by its sidecar, read by gateways and clients.
+
+    ``version`` is the verified version the engine holds (None: none yet), ``head`` the newest version the
+    sidecar saw, ``lag`` their difference. ``heartbeat`` is when the record was written and ``ttl_s`` how
+    long it stays valid; ``started`` when this sidecar life began and ``seq`` the record's count in it.
+    """
+
+    replica: str
+    run: str
+    island: str
+    url: str
+    engine: str
+    served_format: str
+    model: str
+    version: int | None
+    view_fp: str | None
+    head: int | None
+    state: str
+    serving: bool
+    in_flight: int
+    heartbeat: str
+    ttl_s: float
+    started: str
+    seq: int = 0
+    signature: Signature | None = None
+    schema: int = MEMBER_SCHEMA
+
+    def __post_init__(self) -> None:
+        if self.schema != MEMBER_SCHEMA or isinstance(self.schema, bool):
+            raise _fail(f"schema {self.schema!r} is not supported (this flipsync reads {MEMBER_SCHEMA}); upgrade")
+        _name(self.replica, "replica")
+        _name(self.run, "run")
+        _name(self.island, "island")
+        check_url(self.url)
+        _name(self.engine, "engine")
+        if not isinstance(self.served_format, str) or not _FORMAT.fullmatch(self.served_format):
+            raise _fail(f"served_format must be 1-64 characters of [A-Za-z0-9._+-], got {self.served_format!r}")
+        check_model(self.model)
+        _int(self.version, "version", optional=True)
+        _int(self.head, "head", optional=True)
+        if self.view_fp is not None and (not isinstance(self.view_fp, str) or not _HEX.fullmatch(self.view_fp)):
+            raise _fail(f"view_fp must be 1-128 lowercase hex characters or null, got {self.view_fp!r}")
+        if (self.version is None) != (self.view_fp is None):
+            raise _fail("version and view_fp are both set (a verified version) or both null")
+        if self.state not in MEMBER_STATES:
+            raise _fail(f"state must be one of {list(MEMBER_STATES)}, got {self.state!r}")
+        if not isinstance(self.serving, bool):
+            raise _fail(f"serving must be true or false, got {self.serving!r}")
+        if self.serving and self.version is None:
+            raise _fail("a replica without a version cannot be serving")
+        _int(self.in_flight, "in_flight")
+        _time(self.heartbeat, "heartbeat")
+        _time(self.started, "started")
+        ttl = self.ttl_s
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (0 < ttl <= MAX_TTL_S):
+            raise _fail(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl!r}")
+        _int(self.seq, "seq")
+        if self.signature is not None and not isinstance(self.signature, Signature):
+            raise _fail("signature must be a Signature or null")
+
+    # -- derived ------------------------------------------------------------------------------------
+
+    @property
+    def lag(self) -> int | None:
+        """HEAD as the sidecar last saw it, minus the version it holds (None when either is unknown)."""
+        if self.head is None or self.version is None:
+            return None
+        return max(0, self.head - self.version)
+
+    @property
+    def heartbeat_at(self) -> datetime:
+        return parse_time(self.heartbeat)
+
+    @property
+    def draining(self) -> bool:
+        return self.state == "draining"
+
+    # -- JSON -----------------------------------------------------------------------------------------
+
+    def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "schema": self.schema,
+            "replica": self.replica,
+            "run": self.run,
+            "island": self.island,
+            "url": self.url,
+            "engine": self.engine,
+            "served_format": self.served_format,
+            "model": self.model,
+            "version": self.version,
+            "view_fp": self.view_fp,
+            "head": self.head,
+            "lag": self.lag,
+            "state": self.state,
+            "serving": self.serving,
+            "in_flight": self.in_flight,
+            "heartbeat": self.heartbeat,
+            "ttl_s": self.ttl_s,
+            "started": self.started,
+            "seq": self.seq,
+        }
+        if with_signature:
+            d["signature"] = self.signature.to_dict() if self.signature is not None else None
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, compact, ASCII), as manifests are written."""
+        return canonical_json(self.to_dict())
+
+    def signing_payload(self) -> bytes:
+        """What a signature covers: the canonical JSON of everything but the signature."""
+        return canonical_json(self.to_dict(with_signature=False)).encode("ascii")
+
+    def with_signature(self, signature: Signature | None) -> MemberRecord:
+        return replace(self, signature=signature)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> MemberRecord:
+        """Parse and validate; every problem raises IntegrityError naming the field."""
+        if len(text) > MAX_RECORD_BYTES:
+            raise _fail(f"{len(text)} bytes, at most {MAX_RECORD_BYTES} allowed")
+        try:
+            d = json.loads(text, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise _fail(f"not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    @classmethod
+    def from_dict(cls, d: object) -> MemberRecord:
+        if not isinstance(d, dict):
+            raise _fail(f"top level must be an object, got {type(d).__name__}")
+        unknown = set(d) - _FIELDS
+        if unknown:
+            raise _fail(f"unknown fields {sorted(unknown)}")
+        missing = _FIELDS - {"signature"} - set(d)
+        if missing:
+            raise _fail(f"missing fields {sorted(missing)}")
+        sig = d.get("signature")
+        try:
+            record = cls(
+                schema=d["schema"],
+                replica=d["replica"],
+                run=d["run"],
+                island=d["island"],
+                url=d["url"],
+                engine=d["engine"],
+                served_format=d["served_format"],
+                model=d["model"],
+                version=d["version"],
+                view_fp=d["view_fp"],
+                head=d["head"],
+                state=d["state"],
+                serving=d["serving"],
+                in_flight=d["in_flight"],
+                heartbeat=d["heartbeat"],
+                ttl_s=d["ttl_s"],
+                started=d["started"],
+                seq=d["seq"],
+                signature=None if sig is None else _signature(sig),
+            )
+        except TypeError as e:  # an unhashable value where a name belongs, and the like
+            raise _fail(str(e)) from None
+        if d["lag"] != record.lag:
+            raise _fail(f"lag {d['lag']!r} is not head - version ({record.lag!r})")
+        return record
+
+
+def _signature(d: object) -> Signature:
+    try:
+        return Signature.from_dict(d)
+    except IntegrityError as e:
+        raise _fail(str(e).removeprefix("invalid manifest: ")) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+# -- liveness and routing -------------------------------------------------------------------------------
+
+
+def liveness(
+    record: MemberRecord, now: datetime, *, max_skew_s: float = 5.0, max_ttl_s: float | None = None
+) -> str | None:
+    """Why ``record`` is not live at ``now`` (expired, or written in the future beyond the clock skew
+    allowed), or None when it is. ``max_ttl_s`` caps the TTL a record may claim for itself."""
+    age = (now - record.heartbeat_at).total_seconds()
+    if age < -max_skew_s:
+        return f"its heartbeat is {-age:.1f} s in the future (clocks more than {max_skew_s:g} s apart?)"
+    ttl = record.ttl_s if max_ttl_s is None else min(record.ttl_s, max_ttl_s)
+    if age > ttl:
+        return f"expired: last heartbeat {age:.1f} s ago (TTL {ttl:g} s)"
+    return None
+
+
+def lag_behind(record: MemberRecord, head: int | None) -> int | None:
+    """How many versions ``record``'s replica is behind ``head`` (the board's HEAD), None when unknown."""
+    if head is None or record.version is None:
+        return None
+    return max(0, head - record.version)
+
+
+def is_ready(record: MemberRecord, head: int | None, max_lag: int) -> bool:
+    """In rotation for unconstrained traffic: serving a verified version within ``max_lag`` of HEAD."""
+    lag = lag_behind(record, head)
+    return record.serving and not record.draining and lag is not None and lag <= max_lag
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one request asks of the replica that serves it."""
+
+    min_version: int | None = None
+    exact_version: int | None = None
+    model: str | None = None
+    served_format: str | None = None
+    run: str | None = None
+
+    @property
+    def constrained(self) -> bool:
+        return self.min_version is not None or self.exact_version is not None
+
+    def describe(self) -> str:
+        bits = []
+        if self.exact_version is not None:
+            bits.append(f"exactly v{self.exact_version}")
+        if self.min_version is not None:
+            bits.append(f"at least v{self.min_version}")
+        if self.model is not None:
+            bits.append(f"model {self.model}")
+        if self.served_format is not None:
+            bits.append(f"format {self.served_format}")
+        if self.run is not None:
+            bits.append(f"run {self.run}")
+        return ", ".join(bits) or "any ready replica"
+
+
+def serves(record: MemberRecord, want: Want) -> bool:
+    """Whether the replica serves what the request names: its model, served format and run."""
+    if want.model is not None and record.model != want.model:
+        return False
+    if want.served_format is not None and record.served_format.lower() != want.served_format.lower():
+        return False
+    return want.run is None or record.run == want.run
+
+
+def satisfies(version: int | None, want: Want) -> bool:
+    """Whether ``version`` meets the request's version constraint (the stricter of min and exact)."""
+    if version is None:
+        return False
+    if want.exact_version is not None and version != want.exact_version:
+        return False
+    return want.min_version is None or version >= want.min_version
+
+
+def admits(record: MemberRecord, want: Want, head: int | None, max_lag: int) -> bool:
+    """Whether the request may be sent to ``record``'s replica: it serves the model, format and run asked
+    for, is serving and not draining, and holds a version that meets the constraint, or (no constraint) is
+    ready."""
+    if not serves(record, want) or not record.serving or record.draining:
+        return False
+    if want.constrained:
+        return satisfies(record.version, want)
+    return is_ready(record, head, max_lag)
+
+
+def floor_version(want: Want, head: int | None, max_lag: int) -> int | None:
+    """The ``min_version`` a gateway asks a replica to enforce for an unconstrained request (HEAD - max_lag),
+    so that the replica, which knows the version it holds, refuses when its record was out of date."""
+    if want.constrained or head is None:
+        return None
+    return max(0, head - max_lag)
+
+
+def rank(
+    candidates: Iterable[MemberRecord], in_flight: Mapping[str, int] | None = None, rng: random.Random | None = None
+) -> list[MemberRecord]:
+    """Least requests in flight first: the caller's own count (exact, this instant) then the record's (a
+    heartbeat old, everyone's); among equals the newer version, then at random with ``rng`` (so that
+    sequential traffic spreads over equals) or by replica id (a stable order)."""
+    mine = in_flight or {}
+    items = list(candidates)
+    ties = {r.replica: rng.random() for r in items} if rng is not None else {}
+    return sorted(
+        items,
+        key=lambda r: (
+            mine.get(r.replica, 0),
+            r.in_flight,
+            -(r.version if r.version is not None else -1),
+            ties.get(r.replica, 0.0),
+            r.replica,
+        ),
+    )
+
+
+def readiness(records: Sequence[MemberRecord], head: int | None) -> float | None:
+    """The fraction of live replicas that serve HEAD (None without replicas or without a HEAD)."""
+    if not records or head is None:
+        return None
+    return sum(1 for r in records if r.serving and not r.draining and r.version == head) / len(records)
+
+
+def replica_id_for(url: str) -> str:
+    """A replica id from its URL: ``host-port`` in the board's name characters (``10.0.0.5-8100``)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = 0
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{parts.hostname or 'replica'}-{port}").strip("-._")
+    return name[:128] or "replica"

@@ -1,0 +1,241 @@
+"""The Pool port (where a fleet's replicas are found) beside its implementations: the board, a static list.
+
+`Pool.discover_replicas()` returns a point-in-time `FleetSnapshot`: the live replicas' member records, the
+HEAD of every run they serve (what readiness is measured against) and the records refused, with why. Replicas
+appear and disappear between two snapshots; callers must tolerate both. ``gateway_url()`` is the one URL
+rollout traffic goes to, when the pool has one. ``wake`` and ``scale`` are optional (a pool whose replicas
+an autoscaler starts and stops); the base class refuses them.
+
+- `BoardPool`: the records sidecars keep on the board (``flipsync.board.membership``), HEAD from the
+  board's manifests; on a signed board, only records signed by a trusted member key.
+- `StaticPool`: a fixed list of sidecar URLs, each asked for its ``/flipsync/status``; HEAD is the newest
+  any of them saw.
+
+A Kubernetes or cloud-autoscaler discovery is one more subclass: list the pods (instances) of a deployment,
+build their records from ``/flipsync/status`` as `StaticPool` does, and map ``scale`` to the replica count.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from flipsync.board.membership import MemberReader, Rejected
+from flipsync.board.reader import BoardReader
+from flipsync.board.signing import Verifier
+from flipsync.board.store import Store
+from flipsync.domain.fleet import (
+    MEMBER_STATES,
+    MemberRecord,
+    is_ready,
+    lag_behind,
+    readiness,
+    replica_id_for,
+)
+from flipsync.domain.manifest import utc_now_iso
+from flipsync.errors import ConfigError, FlipsyncError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetSnapshot:
+    """The fleet at one moment: live replicas, each run's HEAD, and the records refused."""
+
+    members: tuple[MemberRecord, ...]
+    heads: Mapping[str, int | None]
+    rejected: tuple[Rejected, ...] = ()
+    at: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    def head(self, record: MemberRecord) -> int | None:
+        return self.heads.get(record.run)
+
+    def ready(self, max_lag: int) -> list[MemberRecord]:
+        return [r for r in self.members if is_ready(r, self.head(r), max_lag)]
+
+    def runs(self) -> dict[str, dict[str, Any]]:
+        """Per run: HEAD, members, how many hold HEAD, readiness (the fraction at HEAD), versions held."""
+        out: dict[str, dict[str, Any]] = {}
+        for run in sorted(set(self.heads) | {r.run for r in self.members}):
+            mine = [r for r in self.members if r.run == run]
+            head = self.heads.get(run)
+            versions: dict[str, int] = {}
+            for r in mine:
+                key = "none" if r.version is None else str(r.version)
+                versions[key] = versions.get(key, 0) + 1
+            out[run] = {
+                "head": head,
+                "members": len(mine),
+                "at_head": sum(1 for r in mine if r.version is not None and r.version == head),
+                "readiness": readiness(mine, head),
+                "versions": versions,
+            }
+        return out
+
+    def describe(self, max_lag: int) -> list[dict[str, Any]]:
+        """Every member's record with what the snapshot says of it: lag behind the board's HEAD, ready."""
+        return [
+            {
+                **r.to_dict(with_signature=False),
+                "signed": r.signature is not None,
+                "board_head": self.head(r),
+                "board_lag": lag_behind(r, self.head(r)),
+                "ready": is_ready(r, self.head(r), max_lag),
+            }
+            for r in self.members
+        ]
+
+
+class Pool(ABC):
+    """Where a fleet's replicas are found; see the module doc."""
+
+    def gateway_url(self) -> str | None:
+        """The one URL rollout traffic goes to (None: this pool has no gateway of its own)."""
+        return None
+
+    @abstractmethod
+    def discover_replicas(self) -> FleetSnapshot:
+        """The fleet now. Raises a FlipsyncError when the pool cannot be read (the caller keeps its last)."""
+
+    def wake(self, replicas: Sequence[str], version: int) -> None:
+        """Ask stopped (scaled-to-zero) replicas to start and load ``version``; optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot wake replicas: its replicas are always up")
+
+    def scale(self, min_replicas: int, max_replicas: int) -> None:
+        """Bound the number of replicas an autoscaler keeps; optional."""
+        raise NotImplementedError(f"{type(self).__name__} cannot scale: it does not start or stop replicas")
+
+    def close(self) -> None:  # noqa: B027 - optional: most pools hold nothing
+        """Release what the pool holds (stores, clients)."""
+
+
+class BoardPool(Pool):
+    """The replicas whose member records are live on the board (see ``flipsync.board.membership``).
+
+    ``runs``: the runs to read (None: every run with records). ``member_verifier``: the trusted member keys
+    of a signed board (records not signed by one of them are refused). ``verifier``: the publisher's keys,
+    so that HEAD is read from signed manifests only.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        runs: Sequence[str] | None = None,
+        member_verifier: Verifier | None = None,
+        verifier: Verifier | None = None,
+        gateway_url: str | None = None,
+        max_skew_s: float = 5.0,
+        max_ttl_s: float | None = None,
+    ) -> None:
+        self.store = store
+        self.runs = tuple(runs) if runs else None
+        self.members = MemberReader(
+            store, runs=self.runs, verifier=member_verifier, max_skew_s=max_skew_s, max_ttl_s=max_ttl_s
+        )
+        self.verifier = verifier
+        self._gateway_url = gateway_url
+        self._readers: dict[str, BoardReader] = {}
+
+    def gateway_url(self) -> str | None:
+        return self._gateway_url
+
+    def head(self, run: str) -> int | None:
+        reader = self._readers.get(run)
+        if reader is None:
+            reader = self._readers[run] = BoardReader(self.store, run, verifier=self.verifier)
+        return reader.head()
+
+    def discover_replicas(self) -> FleetSnapshot:
+        scan = self.members.scan()
+        runs = sorted({r.run for r in scan.live} | set(self.runs or ()))
+        heads = {run: self.head(run) for run in runs}
+        return FleetSnapshot(scan.live, heads, scan.rejected, scan.at)
+
+    def close(self) -> None:
+        self.members.close()
+        self.store.close()
+
+
+class StaticPool(Pool):
+    """A fixed list of sidecar proxies (``http://HOST:PORT``), each asked for its status at every discovery.
+
+    Nothing here is signed: the sidecars' own answers are the records, and HEAD is the newest HEAD any of them
+    reports. A sidecar that does not answer is left out of the snapshot.
+    """
+
+    def __init__(
+        self, urls: Sequence[str], *, timeout_s: float = 2.0, ttl_s: float = 15.0, gateway_url: str | None = None
+    ) -> None:
+        if not urls:
+            raise ConfigError("a static pool needs at least one sidecar URL")
+        self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self._gateway_url = gateway_url
+        self._client = httpx.Client(timeout=timeout_s)
+        self._models: dict[str, str] = {}
+        self._started = utc_now_iso()
+        self._executor = ThreadPoolExecutor(min(16, len(self.urls)), thread_name_prefix="flipsync-pool")
+
+    def gateway_url(self) -> str | None:
+        return self._gateway_url
+
+    def _model(self, url: str) -> str:
+        if url not in self._models:
+            data = self._client.get(f"{url}/v1/models").json().get("data") or []
+            self._models[url] = str(data[0]["id"]) if data else "unknown"
+        return self._models[url]
+
+    def _record(self, url: str) -> tuple[MemberRecord | None, Rejected | None]:
+        try:
+            st = self._client.get(f"{url}/flipsync/status").json()
+            version = st.get("version")
+            draining = bool((st.get("proxy") or {}).get("draining"))
+            state = "draining" if draining else st.get("state")
+            record = MemberRecord(
+                replica=replica_id_for(url),
+                run=st.get("run") or "default",
+                island="static",
+                url=url,
+                engine=str((st.get("engine") or {}).get("name") or "engine"),
+                served_format=st.get("served_format") or "unknown",
+                model=self._model(url),
+                version=version,
+                view_fp=st.get("view_fp") if version is not None else None,
+                head=st.get("head"),
+                state=state if state in MEMBER_STATES else "error",
+                serving=bool(st.get("serving")) and version is not None,
+                in_flight=int(st.get("requests_in_flight") or 0),
+                heartbeat=utc_now_iso(),
+                ttl_s=self.ttl_s,
+                started=self._started,
+            )
+        except (httpx.HTTPError, ValueError, TypeError, KeyError, AttributeError) as e:
+            return None, Rejected(url, "unreadable", f"{url} did not answer its status: {e}")
+        except FlipsyncError as e:
+            return None, Rejected(url, "malformed", f"{url}: {e}")
+        return record, None
+
+    def discover_replicas(self) -> FleetSnapshot:
+        results = list(self._executor.map(self._record, self.urls))
+        members = tuple(r for r, _ in results if r is not None)
+        rejected = tuple(e for _, e in results if e is not None)
+        heads: dict[str, int | None] = {}
+        for r in members:
+            if r.head is not None:
+                heads[r.run] = max(heads.get(r.run) or 0, r.head)
+            else:
+                heads.setdefault(r.run, None)
+        return FleetSnapshot(members, heads, rejected)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
