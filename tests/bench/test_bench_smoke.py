@@ -142,6 +142,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Trainer: the fused cast-and-diff pass",
         "## verl: bytes per weight sync against delta_sharded",
         "## Fleet: the gateway",
+        "## Trainer: each extra served format",
     ):
         assert heading in text
     for header in (
@@ -158,6 +159,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "| format | threads | served | changed | fused ns/B |",
         "| workload | step | changed % | flipsync bytes |",
         "| request | until | direct p50 |",
+        "| formats | s per step | ns per master byte |",
         "| scan | seconds | live records | GETs | LIST pages |",
     ):
         assert header in text

@@ -19,8 +19,9 @@ from flipsync.board.store import ObstoreStore
 from flipsync.domain.fleet import MemberRecord
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.fleet.pool import StaticPool
+from flipsync.trainer import MultiFormatPublisher, PublisherConfig
 from tests.fleet.fleet_helpers import GatewayFactory, MemberFactory, impostor
-from tests.sidecar.sidecar_helpers import Trainer, wait_until
+from tests.sidecar.sidecar_helpers import Trainer, tiny_masters, wait_until
 
 
 def forged_record(replica: str, url: str, *, version: int = 1, **over: object) -> MemberRecord:
@@ -217,6 +218,32 @@ def test_stamps_and_streams_pass_through_untouched(
     metrics = gw.client.get("/metrics").text
     assert 'flipsync_gateway_requests_total{outcome="ok"}' in metrics
     assert 'flipsync_gateway_readiness{run="run"} 1.0' in metrics
+
+
+def test_one_trainer_publishes_the_formats_the_gateway_routes_by(
+    store: ObstoreStore, make_member: MemberFactory, make_gateway: GatewayFactory
+) -> None:
+    """Heterogeneous islands fed by one trainer: a run per format under one version number per step."""
+    masters = tiny_masters()
+    pub = MultiFormatPublisher(
+        lambda: masters, store, ("bf16", "fp8-block"), run="multi", config=PublisherConfig(background=False)
+    )
+    try:
+        a = make_member(run="multi-bf16", fmt="bf16", island="hopper")
+        b = make_member(run="multi-fp8-block", fmt="fp8-block", island="blackwell")
+        for step in (1, 2):
+            for m in masters.values():
+                m.mul_(1 + 0.02 * step)
+            pub.step()
+        assert wait_until(lambda: a.sidecar.replica.version == 2 and b.sidecar.replica.version == 2)
+        gw = make_gateway()
+        assert wait_until(lambda: gw.fleet()["ready"] == 2)
+        for fmt, member in (("fp8-block", b), ("bf16", a)):
+            r = gw.complete(model=f"flipsync-torch@{fmt}", weight_version={"exact_version": 2})
+            assert r.status_code == 200 and served_by(r) == member.replica_id
+        assert {run: v["head"] for run, v in gw.fleet()["runs"].items()} == {"multi-bf16": 2, "multi-fp8-block": 2}
+    finally:
+        pub.close()
 
 
 def test_routes_by_model_and_served_format(

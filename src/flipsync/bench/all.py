@@ -1,7 +1,7 @@
 """``flipsync bench all``: every benchmark in one run, written up as docs/benchmarks.md.
 
-Runs codec, cross-region, sidecar (engine pause), scaling, board, fused, verl (bytes per sync against verl's
-delta_sharded), trainer and gateway in turn (each prints its own
+Runs codec, cross-region, sidecar (engine pause), scaling, board, fused, formats (each extra served format),
+verl (bytes per sync against verl's delta_sharded), trainer and gateway in turn (each prints its own
 tables to the console), then returns one markdown document: the exact command line, date, machine and package
 versions; a table of the targets, each computed from this run's numbers (met / not met, with the figure);
 then one section per benchmark with its methods, data and column meanings, its tables, and PNG plots saved
@@ -452,7 +452,7 @@ def document(run: Run, command: str, started: datetime, seconds: float) -> str:
 
 def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -> str:
     """Run every benchmark; return the markdown document for ``out``, whose plots go to ``out``'s stem folder."""
-    from flipsync.bench import board, codec, crossregion, fused, gateway, scaling, sidecar, trainer, verl
+    from flipsync.bench import board, codec, crossregion, formats, fused, gateway, scaling, sidecar, trainer, verl
 
     figures = Figures(out.parent / out.stem, out.stem)
     started = datetime.now(UTC)
@@ -497,6 +497,12 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         "Trainer: the fused cast-and-diff pass",
         lambda: fused.run(console, quick=quick),
         lambda r: FUSED_MD + "\n\n" + fused.markdown(r),
+    )
+    run.timed(
+        "formats",
+        "Trainer: each extra served format",
+        lambda: formats.run(console, quick=quick),
+        formats.markdown,
     )
     run.timed(
         "verl",

@@ -108,6 +108,14 @@ def bench_optimizers(
             json_out.write_text(json.dumps(results, indent=2, default=str))
 
     _run(go)
+
+
+@bench_app.command("formats")
+def bench_formats(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """What each extra served format costs a trainer that publishes several (BF16, FP8, NVFP4)."""
+    _run(lambda: _bench("formats", quick, json_out))
+
+
 @bench_app.command("gateway")
 def bench_gateway(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     """The gateway's added latency against direct requests, and fleet membership at 1,000 replicas on S3."""

@@ -1,7 +1,7 @@
 """The trainer side: publish a model's served view to a board after every optimizer step.
 
 ``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed), tuned by a
-``PublisherConfig``;
+``PublisherConfig``; ``MultiFormatPublisher`` publishes several served formats, a run each;
 ``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
 not control. A replica joins a version made of several parts (one per trainer rank) with
 ``flipsync.codec.join_parts``.
@@ -9,11 +9,13 @@ not control. A replica joins a version made of several parts (one per trainer ra
 
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.group import Group, SoloGroup, TorchGroup
+from flipsync.trainer.multi_format import MultiFormatPublisher
 from flipsync.trainer.publisher import Publisher, PublisherStats
 from flipsync.trainer.startup import new_run_name
 
 __all__ = [
     "Group",
+    "MultiFormatPublisher",
     "Publisher",
     "PublisherConfig",
     "PublisherStats",

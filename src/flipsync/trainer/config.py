@@ -52,6 +52,9 @@ class PublisherConfig:
     # the previous view on the GPU when host memory is short (then no context coding); nice / threads: the
     # background threads' priority and count (default: half of this rank's cores), for a busy host.
     background: bool = True
+    # squash=False: publish every step, the training step waiting when publishing falls a step behind, so that
+    # runs published side by side (`MultiFormatPublisher`) keep one version number per trainer step.
+    squash: bool = True
     keep_on: KeepOn = "host"
     nice: int = 19
     threads: int | None = None

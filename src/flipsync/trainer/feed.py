@@ -130,7 +130,7 @@ class ViewFeed:
         try:
             return self.plan.gather(self.plan.masters(self.model))
         except FlipsyncError as e:
-            self._no_view(step, e)
+            self.no_view(step, e)
             raise
 
     def compute(self, inputs: Inputs, step: int, meta: dict[str, str | int]) -> None:
@@ -145,7 +145,7 @@ class ViewFeed:
                 view = self.plan.compute(inputs, alloc, fuse)
                 check_layout(view, self.expected)
         except FlipsyncError as e:
-            self._no_view(step, e)
+            self.no_view(step, e)
             raise
         staged = self.stager.stage(view)
         self.account.add(view_bytes(staged.view))
@@ -163,9 +163,10 @@ class ViewFeed:
             self._caster = FusedCaster(self.config.pool_threads)
         return self._caster
 
-    def after_optimizer_step(self, step: int) -> None:
-        """The post-step hook's work: gather here, compute here or on the view thread."""
-        inputs = self.gather(step)
+    def after_optimizer_step(self, step: int, inputs: Inputs | None = None) -> None:
+        """The post-step hook's work: gather here (unless ``inputs`` were gathered for this step already),
+        compute here or on the view thread."""
+        inputs = inputs if inputs is not None else self.gather(step)
         if self.viewer is None:
             self.compute(inputs, step, {})
             return
@@ -182,7 +183,7 @@ class ViewFeed:
 
         self.viewer.submit(job)
 
-    def _no_view(self, step: int, e: FlipsyncError) -> None:
+    def no_view(self, step: int, e: FlipsyncError) -> None:
         if self.group.size > 1:  # the other ranks must learn that this step has no view here
             self._submit(Item(step, None, error=f"{type(e).__name__}: {e}"))
 

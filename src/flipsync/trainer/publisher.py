@@ -117,9 +117,9 @@ class Publisher:
             format,
             cfg,
             submit=self._submit,
-            drop_pending=self._drop_pending if cfg.background else None,
+            drop_pending=self._drop_pending if cfg.background and cfg.squash else None,
         )
-        self.slot = Slot(self.feed.release_item)
+        self.slot = Slot(self.feed.release_item, squash=cfg.squash)
         self._step = first_step
         self._calls = 0  # step() calls and optimizer steps (the stats), whatever their step numbers
         view = self.feed.first_view()
@@ -243,6 +243,11 @@ class Publisher:
         trainer step these weights are (the version's ``meta.step``), for a loop that counts its own steps
         (it must be greater than the last one); default the last step + 1.
         """
+        step_no = self._begin_step(step)
+        self.feed.compute(self.feed.gather(step_no), step_no, dict(meta or {}))
+
+    def _begin_step(self, step: int | None) -> int:
+        """Check and count a ``step()`` call; the trainer step it publishes."""
         self._check_open()
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step <= self._step):
             raise ConfigError(f"step must be a whole number greater than the last step ({self._step}), not {step!r}")
@@ -250,19 +255,21 @@ class Publisher:
         self._raise_pending()
         self._step = self._step + 1 if step is None else step
         self._calls += 1
-        step = self._step
-        self.feed.compute(self.feed.gather(step), step, dict(meta or {}))
+        return self._step
 
     def _before_optimizer_step(self) -> None:
         self.feed.settle()
         self._raise_pending()  # e.g. the last step's weights were not finite: stop before changing them
 
     def _after_optimizer_step(self) -> None:
+        self.feed.after_optimizer_step(self._count_optimizer_step())
+
+    def _count_optimizer_step(self) -> int:
         self._check_open()
         self._raise_pending()
         self._step += 1
         self._calls += 1
-        self.feed.after_optimizer_step(self._step)
+        return self._step
 
     def snapshot(self) -> None:
         """Publish the model's current weights as a full view at the next version.

@@ -68,8 +68,9 @@ class Item:
 class Slot:
     """A one-item mailbox whose newer items replace older ones (see the module doc)."""
 
-    def __init__(self, release: Callable[[Item], None]) -> None:
+    def __init__(self, release: Callable[[Item], None], *, squash: bool = True) -> None:
         self._cond = threading.Condition()
+        self._squash = squash  # False: a push waits for the worker to take the pending item (nothing merged)
         self._held: Item | None = None  # a snapshot waiting for the worker: taken first, never merged
         self._pending: Item | None = None
         self._busy = False  # the worker holds an item
@@ -96,6 +97,8 @@ class Slot:
 
     def push(self, item: Item) -> None:
         with self._cond:
+            while not self._squash and self._pending is not None and not self._closing:
+                self._cond.wait()
             self._place(item)
             self._cond.notify_all()
 
@@ -147,6 +150,7 @@ class Slot:
                     else:
                         self._pending = None
                     self._busy = True
+                    self._cond.notify_all()  # a push waiting for the pending item to go (squash=False)
                     return item
                 if self._closing and (at_least is None or not self._ready()):
                     return None
