@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from flipsync.analyze import compare, grid_spacing, simulate
+from flipsync.apps.analyze import compare, grid_spacing, simulate
+from flipsync.apps.cli import app
+from flipsync.apps.synthetic import Shape, llm_like_masters
 from flipsync.checkpoint import save_checkpoint
-from flipsync.cli import app
-from flipsync.synthetic import Shape, llm_like_masters
 
 SMALL = Shape(hidden=128, intermediate=256, layers=1, vocab=512)
 
@@ -62,7 +62,7 @@ def test_analyze_cli_writes_report_and_plots(tmp_path: Path) -> None:
 
 
 def test_short_tensor_names_for_plot_labels() -> None:
-    from flipsync.analyze import short_name
+    from flipsync.apps.analyze import short_name
 
     assert short_name("model.layers.3.self_attn.q_proj.weight") == "3.attn.q_proj"
     assert short_name("model.layers.0.post_attention_layernorm.weight") == "0.post_attn_norm"
@@ -73,7 +73,7 @@ def test_short_tensor_names_for_plot_labels() -> None:
 
 
 def test_optimizers_are_the_torch_ones_muon_on_hidden_matrices_only() -> None:
-    from flipsync.synthetic import Combined, OptimizerSpec, ParamGroup, build_optimizer, tensor_kind
+    from flipsync.apps.synthetic import Combined, OptimizerSpec, ParamGroup, build_optimizer, tensor_kind
 
     m = llm_like_masters(SMALL)
     params = [(k, torch.nn.Parameter(v.clone())) for k, v in m.items()]
@@ -103,8 +103,8 @@ def test_optimizers_are_the_torch_ones_muon_on_hidden_matrices_only() -> None:
 
 
 def test_unknown_optimizer_is_a_config_error() -> None:
+    from flipsync.apps.synthetic import OptimizerSpec
     from flipsync.errors import ConfigError
-    from flipsync.synthetic import OptimizerSpec
 
     with pytest.raises(ConfigError, match="adam, adamw, muon, sgd"):
         OptimizerSpec("lion")
@@ -113,8 +113,8 @@ def test_unknown_optimizer_is_a_config_error() -> None:
 
 
 def test_matched_rms_matches_the_update_and_the_fallback_is_adam() -> None:
-    from flipsync.analyze import compare_optimizers
-    from flipsync.synthetic import OptimizerSpec
+    from flipsync.apps.analyze import compare_optimizers
+    from flipsync.apps.synthetic import OptimizerSpec
 
     comp = compare_optimizers(
         llm_like_masters(SMALL), ["bf16"], [OptimizerSpec("adam"), OptimizerSpec("muon")], lr=1e-5, steps=2

@@ -20,19 +20,18 @@ ALLOWED: dict[str, set[str]] = {
     "formats": BASE | {"codec"},
     "checkpoint": BASE,
     "serving": BASE,
-    "terminal": BASE,
-    "synthetic": BASE | {"formats"},
+    "stores": BASE,
     "codec": BASE | {"domain"},
-    "board": BASE | {"domain", "codec"},
-    "trainer": BASE | {"domain", "formats", "checkpoint", "codec", "board"},
+    "board": BASE | {"domain", "codec", "stores"},
+    "trainer": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board"},
     "engines": BASE | {"domain", "formats", "checkpoint", "codec", "serving"},
-    "relay": BASE | {"board", "serving", "terminal"},
-    "sidecar": BASE | {"domain", "formats", "checkpoint", "codec", "board", "engines", "relay", "serving", "terminal"},
-    "fleet": BASE | {"domain", "board", "sidecar", "serving", "terminal"},
-    "integrations": BASE | {"domain", "formats", "codec", "board", "trainer", "sidecar", "fleet"},
+    "relay": BASE | {"stores", "board", "serving"},
+    "sidecar": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board", "engines", "serving"},
+    "fleet": BASE | {"domain", "stores", "board", "sidecar", "serving"},
+    "integrations": BASE | {"domain", "formats", "codec", "stores", "board", "trainer", "sidecar", "fleet"},
 }
 # Applications: they assemble everything below them, and nothing imports them but each other.
-APPS = {"demo", "bench", "analyze", "local_cli", "cli", "__init__", "__main__"}
+APPS = {"apps", "__init__", "__main__"}
 
 
 def imports_of(path: Path) -> set[str]:

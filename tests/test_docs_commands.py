@@ -20,7 +20,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from flipsync.cli import app
+from flipsync.apps.cli import app
 
 try:  # typer >= 0.20 vendors click
     from typer._click.exceptions import ClickException

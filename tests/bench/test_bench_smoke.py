@@ -7,15 +7,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.bench import board, codec, fused, gateway, scaling, sidecar, trainer
-from flipsync.bench import verl as verl_bench
-from flipsync.bench.all import machine, versions
-from flipsync.bench.crossregion import measure, race
-from flipsync.bench.crossregion.costs import CostModel, extrapolate, fit_line
-from flipsync.bench.crossregion.trained import FMT, Trained, same_bits
-from flipsync.cli import app
+from flipsync.apps.bench import board, codec, fused, gateway, scaling, sidecar, trainer
+from flipsync.apps.bench import verl as verl_bench
+from flipsync.apps.bench.all import machine, versions
+from flipsync.apps.bench.crossregion import measure, race
+from flipsync.apps.bench.crossregion.costs import CostModel, extrapolate, fit_line
+from flipsync.apps.bench.crossregion.trained import FMT, Trained, same_bits
+from flipsync.apps.cli import app
+from flipsync.apps.synthetic import Shape
 from flipsync.formats import served_view
-from flipsync.synthetic import Shape
 
 RATE = 50e6  # bytes/s: fast enough that the test takes milliseconds per transfer
 

@@ -7,7 +7,7 @@ import io
 import pytest
 from rich.console import Console
 
-from flipsync.bench.board import run
+from flipsync.apps.bench.board import run
 
 
 @pytest.mark.network_services

@@ -7,9 +7,9 @@ import io
 import pytest
 from rich.console import Console
 
-from flipsync.bench import codec as codec_bench
-from flipsync.bench.peers import PEER_KEYS
-from flipsync.synthetic import Shape, llm_like_masters
+from flipsync.apps.bench import codec as codec_bench
+from flipsync.apps.bench.peers import PEER_KEYS
+from flipsync.apps.synthetic import Shape, llm_like_masters
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_terminal_tables_fit_100_columns(quick_report: codec_bench.CodecReport) 
 def test_muon_rows_and_contexts_on_real_weights(monkeypatch: pytest.MonkeyPatch) -> None:
     """With real weights (here stand-ins: the quick workload under a real model's name) the bench adds Muon rows
     and measures the position contexts of their BF16 views."""
-    from flipsync.bench import codec
+    from flipsync.apps.bench import codec
 
     fake = llm_like_masters(Shape(hidden=128, intermediate=256, layers=1, vocab=512))
     monkeypatch.setattr(codec, "real_masters", lambda: iter([("all-MiniLM-L6-v2", fake)]))

@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from flipsync.bench import fused
-from flipsync.synthetic import Shape
+from flipsync.apps.bench import fused
+from flipsync.apps.synthetic import Shape
 
 
 def test_fused_bench_reports_every_method_and_phase() -> None:

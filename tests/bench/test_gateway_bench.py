@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flipsync.bench import gateway
+from flipsync.apps.bench import gateway
 
 
 def test_the_s3_arithmetic() -> None:
@@ -20,7 +20,7 @@ def test_the_s3_arithmetic() -> None:
 
 
 def test_membership_scans_read_only_what_changed() -> None:
-    from flipsync.bench.board import local_s3
+    from flipsync.apps.bench.board import local_s3
 
     with local_s3() as make_s3:
         if make_s3 is None:

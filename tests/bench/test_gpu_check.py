@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from flipsync.bench import gpu
+from flipsync.apps.bench import gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 

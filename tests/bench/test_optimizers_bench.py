@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from flipsync.bench import optimizers
+from flipsync.apps.bench import optimizers
 
 
 def test_bench_optimizers_quick(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""The peers' encodings as they ship (`flipsync.bench.peers`): each decodes back bit for bit, on any view, and
+"""The peers' encodings as they ship (`flipsync.apps.bench.peers`): each decodes back bit for bit, on any view, and
 writes the layout its system writes."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flipsync.bench import peers
+from flipsync.apps.bench import peers
 from tests.strategies import edit, random_tensor, same_bits, view_pairs
 
 PEER = {p.key: p for p in peers.PEERS}
@@ -165,7 +165,7 @@ CHECK = """
 import json, sys, torch
 from vllm.distributed.weight_transfer.sparse_nccl_engine import (
     SparseNCCLTrainerWeightTransferEngine, SparseNCCLWeightTransferUpdateInfo, SparseWeightPatch)
-from flipsync.bench import peers
+from flipsync.apps.bench import peers
 old = {"w": torch.zeros(6, 7, dtype=torch.bfloat16), "s": torch.zeros(3)}
 new = {k: v.clone() for k, v in old.items()}
 new["w"][2, 3] = 1.0; new["s"][1] = 4.0

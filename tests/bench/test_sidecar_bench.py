@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from flipsync.bench import sidecar as bench
+from flipsync.apps.bench import sidecar as bench
 
 
 def test_bench_measures_pause_against_patch_size() -> None:

@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from flipsync.bench import trainer
+from flipsync.apps.bench import trainer
 
 
 def test_bench_reports_added_time_and_peak_memory() -> None:

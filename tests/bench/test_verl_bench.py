@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from flipsync.bench import verl as verl_bench
-from flipsync.synthetic import Shape
+from flipsync.apps.bench import verl as verl_bench
+from flipsync.apps.synthetic import Shape
 
 
 def test_verl_bench_counts_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:

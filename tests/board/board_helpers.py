@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from flipsync.board.reader import Step
-from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.writer import BoardWriter
+from flipsync.stores import ObstoreStore, StoreOptions, open_store
 
 AZURITE_ACCOUNT = "devstoreaccount1"
 # The well-known Azurite development key (public, documented by Microsoft).

@@ -39,7 +39,7 @@ from board_helpers import (
     wait_for_port,
 )
 
-from flipsync.board.store import ObstoreStore, open_store
+from flipsync.stores import ObstoreStore, open_store
 
 StoreFactory = Callable[[], ObstoreStore]
 

@@ -14,10 +14,10 @@ from flipsync.board.ahead import FetchAhead
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader, PatchStep
 from flipsync.board.retention import RetentionPolicy, collect_garbage
-from flipsync.board.store import ObstoreStore, StoreWrapper
 from flipsync.board.writer import BoardWriter
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import IntegrityError, StoreError
+from flipsync.stores import ObstoreStore, StoreWrapper
 
 L = RunLayout("run")
 

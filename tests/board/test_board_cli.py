@@ -9,8 +9,8 @@ import typer
 from board_helpers import build_run
 from typer.testing import CliRunner
 
-from flipsync.board.cli import board_app, keygen
-from flipsync.board.store import open_store
+from flipsync.apps.board_cli import board_app, keygen
+from flipsync.stores import open_store
 
 runner = CliRunner(env={"COLUMNS": "220"})
 

@@ -11,8 +11,8 @@ from board_helpers import Recorder, SilentS3, backend_params, build_run, fp, pat
 from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader, Step
-from flipsync.board.store import ObstoreStore
 from flipsync.errors import BoardError, IntegrityError, StoreError
+from flipsync.stores import ObstoreStore
 
 L = RunLayout("run")
 

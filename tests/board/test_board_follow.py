@@ -10,9 +10,9 @@ from board_helpers import Recorder, build_run, fp, small_view
 
 from flipsync.board.follow import Follower, Replan
 from flipsync.board.reader import BoardReader, Step
-from flipsync.board.store import ObstoreStore
 from flipsync.domain.manifest import Manifest
 from flipsync.errors import UnusableArtifactError
+from flipsync.stores import ObstoreStore
 
 
 def test_an_unusable_patch_stays_excluded_across_passes_until_a_way_past_it(store: ObstoreStore) -> None:

@@ -14,9 +14,9 @@ from safetensors.torch import load_file
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files, plan_shards, tensors_from_files
 from flipsync.board.reader import BoardReader, load_keyframe
-from flipsync.board.store import ObstoreStore
 from flipsync.board.writer import BoardWriter
 from flipsync.errors import ConfigError, IntegrityError
+from flipsync.stores import ObstoreStore
 
 
 def view() -> dict[str, torch.Tensor]:

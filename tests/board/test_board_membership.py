@@ -13,9 +13,9 @@ import pytest
 
 from flipsync.board.membership import MemberReader, MemberWriter
 from flipsync.board.signing import Signer, Verifier, generate_keypair
-from flipsync.board.store import ObstoreStore, Store, StoreWrapper
 from flipsync.domain.fleet import MemberRecord
 from flipsync.errors import IntegrityError
+from flipsync.stores import ObstoreStore, Store, StoreWrapper
 
 NOW = datetime.now(UTC)
 

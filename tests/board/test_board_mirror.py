@@ -20,10 +20,10 @@ from board_helpers import make_s3_store
 from flipsync.board import KeyframePolicy
 from flipsync.board.layout import MANIFEST
 from flipsync.board.mirror import MirrorCollector, MirrorPolicy, MirrorStore
-from flipsync.board.store import ObstoreStore, open_store
 from flipsync.codec.bits import int_view
 from flipsync.errors import ConfigError, StoreError
 from flipsync.formats import served_view
+from flipsync.stores import ObstoreStore, open_store
 from flipsync.trainer import Publisher, PublisherConfig
 from tests.trainer.trainer_helpers import Replica as CodecReplica
 

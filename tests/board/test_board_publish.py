@@ -15,10 +15,10 @@ from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
 from flipsync.board.signing import Signer, Verifier, generate_keypair
-from flipsync.board.store import ObstoreStore, StoreWrapper
 from flipsync.board.writer import BoardWriter
 from flipsync.domain.manifest import Kind, Manifest, Part
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+from flipsync.stores import ObstoreStore, StoreWrapper
 
 ALL = backend_params()
 

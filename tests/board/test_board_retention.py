@@ -11,9 +11,9 @@ from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader
 from flipsync.board.retention import RetentionPolicy, collect_garbage
-from flipsync.board.store import ObstoreStore
 from flipsync.board.writer import BoardWriter
 from flipsync.errors import ConfigError
+from flipsync.stores import ObstoreStore
 
 L = RunLayout("run")
 

@@ -14,8 +14,8 @@ from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier, generate_keypair, public_key_path, write_keypair
-from flipsync.board.store import ObstoreStore
 from flipsync.errors import ConfigError, IntegrityError
+from flipsync.stores import ObstoreStore
 
 L = RunLayout("run")
 

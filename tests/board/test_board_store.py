@@ -15,7 +15,6 @@ import pytest
 from board_helpers import S3_CREDS, SilentS3, backend_params, fast_options, free_port
 from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
 
-from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.errors import (
     ConfigError,
     ConflictError,
@@ -24,6 +23,7 @@ from flipsync.errors import (
     StoreError,
     TransientStoreError,
 )
+from flipsync.stores import ObstoreStore, StoreOptions, open_store
 
 MiB = 1 << 20
 

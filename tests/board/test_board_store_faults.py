@@ -44,10 +44,10 @@ from fault_proxy import SERVER_BUSY, SLOW_DOWN, TOO_MANY, FaultProxy, Rule
 from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader
-from flipsync.board.store import ObstoreStore, StoreOptions, open_store
-from flipsync.board.store_errors import describe_failure
 from flipsync.board.writer import BoardWriter
 from flipsync.errors import NotFoundError, PermanentStoreError, TransientStoreError
+from flipsync.stores import ObstoreStore, StoreOptions, open_store
+from flipsync.stores.errors import describe_failure
 from tests.store_faults import full_filesystem, immutable, read_only
 
 L = RunLayout("run")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from flipsync.board.store import Store, open_store
 from flipsync.board.throttle import ThrottledStore, parse_bandwidth
 from flipsync.errors import ConfigError
+from flipsync.stores import Store, open_store
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.console import Console
 
-from flipsync.demo.run import DemoConfig, DemoReport, run_demo
+from flipsync.apps.demo.run import DemoConfig, DemoReport, run_demo
 
 
 def run_short_demo(out: Path, **over: Any) -> DemoReport:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from flipsync.cli import app
-from flipsync.demo.run import CONTROL, summary_lines, write_outputs
+from flipsync.apps.cli import app
+from flipsync.apps.demo.run import CONTROL, summary_lines, write_outputs
 from tests.demo.demo_helpers import run_short_demo
 
 FLIPSYNC = ("island-0", "island-1")
@@ -102,7 +102,7 @@ def test_short_demo_on_a_mixture_of_experts(tmp_path: Path) -> None:
 def test_short_demo_under_muon(tmp_path: Path) -> None:
     """The same run with Muon on the hidden matrices: the islands still end bitwise equal, and the report says
     which optimizer moved the weights, so two runs can be put side by side (``flipsync demo --compare``)."""
-    from flipsync.demo.summary import comparison
+    from flipsync.apps.demo.summary import comparison
 
     report = run_short_demo(tmp_path, islands=1, optimizer="muon")
     assert report.bitwise_equal == {"island-0": True}

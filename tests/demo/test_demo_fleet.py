@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from flipsync.demo.fleet import fleet_lines
-from flipsync.demo.run import CONTROL, write_outputs
+from flipsync.apps.demo.fleet import fleet_lines
+from flipsync.apps.demo.run import CONTROL, write_outputs
 from tests.demo.demo_helpers import run_short_demo
 
 

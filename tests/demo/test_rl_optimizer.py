@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flipsync.demo.grpo import rl_optimizer
-from flipsync.demo.model import demo_config
+from flipsync.apps.demo.grpo import rl_optimizer
+from flipsync.apps.demo.model import demo_config
 from flipsync.engines.torch.models import build_model
 from flipsync.errors import ConfigError
 
@@ -46,7 +46,7 @@ def test_a_model_without_a_head_is_refused() -> None:
 
 
 def test_muon_moves_the_hidden_matrices_and_adamw_the_rest() -> None:
-    from flipsync.synthetic import Combined, OptimizerSpec
+    from flipsync.apps.synthetic import Combined, OptimizerSpec
 
     model = _model()
     opt = rl_optimizer(model, 3e-5, head_lr_scale=10.0, optimizer=OptimizerSpec("muon"))
@@ -74,7 +74,7 @@ def test_muon_moves_the_hidden_matrices_and_adamw_the_rest() -> None:
 
 
 def test_unknown_optimizer_fails_before_the_warm_start(tmp_path: Path) -> None:
-    from flipsync.demo.run import DemoConfig, run_demo
+    from flipsync.apps.demo.run import DemoConfig, run_demo
 
     with pytest.raises(ConfigError, match="unknown optimizer"):
         run_demo(DemoConfig(model="llama-1m", optimizer="lion", out=tmp_path), None)  # type: ignore[arg-type]

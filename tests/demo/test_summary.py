@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.demo.run import CONTROL, DemoConfig, IslandStep, StepRecord, VersionRow
-from flipsync.demo.summary import (
+from flipsync.apps.demo.run import CONTROL, DemoConfig, IslandStep, StepRecord, VersionRow
+from flipsync.apps.demo.summary import (
     CLEAR,
     bytes_verdict,
     comparison,

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from flipsync.board.store import ObstoreStore, open_store
+from flipsync.stores import ObstoreStore, open_store
 from tests.fleet.fleet_helpers import GatewayFactory, MemberFactory, Members, make_gateways
 from tests.sidecar.sidecar_helpers import FAST, Trainer
 

@@ -10,7 +10,6 @@ import httpx
 from fastapi import FastAPI, Request
 
 from flipsync.board.signing import Signer, Verifier
-from flipsync.board.store import ObstoreStore, open_store
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.fleet.gateway import Gateway, GatewayConfig
@@ -19,6 +18,7 @@ from flipsync.serving import ServerThread
 from flipsync.sidecar.heartbeat import MembershipConfig
 from flipsync.sidecar.proxy import ProxyConfig
 from flipsync.sidecar.service import Sidecar
+from flipsync.stores import ObstoreStore, open_store
 from tests.sidecar.sidecar_helpers import FAST, fast_replica, tiny_engine
 
 # Fast beats: records change within a fraction of a second, and a dead replica expires in under two.

@@ -15,10 +15,10 @@ import pytest
 
 from flipsync.board.membership import MemberWriter
 from flipsync.board.signing import Signer, Verifier, generate_keypair
-from flipsync.board.store import ObstoreStore
 from flipsync.domain.fleet import MemberRecord
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.fleet.pool import StaticPool
+from flipsync.stores import ObstoreStore
 from flipsync.trainer import MultiFormatPublisher, PublisherConfig
 from tests.fleet.fleet_helpers import GatewayFactory, MemberFactory, impostor
 from tests.sidecar.sidecar_helpers import Trainer, tiny_masters, wait_until

@@ -57,7 +57,6 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
     from flipsync.board.keyframes import INDEX_NAME, shard_name, tensors_from_files
     from flipsync.board.layout import RunLayout
     from flipsync.board.signing import Signer, Verifier
-    from flipsync.board.store import ObstoreStore
     from flipsync.codec import Patch, apply_patch
     from flipsync.codec.class_index import BaseBits, ClassIndex
     from flipsync.codec.container import CONTAINER_FORMAT, CONTAINER_KEY, HEADER_TENSOR
@@ -74,6 +73,7 @@ with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if
         IntegrityError,
         PatchError,
     )
+    from flipsync.stores import ObstoreStore
 
 SEPARATOR = b"\x00"
 Target = Callable[[bytes], None]

@@ -20,10 +20,10 @@ from safetensors.torch import save
 from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import INDEX_NAME, parse_index, shard_name, tensors_from_files
 from flipsync.board.signing import Signer, Verifier
-from flipsync.board.store import ObstoreStore
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Manifest
 from flipsync.errors import ConfigError, CorruptPatchError, IntegrityError
+from flipsync.stores import ObstoreStore
 from tests.fuzz import seeds, targets
 
 ROOT = Path(__file__).resolve().parents[2]

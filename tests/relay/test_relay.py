@@ -12,13 +12,12 @@ import pytest
 
 from flipsync.board import BoardReader
 from flipsync.board.layout import RunLayout
-from flipsync.board.store import ObjectInfo, ObstoreStore, StoreWrapper
 from flipsync.errors import NotFoundError, PermanentStoreError, StoreError, TransientStoreError
-from flipsync.relay.client import HttpStore, is_relay_url, open_board
 from flipsync.relay.server import RelayCache, RelayConfig, create_relay_app
 from flipsync.serving import ServerThread
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica
+from flipsync.stores import HttpStore, ObjectInfo, ObstoreStore, StoreWrapper, is_relay_url, open_store
 from tests.sidecar.sidecar_helpers import FlakyStore, Trainer, fast_replica, same_bits, tiny_engine, wait_until
 
 FAST_CONFIG = RelayConfig(hint_ttl_s=0.3, listing_ttl_s=0.3, negative_ttl_s=0.2, watch_interval_s=0.02)
@@ -172,7 +171,7 @@ def test_open_board_picks_the_relay_for_plain_http() -> None:
     assert is_relay_url("http://10.0.0.5:8200")
     assert not is_relay_url("https://acct.r2.cloudflarestorage.com/bucket")
     assert not is_relay_url("s3://bucket/board")
-    store = open_board("http://127.0.0.1:9")
+    store = open_store("http://127.0.0.1:9")
     assert isinstance(store, HttpStore)
     store.close()
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flipsync.board.store import ObjectInfo, Store
 from flipsync.errors import StoreError
+from flipsync.stores import ObjectInfo, Store
 
 
 @dataclass

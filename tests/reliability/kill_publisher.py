@@ -10,10 +10,10 @@ import sys
 
 import torch
 
-from flipsync.board.store import open_store
 from flipsync.board.writer import BoardWriter
 from flipsync.codec import diff_views
 from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.stores import open_store
 
 
 def view_of(k: int) -> dict[str, torch.Tensor]:

@@ -37,7 +37,6 @@ from fastapi import FastAPI, Response
 from safetensors.torch import save
 
 from flipsync.board.reader import BoardReader, Step
-from flipsync.board.store import open_store
 from flipsync.codec import Patch, apply_patch, diff_views
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine
@@ -49,6 +48,7 @@ from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
+from flipsync.stores import open_store
 
 log = logging.getLogger("kill_sidecar")
 

@@ -21,11 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from obstore.store import MemoryStore
 from typer.testing import CliRunner
 
+from flipsync.apps.cli import app
 from flipsync.board.ahead import FetchAhead
-from flipsync.board.store import ObstoreStore, StoreOptions, open_store
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
-from flipsync.cli import app
 from flipsync.codec import Patch, apply_patch
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.codec.streams import decode_symbols
@@ -39,6 +38,7 @@ from flipsync.errors import (
     TransientStoreError,
 )
 from flipsync.formats import served_view
+from flipsync.stores import ObstoreStore, StoreOptions, open_store
 from flipsync.trainer.commit import PartStream
 
 runner = CliRunner(env={"COLUMNS": "400"})

@@ -30,11 +30,11 @@ import pytest
 import torch
 
 from flipsync.board.reader import BoardReader
-from flipsync.board.store import open_store
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import FlipsyncError
 from flipsync.formats import served_view
 from flipsync.sidecar.replica import Replica
+from flipsync.stores import open_store
 from flipsync.trainer import Publisher as TrainerPublisher
 from flipsync.trainer import PublisherConfig
 from tests.reliability.faults import FaultRates, FaultyStore

@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 import pytest
 
-from flipsync.board.store import open_store
 from flipsync.domain.manifest import utc_now_iso
+from flipsync.stores import open_store
 from tests.sidecar.sidecar_helpers import FAST, Trainer
 
 openai = pytest.importorskip("openai")
@@ -76,7 +76,7 @@ class Replica:
 
     def start(self) -> Replica:
         cmd = [
-            *(sys.executable, "-m", "flipsync.sidecar.cli", "sidecar", "--board", self.board, "--run", "run"),
+            *(sys.executable, "-m", "flipsync.apps.sidecar_cli", "sidecar", "--board", self.board, "--run", "run"),
             *("--listen", f"127.0.0.1:{self.port}", "--public-url", self.url, "--island", self.name),
             *("--threads", "1", "--poll", "0.1", "--heartbeat", "0.3", "--member-ttl", "2"),
             *("--max-concurrency", "4", "--exit-timeout", "30"),
@@ -234,7 +234,7 @@ def test_kill_restart_drain_and_join_under_load(tmp_path: Path) -> None:
     gw_log = (tmp_path / "gateway.log").open("wb")
     gw = subprocess.Popen(
         [
-            *(sys.executable, "-m", "flipsync.fleet.cli", "gateway", "--board", board),
+            *(sys.executable, "-m", "flipsync.apps.gateway_cli", "gateway", "--board", board),
             *("--listen", f"127.0.0.1:{gateway_port}", "--max-lag", str(MAX_LAG), "--hold", "20", "--refresh", "0.2"),
         ],
         stdout=gw_log,

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import torch
 
-from flipsync.board.store import ObstoreStore, open_store
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.openai_server import create_engine_app
@@ -22,6 +21,7 @@ from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import ProxyConfig
 from flipsync.sidecar.service import Sidecar
+from flipsync.stores import ObstoreStore, open_store
 from tests.sidecar.sidecar_helpers import FAST, Stack, StackFactory, Trainer, fast_replica, tiny_engine
 
 

@@ -16,7 +16,6 @@ import httpx
 import torch
 
 from flipsync.board.signing import Signer
-from flipsync.board.store import ObjectInfo, Store, StoreOptions
 from flipsync.board.writer import BoardWriter
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.bits import int_view
@@ -31,6 +30,7 @@ from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.sidecar.service import Sidecar
+from flipsync.stores import ObjectInfo, Store, StoreOptions
 
 TINY = preset_config("tiny", max_positions=256)
 

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from flipsync.board import BoardReader, BoardWriter
-from flipsync.board.store import ObstoreStore
 from flipsync.codec import diff_views
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine
@@ -22,6 +21,7 @@ from flipsync.engines.vllm.wire import PROTOCOL
 from flipsync.errors import BaseMismatchError
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica, ReplicaConfig
+from flipsync.stores import ObstoreStore
 from tests.engines.fake_vllm import boot, checkpoint, held_view, step
 from tests.sidecar.sidecar_helpers import FaultyEngine, Trainer, fast_replica, same_bits, tiny_engine
 

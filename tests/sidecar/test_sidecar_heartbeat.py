@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from flipsync.board.membership import MemberReader
-from flipsync.board.store import ObstoreStore
 from flipsync.errors import ConfigError
 from flipsync.sidecar.heartbeat import MembershipConfig
+from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import FlakyStore, StackFactory, Trainer, wait_until
 
 

@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
+from flipsync.apps.sidecar_cli import sidecar_app
 from flipsync.board.mirror import MirrorPolicy, MirrorStore
-from flipsync.board.store import ObstoreStore, open_store
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.serving import ServerThread
-from flipsync.sidecar.cli import sidecar_app
 from flipsync.sidecar.service import Sidecar
+from flipsync.stores import ObstoreStore, open_store
 from tests.sidecar.sidecar_helpers import FAST, Trainer, fast_replica, stop_process, tiny_engine, wait_until
 
 
@@ -85,7 +85,9 @@ def test_sidecar_cli_follows_a_mirror_that_lacks_every_part(
     log = tmp_path / "sidecar.log"
     with log.open("wb") as out:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, "-m", "flipsync.sidecar.cli", *args], stdout=out, stderr=out, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flipsync.apps.sidecar_cli", *args], stdout=out, stderr=out, env=env
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

@@ -10,11 +10,11 @@ import pytest
 
 from flipsync.board import BoardReader, BoardWriter, Signer, Verifier, generate_keypair, open_store
 from flipsync.board.layout import RunLayout
-from flipsync.board.store import ObstoreStore
 from flipsync.engines.base import Engine
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.replica import Replica, State
+from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import (
     FAST,
     FaultyEngine,

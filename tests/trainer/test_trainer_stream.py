@@ -25,13 +25,13 @@ from trainer_helpers import (
 
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
-from flipsync.board.store import Store
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.container import OWN_TENSOR_BYTES, PatchFileWriter
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import CorruptPatchError, StoreError
 from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
+from flipsync.stores import Store
 from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.commit import PartStream
 

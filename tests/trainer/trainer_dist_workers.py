@@ -177,8 +177,8 @@ def dying_rank(rank: int, out_dir: str, board: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from flipsync.board import open_store
-    from flipsync.board.store import Store
     from flipsync.errors import BoardError
+    from flipsync.stores import Store
     from flipsync.trainer import Publisher, PublisherConfig
 
     model = tiny_llama()

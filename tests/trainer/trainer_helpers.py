@@ -10,13 +10,13 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
-from flipsync.board.store import Store
 from flipsync.codec import apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, TransientStoreError
 from flipsync.formats import served_view
 from flipsync.sidecar.commit import join_step
+from flipsync.stores import Store
 
 
 def tiny_llama(

@@ -14,8 +14,8 @@ from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, Step, load_keyframe
 from flipsync.board.retention import GcReport, RetentionPolicy, collect_garbage
 from flipsync.board.signing import Signer, Verifier, generate_keypair, write_keypair
-from flipsync.board.store import ObjectInfo, ObstoreStore, Store, StoreOptions, open_store
 from flipsync.board.writer import BoardWriter
+from flipsync.stores import ObjectInfo, ObstoreStore, Store, StoreOptions, open_store
 
 __all__ = [
     "INDEX_NAME",

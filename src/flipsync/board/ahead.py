@@ -22,8 +22,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from flipsync.board.layout import MANIFEST
-from flipsync.board.store import Store, StoreWrapper, WaitingStore
 from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
+from flipsync.stores import Store, StoreWrapper, WaitingStore
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ import blake3
 
 from flipsync.board.layout import RunLayout, parse_span_name, parse_version_name
 from flipsync.board.signing import Verifier
-from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part
 from flipsync.errors import IntegrityError, NotFoundError
+from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
 

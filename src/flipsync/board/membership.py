@@ -22,9 +22,9 @@ from datetime import UTC, datetime
 
 from flipsync.board.layout import RUNS, RunLayout
 from flipsync.board.signing import Signer, Verifier
-from flipsync.board.store import ObjectInfo, Store
 from flipsync.domain.fleet import MAX_RECORD_BYTES, MemberRecord, liveness
 from flipsync.errors import FlipsyncError, IntegrityError, NotFoundError
+from flipsync.stores import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
 

@@ -53,9 +53,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flipsync.board.layout import LATEST, MANIFEST
-from flipsync.board.store import ObjectInfo, Store, StoreWrapper
 from flipsync.domain.manifest import Manifest, parse_time
 from flipsync.errors import ConfigError, IntegrityError, NotFoundError, TransientStoreError
+from flipsync.stores import ObjectInfo, Store, StoreWrapper
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -5,7 +5,7 @@ creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``
 someone else's manifest is there: our parts are unreferenced and removed, and a version's publisher is fenced
 off, while an extra keyframe or span that someone published with the same end views is theirs to return
 (idempotent). A create is tried once here (the store retries transient failures within its bounds, see
-`flipsync.board.store`); one that failed transiently may still have landed, so it is read back, and never
+`flipsync.stores.object_store`); one that failed transiently may still have landed, so it is read back, and never
 followed by deleting parts. A permanent refusal (`PermanentStoreError`) is raised at once.
 `flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
 """
@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from flipsync.board.catalog import content_hash
 from flipsync.board.layout import MANIFEST, new_attempt_id
 from flipsync.board.signing import Signer
-from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part, utc_now_iso
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, PermanentStoreError, StoreError
+from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
 

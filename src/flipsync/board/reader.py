@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import INDEX_NAME, tensors_from_files
 from flipsync.board.signing import Verifier
-from flipsync.board.store import Store, WaitingStore
 from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import BoardError, IntegrityError, NotFoundError
+from flipsync.stores import Store, WaitingStore
 
 if TYPE_CHECKING:
     import torch

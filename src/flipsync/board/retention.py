@@ -19,9 +19,9 @@ from datetime import UTC, datetime, timedelta
 
 from flipsync.board.catalog import Catalog
 from flipsync.board.layout import MANIFEST, MEMBERS, parse_span_name, parse_version_name
-from flipsync.board.store import ObjectInfo, Store
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import ConfigError, IntegrityError, NotFoundError
+from flipsync.stores import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
 

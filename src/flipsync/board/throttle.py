@@ -12,8 +12,8 @@ import re
 import threading
 import time
 
-from flipsync.board.store import Store, StoreWrapper
 from flipsync.errors import ConfigError
+from flipsync.stores import Store, StoreWrapper
 
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 

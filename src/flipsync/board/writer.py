@@ -37,9 +37,9 @@ from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import DEFAULT_MAX_SHARD_BYTES, iter_keyframe_files
 from flipsync.board.protocol import ArtifactWriter, Meta
 from flipsync.board.signing import Signer
-from flipsync.board.store import Store
 from flipsync.domain.manifest import Kind, Manifest, Part, check_name, utc_now_iso
 from flipsync.errors import BoardError, ConflictError, IntegrityError, NotFoundError, StoreError
+from flipsync.stores import Store
 
 if TYPE_CHECKING:
     import torch

@@ -30,7 +30,6 @@ import httpx
 from flipsync.board.membership import MemberReader, Rejected
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
-from flipsync.board.store import Store
 from flipsync.domain.fleet import (
     MEMBER_STATES,
     MemberRecord,
@@ -41,6 +40,7 @@ from flipsync.domain.fleet import (
 )
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
 

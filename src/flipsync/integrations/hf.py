@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from flipsync.board.store import Store
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.stores import Store
 from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.rounds import Published
 

@@ -20,19 +20,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from flipsync.board import BoardReader, Follower, KeyframeStep, PatchStep, Step
-from flipsync.board.store import Store, StoreOptions, open_store
 from flipsync.codec import ClassIndex, commit, stage
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, ConfigError, VerificationError
 from flipsync.sidecar.commit import join_step
+from flipsync.stores import Store, StoreOptions, open_store
 from flipsync.trainer import Publisher, PublisherConfig, SoloGroup
 from flipsync.trainer.rounds import Published
 
 log = logging.getLogger(__name__)
-
-
-def open_board(board: str | os.PathLike[str] | Store, options: StoreOptions | None = None) -> Store:
-    return board if isinstance(board, Store) else open_store(board, options)
 
 
 class StepPublisher:
@@ -60,7 +56,7 @@ class StepPublisher:
         if not run:
             raise ConfigError("name the run (run=...): the trainer and the rollout side must agree on it")
         self.config = config or PublisherConfig()
-        self.store = open_board(board, self.config.store_options)
+        self.store = open_store(board, self.config.store_options)
         self.run = run
         self.format = format
         self.resume = resume
@@ -144,7 +140,7 @@ class HostReplica:
     ) -> None:
         if not run:
             raise ConfigError("name the run (run=...): the trainer and the rollout side must agree on it")
-        self.store = open_board(board, store_options)
+        self.store = open_store(board, store_options)
         self.run = run
         self.reader = BoardReader(self.store, run)
         self.follower = Follower(self.reader)

@@ -141,7 +141,7 @@ class RolloutClient:
             if islands.startswith(("http://", "https://")):  # a gateway (or one proxy)
                 islands = [islands]
             else:  # a board: its member records name the replicas
-                from flipsync.board.store import open_store
+                from flipsync.stores import open_store
 
                 self.pool = BoardPool(open_store(islands))
                 islands = []

@@ -38,9 +38,9 @@ import torch
 import xxhash
 import zstandard
 
-from flipsync.board.store import Store
 from flipsync.errors import ConfigError, IntegrityError
 from flipsync.integrations.named import StepPublisher
+from flipsync.stores import Store
 from flipsync.trainer import PublisherConfig
 from flipsync.trainer.rounds import Published
 

@@ -38,9 +38,9 @@ import httpx
 import torch
 from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
 
-from flipsync.board.store import StoreOptions
 from flipsync.errors import BoardError, ConfigError
 from flipsync.integrations.named import HostReplica, StepPublisher
+from flipsync.stores import StoreOptions
 from flipsync.trainer import PublisherConfig
 
 log = logging.getLogger(__name__)

@@ -42,9 +42,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from flipsync.board.layout import LATEST, MANIFEST, parse_version_name
-from flipsync.board.store import ObjectInfo, Store
 from flipsync.errors import ConfigError, FlipsyncError, NotFoundError, PermanentStoreError
-from flipsync.relay.client import STORE_ERROR_DETAIL_HEADER, STORE_ERROR_HEADER
+from flipsync.stores import ObjectInfo, Store
+from flipsync.stores.http import STORE_ERROR_DETAIL_HEADER, STORE_ERROR_HEADER
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -358,7 +358,7 @@ def _parse_range(header: str, size: int) -> tuple[int, int] | None:
 
 
 def create_relay_app(cache: RelayCache) -> FastAPI:
-    """The relay's HTTP API (see ``flipsync.relay.client`` for the client side)."""
+    """The relay's HTTP API (see ``flipsync.stores.http`` for the client side)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

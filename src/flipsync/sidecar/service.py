@@ -23,7 +23,6 @@ from flipsync.board.membership import MemberWriter
 from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier
-from flipsync.board.store import Store
 from flipsync.engines.base import Engine
 from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.torch.engine import TorchEngine
@@ -38,6 +37,7 @@ from flipsync.sidecar.heartbeat import Heartbeat, MembershipConfig
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
+from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
 

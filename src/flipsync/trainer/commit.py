@@ -22,9 +22,9 @@ from concurrent.futures import Executor, Future, wait
 
 import blake3
 
-from flipsync.board.store import Store
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
+from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ import torch
 
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.signing import Signer
-from flipsync.board.store import StoreOptions
 from flipsync.errors import ConfigError
 from flipsync.formats.view import FusedGroups
+from flipsync.stores import StoreOptions
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from flipsync.trainer.pieces import KeepFn
 from flipsync.trainer.staging import KeepOn

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 import torch
 
-from flipsync.board.store import Store, open_store
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import get_format
+from flipsync.stores import Store, open_store
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.pieces import Inputs, StateSource
 from flipsync.trainer.publisher import Publisher, PublisherStats
@@ -53,7 +53,7 @@ class MultiFormatPublisher:
         if len(set(names)) != len(names):
             raise ConfigError(f"each served format once, not {list(formats)}")
         cfg = replace(config or PublisherConfig(), squash=False)
-        store = board if isinstance(board, Store) else open_store(board, cfg.store_options)
+        store = open_store(board, cfg.store_options)
         base = run or new_run_name()
         self.publishers: dict[str, Publisher] = {}
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []

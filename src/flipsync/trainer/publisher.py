@@ -30,13 +30,13 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardWriter
-from flipsync.board.store import Store, open_store
 from flipsync.codec import DiffEngine
 from flipsync.codec.bits import dtype_named
 from flipsync.codec.fingerprint import Hasher
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
+from flipsync.stores import Store, open_store
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.feed import ViewFeed
 from flipsync.trainer.group import Group, make_group
@@ -108,7 +108,7 @@ class Publisher:
         self._closed = False
         self._reported: BaseException | None = None
         self._hooks: list[Any] = []
-        self.store = board if isinstance(board, Store) else open_store(board, cfg.store_options)
+        self.store = open_store(board, cfg.store_options)
         self.group: Group = group or make_group(cfg.timeout_s)
         self.run = check_name(self.group.broadcast(run or new_run_name(), "the run name"), "run name")
         self.feed = ViewFeed(

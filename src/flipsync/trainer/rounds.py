@@ -37,12 +37,12 @@ import torch
 
 from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
-from flipsync.board.store import Store
 from flipsync.codec import Changes, DiffEngine, Patch, PatchEncoder
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorId
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
+from flipsync.stores import Store
 from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
 from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import LocalView, PieceSpec

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader
-from flipsync.board.store import Store
 from flipsync.checkpoint import INDEX_NAME, load_checkpoint
 from flipsync.errors import ConfigError, NotFoundError
+from flipsync.stores import Store
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.publisher import Publisher
 

@@ -1,0 +1,477 @@
+"""The obstore implementation of the Store port (`flipsync.stores.base`).
+
+One client (obstore, the Rust ``object_store``) serves every backend: ``file://`` (the default, plain paths
+too), ``memory://``, ``s3://`` (AWS, and S3-compatible endpoints such as R2 or MinIO), ``gs://`` and
+``az://``. Large objects go up as multipart uploads and come down as parallel range reads; transient errors
+are retried with exponential backoff inside a bounded total time, permanent ones (permission, credentials,
+no bucket, no space) fail at once; every failure surfaces as a ``flipsync.errors`` exception that names the
+object, the cause and what to do (``PermanentStoreError`` or ``TransientStoreError`` for the store's own).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+from urllib.parse import unquote, urlparse
+
+import obstore
+import obstore.exceptions as obx
+from obstore.store import LocalStore, MemoryStore
+
+from flipsync.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PermanentStoreError,
+    StoreError,
+    TransientStoreError,
+)
+from flipsync.stores.errors import (
+    BAD_PATH,
+    BAD_REQUEST,
+    CREDENTIALS,
+    LOCAL_IO,
+    MISSING,
+    NO_BUCKET,
+    NO_SPACE,
+    PERMISSION,
+    SERVER,
+    THROTTLED,
+    UNSUPPORTED,
+    StoreFailure,
+    asks_metadata_service,
+    describe_failure,
+)
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+from flipsync.stores.base import ObjectInfo, Store, StoreOptions
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_WRITES = frozenset({"put", "create", "delete", "fsync"})
+
+# Configuration keys (or environment variables) that give a backend explicit credentials; without any of
+# them obstore would ask a cloud metadata service, which StoreOptions can forbid.
+_EXPLICIT_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "s3": (
+        (
+            "access_key_id",
+            "aws_access_key_id",
+            "skip_signature",
+            "aws_skip_signature",
+            "web_identity_token_file",
+        ),
+        ("AWS_ACCESS_KEY_ID", "AWS_SKIP_SIGNATURE", "AWS_WEB_IDENTITY_TOKEN_FILE"),
+    ),
+    "gs": (
+        (
+            "service_account",
+            "service_account_key",
+            "application_credentials",
+            "bearer_token",
+            "skip_signature",
+        ),
+        (
+            "GOOGLE_SERVICE_ACCOUNT",
+            "GOOGLE_SERVICE_ACCOUNT_PATH",
+            "GOOGLE_SERVICE_ACCOUNT_KEY",
+            "GOOGLE_APPLICATION_CREDENTIALS",
+        ),
+    ),
+    "az": (
+        (
+            "account_key",
+            "access_key",
+            "sas_key",
+            "sas_token",
+            "token",
+            "bearer_token",
+            "client_secret",
+            "federated_token_file",
+            "use_emulator",
+            "skip_signature",
+            "use_azure_cli",
+        ),
+        (
+            "AZURE_STORAGE_ACCOUNT_KEY",
+            "AZURE_STORAGE_ACCESS_KEY",
+            "AZURE_STORAGE_SAS_KEY",
+            "AZURE_STORAGE_TOKEN",
+            "AZURE_CLIENT_SECRET",
+            "AZURE_FEDERATED_TOKEN_FILE",
+            "AZURE_STORAGE_USE_EMULATOR",
+        ),
+    ),
+}
+_CREDENTIAL_HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or --store-option access_key_id=... "
+    "secret_access_key=...), or AWS_SKIP_SIGNATURE=true for a public bucket; for an S3-compatible store (MinIO, "
+    "R2) also set AWS_ENDPOINT_URL or --store-option endpoint=URL",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS (or GOOGLE_SERVICE_ACCOUNT_KEY, or --store-option service_account=PATH)",
+    "az": "set AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_KEY (or --store-option "
+    "account_key=...), or AZURE_STORAGE_USE_EMULATOR=true for Azurite",
+}
+_SCHEMES = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gs",
+    "az": "az",
+    "azure": "az",
+    "abfs": "az",
+    "abfss": "az",
+    "adl": "az",
+}
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:400] if text else type(e).__name__
+
+
+class ObstoreStore(Store):
+    """The Store port over an obstore ``ObjectStore``."""
+
+    def __init__(
+        self,
+        inner: ObjectStore,
+        url: str,
+        options: StoreOptions | None = None,
+        *,
+        cloud: tuple[str, bool, str | None] | None = None,
+    ) -> None:
+        self._inner = inner
+        self._cloud = cloud  # (kind, explicit credentials given, endpoint): for messages that say what is missing
+        self.url = url.rstrip("/") or url
+        self.options = options or StoreOptions()
+        self._pool: ThreadPoolExecutor | None = None
+        self._local_root: Path | None = None  # a local store's root, for fsync
+        if isinstance(inner, LocalStore):
+            self._local_root = Path(inner.prefix or "/")  # without a prefix, paths start at the filesystem root
+
+    def __repr__(self) -> str:
+        return f"ObstoreStore({self.url!r})"
+
+    @property
+    def inner(self) -> ObjectStore:
+        return self._inner
+
+    def _where(self, path: str) -> str:
+        return f"{self.url}/{path}"
+
+    def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
+        """Run one obstore call and translate its failure into a flipsync error that names the object.
+
+        A permanent failure raises PermanentStoreError at once. A transient one that obstore did not retry
+        itself (obstore retries 5xx, 429, dropped connections and timed-out reads and overwrites; a local
+        store retries nothing; a create-only put that timed out may have landed) is tried again here, within
+        the same bounds: at most ``max_retries`` retries in all, none starting after ``retry_timeout_s``.
+        Then TransientStoreError says how often and for how long it was tried.
+        """
+        o = self.options
+        start = time.monotonic()
+        tries = 0
+        delay = o.init_backoff_s
+        while True:
+            try:
+                return fn()
+            except (obx.AlreadyExistsError, obx.PreconditionError, FileExistsError):
+                raise ConflictError(f"{self._where(path)} already exists; it was not overwritten") from None
+            except obx.UnknownConfigurationKeyError as e:
+                raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
+            except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
+                failure = describe_failure(e, creates=op in ("put", "create"), local=self._local_root is not None)
+                if failure.kind == MISSING and op not in ("put", "create"):
+                    raise NotFoundError(f"{self._where(path)} does not exist") from None
+                error: BaseException = e
+            tries += 1 + failure.retried
+            elapsed = time.monotonic() - start
+            if failure.permanent or self._missing_credentials(error):
+                raise PermanentStoreError(self._refused(op, path, failure, error)) from error
+            if failure.retried or tries > o.max_retries or elapsed + delay > o.retry_timeout_s:
+                raise TransientStoreError(self._gave_up(op, path, failure, tries, elapsed)) from error
+            log.warning(
+                "%s %s failed (%s); retrying in %.2f s (try %d of at most %d)",
+                op,
+                self._where(path),
+                failure.cause,
+                delay,
+                tries + 1,
+                o.max_retries + 1,
+            )
+            time.sleep(delay)
+            delay = min(2 * delay, o.max_backoff_s)
+
+    def _missing_credentials(self, e: BaseException) -> bool:
+        """obstore found no credentials and asked a cloud metadata service, which did not answer."""
+        return self._cloud is not None and not self._cloud[1] and asks_metadata_service(e)
+
+    def _refused(self, op: str, path: str, f: StoreFailure, e: BaseException) -> str:
+        """What to tell a user whose request the store refused for good: the cause and what to do."""
+        where = self._where(path)
+        if self._missing_credentials(e):
+            # obstore's own text names the metadata endpoint it fell back to, which helps nobody
+            assert self._cloud is not None
+            kind = self._cloud[0]
+            return (
+                f"{op} {where}: no credentials for the {kind} store (none in the store options or the environment, "
+                f"and no cloud metadata service answered); {_CREDENTIAL_HINTS[kind]}"
+            )
+        write = op in _WRITES
+        local = self._local_root is not None
+        kind = self._cloud[0] if self._cloud is not None else None
+        container = "container" if kind == "az" else "bucket"
+        advice = {
+            PERMISSION: (
+                f"{self._local_root} is not {'writable' if write else 'readable'} by this process (its permissions, "
+                "an immutable file or folder, or a read-only mount): fix that, or use another board"
+                if local
+                else f"these credentials may not {'write' if write else 'read'} it (a bucket or IAM policy denies "
+                f"it): grant them {'write' if write else 'read'} access to the board's {container} and prefix, or "
+                "use other credentials"
+            ),
+            CREDENTIALS: "the store rejected the credentials: check them"
+            + (f" ({_CREDENTIAL_HINTS[kind]})" if kind else ""),
+            NO_BUCKET: f"the {container} of {self.url} does not exist: create it, or fix the board URL",
+            BAD_REQUEST: "the store refused the request as malformed: check the board URL, its region and the "
+            "endpoint in the store options",
+            NO_SPACE: (
+                f"the filesystem holding {self._local_root} is full or over its quota: free space (e.g. "
+                "`flipsync board gc`), or use another board"
+                if local
+                else "the store's quota is used up: raise it or free space (e.g. `flipsync board gc`)"
+            ),
+            UNSUPPORTED: "this store cannot do that operation",
+            BAD_PATH: "the object path cannot be used on this store: check the board URL and the run name",
+            MISSING: f"a folder of the board vanished while it was written: check that nothing removes {self.url}",
+        }.get(f.kind, "waiting will not help: fix the cause")
+        return f"{op} {where} was refused: {f.cause}; {advice}"
+
+    def _gave_up(self, op: str, path: str, f: StoreFailure, tries: int, elapsed: float) -> str:
+        o = self.options
+        if f.kind in (THROTTLED, SERVER):
+            what = "the store is throttling requests" if f.kind == THROTTLED else "the store is failing"
+            advice = f"{what}; try again later, or allow more retries (StoreOptions max_retries, retry_timeout_s)"
+        elif f.kind == LOCAL_IO:
+            advice = f"the filesystem holding {self._local_root} keeps failing: check it"
+        elif self._cloud is not None:
+            _, _, endpoint = self._cloud
+            where = f"endpoint {endpoint}" if endpoint else f"the default {self._cloud[0]} endpoint"
+            advice = f"check that the store is reachable ({where})"
+        else:
+            advice = "check that the store is reachable"
+        return (
+            f"{op} {self._where(path)} failed after {tries} {'try' if tries == 1 else 'tries'} over {elapsed:.1f} s "
+            f"(retried with backoff, at most {o.max_retries} retries within {o.retry_timeout_s:g} s): {f.cause}; "
+            f"{advice}"
+        )
+
+    # -- writes ---------------------------------------------------------------------------------------
+
+    def put(self, path: str, data: bytes | bytearray | memoryview, *, create_only: bool = False) -> None:
+        if create_only:
+            # Conditional puts are single requests (If-None-Match: *); the store decides atomically. A retried
+            # create whose earlier try had landed after all reports ConflictError: read the object to tell.
+            self._call("create", path, lambda: obstore.put(self._inner, path, data, mode="create"))
+            return
+        o = self.options
+        self._call(
+            "put",
+            path,
+            lambda: obstore.put(
+                self._inner,
+                path,
+                data,
+                mode="overwrite",
+                chunk_size=o.multipart_chunk_bytes,
+                max_concurrency=o.multipart_concurrency,
+            ),
+        )
+
+    def delete(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            with contextlib.suppress(NotFoundError):
+                self._call("delete", path, lambda p=path: obstore.delete(self._inner, p))  # type: ignore[misc]
+
+    def make_durable(self, paths: Sequence[str]) -> None:
+        if self._local_root is None:
+            return  # remote stores acknowledge a PUT only once it is durable
+        dirs: set[Path] = set()
+        for path in paths:
+            full = self._local_root / path
+            self._call("fsync", path, lambda f=full: _fsync(f))  # type: ignore[misc]
+            dirs.add(full.parent)
+        for d in dirs:
+            with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory; the file itself is durable
+                _fsync(d)
+
+    # -- reads ----------------------------------------------------------------------------------------
+
+    def get(self, path: str, *, size: int | None = None) -> bytes:
+        chunk = self.options.range_chunk_bytes
+        if size is None or size <= chunk or self.options.max_parallel_reads == 1:
+            return bytes(self._call("get", path, lambda: obstore.get(self._inner, path).bytes()))
+        return self._get_parallel(path, size)
+
+    def _get_parallel(self, path: str, size: int) -> bytes:
+        chunk = self.options.range_chunk_bytes
+        out = bytearray(size)
+        view = memoryview(out)
+        ranges = [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
+
+        def fetch(r: tuple[int, int]) -> None:
+            data = self.get_range(path, r[0], r[1])
+            if len(data) != r[1] - r[0]:
+                raise StoreError(
+                    f"{self._where(path)} is shorter than expected: range {r[0]}-{r[1]} returned {len(data)} bytes"
+                )
+            view[r[0] : r[1]] = data
+
+        for _ in self._executor().map(fetch, ranges):
+            pass
+        return bytes(out)
+
+    def get_range(self, path: str, start: int, end: int) -> bytes:
+        return bytes(self._call("get_range", path, lambda: obstore.get_range(self._inner, path, start=start, end=end)))
+
+    def head(self, path: str) -> ObjectInfo:
+        meta = self._call("head", path, lambda: obstore.head(self._inner, path))
+        return ObjectInfo(meta["path"], meta["size"], meta["last_modified"], meta.get("e_tag"))
+
+    def list(self, prefix: str) -> list[ObjectInfo]:
+        prefix = prefix.rstrip("/")
+
+        def run() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            for batch in obstore.list(self._inner, prefix + "/" if prefix else None, chunk_size=1000):
+                out.extend(ObjectInfo(m["path"], m["size"], m["last_modified"], m.get("e_tag")) for m in batch)
+            return out
+
+        return self._call("list", prefix, run)
+
+    def list_dirs(self, prefix: str) -> builtins.list[str]:
+        prefix = prefix.rstrip("/")
+        res = self._call("list", prefix, lambda: obstore.list_with_delimiter(self._inner, prefix or None))
+        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.options.max_parallel_reads, thread_name_prefix="flipsync-get")
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> ObstoreStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- URL parsing -------------------------------------------------------------------------------------------
+
+
+def _has_explicit_credentials(kind: str, config: Mapping[str, str]) -> bool:
+    keys, env = _EXPLICIT_CREDENTIALS[kind]
+    lowered = {k.lower() for k in config}
+    return any(k in lowered for k in keys) or any(os.environ.get(v) for v in env)
+
+
+def _endpoint(kind: str, config: Mapping[str, str]) -> str | None:
+    for key in ("endpoint", "aws_endpoint", "aws_endpoint_url", "base_url", "azure_storage_endpoint"):
+        if config.get(key):
+            return config[key]
+    if kind == "s3":
+        return os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    if kind == "az":
+        return os.environ.get("AZURE_STORAGE_ENDPOINT")
+    return None
+
+
+def parse_store_options(items: Sequence[str] | None) -> StoreOptions:
+    """Command-line ``key=value`` store options (e.g. ``endpoint=http://127.0.0.1:9000``)."""
+    config: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"store options are key=value, got {item!r}")
+        config[key.strip()] = value.strip()
+    return StoreOptions(config=config)
+
+
+def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None = None) -> ObstoreStore:
+    """Open a board store from a URL or a local path.
+
+    ``file:///abs/dir`` or a plain path: the local filesystem (created if missing). ``memory://``: a fresh
+    in-memory store (useful in tests and demos only; nothing is shared between calls). ``s3://bucket/prefix``,
+    ``gs://bucket/prefix``, ``az://container/prefix`` (and the https forms obstore recognises, such as R2's
+    ``https://ACCOUNT.r2.cloudflarestorage.com/bucket``): cloud stores configured from ``options.config`` and
+    the usual environment variables.
+    """
+    opts = options or StoreOptions()
+    text = str(url)
+    parsed = urlparse(text)
+    scheme = parsed.scheme.lower()
+    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
+        path = Path(unquote(parsed.path) if scheme == "file" else text).expanduser().resolve()
+        if scheme == "file" and parsed.netloc not in ("", "localhost"):
+            raise ConfigError(f"file URLs name a local path (file:///abs/dir), got {text!r}")
+        try:
+            # automatic_cleanup removes folders emptied by retention, so listings stay short.
+            inner: ObjectStore = LocalStore(prefix=path, mkdir=True, automatic_cleanup=True)
+        except Exception as e:
+            raise ConfigError(f"cannot use {path} as a board directory: {_first_line(e)}") from e
+        return ObstoreStore(inner, path.as_uri(), opts)
+    if scheme == "memory":
+        return ObstoreStore(MemoryStore(), "memory://", opts)
+    kind = _SCHEMES.get(scheme)
+    if kind is None and scheme in ("http", "https"):
+        host = parsed.netloc.lower()
+        if "r2.cloudflarestorage.com" in host or "amazonaws.com" in host:
+            kind = "s3"
+        elif host.endswith((".blob.core.windows.net", ".dfs.core.windows.net")):
+            kind = "az"
+    if kind is None:
+        raise ConfigError(
+            f"unsupported board URL {text!r}: use a path, file://, memory://, s3://, gs:// or az:// "
+            "(or an R2 / S3 / Azure https URL)"
+        )
+    config = dict(opts.config)
+    if not opts.allow_metadata_credentials and not _has_explicit_credentials(kind, config):
+        raise ConfigError(
+            f"no explicit credentials for {text!r} and metadata-service credentials are disabled: "
+            "set them in the store options or the environment "
+            "(AWS_ACCESS_KEY_ID, GOOGLE_SERVICE_ACCOUNT_KEY, AZURE_STORAGE_ACCOUNT_KEY, ...)"
+        )
+    try:
+        inner = obstore.store.from_url(
+            text,
+            config=config or None,  # type: ignore[arg-type]
+            client_options=opts.client_options(_endpoint(kind, config)),
+            retry_config=opts.retry_config(),
+        )
+    except (obx.BaseError, ValueError, TypeError) as e:
+        raise ConfigError(f"cannot open {text!r}: {_first_line(e)}") from e
+    return ObstoreStore(
+        inner, text, opts, cloud=(kind, _has_explicit_credentials(kind, config), _endpoint(kind, config))
+    )
