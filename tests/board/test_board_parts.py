@@ -15,7 +15,7 @@ from flipsync.codec import Patch, diff_views
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import CorruptPatchError
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from tests.strategies import PART_HASH, patch_manifest
 
 

@@ -15,7 +15,7 @@ from one_class import one_class_step
 from flipsync.codec import diff_views
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.engines.mirror import DiskMirror
+from flipsync.engines.host_copy import HostCopy
 from flipsync.engines.sglang import SglangEngine
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError
 
@@ -51,19 +51,19 @@ def setup(tmp_path):
     v0 = view0()
     fake = FakeSglang(v0)
     with serve(fake.app) as url:
-        mirror = DiskMirror.create(tmp_path / "mirror" / "model.safetensors", v0)
-        engine = SglangEngine(url, mirror, staging_dir=tmp_path / "staging", timeout_s=30)
+        host_copy = HostCopy.create(tmp_path / "host_copy" / "model.safetensors", v0)
+        engine = SglangEngine(url, host_copy, staging_dir=tmp_path / "staging", timeout_s=30)
         yield v0, fake, engine, url, tmp_path
         engine.close()
 
 
 def test_disk_mirror_is_a_writable_map_of_the_file(tmp_path) -> None:
     v0 = view0()
-    m = DiskMirror.create(tmp_path / "m.safetensors", v0)
+    m = HostCopy.create(tmp_path / "m.safetensors", v0)
     assert same(dict(m), v0)
     int_view(m["model.norm.weight"])[0] += 1
     m.flush()
-    again = DiskMirror(tmp_path / "m.safetensors")
+    again = HostCopy(tmp_path / "m.safetensors")
     assert int(int_view(again["model.norm.weight"])[0]) == int(int_view(v0["model.norm.weight"])[0]) + 1
     from safetensors.torch import load_file
 
@@ -105,7 +105,7 @@ def test_a_refused_update_changes_nothing(setup) -> None:
     fake.fail_next = True
     with pytest.raises(EngineError, match="injected failure"):
         engine.commit(staged)
-    # the engine pushed the old values again (recovery) and kept its mirror, table and version
+    # the engine pushed the old values again (recovery) and kept its host_copy, table and version
     assert [c[1]["model_path"] for c in fake.calls] == [str(staged.update_dir), str(staged.undo_dir)]
     assert same(fake.weights, v0)
     assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp() == engine.recompute_table().view_fp()
@@ -150,9 +150,9 @@ def test_missing_route_says_what_to_do(tmp_path) -> None:
         SglangEngine(url, dict(view0()), staging_dir=tmp_path, client=httpx.Client(timeout=5.0))
 
 
-def test_a_patch_coded_against_its_base_decodes_from_the_mirror(setup) -> None:
-    """The mirror is the sidecar's view of the server, so ``ctx`` patches (and multi-part versions coded
-    against their base) decode from it: ``host_view`` is the mirror."""
+def test_a_patch_coded_against_its_base_decodes_from_the_host_copy(setup) -> None:
+    """The host_copy is the sidecar's view of the server, so ``ctx`` patches (and multi-part versions coded
+    against their base) decode from it: ``host_view`` is the host_copy."""
     v0, fake, engine, _url, _ = setup
     v1 = one_class_step(v0, "model.embed_tokens.weight")
     patch, t1 = diff_views(v0, v1)
@@ -165,11 +165,11 @@ def test_a_patch_coded_against_its_base_decodes_from_the_mirror(setup) -> None:
 # ------------------------------------------------------------------------------------- the read-back audit
 def test_an_update_sglang_acknowledges_but_does_not_hold_is_undone_and_raised(tmp_path) -> None:
     """A stale reload path (success answered, old values kept): the audit reads the touched tensors back
-    through /get_weights_by_name, pushes the undo checkpoint and raises; the table and the mirror stay."""
+    through /get_weights_by_name, pushes the undo checkpoint and raises; the table and the host_copy stay."""
     v0 = view0()
     fake = FakeSglang(v0)
     with serve(fake.app) as url:
-        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s")
+        engine = SglangEngine(url, HostCopy.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s")
         assert engine.auditable == set(v0)
         v1 = nudge(v0, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
         patch, t1 = diff_views(v0, v1)
@@ -191,7 +191,7 @@ def test_tensors_held_in_another_layout_are_not_audited(tmp_path) -> None:
     fake = FakeSglang(v0)
     fake.transposed = {"model.layers.0.self_attn.q_proj.weight"}  # e.g. an FP8 weight kept as its .t()
     with serve(fake.app) as url:
-        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
+        engine = SglangEngine(url, HostCopy.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
                               audit="sample")  # fmt: skip
         assert "model.layers.0.self_attn.q_proj.weight" not in engine.auditable
         v1 = nudge(v0, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
@@ -208,7 +208,7 @@ def test_with_the_audit_off_a_stale_update_goes_unseen(tmp_path) -> None:
     fake = FakeSglang(v0)
     fake.stale = {"model.norm.weight"}
     with serve(fake.app) as url:
-        engine = SglangEngine(url, DiskMirror.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
+        engine = SglangEngine(url, HostCopy.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
                               audit="off")  # fmt: skip
         patch, t1 = diff_views(v0, nudge(v0, ["model.norm.weight"]))
         engine.commit(engine.stage(patch))

@@ -73,7 +73,7 @@ def test_server_without_dev_mode_is_a_config_error() -> None:
 def test_the_sidecar_builds_the_engine_with_its_audit_settings(tmp_path) -> None:
     """``--engine-option audit=...`` / ``repair=...`` reach the workers; a wrong value is a config error."""
     from flipsync.checkpoint import save_checkpoint
-    from flipsync.sidecar.service import EngineOptions, load_engine
+    from flipsync.engines.registry import EngineOptions, load_engine
 
     v0 = checkpoint()
     save_checkpoint(v0, tmp_path / "model")

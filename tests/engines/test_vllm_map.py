@@ -20,7 +20,7 @@ from flipsync.codec import ClassIndex, diff_views
 from flipsync.codec.bits import dtype_of, int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
-from flipsync.engines.mirror import DiskMirror
+from flipsync.engines.host_copy import HostCopy
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
 from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
 from flipsync.engines.vllm.worker import WorkerCore
@@ -287,16 +287,16 @@ def test_a_patch_coded_against_its_base_is_refused_with_the_way_out() -> None:
     v1 = one_class_step(v0)
     patch, _ = diff_views(v0, v1)
     assert patch.needs_base
-    with pytest.raises(PatchError, match="mirror=none"):
+    with pytest.raises(PatchError, match="host_copy=none"):
         engine.stage(patch)
     plain, _ = diff_views(v0, v1, context=False)
     engine.commit(engine.stage(plain))
     assert bits_equal(held_view(pairs, engine), v1)
 
 
-def mirror_of(view: dict[str, torch.Tensor], kind: str, tmp_path) -> dict[str, torch.Tensor] | DiskMirror:
+def host_copy_of(view: dict[str, torch.Tensor], kind: str, tmp_path) -> dict[str, torch.Tensor] | HostCopy:
     if kind == "disk":
-        return DiskMirror.create(tmp_path / "mirror.safetensors", view)
+        return HostCopy.create(tmp_path / "host_copy.safetensors", view)
     return {k: v.clone() for k, v in view.items()}
 
 
@@ -306,49 +306,49 @@ def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind
     v1 = one_class_step(v0)
     v2 = one_class_step(v1)
     pairs = boot(v0, size=2)
-    mirror = mirror_of(v0, kind, tmp_path)
-    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
-    assert engine.host_view is mirror and engine.adoptable
+    host_copy = host_copy_of(v0, kind, tmp_path)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
+    assert engine.host_view is host_copy and engine.adoptable
     p1, t1 = diff_views(v0, v1)
     p2, t2 = diff_views(v1, v2, old_table=t1)
     assert p1.needs_base and p2.needs_base
     u1 = engine.commit(engine.stage(p1))
-    assert bits_equal(held_view(pairs, engine), v1) and bits_equal(dict(mirror), v1)
-    u2 = engine.commit(engine.stage(p2))  # decoded against the mirror the first commit wrote
-    assert bits_equal(held_view(pairs, engine), v2) and bits_equal(dict(mirror), v2)
-    assert engine.recompute_table().view_fp() == t2.view_fp() == FingerprintTable.of(mirror).view_fp()
+    assert bits_equal(held_view(pairs, engine), v1) and bits_equal(dict(host_copy), v1)
+    u2 = engine.commit(engine.stage(p2))  # decoded against the host_copy the first commit wrote
+    assert bits_equal(held_view(pairs, engine), v2) and bits_equal(dict(host_copy), v2)
+    assert engine.recompute_table().view_fp() == t2.view_fp() == FingerprintTable.of(host_copy).view_fp()
     engine.rollback(u2)
     engine.rollback(u1)
-    assert bits_equal(held_view(pairs, engine), v0) and bits_equal(dict(mirror), v0)
+    assert bits_equal(held_view(pairs, engine), v0) and bits_equal(dict(host_copy), v0)
     if kind == "disk":  # what a restarted sidecar maps again
-        assert bits_equal(dict(DiskMirror(tmp_path / "mirror.safetensors")), v0)
+        assert bits_equal(dict(HostCopy(tmp_path / "host_copy.safetensors")), v0)
 
 
 def test_the_mirror_s_class_index_moves_with_commits_and_rollbacks() -> None:
-    """The engine keeps a class index of its mirror (sparse ctx sections read only their blocks): every commit
-    and rollback must leave it describing the mirror. The fake model's tensors are too small for the default
+    """The engine keeps a class index of its host_copy (sparse ctx sections read only their blocks): every commit
+    and rollback must leave it describing the host_copy. The fake model's tensors are too small for the default
     index, so this one indexes every tensor."""
     v0 = checkpoint(0)
     v1, v2 = step(v0, 1), step(step(v0, 1), 2)
     pairs = boot(v0, size=2)
-    mirror = {k: v.clone() for k, v in v0.items()}
-    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    host_copy = {k: v.clone() for k, v in v0.items()}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
     index = engine._index = ClassIndex(min_blocks=0)
-    for name, t in mirror.items():
+    for name, t in host_copy.items():
         index.tree(name, int_view(t).reshape(-1).numpy().view(np.uint16), dtype_of(t), engine.table[name].fp)
-    assert all(name in index for name in mirror)
+    assert all(name in index for name in host_copy)
     p1, t1 = diff_views(v0, v1)
     p2, _ = diff_views(v1, v2, old_table=t1)
     u1 = engine.commit(engine.stage(p1))
     u2 = engine.commit(engine.stage(p2))
-    assert bits_equal(dict(mirror), v2)
-    assert_index_current(index, mirror, engine.table)
+    assert bits_equal(dict(host_copy), v2)
+    assert_index_current(index, host_copy, engine.table)
     engine.rollback(u2)
-    assert_index_current(index, mirror, engine.table)
+    assert_index_current(index, host_copy, engine.table)
     engine.rollback(u1)
-    assert bits_equal(dict(mirror), v0) and bits_equal(held_view(pairs, engine), v0)
-    assert_index_current(index, mirror, engine.table)
-    assert all(name in index for name in mirror)
+    assert bits_equal(dict(host_copy), v0) and bits_equal(held_view(pairs, engine), v0)
+    assert_index_current(index, host_copy, engine.table)
+    assert all(name in index for name in host_copy)
 
 
 def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
@@ -358,12 +358,12 @@ def test_a_stale_mirror_is_not_used_until_a_full_load() -> None:
     stale = {k: v.clone() for k, v in v0.items()}
     name = next(iter(stale))
     int_view(stale[name]).view(-1)[0] += 1
-    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=stale)
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=stale)
     assert engine.host_view is None and not engine.adoptable  # a restarted sidecar resyncs instead
     patch, _ = diff_views(v0, v1)
-    with pytest.raises(PatchError, match="mirror"):
+    with pytest.raises(PatchError, match="host_copy"):
         engine.stage(patch)
-    engine.load_view(v0)  # a keyframe: workers and mirror hold it
+    engine.load_view(v0)  # a keyframe: workers and host_copy hold it
     assert engine.host_view is stale and bits_equal(stale, v0)
     engine.commit(engine.stage(patch))
     assert bits_equal(held_view(pairs, engine), v1) and bits_equal(stale, v1)
@@ -373,12 +373,12 @@ def test_a_mirror_that_drifts_from_the_workers_is_refused_at_stage() -> None:
     v0 = checkpoint(0)
     v1 = one_class_step(v0)
     pairs = boot(v0)
-    mirror = {k: v.clone() for k, v in v0.items()}
-    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    host_copy = {k: v.clone() for k, v in v0.items()}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
     plain, _ = diff_views(v0, v1, context=False)
     ch = next(iter(plain.changes()))
-    int_view(mirror[ch.name]).view(-1)[int(ch.positions[0])] += 1  # the mirror no longer holds what is served
-    with pytest.raises(EngineError, match="mirror"):
+    int_view(host_copy[ch.name]).view(-1)[int(ch.positions[0])] += 1  # the host_copy no longer holds what is served
+    with pytest.raises(EngineError, match="host_copy"):
         engine.stage(plain)
     assert engine.host_view is None
     assert bits_equal(held_view(pairs, engine), v0)  # nothing was written
@@ -391,13 +391,15 @@ def test_a_mirror_of_other_tensors_is_a_config_error() -> None:
     pairs = boot(v0)
     wrong = {k: v.clone() for k, v in v0.items()}
     wrong.pop(next(iter(wrong)))
-    with pytest.raises(ConfigError, match="mirror"):
-        VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=wrong)
+    with pytest.raises(ConfigError, match="host_copy"):
+        VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=wrong)
 
 
-@pytest.mark.parametrize("with_mirror", [False, True])
-def test_a_replica_follows_patches_coded_against_their_base_only_with_a_mirror(with_mirror: bool, tmp_path) -> None:
-    """Without a mirror such a patch is excluded as undecodable here (the replica keeps serving and waits for a
+@pytest.mark.parametrize("with_host_copy", [False, True])
+def test_a_replica_follows_patches_coded_against_their_base_only_with_a_host_copy(
+    with_host_copy: bool, tmp_path
+) -> None:
+    """Without a host_copy such a patch is excluded as undecodable here (the replica keeps serving and waits for a
     keyframe past it); with one it applies like any other."""
     store = open_store(str(tmp_path / "board"), FAST)
     writer = BoardWriter(store, "run", publisher_id="t")
@@ -416,35 +418,35 @@ def test_a_replica_follows_patches_coded_against_their_base_only_with_a_mirror(w
         served_format="bf16",
     )
     pairs = boot(v0)
-    mirror = {k: v.clone() for k, v in v0.items()} if with_mirror else None
-    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), mirror=mirror)
+    host_copy = {k: v.clone() for k, v in v0.items()} if with_host_copy else None
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
     rep = Replica(BoardReader(store, "run"), engine, config=fast_replica(), metrics=SidecarMetrics())
-    if with_mirror:
+    if with_host_copy:
         assert rep.sync_once() and rep.version == 1
     else:
         assert not rep.sync_once()
         st = rep.status()
         assert rep.version == 0 and st["serving"] and st["error"]["kind"] == "undecodable"
-        assert "mirror" in st["error"]["message"]
+        assert "host_copy" in st["error"]["message"]
         writer.publish_keyframe(v1, version=1, view_fp=t1.view_fp(), served_format="bf16")
         assert rep.sync_once() and rep.version == 1
         assert rep.status()["last_update"]["kind"] == "keyframe"
     assert bits_equal(held_view(pairs, engine), v1)
 
 
-def test_the_sidecar_opens_or_creates_the_mirror_file(tmp_path) -> None:
-    """``--engine-option mirror=FILE``: created from ``model_dir`` the first time, mapped as it is after."""
+def test_the_sidecar_opens_or_creates_the_host_copy_file(tmp_path) -> None:
+    """``--engine-option host_copy=FILE``: created from ``model_dir`` the first time, mapped as it is after."""
     from flipsync.checkpoint import save_checkpoint
-    from flipsync.sidecar.service import open_mirror
+    from flipsync.engines.host_copy import open_host_copy
 
     v0 = checkpoint(0)
     save_checkpoint(v0, tmp_path / "model")
-    path = tmp_path / "mirror" / "view.safetensors"
+    path = tmp_path / "host_copy" / "view.safetensors"
     with pytest.raises(ConfigError, match="model_dir"):
-        open_mirror({"mirror": str(path)})
-    created = open_mirror({"mirror": str(path), "model_dir": str(tmp_path / "model")})
+        open_host_copy(path, None)
+    created = open_host_copy(path, str(tmp_path / "model"))
     assert bits_equal(dict(created), v0)
     int_view(created[next(iter(v0))]).view(-1)[0] += 1  # a commit written through the map
     created.flush()
-    again = open_mirror({"mirror": str(path), "model_dir": str(tmp_path / "elsewhere")})  # exists: not recreated
+    again = open_host_copy(path, str(tmp_path / "elsewhere"))  # exists: not recreated
     assert bits_equal(dict(again), dict(created)) and not bits_equal(dict(again), v0)

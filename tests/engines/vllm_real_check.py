@@ -5,10 +5,10 @@
 Builds a tiny Llama checkpoint (bf16), serves it with an offline ``vllm.LLM`` carrying the flipsync worker
 extension, attaches a ``VllmEngine``, applies two patches built with ``diff_views`` from the served views,
 rolls back and re-applies, then loads a full view and applies a patch coded against its base (``ctx``, decoded
-from the engine's mirror: a memory-mapped host copy of the served view), and checks:
+from the engine's host_copy: a memory-mapped host copy of the served view), and checks:
 
 - the workers' fingerprints of the checkpoint-coordinate view (live parameters for in-place ones, host
-  copies for repacked ones) equal the patch targets, after every step, and so do the mirror's;
+  copies for repacked ones) equal the patch targets, after every step, and so do the host_copy's;
 - greedy generation changes after the patch and returns to the original after the rollback;
 - the patched engine generates exactly (tokens and logprobs) what a fresh engine started from the target
   checkpoint generates, which shows that the reloaded (oneDNN-repacked) layers hold the new weights too.
@@ -119,7 +119,7 @@ def main(workdir: Path) -> dict:
     from flipsync.checkpoint import Checkpoint, save_checkpoint
     from flipsync.codec import diff_views
     from flipsync.codec.fingerprint import FingerprintTable
-    from flipsync.engines.mirror import DiskMirror
+    from flipsync.engines.host_copy import HostCopy
     from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
@@ -130,10 +130,10 @@ def main(workdir: Path) -> dict:
     llm, res["timings"]["engine_start_s"] = start(model_dir)
     gen0 = generate(llm, sp)
     t = time.perf_counter()
-    mirror = DiskMirror.create(workdir / "mirror.safetensors", Checkpoint(model_dir))
-    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(model_dir), mirror=mirror)
+    host_copy = HostCopy.create(workdir / "host_copy.safetensors", Checkpoint(model_dir))
+    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(model_dir), host_copy=host_copy)
     res["timings"]["attach_s"] = time.perf_counter() - t
-    res["checks"]["mirror_in_use"] = engine.host_view is mirror
+    res["checks"]["host_copy_in_use"] = engine.host_view is host_copy
     res["modes"] = engine.modes()
     res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed
     res["checks"]["attach_table_matches_checkpoint"] = engine.table.view_fp() == t0.view_fp()
@@ -158,7 +158,7 @@ def main(workdir: Path) -> dict:
     engine.rollback(undo1)
     res["timings"]["rollback_2_s"] = time.perf_counter() - t
     res["checks"]["workers_hold_v0_after_rollback"] = engine.recompute_table().view_fp() == t0.view_fp()
-    res["checks"]["mirror_holds_v0_after_rollback"] = FingerprintTable.of(mirror).view_fp() == t0.view_fp()
+    res["checks"]["host_copy_holds_v0_after_rollback"] = FingerprintTable.of(host_copy).view_fp() == t0.view_fp()
     res["checks"]["generation_restored"] = generate(llm, sp) == gen0
     engine.commit(engine.stage(p1))
     res["checks"]["generation_reapplied"] = generate(llm, sp) == gen1
@@ -176,7 +176,7 @@ def main(workdir: Path) -> dict:
     engine.commit(engine.stage(p3))
     res["timings"]["ctx_stage_commit_s"] = time.perf_counter() - t
     res["checks"]["workers_hold_v3_from_ctx_patch"] = engine.recompute_table().view_fp() == t3.view_fp()
-    res["checks"]["mirror_holds_v3"] = FingerprintTable.of(mirror).view_fp() == t3.view_fp()
+    res["checks"]["host_copy_holds_v3"] = FingerprintTable.of(host_copy).view_fp() == t3.view_fp()
     del engine, llm
     gc.collect()
 

@@ -368,12 +368,12 @@ def test_checkpoint_dtypes_follow_the_checkpoint_headers() -> None:
 
 
 def test_the_fused_pass_diffs_fp32_tensors_by_32_bit_patterns() -> None:
-    from flipsync.formats.fused import FusedCaster
+    from flipsync.formats.cast_diff import CastDiffer
 
     x = torch.randn(1000)
     prev = x.clone()
     prev.view(torch.int32)[::97] += 1
-    with FusedCaster(1) as caster:
+    with CastDiffer(1) as caster:
         new, changes = caster.cast_diff("n.weight", x, torch.float32, prev)
     assert torch.equal(new.view(torch.int32), x.view(torch.int32)) and new.data_ptr() != x.data_ptr()
     assert changes.positions.tolist() == list(range(0, 1000, 97))

@@ -17,15 +17,15 @@ from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
 
 from flipsync.errors import FormatError, NonFiniteError
 from flipsync.formats import fused, get_format, served_view
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 E4M3 = torch.float8_e4m3fn
 
 
 @pytest.fixture(scope="module")
-def caster() -> FusedCaster:
-    with FusedCaster(2, chunk_elements=4096) as c:  # small chunks: several per tensor, on both threads
+def caster() -> CastDiffer:
+    with CastDiffer(2, chunk_elements=4096) as c:  # small chunks: several per tensor, on both threads
         yield c
 
 
@@ -33,7 +33,7 @@ def ints(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
 
 
-def check(caster: FusedCaster, fmt: str, master: torch.Tensor, ref: torch.Tensor, *, torch_path: bool) -> None:
+def check(caster: CastDiffer, fmt: str, master: torch.Tensor, ref: torch.Tensor, *, torch_path: bool) -> None:
     """One cast_diff against served_view and flatnonzero, bit for bit."""
     dtype = DTYPES[fmt]
     before = ints(ref).copy()
@@ -74,7 +74,7 @@ def previous_views(draw: st.DrawFn, x: np.ndarray, fmt: str) -> torch.Tensor:
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_cast_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, torch_path: bool, data: st.DataObject):
+def test_cast_diff_is_served_view_and_its_diff(caster: CastDiffer, fmt: str, torch_path: bool, data: st.DataObject):
     x = data.draw(master_arrays(big=True), label="master")
     try:
         reference(fmt, "w", x)
@@ -108,7 +108,7 @@ def edge_masters(fmt: str) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", list(DTYPES))
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
-def test_every_value_and_tie(caster: FusedCaster, fmt: str, torch_path: bool) -> None:
+def test_every_value_and_tie(caster: CastDiffer, fmt: str, torch_path: bool) -> None:
     x = edge_masters(fmt)
     rng = np.random.default_rng(0)
     prev = torch.from_numpy(x).to(DTYPES[fmt]).clone()
@@ -120,7 +120,7 @@ def test_every_value_and_tie(caster: FusedCaster, fmt: str, torch_path: bool) ->
         check(caster, fmt, torch.from_numpy(x[start:stop]), prev[start:stop], torch_path=torch_path)
 
 
-def test_fp16_without_a_native_conversion(caster: FusedCaster, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fp16_without_a_native_conversion(caster: CastDiffer, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16 takes the hardware conversion where it matches the integer recipe; the recipe's kernel (what a
     platform without one gets) gives the same bits."""
     x = edge_masters("fp16")
@@ -132,7 +132,7 @@ def test_fp16_without_a_native_conversion(caster: FusedCaster, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("fmt", list(DTYPES))
-def test_random_bit_patterns(caster: FusedCaster, fmt: str) -> None:
+def test_random_bit_patterns(caster: CastDiffer, fmt: str) -> None:
     """Uniform fp32 bit patterns (every exponent, every mantissa bit) below the format's limit."""
     rng = np.random.default_rng(1)
     x = rng.integers(0, 1 << 32, 1 << 18, dtype=np.uint64).astype(np.uint32).view(np.float32)
@@ -155,7 +155,7 @@ def group_flips(size: int, rng: np.random.Generator) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", list(DTYPES))
 @pytest.mark.parametrize("size", [64 * 7, 64 * 7 + 37, 4096 * 2 + 64 * 3 + 5, 63])
-def test_every_group_pattern(caster: FusedCaster, fmt: str, size: int) -> None:
+def test_every_group_pattern(caster: CastDiffer, fmt: str, size: int) -> None:
     rng = np.random.default_rng(size)
     x = (rng.standard_normal(size) * 0.02).astype(np.float32)
     prev = torch.from_numpy(x).to(DTYPES[fmt])
@@ -164,7 +164,7 @@ def test_every_group_pattern(caster: FusedCaster, fmt: str, size: int) -> None:
 
 
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
-def test_never_written_over_the_previous_view(caster: FusedCaster, torch_path: bool) -> None:
+def test_never_written_over_the_previous_view(caster: CastDiffer, torch_path: bool) -> None:
     x = torch.randn(10_001) * 0.02
     prev = (x + 1e-5).to(torch.bfloat16)
     before = ints(prev).copy()
@@ -180,7 +180,7 @@ def test_never_written_over_the_previous_view(caster: FusedCaster, torch_path: b
 @pytest.mark.parametrize("fmt", list(DTYPES))
 @pytest.mark.parametrize("torch_path", [False, True], ids=["kernel", "torch"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), 3.4e38, -70000.0, 65520.0])
-def test_refuses_what_cast_master_refuses(caster: FusedCaster, fmt: str, torch_path: bool, bad: float) -> None:
+def test_refuses_what_cast_master_refuses(caster: CastDiffer, fmt: str, torch_path: bool, bad: float) -> None:
     x = torch.randn(9000)
     x[8191] = bad
     try:
@@ -196,14 +196,14 @@ def test_refuses_what_cast_master_refuses(caster: FusedCaster, fmt: str, torch_p
     assert str(got.value) == str(expected)
 
 
-def test_other_masters_take_the_torch_path(caster: FusedCaster) -> None:
+def test_other_masters_take_the_torch_path(caster: CastDiffer) -> None:
     x = torch.randn(64, 33)
     for master in (x.to(torch.bfloat16), x.t()):  # a bf16 master; a non-contiguous one
         assert not caster.kernel_covers(master, torch.bfloat16, x.to(torch.bfloat16))
         check(caster, "bf16", master, torch.zeros(master.shape, dtype=torch.bfloat16), torch_path=False)
 
 
-def test_refuses_a_previous_view_of_another_layout(caster: FusedCaster) -> None:
+def test_refuses_a_previous_view_of_another_layout(caster: CastDiffer) -> None:
     x = torch.randn(16)
     with pytest.raises(FormatError, match="previous view"):
         caster.cast_diff("w", x, torch.bfloat16, torch.zeros(16, dtype=torch.float16))
@@ -231,7 +231,7 @@ def bytes_of(t: torch.Tensor) -> np.ndarray:
 
 
 def check_quantized(
-    caster: FusedCaster, fmt: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool, group_amax=None
+    caster: CastDiffer, fmt: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool, group_amax=None
 ) -> None:
     before = bytes_of(ref).copy()
     got = caster.quantize_diff(fmt, "w.weight", x, ref, group_amax, from_fp32=from_fp32)
@@ -264,7 +264,7 @@ def global_scale_underflows(fmt: str, x: np.ndarray, *, from_fp32: bool) -> bool
 @pytest.mark.parametrize("fmt", QUANTIZED)
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str, data: st.DataObject) -> None:
+def test_quantize_diff_is_served_view_and_its_diff(caster: CastDiffer, fmt: str, data: st.DataObject) -> None:
     x = data.draw(master_arrays(big=True, even_k=fmt in FP4), label="master")
     from_fp32 = data.draw(st.booleans(), label="from_fp32")
     master = torch.from_numpy(x)
@@ -295,7 +295,7 @@ def test_quantize_diff_is_served_view_and_its_diff(caster: FusedCaster, fmt: str
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
-def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
+def test_quantize_edge_values(caster: CastDiffer, fmt: str) -> None:
     """Every e4m3 value, its midpoints and one fp32 step either side (times 2**k scales), zero rows, -0; for
     int8, every integer code's ties and neighbours too (the e4m3 grid holds all integers up to 16)."""
     every = torch.arange(0, 127, dtype=torch.uint8).view(E4M3).float().numpy().astype(np.float64)
@@ -323,7 +323,7 @@ def test_quantize_edge_values(caster: FusedCaster, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
-def test_quantize_every_group_pattern(caster: FusedCaster, fmt: str) -> None:
+def test_quantize_every_group_pattern(caster: CastDiffer, fmt: str) -> None:
     """Payload rows of 2 * 64 + 40 bytes whose previous bytes differ in 0..64 lanes of each group of 64."""
     rng = np.random.default_rng(3)
     width = 2 * 64 + 40
@@ -336,7 +336,7 @@ def test_quantize_every_group_pattern(caster: FusedCaster, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["fp8-tensor", "nvfp4"])
-def test_a_shared_scale_takes_the_group_amax_and_the_prepared_input(caster: FusedCaster, fmt: str) -> None:
+def test_a_shared_scale_takes_the_group_amax_and_the_prepared_input(caster: CastDiffer, fmt: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(33, 70, generator=g) * 0.02).bfloat16().float()  # what served_view prepares for a group
     amax = torch.tensor(0.5)  # a fused group's, above this member's own
@@ -344,7 +344,7 @@ def test_a_shared_scale_takes_the_group_amax_and_the_prepared_input(caster: Fuse
 
 
 @pytest.mark.parametrize("fmt", QUANTIZED)
-def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaster, fmt: str) -> None:
+def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: CastDiffer, fmt: str) -> None:
     x = torch.randn(8, 16)
     ref = zero_payload(fmt, (8, 16))
     bad = x.clone()
@@ -361,7 +361,7 @@ def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: FusedCaste
         assert caster.quantize_diff(args[0], "w.weight", args[1], args[2], None, from_fp32=False) is None
 
 
-def test_nvfp4_with_an_underflowing_global_scale_falls_back_to_the_recipe(caster: FusedCaster) -> None:
+def test_nvfp4_with_an_underflowing_global_scale_falls_back_to_the_recipe(caster: CastDiffer) -> None:
     """Found by hypothesis: a subnormal amax makes amax / (6 * 448) zero and the recipe's block scales NaN;
     the fused pass must not guess them, so it hands the tensor back to the recipe."""
     x = np.array([[0.0, 0.0], [4.6e-43, 7.6e-44]], dtype=np.float32)
@@ -372,10 +372,10 @@ def test_nvfp4_with_an_underflowing_global_scale_falls_back_to_the_recipe(caster
 
 
 @pytest.fixture(scope="module")
-def casters() -> dict[tuple[int, int], FusedCaster]:
+def casters() -> dict[tuple[int, int], CastDiffer]:
     """Casters kept across examples (their spare change buffers are reused from call to call), by (threads,
     chunk elements); chunks of 100 round up to 128: not a power of two of the default's."""
-    made = {(t, c): FusedCaster(t, chunk_elements=c) for t in (1, 2, 3) for c in (64, 100, 4096, 1 << 22)}
+    made = {(t, c): CastDiffer(t, chunk_elements=c) for t in (1, 2, 3) for c in (64, 100, 4096, 1 << 22)}
     yield made
     for c in made.values():
         c.close()
@@ -392,7 +392,7 @@ def casters() -> dict[tuple[int, int], FusedCaster]:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_chunked_changes_are_the_single_chunk_ones(
-    casters: dict[tuple[int, int], FusedCaster],
+    casters: dict[tuple[int, int], CastDiffer],
     fmt: str,
     size: int,
     threads: int,
@@ -433,7 +433,7 @@ def test_quantized_row_chunks_in_order(threads: int, density: float) -> None:
     """fp8-block runs a task per 128 rows: several tasks, several threads, their changes in row order."""
     rng = np.random.default_rng(int(density * 100) + threads)
     x = torch.from_numpy((rng.standard_normal((1000, 200)) * 0.02).astype(np.float32))
-    with FusedCaster(threads) as caster:
+    with CastDiffer(threads) as caster:
         first = caster.quantize_diff("fp8-block", "w", x, torch.zeros(1000, 200, dtype=E4M3), None, from_fp32=True)
         assert first is not None
         prev = first[0]["w"].view(torch.uint8).clone()

@@ -39,7 +39,7 @@ from flipsync.errors import (
 )
 from flipsync.formats import served_view
 from flipsync.stores import ObstoreStore, StoreOptions, open_store
-from flipsync.trainer.commit import PartStream
+from flipsync.trainer.upload import PartStream
 
 runner = CliRunner(env={"COLUMNS": "400"})
 

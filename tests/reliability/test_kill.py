@@ -17,7 +17,7 @@ import torch
 from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
 from flipsync.codec import apply_patch
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from flipsync.stores import open_store
 from tests.reliability.kill_publisher import view_of
 from tests.sidecar.sidecar_helpers import same_bits

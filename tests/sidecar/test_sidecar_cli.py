@@ -103,7 +103,7 @@ def test_cli_refuses_bad_settings(board_dir: str, store: ObstoreStore) -> None:
     r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "vllm", *up])
     assert r.exit_code == 2 and "model_dir" in r.output
     r = runner.invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "sglang", *up])
-    assert r.exit_code == 2 and "mirror" in r.output
+    assert r.exit_code == 2 and "host_copy" in r.output
 
 
 def test_arguments_are_checked_before_the_heavy_imports(board_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,7 @@ from flipsync.trainer import Publisher, PublisherConfig
 
 
 class NoHostCopy(MemoryEngine):
-    """An engine whose weights the sidecar cannot read (a vLLM engine attached without a mirror)."""
+    """An engine whose weights the sidecar cannot read (a vLLM engine attached without a host_copy)."""
 
     @property
     def decodes_context(self) -> bool:
@@ -43,7 +43,7 @@ def test_a_run_coded_against_its_base_is_refused_by_an_engine_that_cannot_decode
     engine = NoHostCopy({"w": torch.zeros(4, dtype=torch.bfloat16)})
     check_decodable(reader, MemoryEngine({"w": torch.zeros(4, dtype=torch.bfloat16)}))  # holds its tensors
     if context:
-        with pytest.raises(ConfigError, match="mirror"):
+        with pytest.raises(ConfigError, match="host_copy"):
             check_decodable(reader, engine)
     else:
         check_decodable(reader, engine)

@@ -17,7 +17,7 @@ from trainer_helpers import Replica, adam, assert_bitwise, expected_view, tiny_l
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.pieces import Fuse, Piece
 
@@ -65,28 +65,28 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
 ) -> None:
     diffed: list[int] = []
     kernel: list[int] = []
-    real_changes, real_kernel = DiffEngine.changes, FusedCaster._kernel
+    real_changes, real_kernel = DiffEngine.changes, CastDiffer._kernel
 
     def changes(self: DiffEngine, old: torch.Tensor, new: torch.Tensor):  # type: ignore[no-untyped-def]
         diffed.append(new.numel())
         return real_changes(self, old, new)
 
-    def counted(self: FusedCaster, *args):  # type: ignore[no-untyped-def]
+    def counted(self: CastDiffer, *args):  # type: ignore[no-untyped-def]
         kernel.append(args[0].numel())
         return real_kernel(self, *args)
 
     quantized: list[str] = []
-    real_quantize = FusedCaster.quantize_diff
+    real_quantize = CastDiffer.quantize_diff
 
-    def quantize_diff(self: FusedCaster, fmt: str, name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def quantize_diff(self: CastDiffer, fmt: str, name: str, *args, **kwargs):  # type: ignore[no-untyped-def]
         got = real_quantize(self, fmt, name, *args, **kwargs)
         if got is not None:
             quantized.append(name)
         return got
 
     monkeypatch.setattr(DiffEngine, "changes", changes)
-    monkeypatch.setattr(FusedCaster, "_kernel", counted)
-    monkeypatch.setattr(FusedCaster, "quantize_diff", quantize_diff)
+    monkeypatch.setattr(CastDiffer, "_kernel", counted)
+    monkeypatch.setattr(CastDiffer, "quantize_diff", quantize_diff)
     steps = 4
     plain, _ = publish(tmp_path / "plain", fmt, False, steps)
     assert not kernel
@@ -113,7 +113,7 @@ def test_a_row_piece_diffs_against_the_piece_at_its_offset() -> None:
     g = torch.Generator().manual_seed(0)
     master = torch.randn(6, 40, generator=g)
     prev_rows = (master[3:] + 1e-3 * torch.randn(3, 40, generator=g)).bfloat16()
-    with FusedCaster(1) as caster:
+    with CastDiffer(1) as caster:
         fuse = Fuse(caster, {"w": Piece(prev_rows, 120, (6, 40))})
         new = fuse.hook(120)("w", master[3:], torch.bfloat16, None)
         assert torch.equal(new.view(torch.int16), master[3:].bfloat16().view(torch.int16))
@@ -154,7 +154,7 @@ def test_the_device_path_publishes_the_same_bytes(tmp_path: Path, monkeypatch: p
         return real_changes(self, old, new)
 
     monkeypatch.setattr(DiffEngine, "changes", changes)
-    monkeypatch.setattr(FusedCaster, "kernel_covers", staticmethod(lambda *_args: False))
+    monkeypatch.setattr(CastDiffer, "kernel_covers", staticmethod(lambda *_args: False))
     device, _ = publish(tmp_path / "device", "bf16", True, 3)
     assert [k for k in plain if plain[k] != device.get(k)] == [] and plain.keys() == device.keys()
     assert diffed == []

@@ -15,7 +15,7 @@ from flipsync.codec.fingerprint import FingerprintTable, Hasher
 from flipsync.domain.headers import ViewRef
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import ConfigError, CorruptPatchError
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer.pieces import Piece, dedupe_tied
 from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas, table_of_pieces
 from tests.strategies import PART_HASH, patch_manifest

@@ -16,7 +16,7 @@ from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import ConfigError, ConflictError
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)

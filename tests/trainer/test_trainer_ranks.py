@@ -33,7 +33,7 @@ from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.errors import BoardError, NonFiniteError, PatchError
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer import Publisher, PublisherConfig
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)

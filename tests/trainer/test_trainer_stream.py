@@ -33,7 +33,7 @@ from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.stores import Store
 from flipsync.trainer import Publisher, PublisherConfig
-from flipsync.trainer.commit import PartStream
+from flipsync.trainer.upload import PartStream
 
 
 def random_patch(sizes: list[int], seed: int) -> Patch:

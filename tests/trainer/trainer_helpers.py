@@ -15,7 +15,7 @@ from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, TransientStoreError
 from flipsync.formats import served_view
-from flipsync.sidecar.commit import join_step
+from flipsync.sidecar.engine_update import join_step
 from flipsync.stores import Store
 
 

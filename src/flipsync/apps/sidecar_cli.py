@@ -132,14 +132,13 @@ def sidecar(
     ] = 30.0,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
+    from flipsync.engines.registry import EngineOptions, check_kind, load_engine
     from flipsync.serving import parse_listen, parse_pairs
-    from flipsync.sidecar import ENGINE_KINDS
 
     # The arguments first: a typo is answered in milliseconds, before torch and the engines are imported.
     try:
         host, port = parse_listen(listen)
-        if engine not in ENGINE_KINDS:
-            raise ConfigError(f"unknown engine {engine!r}; engines: {', '.join(ENGINE_KINDS)}")
+        check_kind(engine)
         if engine == "torch":
             ehost, eport = parse_listen(engine_listen)
         elif not upstream:
@@ -176,14 +175,12 @@ def sidecar(
     from flipsync.sidecar.proxy import ProxyConfig
     from flipsync.sidecar.replica import ReplicaConfig
     from flipsync.sidecar.service import (
-        EngineOptions,
         Sidecar,
         TorchEngineHandle,
         board_format,
         check_decodable,
         check_format,
         find_run,
-        load_engine,
         no_version_yet,
         start_torch_engine,
         wait_for_format,

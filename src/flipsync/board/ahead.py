@@ -1,6 +1,6 @@
 """Fetch ahead: download a version's objects while it is still being published.
 
-A trainer uploads each part of a version in chunks as it codes them (`flipsync.trainer.commit`), and creates
+A trainer uploads each part of a version in chunks as it codes them (`flipsync.trainer.upload`), and creates
 the version's manifest only once every part is up. A reader that waits for the manifest before it downloads
 anything pays the trainer's time and the transfer one after the other; a reader that watches the version's
 folder meanwhile overlaps them, and finds most of the version already local when the manifest lands.

@@ -10,24 +10,24 @@ tensors by running the model's ``load_weights`` (and ``process_weights_after_loa
   ``MultiprocessingSerializer`` (shared-memory handles, so only from a process of the same host and torch).
 - ``POST /update_weights_from_distributed``: an NCCL broadcast group with the trainer (GPU only).
 
-This engine uses the first. The sidecar keeps the served view it last pushed as a *mirror*: one safetensors
-file on local disk, memory-mapped writable (:class:`DiskMirror`), or any mapping of CPU tensors. A patch is
-staged against the mirror with the codec (decode, old bits, new bits, target fingerprints: O(changed)),
+This engine uses the first. The sidecar keeps the served view it last pushed as a *host_copy*: one safetensors
+file on local disk, memory-mapped writable (:class:`HostCopy`), or any mapping of CPU tensors. A patch is
+staged against the host_copy with the codec (decode, old bits, new bits, target fingerprints: O(changed)),
 the touched tensors are written with their new values into a small update checkpoint (and their old
 values into an undo checkpoint), and the commit asks SGLang to load that directory, stamping
-``weight_version`` with the board version. Only then does the mirror take the new bits (O(changed)).
+``weight_version`` with the board version. Only then does the host_copy take the new bits (O(changed)).
 A rollback loads the undo checkpoint and restores the previous ``weight_version``.
 
 What this costs: the sidecar holds O(model) on local disk (page cache as the kernel sees fit) and O(touched
 tensors) in memory; SGLang reads O(touched tensors) from local disk and reprocesses its layers. A tensor is
 either touched or not, so a patch of a few elements of every tensor reloads the whole model.
 
-What is checked where: ``table`` and ``recompute_table`` describe the mirror, i.e. what was pushed and
+What is checked where: ``table`` and ``recompute_table`` describe the host_copy, i.e. what was pushed and
 acknowledged. SGLang's memory is reachable only through ``/get_weights_by_name`` (the first rows of one
 parameter as the model holds it, as float32; its Llama-style models map ``q_proj`` / ``gate_proj`` names onto
 their slice of the fused parameter and gather row-parallel shards). That is the audit SGLang's routes allow:
 at start the engine reads back the first ``audit_rows`` rows of every tensor and keeps as *auditable* those
-that equal the mirror's (a runtime layout other than the checkpoint's, such as a transposed or repacked
+that equal the host_copy's (a runtime layout other than the checkpoint's, such as a transposed or repacked
 quantized weight, cannot be compared); after every update it reads the touched auditable tensors again
 (``audit="every"``; ``"sample"``: one of them; ``"off"``) and a mismatch (SGLang acknowledged values it does
 not hold) undoes the update and raises. Tested only against a fake server that implements this HTTP contract
@@ -56,12 +56,13 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.mirror import DiskMirror, write_safetensors
+from flipsync.engines.host_copy import HostCopy, open_host_copy, write_safetensors
+from flipsync.engines.registry import EngineOptions
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DiskMirror", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
+__all__ = ["HostCopy", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
 
 
 # ------------------------------------------------------------------------------------------- engine
@@ -87,14 +88,14 @@ class SglangUndo(Undo):
 
 
 class SglangEngine(Engine[SglangStaged, SglangUndo]):
-    """An SGLang server updated through ``/update_weights_from_disk`` from a mirror of the served view."""
+    """An SGLang server updated through ``/update_weights_from_disk`` from a host_copy of the served view."""
 
     name: ClassVar[str] = "sglang"
 
     def __init__(
         self,
         base_url: str,
-        mirror: MutableMapping[str, torch.Tensor],
+        host_copy: MutableMapping[str, torch.Tensor],
         *,
         table: FingerprintTable | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
@@ -107,12 +108,12 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         audit: str = "every",
         audit_rows: int = 2,
     ) -> None:
-        """``mirror`` must hold exactly what the server serves now (e.g. the checkpoint it started from).
+        """``host_copy`` must hold exactly what the server serves now (e.g. the checkpoint it started from).
         ``audit``: read back the touched tensors after each update (``every``, ``sample``: one, ``off``)."""
         if audit not in ("every", "sample", "off"):
             raise ConfigError(f"audit must be every, sample or off, not {audit!r}")
         self.base_url = base_url.rstrip("/")
-        self._mirror = mirror
+        self._host_copy = host_copy
         self._timeout = timeout_s
         self._load_format = load_format
         self._flush_cache = flush_cache
@@ -123,23 +124,23 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self._staging = Path(staging_dir or tempfile.mkdtemp(prefix="flipsync-sglang-"))
         self._staging.mkdir(parents=True, exist_ok=True)
         self._live_dirs: list[Path] = []  # update/undo dirs SGLang may still point at
-        self._table = table.copy() if table is not None else FingerprintTable.of(mirror)
-        self._index = ClassIndex()  # of the mirror, kept current with it: sparse ctx sections read only their blocks
-        if set(self._table) != set(mirror):
-            raise ConfigError("the fingerprint table does not describe the mirror's tensors")
+        self._table = table.copy() if table is not None else FingerprintTable.of(host_copy)
+        self._index = ClassIndex()  # of the host_copy, kept current with it: sparse ctx sections read only their blocks
+        if set(self._table) != set(host_copy):
+            raise ConfigError("the fingerprint table does not describe the host_copy's tensors")
         self.weight_version = self._get_weight_version()
         self.audit, self.audit_rows = audit, max(1, audit_rows)
         self._rng = random.Random(0)
         self.auditable: set[str] = set()
         self.last_audit: list[str] = []  # the tensors the last update's audit read back
         if audit != "off":
-            found = self.sample_check(sorted(mirror), rows=self.audit_rows)
+            found = self.sample_check(sorted(host_copy), rows=self.audit_rows)
             self.auditable = {n for n, ok in found.items() if ok}
             skipped = sorted(set(found) - self.auditable)
             if skipped:
                 log.warning(
-                    "sglang engine: %d of %d tensors do not read back as the mirror holds them (%s...): a runtime "
-                    "layout other than the checkpoint's, or a server that does not serve the mirror; they are not "
+                    "sglang engine: %d of %d tensors do not read back as the host_copy holds them (%s...): a runtime "
+                    "layout other than the checkpoint's, or a server that does not serve the host_copy; they are not "
                     "audited",
                     len(skipped),
                     len(found),
@@ -192,27 +193,27 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
 
     @property
     def host_view(self) -> Mapping[str, torch.Tensor]:
-        """The mirror: what the server was last given, where the sidecar reads it."""
-        return self._mirror
+        """The host_copy: what the server was last given, where the sidecar reads it."""
+        return self._host_copy
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
-        if set(view) != set(self._mirror):
-            raise ConfigError("the view does not have the tensors of the mirror")
+        if set(view) != set(self._host_copy):
+            raise ConfigError("the view does not have the tensors of the host_copy")
         directory = self._new_dir("full")
         write_safetensors(view, directory / "model.safetensors")
         version = self.weight_version
         self._update_from_disk(directory, version)
         for name, t in view.items():
-            self._mirror[name] = t.detach().to("cpu")
+            self._host_copy[name] = t.detach().to("cpu")
         self._flush()
-        self._table = FingerprintTable.of(self._mirror)
+        self._table = FingerprintTable.of(self._host_copy)
         self._index = ClassIndex()
         self._retire(directory)
 
     def stage(self, patch: Patch) -> SglangStaged:
         t0 = time.perf_counter()
         # base check, decode, target fingerprints
-        writes = codec_stage(self._mirror, patch, self._table, index=self._index)
+        writes = codec_stage(self._host_copy, patch, self._table, index=self._index)
         token = secrets.token_hex(6)
         update_dir = self._new_dir(f"update-{token}")
         undo_dir = self._new_dir(f"undo-{token}")
@@ -220,7 +221,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             new: dict[str, torch.Tensor] = {}
             old: dict[str, torch.Tensor] = {}
             for w in writes:
-                cur = self._mirror[w.name]
+                cur = self._host_copy[w.name]
                 old[w.name] = cur.detach().clone()
                 t = old[w.name].clone()
                 scatter(t, w.positions, w.new_bits)
@@ -247,8 +248,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
 
     @property
     def adoptable(self) -> bool:
-        # The fingerprints come from the mirror, not the server: a sidecar killed between the server's update
-        # and the mirror's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead.
+        # The fingerprints come from the host_copy, not the server: a sidecar killed between the server's update
+        # and the host_copy's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead.
         return False
 
     def commit(self, staged: SglangStaged) -> SglangUndo:
@@ -270,7 +271,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
                 f"SGLang acknowledged the update but reads back other values for {', '.join(bad[:3])} (the first "
                 f"{self.audit_rows} rows, /get_weights_by_name); the update was undone"
             )
-        record = codec_commit(self._mirror, staged.writes, self._table, index=self._index)
+        record = codec_commit(self._host_copy, staged.writes, self._table, index=self._index)
         self._flush()
         self.weight_version = staged.weight_version
         self._retire(staged.update_dir, staged.undo_dir)
@@ -282,14 +283,14 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         if not (undo.undo_dir / "model.safetensors").exists():
             raise EngineError(f"the undo checkpoint {undo.undo_dir} is gone (only the last {self._keep} are kept)")
         self._update_from_disk(undo.undo_dir, undo.weight_version_before)
-        undo.record.rollback(self._mirror, self._table)
+        undo.record.rollback(self._host_copy, self._table)
         self._flush()
         self.weight_version = undo.weight_version_before
         undo.done = True
 
     def recompute_table(self) -> FingerprintTable:
-        """Fingerprints of the mirror (what SGLang acknowledged); see :meth:`sample_check` for the server."""
-        return FingerprintTable.of(self._mirror)
+        """Fingerprints of the host_copy (what SGLang acknowledged); see :meth:`sample_check` for the server."""
+        return FingerprintTable.of(self._host_copy)
 
     def health(self) -> bool:
         try:
@@ -300,8 +301,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
     def close(self) -> None:
         if self._own_client:
             self._client.close()
-        if isinstance(self._mirror, DiskMirror):
-            self._mirror.flush()
+        if isinstance(self._host_copy, HostCopy):
+            self._host_copy.flush()
 
     # ------------------------------------------------------------------------------------ extras
     def _audit_update(self, staged: SglangStaged) -> list[str]:
@@ -315,7 +316,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         expected = {w.name: w for w in staged.writes}
         bad = []
         for name in names:
-            t = self._mirror[name][: self.audit_rows].detach().clone()
+            t = self._host_copy[name][: self.audit_rows].detach().clone()
             w = expected[name]
             rows = t.numel()
             keep = w.positions < rows
@@ -334,9 +335,9 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         return got.shape == want32.shape and bool(torch.equal(got.view(torch.int32), want32.view(torch.int32)))
 
     def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
-        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the mirror, exactly
+        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the host_copy, exactly
         (float32 bit patterns); a tensor SGLang cannot report reads as False."""
-        return {name: self._reads_back(name, self._mirror[name][:rows]) for name in names}
+        return {name: self._reads_back(name, self._host_copy[name][:rows]) for name in names}
 
     # -------------------------------------------------------------------------------- plumbing
     def _new_dir(self, stem: str) -> Path:
@@ -361,5 +362,18 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             ) from None
 
     def _flush(self) -> None:
-        if isinstance(self._mirror, DiskMirror):
-            self._mirror.flush()
+        if isinstance(self._host_copy, HostCopy):
+            self._host_copy.flush()
+
+
+def create_engine(options: EngineOptions) -> SglangEngine:
+    """The ``--engine-option`` keys: ``host_copy`` (required: a safetensors file holding what the server holds;
+    created from ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default
+    ``--upstream``)."""
+    opts = options.options
+    url = options.admin_url("sglang")
+    if "host_copy" not in opts:
+        raise ConfigError("the sglang engine needs --engine-option host_copy=FILE (and model_dir=PATH to create it)")
+    return SglangEngine(
+        url, open_host_copy(opts["host_copy"], opts.get("model_dir")), staging_dir=opts.get("staging_dir")
+    )

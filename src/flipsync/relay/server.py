@@ -14,7 +14,7 @@ once per island however many replicas read it:
   instead of each polling the board (or the relay) themselves;
 - **fetching ahead** (``fetch_ahead``): while sidecars wait for a version's manifest, the relay also lists
   that version's folder at each check and downloads every object already in it into the cache. A trainer
-  uploads its parts in chunks while it codes them (`flipsync.trainer.commit`), so the island's copy of a
+  uploads its parts in chunks while it codes them (`flipsync.trainer.upload`), so the island's copy of a
   version is mostly there by the time its manifest lands.
 
 The relay holds no credentials for anything but the board it reads, and it is read-only. It trusts nothing

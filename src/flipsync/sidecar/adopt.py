@@ -13,7 +13,7 @@ from flipsync.board.reader import BoardReader
 from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine
 from flipsync.errors import EngineUnavailableError, FlipsyncError
-from flipsync.sidecar.commit import engine_call
+from flipsync.sidecar.engine_update import engine_call
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ again, and converges once the fault is gone:
 
 The replica composes three parts and keeps the books (state, metrics, status): the position on the board
 and the follow-and-replan loop are ``board.follow.Follower``'s, staging and committing one step is
-``sidecar.commit.Committer``'s, and finding the version an engine already holds is ``sidecar.adopt``'s.
+``sidecar.commit.EngineUpdater``'s, and finding the version an engine already holds is ``sidecar.adopt``'s.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine
 from flipsync.errors import EngineUnavailableError, FlipsyncError
 from flipsync.sidecar.adopt import find_held_version
-from flipsync.sidecar.commit import Committer, WeightsChangedError
+from flipsync.sidecar.engine_update import EngineUpdater, WeightsChangedError
 from flipsync.sidecar.gate import CommitMode, Pause, RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.notify import Notifier
@@ -99,7 +99,7 @@ class Replica:
         self.follower = Follower(
             reader, max_replans=self.config.max_replans, on_move=self._moved, on_fetch=self._fetched
         )
-        self.committer = Committer(
+        self.committer = EngineUpdater(
             engine,
             self.gate,
             mode=self.config.commit_mode,

@@ -2,20 +2,15 @@
 
 ``Sidecar`` wires the pieces for any engine and upstream URL; ``start_torch_engine`` builds the in-process
 torch engine and serves its OpenAI-compatible API on a loopback port for the proxy to forward to.
-``load_engine`` builds the vLLM and SGLang engines (``flipsync.engines.vllm.engine`` / ``sglang_engine``)
-for the command line. A sidecar that joins a fleet (``join``) keeps its member record on the board; ``drain``
+A sidecar that joins a fleet (``join``) keeps its member record on the board; ``drain``
 is how it leaves (SIGTERM).
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
 import logging
-import os
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 from fastapi import FastAPI
 
@@ -24,14 +19,12 @@ from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier
 from flipsync.engines.base import Engine
-from flipsync.engines.mirror import DiskMirror
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, load_config
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.errors import ConfigError
 from flipsync.formats import get_format
 from flipsync.serving import ServerThread
-from flipsync.sidecar import ENGINE_KINDS
 from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.heartbeat import Heartbeat, MembershipConfig
 from flipsync.sidecar.metrics import SidecarMetrics
@@ -40,90 +33,6 @@ from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.stores import Store
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    """What ``create_engine`` of an engine module gets from the command line."""
-
-    upstream_url: str | None = None
-    served_format: str | None = None
-    device: str = "cpu"
-    options: dict[str, str] = field(default_factory=dict)
-
-
-def load_engine(kind: str, options: EngineOptions) -> Engine:
-    """A vLLM or SGLang engine for the sidecar CLI.
-
-    A ``flipsync.engines.<kind>`` module may provide ``create_engine(options)``; otherwise the engine is
-    built from its documented constructor and these ``--engine-option`` keys:
-
-    - vllm: ``model_dir`` (required: the checkpoint vLLM was started from, for the tensor specs), ``source``
-      (default: ``model_dir``), ``admin_url`` (the server with ``/collective_rpc``; default ``--upstream``),
-      ``mirror`` (a safetensors file mirroring what the workers hold, so that patches coded against their base
-      decode; created from ``model_dir`` when missing; default: a file under the user's cache directory named
-      after ``model_dir``; ``none``: no mirror, for runs published without context coding), ``audit``
-      (``every``, ``sample`` or ``off``: how often the workers compare reloaded layers with a fresh load,
-      default ``every``), ``repair`` (``on``/``off``: whether a kind of layer the engine reloads wrongly takes a
-      fresh load's state, default on);
-    - sglang: ``mirror`` (required: a safetensors file mirroring what the server holds; created from
-      ``model_dir`` when missing), ``model_dir``, ``staging_dir``, ``admin_url`` (default ``--upstream``).
-    """
-    if kind not in ENGINE_KINDS or kind == "torch":
-        raise ConfigError(f"unknown engine {kind!r}; engines: {', '.join(ENGINE_KINDS)}")
-    try:
-        module = importlib.import_module(f"flipsync.engines.{kind}")
-    except ImportError as e:
-        raise ConfigError(f"the {kind} engine is not available: {e}") from None
-    factory = getattr(module, "create_engine", None)
-    opts = options.options
-    url = opts.get("admin_url") or options.upstream_url
-    if not url:
-        raise ConfigError(f"the {kind} engine needs --upstream URL (or --engine-option admin_url=URL)")
-    if callable(factory):
-        engine = factory(options)
-    elif kind == "vllm":
-        if "model_dir" not in opts:
-            raise ConfigError("the vllm engine needs --engine-option model_dir=PATH (the checkpoint vLLM serves)")
-        repair = opts.get("repair", "on").lower()
-        if repair not in ("on", "off"):
-            raise ConfigError(f"--engine-option repair must be on or off, not {opts['repair']!r}")
-        engine = module.VllmEngine(
-            module.HttpTransport(url),
-            module.specs_from_checkpoint(opts["model_dir"]),
-            source=opts.get("source", opts["model_dir"]),
-            mirror=None if opts.get("mirror") == "none" else open_mirror({"mirror": str(default_mirror(opts)), **opts}),
-            audit=opts.get("audit", "every"),
-            repair=repair == "on",
-        )
-    else:
-        if "mirror" not in opts:
-            raise ConfigError("the sglang engine needs --engine-option mirror=FILE (and model_dir=PATH to create it)")
-        engine = module.SglangEngine(url, open_mirror(opts), staging_dir=opts.get("staging_dir"))
-    if not isinstance(engine, Engine):
-        raise ConfigError(f"the {kind} engine factory returned {type(engine).__name__}, not an Engine")
-    return engine
-
-
-def default_mirror(opts: dict[str, str]) -> Path:
-    """Where a vLLM sidecar keeps its mirror unless told: the user's cache directory, one file per model
-    directory (reused across restarts; the engine uses it only while it holds what the workers serve)."""
-    model_dir = Path(opts["model_dir"]).resolve()
-    digest = hashlib.blake2b(str(model_dir).encode(), digest_size=8).hexdigest()
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flipsync"
-    return cache / f"mirror-{model_dir.name}-{digest}.safetensors"
-
-
-def open_mirror(opts: dict[str, str]) -> DiskMirror:
-    """The ``mirror`` file of an engine's options, created from ``model_dir`` when it does not exist yet."""
-    path = Path(opts["mirror"])
-    if path.exists():
-        return DiskMirror(path)
-    if "model_dir" not in opts:
-        raise ConfigError(f"the mirror {path} does not exist: pass model_dir=PATH to create it")
-    from flipsync.checkpoint import Checkpoint
-
-    return DiskMirror.create(path, Checkpoint(opts["model_dir"]))
 
 
 def find_run(store: Store) -> str:
@@ -195,7 +104,7 @@ def check_decodable(reader: BoardReader, engine: Engine) -> None:
         raise ConfigError(
             f"run {reader.run!r} codes its patches against their base values (PublisherConfig(context=True), the "
             f"default), which the {engine.name} engine cannot decode without a host copy of its weights: give it "
-            "one (vllm: --engine-option mirror=FILE, or leave mirror out for the default), or publish the run "
+            "one (vllm: --engine-option host_copy=FILE, or leave host_copy out for the default), or publish the run "
             "with PublisherConfig(context=False)"
         )
 

@@ -8,17 +8,17 @@ not control. A replica joins a version made of several parts (one per trainer ra
 """
 
 from flipsync.trainer.config import PublisherConfig
-from flipsync.trainer.group import Group, SoloGroup, TorchGroup
 from flipsync.trainer.multi_format import MultiFormatPublisher
 from flipsync.trainer.publisher import Publisher, PublisherStats
+from flipsync.trainer.rank_group import RankGroup, SoloGroup, TorchGroup
 from flipsync.trainer.startup import new_run_name
 
 __all__ = [
-    "Group",
     "MultiFormatPublisher",
     "Publisher",
     "PublisherConfig",
     "PublisherStats",
+    "RankGroup",
     "SoloGroup",
     "TorchGroup",
     "new_run_name",

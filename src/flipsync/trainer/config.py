@@ -18,9 +18,9 @@ from flipsync.board.signing import Signer
 from flipsync.errors import ConfigError
 from flipsync.formats.view import FusedGroups
 from flipsync.stores import StoreOptions
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from flipsync.trainer.pieces import KeepFn
 from flipsync.trainer.staging import KeepOn
+from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 
 
 def default_threads() -> int:

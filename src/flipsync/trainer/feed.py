@@ -13,9 +13,8 @@ import time
 from collections.abc import Callable
 
 from flipsync.errors import FlipsyncError
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 from flipsync.trainer.config import PublisherConfig
-from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import (
     Fuse,
     FusedDiff,
@@ -32,6 +31,7 @@ from flipsync.trainer.pieces import (
     tied_targets,
     view_bytes,
 )
+from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item, MemoryAccount
 from flipsync.trainer.staging import Stager, StreamFence, cuda_devices, on_devices
 from flipsync.trainer.view_thread import ViewThread
@@ -47,7 +47,7 @@ class ViewFeed:
     def __init__(
         self,
         model: StateSource,
-        group: Group,
+        group: RankGroup,
         fmt: str,
         config: PublisherConfig,
         *,
@@ -69,8 +69,8 @@ class ViewFeed:
         # The newest view handed on and its item's token: the next view's casts diff against it (`Fuse`).
         # The worker uses those changes only if that view is still its base when it publishes the next one.
         self._ref: tuple[LocalView, object] | None = None
-        self._caster: FusedCaster | None = None
-        # Plain casts find their changes while they cast (`flipsync.formats.fused`); False: a cast, then a diff
+        self._caster: CastDiffer | None = None
+        # Plain casts find their changes while they cast (`flipsync.formats.cast_diff`); False: a cast, then a diff
         # of both views (the same patches: ``flipsync bench fused`` and the tests compare the two).
         self.fuse = True
 
@@ -157,10 +157,10 @@ class ViewFeed:
         self._ref = (staged.view, item.token)
         self._submit(item)
 
-    def _fused_caster(self) -> FusedCaster:
+    def _fused_caster(self) -> CastDiffer:
         # made by the first view computed (the view thread once deferred): its pool inherits that priority
         if self._caster is None:
-            self._caster = FusedCaster(self.config.pool_threads)
+            self._caster = CastDiffer(self.config.pool_threads)
         return self._caster
 
     def after_optimizer_step(self, step: int, inputs: Inputs | None = None) -> None:

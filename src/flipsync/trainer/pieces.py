@@ -31,7 +31,7 @@ from flipsync.codec.bits import dtype_of
 from flipsync.errors import ConfigError, PatchError
 from flipsync.formats import fused_groups_auto, get_format, served_view
 from flipsync.formats.base import ServedFormat, cast_master
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 from flipsync.formats.view import Alloc, Cast
 
 KeepFn = Callable[[str, torch.Tensor], bool]
@@ -95,13 +95,13 @@ class FusedDiff:
 
 @dataclass
 class Fuse:
-    """Plain casts that diff against a previous view as they run (`flipsync.formats.fused`).
+    """Plain casts that diff against a previous view as they run (`flipsync.formats.cast_diff`).
 
     Pieces whose previous piece lies elsewhere (another offset, layout or device: a CUDA view kept in host
     memory) are cast by `cast_master` and diffed later, as every piece was before.
     """
 
-    caster: FusedCaster
+    caster: CastDiffer
     ref: LocalView
     found: dict[str, Changes] = field(default_factory=dict)
 

@@ -39,12 +39,12 @@ from flipsync.formats import get_format
 from flipsync.stores import Store, open_store
 from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.feed import ViewFeed
-from flipsync.trainer.group import Group, make_group
 from flipsync.trainer.pieces import StateSource, ViewPlan
+from flipsync.trainer.publish_thread import PublishThread
+from flipsync.trainer.rank_group import RankGroup, make_group
 from flipsync.trainer.rounds import Published, VersionRounds, code_pool_for
 from flipsync.trainer.slot import Item, Slot
 from flipsync.trainer.startup import Start, decide_start, layout_fingerprint, new_run_name
-from flipsync.trainer.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class Publisher:
     Another model is refused (ConfigError) unless ``new_weights=True`` says to replace the run's weights.
     ``optimizer``: attach now (see `attach`). Under torch.distributed every rank builds a Publisher (a
     collective) and calls ``step()`` for the same steps; each rank publishes its own shard of the view as one
-    part of each version. ``group`` replaces torch.distributed by another implementation of the `Group`
+    part of each version. ``group`` replaces torch.distributed by another implementation of the `RankGroup`
     collectives (advanced; the tests use threads). ``config``: the tuning knobs (`PublisherConfig`): how
     the view is computed and kept, the background threads, the board's cadence and signing. ``first_step``:
     the trainer step the initial weights are (v0's ``meta.step``; default 0), for a loop that counts its own
@@ -92,7 +92,7 @@ class Publisher:
         resume: bool = False,
         new_weights: bool = False,
         optimizer: torch.optim.Optimizer | None = None,
-        group: Group | None = None,
+        group: RankGroup | None = None,
         config: PublisherConfig | None = None,
         first_step: int = 0,
     ) -> None:
@@ -109,7 +109,7 @@ class Publisher:
         self._reported: BaseException | None = None
         self._hooks: list[Any] = []
         self.store = open_store(board, cfg.store_options)
-        self.group: Group = group or make_group(cfg.timeout_s)
+        self.group: RankGroup = group or make_group(cfg.timeout_s)
         self.run = check_name(self.group.broadcast(run or new_run_name(), "the run name"), "run name")
         self.feed = ViewFeed(
             model,
@@ -172,7 +172,7 @@ class Publisher:
             self.feed.release_view(view)
             self._shutdown_resources()
             raise ConflictError(message) if kind == "refuse" else ConfigError(message)
-        self.worker = Worker(
+        self.worker = PublishThread(
             self.rounds,
             self.slot,
             self.group,

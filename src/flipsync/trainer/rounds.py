@@ -7,7 +7,7 @@ Every rank runs the same sequence of small exchanges per version (a single proce
    rank 0 names the version number and the attempt folder;
 2. *diff*: each rank diffs its own pieces against the view of the previous version and sends only the
    fingerprint delta of each changed tensor. Meanwhile the codec's ``PatchEncoder`` codes each changed
-   piece's section and, in chunks, it is uploaded (`flipsync.trainer.commit.PartStream`);
+   piece's section and, in chunks, it is uploaded (`flipsync.trainer.upload.PartStream`);
 3. *encode*: with every delta known, each rank knows the fingerprint table at every part boundary, so it
    completes its part as a flipsync patch from the view before its part to the view after it (the header:
    the sections are already coded). Parts are ordered by rank; a rank with no changes sends no part. The
@@ -43,11 +43,11 @@ from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorI
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
 from flipsync.stores import Store
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
-from flipsync.trainer.group import Group
 from flipsync.trainer.pieces import LocalView, PieceSpec
+from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item
 from flipsync.trainer.spans import SpanMaker
+from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class VersionRounds:
     def __init__(
         self,
         *,
-        group: Group,
+        group: RankGroup,
         run: str,
         store: Store,
         board: BoardWriter | None,

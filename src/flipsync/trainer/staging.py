@@ -31,7 +31,7 @@ _Key = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned
 
 
 @dataclass
-class Staged:
+class StagedView:
     """A view on its way to the background thread; ``wait()`` before reading it there."""
 
     view: LocalView
@@ -100,13 +100,13 @@ class Stager:
         self._lock = threading.Lock()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def stage(self, view: LocalView) -> Staged:
+    def stage(self, view: LocalView) -> StagedView:
         """Start moving ``view`` (returns without waiting for copies)."""
         devices = cuda_devices(p.tensor for p in view.values())
         if not devices:
-            return Staged(view, _noop)
+            return StagedView(view, _noop)
         if self.keep_on == "device":
-            return Staged(view, StreamFence(devices).record().synchronize)
+            return StagedView(view, StreamFence(devices).record().synchronize)
         out: LocalView = dict(view)
         copied = StreamFence([])
         for d in devices:
@@ -122,7 +122,7 @@ class Stager:
                         p.tensor.record_stream(stream)  # the device copy may be freed before the copy ran
                         out[name] = Piece(buf, p.offset, p.shape)
                     copied.add(d, stream)
-        return Staged(out, copied.synchronize)
+        return StagedView(out, copied.synchronize)
 
     @contextmanager
     def buffers(self) -> Iterator[Alloc]:

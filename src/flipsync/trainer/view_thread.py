@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from flipsync.trainer.worker import lower_priority
+from flipsync.trainer.publish_thread import lower_priority
 
 log = logging.getLogger(__name__)
 

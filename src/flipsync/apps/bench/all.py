@@ -390,7 +390,7 @@ class _FusedRow:
         self.vs_flatnonzero = row["vs_flatnonzero"]
 
 
-FUSED_MD = """The publisher's fused pass (`flipsync.formats.fused.FusedCaster`: one read of the FP32 master and the
+FUSED_MD = """The publisher's fused pass (`flipsync.formats.cast_diff.CastDiffer`: one read of the FP32 master and the
 previous served view, the new view written and its changed positions emitted) against a torch cast then
 `np.flatnonzero(old != new)` and against a cast then `DiffEngine`, on the codec section's llm-like masters moved
 by Adam at lr 1e-6, per served byte, at 1 and 2 threads; then whole BF16 publications with the fused pass on

@@ -4,7 +4,7 @@ On the same synthetic masters moved by real Adam steps (`flipsync.apps.synthetic
 served view is computed and compared with the previous one three ways, timed back to back in one process
 (best of a few interleaved repeats, so load from elsewhere hits all alike):
 
-- *fused*: `flipsync.formats.fused.FusedCaster.cast_diff` (one pass: cast, compare, changed positions with
+- *fused*: `flipsync.formats.cast_diff.CastDiffer.cast_diff` (one pass: cast, compare, changed positions with
   old and new bits), into reused buffers, on ``threads`` pool threads;
 - *torch cast + flatnonzero*: ``master.to(dtype)`` then ``np.flatnonzero(old != new)`` on integer views
   (torch with ``threads`` intra-op threads; numpy on one);
@@ -46,7 +46,7 @@ from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
 from flipsync.formats import served_view
 from flipsync.formats.base import cast_master
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 from flipsync.trainer import Publisher, PublisherConfig
 from flipsync.trainer.pieces import Fuse, Piece
 
@@ -121,7 +121,7 @@ def measure(
     refs = [prev_ints[n].view(np.uint16) for n in names]
     outs = [_ints(bufs[n]).view(np.uint16) for n in names]
     counts: dict[str, int] = {}
-    with FusedCaster(threads) as caster, DiffEngine(threads) as engine, ThreadPoolExecutor(threads) as pool:
+    with CastDiffer(threads) as caster, DiffEngine(threads) as engine, ThreadPoolExecutor(threads) as pool:
 
         def fused() -> None:
             counts["fused"] = sum(caster.cast_diff(n, after[n], dtype, prev[n], bufs[n])[1].size for n in names)
@@ -183,7 +183,7 @@ def measure_quantized(
     prev_bits = {k: _bits(t) for k, t in prev.items()}
     served = sum(t.numel() * t.element_size() for t in prev.values())
     counts: dict[str, int] = {}
-    with FusedCaster(threads) as caster, DiffEngine(threads) as engine:
+    with CastDiffer(threads) as caster, DiffEngine(threads) as engine:
 
         def fused() -> None:
             fuse = Fuse(caster, pieces)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flipsync.formats import FORMAT_NAMES, served_view
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 
 FRACTIONS = (1e-4, 1e-3, 1e-2)
 
@@ -94,7 +94,7 @@ def check_bits(device: torch.device) -> dict[str, Any]:
             dev = served_view({k: v.to(device) for k, v in masters.items()}, fmt, from_fp32=from_fp32)
             bad = [k for k in cpu if dev[k].dtype != cpu[k].dtype or not np.array_equal(_bits(dev[k]), _bits(cpu[k]))]
             out["formats"][f"{fmt}{' from fp32' if from_fp32 else ''}"] = {"equal": not bad, "differ": bad}
-    with FusedCaster(1) as caster:
+    with CastDiffer(1) as caster:
         for dtype in (torch.bfloat16, torch.float16):
             x = masters["model.layers.0.mlp.up_proj.weight"]
             prev = x.to(dtype)
@@ -140,7 +140,7 @@ def bandwidth(device: torch.device, elements: int, repeat: int) -> dict[str, Any
         "rows": [],
     }
     engine = DiffEngine()
-    caster = FusedCaster()
+    caster = CastDiffer()
     try:
         for i, fraction in enumerate(FRACTIONS):
             new, pos, bits = _moved(view, fraction, 10 + i)

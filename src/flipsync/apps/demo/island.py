@@ -201,13 +201,13 @@ class VllmServer:
 
     def attach(self) -> Engine:
         from flipsync.checkpoint import Checkpoint
-        from flipsync.engines.mirror import DiskMirror
+        from flipsync.engines.host_copy import HostCopy
         from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
 
         # a host copy of the served view, so that patches coded against their base decode here
-        mirror = DiskMirror.create(self.log_path.with_suffix(".mirror.safetensors"), Checkpoint(self.model_dir))
+        host_copy = HostCopy.create(self.log_path.with_suffix(".host-copy.safetensors"), Checkpoint(self.model_dir))
         specs = specs_from_checkpoint(self.model_dir)
-        return VllmEngine(HttpTransport(self.url), specs, source=self.model_dir, mirror=mirror)
+        return VllmEngine(HttpTransport(self.url), specs, source=self.model_dir, host_copy=host_copy)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:

@@ -167,7 +167,7 @@ class DemoReport:
 
 
 @dataclass(frozen=True)
-class Group:
+class RolloutGroup:
     problem: Problem
     group: int
     completions: list[tuple[str, tuple[int, ...]]]  # text, token ids
@@ -224,7 +224,7 @@ class RolloutPool(Workers):
         self.islands, self.task, self.tok, self.cfg = islands, task, tok, cfg
         self.head_version, self.steps = head_version, steps
         self.gateway = gateway  # the flipsync islands' requests go there; it says which island served
-        self.groups: queue.Queue[Group] = queue.Queue(maxsize=4 * cfg.prompts_per_step)
+        self.groups: queue.Queue[RolloutGroup] = queue.Queue(maxsize=4 * cfg.prompts_per_step)
         self.stop = threading.Event()
         self.errors: list[str] = []
         self._next_group = 0
@@ -288,7 +288,7 @@ class RolloutPool(Workers):
                     self.errors.append(f"{island.spec.name}: unreadable answer ({e})")
                     continue
                 completions = [(c["text"], tuple(self.tok.encode(c["text"], bos=False))) for c in doc["choices"]]
-                group = Group(problem, gid, completions, step, name)
+                group = RolloutGroup(problem, gid, completions, step, name)
                 while not self.stop.is_set():
                     try:
                         self.groups.put(group, timeout=0.2)
@@ -296,10 +296,10 @@ class RolloutPool(Workers):
                     except queue.Full:
                         continue
 
-    def take(self, n: int, step: int, timeout_s: float = 300.0) -> tuple[list[Group], dict[str, int]]:
+    def take(self, n: int, step: int, timeout_s: float = 300.0) -> tuple[list[RolloutGroup], dict[str, int]]:
         """``n`` groups whose weights are at most ``max_staleness`` trainer steps older than the policy of
         ``step`` (the weights after step - 1); returns them and, per island, how many rollouts were dropped."""
-        out: list[Group] = []
+        out: list[RolloutGroup] = []
         dropped: dict[str, int] = defaultdict(int, {i.spec.name: 0 for i in self.islands})
         deadline = time.monotonic() + timeout_s
         while len(out) < n:

@@ -18,7 +18,7 @@ import torch
 from flipsync.codec import Patch, apply_patch, diff_views, squash
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.formats import served_view
-from flipsync.formats.fused import FusedCaster
+from flipsync.formats.cast_diff import CastDiffer
 from flipsync.trainer.pieces import Fuse, Piece
 
 
@@ -35,8 +35,8 @@ def compile_codec_kernels(served_format: str) -> float:
     for scale in (1e-4, 1e-2):
         masters = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in masters.items()}
         views.append(served_view(masters, served_format))
-    # the publisher's fused pass (view and diff in one: `flipsync.formats.fused`), as its feed runs it
-    with FusedCaster(1) as caster:
+    # the publisher's fused pass (view and diff in one: `flipsync.formats.cast_diff`), as its feed runs it
+    with CastDiffer(1) as caster:
         fuse = Fuse(caster, {k: Piece(t, 0, tuple(t.shape)) for k, t in views[-1].items()})
         served_view(masters, served_format, cast=fuse.hook(0), quantize=fuse.quantize)
     # version 1 coders (what the trainer's publisher writes) and the ctx coder (what `flipsync diff` may pick)

@@ -24,10 +24,10 @@ Then, per patch:
   coordinates; fingerprints are additive, so the blocks sum to each checkpoint tensor's fingerprint.
   Replicated blocks (tensor-parallel copies) must agree.
 
-With a *mirror* (:mod:`flipsync.engines.mirror`: a host copy of the served view, e.g. a memory-mapped
+With a *host_copy* (:mod:`flipsync.engines.host_copy`: a host copy of the served view, e.g. a memory-mapped
 safetensors file) the sidecar also decodes patches coded against their base (``ctx``), which it otherwise
-refuses: the base values live in the workers. Stage checks the mirror's old bits against the workers' at
-every changed element; commit and rollback write the mirror after the workers (O(changed)).
+refuses: the base values live in the workers. Stage checks the host_copy's old bits against the workers' at
+every changed element; commit and rollback write the host_copy after the workers (O(changed)).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from flipsync.codec import ClassIndex, Patch
 from flipsync.codec.bits import dtype_named, dtype_of, from_key, int_view, to_key
 from flipsync.codec.fingerprint import FingerprintTable, TensorId, fingerprint_delta
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.mirror import DiskMirror
+from flipsync.engines.host_copy import HostCopy
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.wire import (
     AUDIT_EVERY,
@@ -300,8 +300,8 @@ class VllmStaged(Staged):
     targets: dict[str, TensorId]
     n_changed: int
     stage_s: float = 0.0
-    # with a mirror: each changed tensor's positions, old bits and new bits, for the mirror's own commit
-    mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    # with a host_copy: each changed tensor's positions, old bits and new bits, for the host_copy's own commit
+    host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 @dataclass
@@ -309,7 +309,7 @@ class VllmUndo(Undo):
     token: str
     table_before: dict[str, TensorId] = field(default_factory=dict)
     commit_s: float = 0.0
-    mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 class VllmEngine(Engine[VllmStaged, VllmUndo]):
@@ -328,7 +328,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         attach_timeout_s: float = 900.0,
         max_undo: int = DEFAULT_MAX_UNDO,
         workdir: str | os.PathLike[str] | None = None,
-        mirror: MutableMapping[str, torch.Tensor] | None = None,
+        host_copy: MutableMapping[str, torch.Tensor] | None = None,
         audit: str = AUDIT_EVERY,
         repair: bool = True,
     ) -> None:
@@ -336,7 +336,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         ``source``, by default the checkpoint the engine was started from).
 
         ``table`` is the fingerprint table of the view the engine holds; without it the table is recomputed
-        from the workers (O(size)). ``mirror``: a host copy of the served view (CPU tensors of the specs'
+        from the workers (O(size)). ``host_copy``: a host copy of the served view (CPU tensors of the specs'
         names, shapes and dtypes), so that patches coded against their base decode here; it is fingerprinted
         (O(size)) and used only if it holds what the workers serve, else from the next full load on.
         ``audit``: how often the workers compare reloaded layers with a fresh load of the same tensors
@@ -349,14 +349,14 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
         if audit not in AUDIT_MODES:
             raise ConfigError(f"audit must be one of {', '.join(AUDIT_MODES)}, not {audit!r}")
-        if mirror is not None and specs_of(mirror) != dict(specs):
+        if host_copy is not None and specs_of(host_copy) != dict(specs):
             raise ConfigError(
-                "the mirror does not hold the engine's tensors (names, shapes, dtypes): create it from the "
+                "the host_copy does not hold the engine's tensors (names, shapes, dtypes): create it from the "
                 "checkpoint the engine serves"
             )
-        self._mirror = mirror
-        self._mirror_current = False  # whether the mirror holds what the workers serve
-        self._index = ClassIndex()  # of the mirror, kept current with it: sparse ctx sections read only their blocks
+        self._host_copy = host_copy
+        self._host_copy_current = False  # whether the host_copy holds what the workers serve
+        self._index = ClassIndex()  # of the host_copy, kept current with it: sparse ctx sections read only their blocks
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
@@ -421,12 +421,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 f"{len(stale)} layer(s) differ from a fresh load of the source checkpoint, e.g. {where}: {found[0]}"
             )
             log.warning("vllm engine: %s; patches are refused until a full load", self._diverged)
-        if mirror is not None:
-            mirrored = FingerprintTable.of(mirror).view_fp()
-            self._mirror_current = self._diverged is None and mirrored == self._table.view_fp()
-            if not self._mirror_current:
+        if host_copy is not None:
+            copied = FingerprintTable.of(host_copy).view_fp()
+            self._host_copy_current = self._diverged is None and copied == self._table.view_fp()
+            if not self._host_copy_current:
                 log.warning(
-                    "vllm engine: the mirror does not hold what the workers serve; patches coded against their "
+                    "vllm engine: the host_copy does not hold what the workers serve; patches coded against their "
                     "base are refused until the next full load"
                 )
         log.info(
@@ -493,18 +493,18 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         """
         return (
             self._diverged is None
-            and (self._mirror is None or self._mirror_current)
+            and (self._host_copy is None or self._host_copy_current)
             and all(info["mode"] != RELOAD for params in self.params.values() for info in params.values())
         )
 
     @property
     def decodes_context(self) -> bool:
-        return self._mirror is not None
+        return self._host_copy is not None
 
     @property
     def host_view(self) -> Mapping[str, torch.Tensor] | None:
-        """The mirror, while it holds what the workers serve; else None (see ``__init__``)."""
-        return self._mirror if self._mirror_current else None
+        """The host_copy, while it holds what the workers serve; else None (see ``__init__``)."""
+        return self._host_copy if self._host_copy_current else None
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if specs_of(view) != self._specs:
@@ -520,18 +520,18 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._call({"op": "load", "source": path}, max(self._timeout, 600.0))
         finally:
             Path(path).unlink(missing_ok=True)
-        self._mirror_current = False
+        self._host_copy_current = False
         self._table = FingerprintTable.of(view)
         held = self.recompute_table()
         if held.view_fp() != self._table.view_fp():
             bad = sorted(n for n in held if held[n] != self._table[n])
             raise VerificationError(f"after loading the view the engine holds other bytes in {bad[:5]}")
         self._diverged = None
-        if self._mirror is not None:
+        if self._host_copy is not None:
             for name, t in view.items():
-                self._mirror[name].copy_(t.detach().cpu())
-            self._flush_mirror()
-            self._mirror_current = True
+                self._host_copy[name].copy_(t.detach().cpu())
+            self._flush_host_copy()
+            self._host_copy_current = True
             self._index = ClassIndex()
 
     def stage(self, patch: Patch) -> VllmStaged:
@@ -562,8 +562,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if patch.needs_base and base is None:
             raise PatchError(
                 "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
-                "engine's sidecar does not hold (they live in the workers): attach the engine with a mirror "
-                "(VllmEngine(..., mirror=...); the sidecar creates one unless told mirror=none), publish with "
+                "engine's sidecar does not hold (they live in the workers): attach the engine with a host_copy "
+                "(VllmEngine(..., host_copy=...); the sidecar creates one unless told host_copy=none), publish with "
                 "PublisherConfig(context=False), or rebuild it with diff_views(..., context=False)"
             )
         changes = {}
@@ -571,7 +571,9 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             against = None
             if base is not None and patch.section_needs_base(s.name):
                 d = dtype_named(s.dtype)
-                against = self._index.base(s.name, self._mirror_bits(s.name, d.uint_numpy), d, self._table[s.name].fp)
+                against = self._index.base(
+                    s.name, self._host_copy_bits(s.name, d.uint_numpy), d, self._table[s.name].fp
+                )
             changes[s.name] = patch.change(s.name, against)
         # where each changed element lives, and who reports its old bits
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
@@ -605,7 +607,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 rank = str(a["rank"])
                 for (name, hit), bits in zip(read_slots.get(rank, []), a["result"], strict=True):
                     old[name][hit] = unb64(bits, uint_dtype(changes[name].dtype.bits))
-        mirror_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
         targets: dict[str, TensorId] = {}
         n_changed = 0
@@ -617,7 +619,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             for rank, pname, hit, ppos in plans[name]:
                 per_rank.setdefault(rank, []).append([pname, b64(ppos), b64(new[hit])])
             if base is not None:
-                mirror_writes[name] = (pos, old[name], new)
+                host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
             n_changed += ch.n
         after = self._table.copy()
@@ -634,7 +636,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             targets=targets,
             n_changed=n_changed,
             stage_s=time.perf_counter() - t0,
-            mirror_writes=self._checked_against_mirror(mirror_writes),
+            host_copy_writes=self._checked_against_host_copy(host_copy_writes),
         )
 
     def commit(self, staged: VllmStaged) -> VllmUndo:
@@ -662,10 +664,10 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
         }
         undo = VllmUndo(
-            token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.mirror_writes
+            token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.host_copy_writes
         )
         self._table.update(staged.targets)
-        self._write_mirror(staged.mirror_writes, new=True, fps=(undo.table_before, staged.targets))
+        self._write_host_copy(staged.host_copy_writes, new=True, fps=(undo.table_before, staged.targets))
         return undo
 
     def rollback(self, undo: VllmUndo) -> None:
@@ -678,7 +680,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             )
         committed = {n: self._table[n] for n in undo.table_before}
         self._table.update(undo.table_before)
-        self._write_mirror(undo.mirror_writes, new=False, fps=(committed, undo.table_before))
+        self._write_host_copy(undo.host_copy_writes, new=False, fps=(committed, undo.table_before))
 
     def recompute_table(self) -> FingerprintTable:
         return self._recompute(strict=True)
@@ -716,56 +718,56 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
     def close(self) -> None:
         self._transport.close()
 
-    # ---------------------------------------------------------------------------------------- mirror
-    def _checked_against_mirror(
+    # ---------------------------------------------------------------------------------------- host_copy
+    def _checked_against_host_copy(
         self, writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``writes``, once the mirror's bits at every changed element are the workers' (O(changed))."""
-        if self._mirror is None or not writes:
+        """``writes``, once the host_copy's bits at every changed element are the workers' (O(changed))."""
+        if self._host_copy is None or not writes:
             return writes
         for name, (pos, old, _) in writes.items():
-            held = self._mirror_bits(name, old.dtype)[pos]
+            held = self._host_copy_bits(name, old.dtype)[pos]
             if not np.array_equal(held, old):
-                self._mirror_current = False
+                self._host_copy_current = False
                 raise EngineError(
-                    f"the mirror's {name!r} differs from what the workers serve at the patch's changed elements; "
+                    f"the host_copy's {name!r} differs from what the workers serve at the patch's changed elements; "
                     "it is no longer used (resync from a keyframe to refresh it)"
                 )
         return writes
 
-    def _write_mirror(
+    def _write_host_copy(
         self,
         writes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
         *,
         new: bool,
         fps: tuple[Mapping[str, TensorId], Mapping[str, TensorId]],
     ) -> None:
-        """The new (or, undoing, the old) bits of a commit the workers took, into the mirror and its class index
+        """The new (or, undoing, the old) bits of a commit the workers took, into the host_copy and its class index
         (``fps``: the tensors' fingerprints before and after)."""
-        if self._mirror is None or not writes:
+        if self._host_copy is None or not writes:
             return
         try:
             for name, (pos, old, new_bits) in writes.items():
                 was, now = (old, new_bits) if new else (new_bits, old)
-                self._mirror_bits(name, old.dtype)[pos] = now
+                self._host_copy_bits(name, old.dtype)[pos] = now
                 before, after = fps[0].get(name), fps[1].get(name)
                 if before is None or after is None:
                     self._index.drop(name)
                 else:
                     self._index.moved(name, pos, was, now, before.fp, after.fp)
-            self._flush_mirror()
-        except Exception as e:  # the workers hold the version; only the mirror is behind
-            self._mirror_current = False
-            log.warning("vllm engine: could not update the mirror (%s); it is no longer used until a full load", e)
+            self._flush_host_copy()
+        except Exception as e:  # the workers hold the version; only the host_copy is behind
+            self._host_copy_current = False
+            log.warning("vllm engine: could not update the host_copy (%s); it is no longer used until a full load", e)
 
-    def _mirror_bits(self, name: str, bits: np.dtype) -> np.ndarray:
-        """The mirror's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the mirror)."""
-        assert self._mirror is not None
-        return int_view(self._mirror[name]).reshape(-1).numpy().view(bits)
+    def _host_copy_bits(self, name: str, bits: np.dtype) -> np.ndarray:
+        """The host_copy's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the host_copy)."""
+        assert self._host_copy is not None
+        return int_view(self._host_copy[name]).reshape(-1).numpy().view(bits)
 
-    def _flush_mirror(self) -> None:
-        if isinstance(self._mirror, DiskMirror):
-            self._mirror.flush()
+    def _flush_host_copy(self) -> None:
+        if isinstance(self._host_copy, HostCopy):
+            self._host_copy.flush()
 
     # ---------------------------------------------------------------------------------------- extras
     def kernel_state(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, dict[str, list[Any]]]]:

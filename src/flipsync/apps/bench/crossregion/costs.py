@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flipsync.board.throttle import parse_bandwidth
-from flipsync.trainer.commit import DEFAULT_CHUNK_BYTES
+from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES
 
 TARGET_BYTES = 500e9  # the extrapolation: a 500 GB served view
 # The parallel model's assumptions: the trainer's view is diffed by this many shards at once (e.g. 8 nodes

@@ -2,7 +2,7 @@
 request gate, check the fingerprint of the view the engine now holds, roll back (or drop the version) when
 it is not the manifest's.
 
-The replica decides what to apply and keeps the books (its version, state, metrics); a ``Committer`` only
+The replica decides what to apply and keeps the books (its version, state, metrics); a ``EngineUpdater`` only
 drives the engine through the port for one step, and says what went wrong in terms the replica acts on.
 """
 
@@ -59,7 +59,7 @@ class WeightsChangedError(BaseMismatchError):
     """A patch does not apply because the engine no longer holds the view on record (not the patch's fault)."""
 
 
-class Committer:
+class EngineUpdater:
     """Drives one engine through the port for one step at a time, behind a request gate.
 
     ``on_fault`` is called with any error of a write (commit, rollback, load): the port promises all or

@@ -33,7 +33,7 @@ import torch
 from flipsync.codec import DiffEngine
 from flipsync.codec.fingerprint import Hasher
 from flipsync.errors import BoardError, TransientStoreError
-from flipsync.trainer.group import Group
+from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds, code_pool_for
 from flipsync.trainer.slot import Item, Slot
 
@@ -53,14 +53,14 @@ def lower_priority(nice: int) -> None:
         log.debug("could not lower the publisher thread's priority: %s", e)
 
 
-class Worker:
+class PublishThread:
     """Runs the version rounds on items from the slot, in a thread or inline."""
 
     def __init__(
         self,
         rounds: VersionRounds,
         slot: Slot,
-        group: Group,
+        group: RankGroup,
         *,
         release: Callable[[Item], None],
         max_store_failures: int,

@@ -1,14 +1,15 @@
 """A sidecar's host copy of the view an engine serves, for engines whose weights the sidecar cannot read.
 
 An SGLang server takes weights only through its update routes, and a vLLM engine's parameters live in its
-workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *mirror*
-holds them: a safetensors file on local disk, memory-mapped writable (:class:`DiskMirror`: the page cache
+workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *host_copy*
+holds them: a safetensors file on local disk, memory-mapped writable (:class:`HostCopy`: the page cache
 holds what is read, nothing is loaded up front), or any mapping of CPU tensors. The engine writes a patch's
 new bits into it after the engine itself took them (O(changed)) and the old ones back on rollback.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -22,7 +23,7 @@ import torch
 from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.errors import ConfigError
 
-__all__ = ["DiskMirror", "write_safetensors"]
+__all__ = ["HostCopy", "write_safetensors"]
 
 _ALIGN = 8
 
@@ -59,7 +60,7 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLi
     tmp.replace(path)
 
 
-class DiskMirror(MutableMapping[str, torch.Tensor]):
+class HostCopy(MutableMapping[str, torch.Tensor]):
     """Tensors of one safetensors file, memory-mapped writable: writes go to the file's pages in place."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
@@ -69,7 +70,7 @@ class DiskMirror(MutableMapping[str, torch.Tensor]):
                 (hlen,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(hlen))
         except (OSError, ValueError, struct.error) as e:
-            raise ConfigError(f"cannot open the mirror {self.path}: {e}") from None
+            raise ConfigError(f"cannot open the host_copy {self.path}: {e}") from None
         header.pop("__metadata__", None)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=8 + hlen)
         self._tensors: dict[str, torch.Tensor] = {}
@@ -80,7 +81,7 @@ class DiskMirror(MutableMapping[str, torch.Tensor]):
             self._tensors[name] = torch.from_numpy(raw).view(d.torch_dtype).reshape(entry["shape"])
 
     @classmethod
-    def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> DiskMirror:
+    def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> HostCopy:
         """Write ``view`` (e.g. a lazy ``Checkpoint``: one tensor in memory at a time) and map it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,11 +94,11 @@ class DiskMirror(MutableMapping[str, torch.Tensor]):
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         t = self._tensors[name]
         if value.shape != t.shape or value.dtype != t.dtype:
-            raise ConfigError(f"mirror tensor {name!r} is {tuple(t.shape)} {t.dtype}; cannot store {value.dtype}")
+            raise ConfigError(f"host_copy tensor {name!r} is {tuple(t.shape)} {t.dtype}; cannot store {value.dtype}")
         t.copy_(value)
 
     def __delitem__(self, name: str) -> None:
-        raise ConfigError("the mirror's tensors are fixed by its file")
+        raise ConfigError("the host_copy's tensors are fixed by its file")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -107,3 +108,24 @@ class DiskMirror(MutableMapping[str, torch.Tensor]):
 
     def flush(self) -> None:
         self._mm.flush()
+
+
+def default_host_copy(model_dir: str) -> Path:
+    """Where a vLLM sidecar keeps its host copy unless told: the user's cache directory, one file per model
+    directory (reused across restarts; the engine uses it only while it holds what the workers serve)."""
+    resolved = Path(model_dir).resolve()
+    digest = hashlib.blake2b(str(resolved).encode(), digest_size=8).hexdigest()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flipsync"
+    return cache / f"host-copy-{resolved.name}-{digest}.safetensors"
+
+
+def open_host_copy(path: str | os.PathLike[str], model_dir: str | None) -> HostCopy:
+    """The host copy at ``path``, created from the checkpoint at ``model_dir`` when it does not exist yet."""
+    path = Path(path)
+    if path.exists():
+        return HostCopy(path)
+    if model_dir is None:
+        raise ConfigError(f"the host copy {path} does not exist: pass model_dir=PATH to create it")
+    from flipsync.checkpoint import Checkpoint
+
+    return HostCopy.create(path, Checkpoint(model_dir))

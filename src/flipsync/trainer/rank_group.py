@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Group(Protocol):
+class RankGroup(Protocol):
     """The collectives the publisher needs; every call is made by every rank, in the same order."""
 
     rank: int
@@ -119,7 +119,7 @@ class TorchGroup:
             log.debug("could not destroy the publisher's process group: %s", e)
 
 
-def make_group(timeout_s: float) -> Group:
+def make_group(timeout_s: float) -> RankGroup:
     """A TorchGroup when torch.distributed runs with more than one rank, else a SoloGroup."""
     try:
         import torch.distributed as dist

@@ -1,7 +1,7 @@
 """One fused pass for the element-wise served formats: cast an FP32 master and diff it against a served view.
 
 The publisher used to cast each master (`cast_master`), then read the new view and the previous one again
-to find the changed elements. `FusedCaster.cast_diff` does both in one pass over the master and the
+to find the changed elements. `CastDiffer.cast_diff` does both in one pass over the master and the
 previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
 emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
 
@@ -575,7 +575,7 @@ class _OutOfRange(Exception):
     """A chunk held a master the kernel does not cast (non-finite, or out of the format's range)."""
 
 
-class FusedCaster:
+class CastDiffer:
     """`cast_diff` with a thread pool for the CPU kernel's chunks (one per served view's computation)."""
 
     def __init__(self, threads: int | None = None, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
@@ -590,7 +590,7 @@ class FusedCaster:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def __enter__(self) -> FusedCaster:
+    def __enter__(self) -> CastDiffer:
         return self
 
     def __exit__(self, *exc: object) -> None:
