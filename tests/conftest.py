@@ -8,6 +8,8 @@ from collections.abc import Iterator
 import pytest
 from hypothesis import HealthCheck, settings
 
+pytest_plugins = ["tests.sidecar.board_fixtures"]
+
 settings.register_profile(
     "ci",
     max_examples=40,

@@ -139,7 +139,7 @@ def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None
         "## Scaling",
         "## Board",
         "## Trainer",
-        "## Trainer: the fused cast-and-diff pass",
+        "## Trainer: the one-pass cast-and-diff pass",
         "## verl: bytes per weight sync against delta_sharded",
         "## Fleet: the gateway",
         "## Trainer: each extra served format",

@@ -8,16 +8,19 @@ import pytest
 from rich.console import Console
 
 from flipsync.apps.bench import codec as codec_bench
+from flipsync.apps.bench import codec_markdown
+from flipsync.apps.bench.codec_records import CodecReport, CodecRow
+from flipsync.apps.bench.codec_tables import terminal_tables
 from flipsync.apps.bench.peers import PEER_KEYS
 from flipsync.apps.synthetic import Shape, llm_like_masters
 
 
 @pytest.fixture(scope="module")
-def quick_report() -> codec_bench.CodecReport:
+def quick_report() -> CodecReport:
     return codec_bench.run(Console(file=io.StringIO()), quick=True, formats=("bf16",), lrs=(1e-6,), real=False)
 
 
-def test_codec_bench_runs_side_by_side(quick_report: codec_bench.CodecReport) -> None:
+def test_codec_bench_runs_side_by_side(quick_report: CodecReport) -> None:
     """A smoke run of the benchmark (no timing is asserted: speed is measured by the bench itself)."""
     report = quick_report
     (row,) = report.rows
@@ -32,24 +35,24 @@ def test_codec_bench_runs_side_by_side(quick_report: codec_bench.CodecReport) ->
     assert row.plain_bpc >= row.bound_bpc * 0.99
     assert row.ours_bpc >= row.cond_bound_bpc * 0.99
     assert row.ours_bpc <= row.plain_bpc
-    md = codec_bench.markdown(report)
+    md = codec_markdown.markdown(report)
     assert "| llm-like (quick) | adam | bf16 |" in md
     assert "vLLM 0.32.0 sparse_nccl (int32 + values) B/chg" in md and "int64+val" not in md
 
 
-def test_terminal_tables_fit_100_columns(quick_report: codec_bench.CodecReport) -> None:
+def test_terminal_tables_fit_100_columns(quick_report: CodecReport) -> None:
     """Every table `flipsync bench codec` prints fits a 100-column terminal, headers and cells whole."""
     row = quick_report.rows[0]
-    report = codec_bench.CodecReport([row], quick_report.apply)
+    report = CodecReport([row], quick_report.apply)
     # the longest labels a run can have: a real model's Muon row
-    wide = codec_bench.CodecRow(
+    wide = CodecRow(
         **{**row.__dict__, "workload": "SmolLM2-135M blocks 0-7 (Q4_1, dequantized)", "format": "fp8-block"}
     )
     wide.optimizer = "muon"
     wide.peers_bpc = dict.fromkeys(wide.peers_bpc, 11.451)  # what slime's xor spends on SmolLM2's FP4 views
     report.rows.append(wide)
     console = Console(file=io.StringIO(), width=100, record=True)
-    tables = codec_bench.terminal_tables(report)
+    tables = terminal_tables(report)
     assert len(tables) == 5
     for t in tables:
         console.print(t)
@@ -74,5 +77,5 @@ def test_muon_rows_and_contexts_on_real_weights(monkeypatch: pytest.MonkeyPatch)
     assert muon.contexts_bpc is not None and muon.contexts_bpc["exponent"] > 0
     assert all(v > 0 for v in muon.contexts_bpc.values())
     assert report.reference is not None and report.reference.lr == codec.REFERENCE_LR
-    md = codec.markdown(report)
+    md = codec_markdown.markdown(report)
     assert "Position contexts under Muon" in md and "Reproducing the peers' own figures" in md

@@ -7,7 +7,8 @@ from typing import Any
 
 from rich.console import Console
 
-from flipsync.apps.demo.run import DemoConfig, DemoReport, run_demo
+from flipsync.apps.demo.records import DemoConfig, DemoReport
+from flipsync.apps.demo.run import run_demo
 
 
 def run_short_demo(out: Path, **over: Any) -> DemoReport:

@@ -16,7 +16,9 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from flipsync.apps.cli import app
-from flipsync.apps.demo.run import CONTROL, summary_lines, write_outputs
+from flipsync.apps.demo.outputs import write_outputs
+from flipsync.apps.demo.records import CONTROL
+from flipsync.apps.demo.summary import summary_lines
 from tests.demo.demo_helpers import run_short_demo
 
 FLIPSYNC = ("island-0", "island-1")

@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from flipsync.apps.demo.fleet import fleet_lines
-from flipsync.apps.demo.run import CONTROL, write_outputs
+from flipsync.apps.demo.outputs import write_outputs
+from flipsync.apps.demo.records import CONTROL
 from tests.demo.demo_helpers import run_short_demo
 
 

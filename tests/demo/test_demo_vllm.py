@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flipsync.apps.demo.run import CONTROL
+from flipsync.apps.demo.records import CONTROL
 from tests.demo.demo_helpers import run_short_demo
 
 pytestmark = pytest.mark.skipif(

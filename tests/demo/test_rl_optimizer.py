@@ -74,7 +74,8 @@ def test_muon_moves_the_hidden_matrices_and_adamw_the_rest() -> None:
 
 
 def test_unknown_optimizer_fails_before_the_warm_start(tmp_path: Path) -> None:
-    from flipsync.apps.demo.run import DemoConfig, run_demo
+    from flipsync.apps.demo.records import DemoConfig
+    from flipsync.apps.demo.run import run_demo
 
     with pytest.raises(ConfigError, match="unknown optimizer"):
         run_demo(DemoConfig(model="llama-1m", optimizer="lion", out=tmp_path), None)  # type: ignore[arg-type]

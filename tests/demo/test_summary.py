@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flipsync.apps.demo.run import CONTROL, DemoConfig, IslandStep, StepRecord, VersionRow
+from flipsync.apps.demo.records import CONTROL, DemoConfig, IslandStep, StepRecord, VersionRow
 from flipsync.apps.demo.summary import (
     CLEAR,
     bytes_verdict,

@@ -1,6 +1,9 @@
 """Engine tests: helpers live beside this file (``fake_vllm``, ``fake_sglang``, ``tiny_llama``); the torch
-engine's tests share the sidecar tests' board and trainer fixtures."""
+engine's tests use the shared board and trainer fixtures (tests/sidecar/board_fixtures.py)."""
 
-from tests.sidecar.conftest import _one_torch_thread, board_dir, store, trainer
+import pytest
 
-__all__ = ["_one_torch_thread", "board_dir", "store", "trainer"]
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread."""

@@ -18,7 +18,9 @@ from flipsync.board import BoardReader, BoardWriter, open_store
 from flipsync.codec import diff_views
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import LocalTransport
+from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError
 from flipsync.sidecar.metrics import SidecarMetrics

@@ -12,7 +12,9 @@ from fastapi import FastAPI, HTTPException, Request
 
 from flipsync.codec import diff_views
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import HttpTransport
+from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.engines.vllm.wire import RPC_METHOD
 from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import ConfigError, EngineUnavailableError

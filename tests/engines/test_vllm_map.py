@@ -22,7 +22,9 @@ from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
 from flipsync.engines.host_copy import HostCopy
 from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
-from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import LocalTransport
+from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import (
     BaseMismatchError,

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.result_script import run_result_script
 
 HERE = Path(__file__).parent
 PYTHON = os.environ.get("FLIPSYNC_VLLM_PYTHON", "")
@@ -44,25 +45,8 @@ def run_check(tmp_path: Path, *args: str, timeout: int) -> dict:
     if iomp.exists():
         env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
     env["PYTHONUNBUFFERED"] = "1"
-    log = tmp_path / "check.log"
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.run(
-                [str(python), str(HERE / "vllm_real_check.py"), str(tmp_path), *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the vLLM check ran past {timeout}s; its log: {log}")
-    text = log.read_text(errors="replace")
-    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        tail = "\n".join(text.splitlines()[-40:])
-        pytest.fail(f"the vLLM check exited {proc.returncode} without a result:\n{tail}")
-    result = json.loads(lines[-1][len("RESULT ") :])
+    argv = [str(python), str(HERE / "vllm_real_check.py"), str(tmp_path), *args]
+    result = run_result_script(argv, env, tmp_path / "check.log", timeout=timeout, what="vLLM check")
     sys.stderr.write(f"vLLM check timings: {json.dumps(result['timings'])}\n")
     return result
 

@@ -120,7 +120,9 @@ def main(workdir: Path) -> dict:
     from flipsync.codec import diff_views
     from flipsync.codec.fingerprint import FingerprintTable
     from flipsync.engines.host_copy import HostCopy
-    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, specs_from_checkpoint
+    from flipsync.engines.vllm.engine import VllmEngine
+    from flipsync.engines.vllm.rpc_transports import LLMTransport
+    from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir, (_v0, v1, v2), (t0, t1, t2), (p1, p2) = prepare(workdir)
@@ -222,7 +224,10 @@ def server(workdir: Path) -> dict:
 
     import httpx
 
-    from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, serve_command, specs_from_checkpoint
+    from flipsync.engines.vllm.engine import VllmEngine
+    from flipsync.engines.vllm.launch import serve_command
+    from flipsync.engines.vllm.rpc_transports import HttpTransport
+    from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir, _views, (t0, t1, _t2), (p1, _p2) = prepare(workdir)
@@ -353,7 +358,10 @@ def case(workdir: Path, name: str) -> dict:
 
     from flipsync.codec import diff_views
     from flipsync.codec.fingerprint import FingerprintTable
-    from flipsync.engines.vllm.engine import LLMTransport, VllmEngine, cpu_env, specs_from_checkpoint
+    from flipsync.engines.vllm.engine import VllmEngine
+    from flipsync.engines.vllm.launch import cpu_env
+    from flipsync.engines.vllm.rpc_transports import LLMTransport
+    from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
     from flipsync.errors import EngineError
 
     sys.path.insert(0, str(Path(__file__).parent))

@@ -12,8 +12,9 @@ from fastapi import FastAPI, Request
 from flipsync.board.signing import Signer, Verifier
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.openai_server import create_engine_app
-from flipsync.fleet.gateway import Gateway, GatewayConfig
+from flipsync.fleet.gateway import Gateway
 from flipsync.fleet.pool import BoardPool, Pool
+from flipsync.fleet.routing import GatewayConfig
 from flipsync.serving import ServerThread
 from flipsync.sidecar.heartbeat import MembershipConfig
 from flipsync.sidecar.proxy import ProxyConfig

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.result_script import run_result_script
 
 HERE = Path(__file__).parent
 PYTHON = os.environ.get("FLIPSYNC_VERL_PYTHON", "")
@@ -40,25 +41,8 @@ def run_check(tmp_path: Path, script: str, *args: str, timeout: int = 600) -> di
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     src = str(HERE.parent.parent / "src")  # this checkout's flipsync, whatever the venv has installed
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    log = tmp_path / "check.log"
-    with open(log, "w") as out:
-        try:
-            proc = subprocess.run(
-                [str(python), str(HERE / script), str(tmp_path / "work"), *args],
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=timeout,
-                check=False,
-            )
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the verl check ran past {timeout}s; its log: {log}")
-    text = log.read_text(errors="replace")
-    lines = [ln for ln in text.splitlines() if ln.startswith("RESULT ")]
-    if not lines:
-        tail = "\n".join(text.splitlines()[-40:])
-        pytest.fail(f"the verl check exited {proc.returncode} without a result:\n{tail}")
-    result = json.loads(lines[-1][len("RESULT ") :])
+    argv = [str(python), str(HERE / script), str(tmp_path / "work"), *args]
+    result = run_result_script(argv, env, tmp_path / "check.log", timeout=timeout, what="verl check")
     sys.stderr.write(f"verl check: {json.dumps(result.get('timings', {}))}\n")
     return result
 

@@ -1,5 +1,13 @@
-"""Relay tests share the sidecar tests' board, trainer and stack fixtures."""
+"""Relay tests use the shared board and trainer fixtures (tests/sidecar/board_fixtures.py) and the sidecar
+tests' stacks."""
 
-from tests.sidecar.conftest import _one_torch_thread, board_dir, make_stack, store, trainer
+import pytest
 
-__all__ = ["_one_torch_thread", "board_dir", "make_stack", "store", "trainer"]
+from tests.sidecar.conftest import make_stack
+
+__all__ = ["make_stack"]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread."""

@@ -43,7 +43,9 @@ from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.engines.torch.models import build_model, preset_config
 from flipsync.engines.torch.openai_server import create_engine_app
-from flipsync.engines.vllm.engine import HttpTransport, TensorSpec, VllmEngine
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import HttpTransport
+from flipsync.engines.vllm.tensor_specs import TensorSpec
 from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app

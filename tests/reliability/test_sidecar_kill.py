@@ -39,7 +39,7 @@ from safetensors.torch import load
 from flipsync.board.writer import BoardWriter
 from flipsync.codec import diff_views
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.engines.vllm.engine import specs_of
+from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.stores import open_store
 from tests.engines.fake_vllm import checkpoint, step
 from tests.sidecar.sidecar_helpers import Trainer, same_bits

@@ -7,12 +7,10 @@ cores shared by two xdist workers).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import torch
 
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.engine import TorchEngine
@@ -22,32 +20,12 @@ from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import ProxyConfig
 from flipsync.sidecar.service import Sidecar
 from flipsync.stores import ObstoreStore, open_store
-from tests.sidecar.sidecar_helpers import FAST, Stack, StackFactory, Trainer, fast_replica, tiny_engine
+from tests.sidecar.sidecar_helpers import FAST, Stack, StackFactory, fast_replica, tiny_engine
 
 
 @pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
-def board_dir(tmp_path: object) -> str:
-    return os.path.join(str(tmp_path), "board")
-
-
-@pytest.fixture
-def store(board_dir: str) -> Iterator[ObstoreStore]:
-    s = open_store(board_dir, FAST)
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def trainer(store: ObstoreStore) -> Trainer:
-    return Trainer(store)
+def _one_torch_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread (tests/sidecar/board_fixtures.py, with board_dir, store, trainer)."""
 
 
 @pytest.fixture

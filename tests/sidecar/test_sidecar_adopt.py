@@ -16,7 +16,9 @@ from flipsync.board import BoardReader, BoardWriter
 from flipsync.codec import diff_views
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine
-from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import LocalTransport
+from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.engines.vllm.wire import PROTOCOL
 from flipsync.errors import BaseMismatchError
 from flipsync.sidecar.metrics import SidecarMetrics

@@ -1,7 +1,7 @@
-"""The fused cast-and-diff pass changes nothing on the board: the same patches, byte for byte.
+"""The one-pass cast and diff changes nothing on the board: the same patches, byte for byte.
 
-Two publishers train the same model the same way, one with the fused pass (``feed.fuse``) and one without; every object
-they write (patches, spans, keyframes, manifests less their time, publisher and attempt folder) must be
+Two publishers train the same model the same way, one with the one-pass cast (``feed.fuse``) and one without;
+every object they write (patches, spans, keyframes, manifests less their time, publisher and attempt folder) must be
 equal. The fused run must really have used the fused changes (no second diff of the pieces it cast).
 """
 
@@ -96,12 +96,12 @@ def test_fused_and_separate_passes_publish_the_same_bytes(
     assert plain.keys() == fused.keys()
     assert [k for k in plain if plain[k] != fused[k]] == []
     assert any("patch-" in k for k in plain)
-    assert kernel  # the fused pass ran on the masters it covers ...
+    assert kernel  # the one-pass cast ran on the masters it covers ...
     if fmt == "bf16":  # ... and every plain cast's changes came from it, never from a second diff
         assert diffed == [] and separate > 0
     elif fmt == "fp16":  # fp16 keeps 3 more bits: at Adam's first steps some pieces are dense, diffed later
         assert len(diffed) < separate
-    else:  # scales, and quantized tensors without a fused pass, are still diffed after they are computed
+    else:  # scales, and quantized tensors without a one-pass cast, are still diffed after they are computed
         assert 0 < len(diffed) < separate
     # quantized payloads (fused groups included) are quantized and diffed in one pass
     assert bool(quantized) == (fmt not in ("bf16", "fp16"))
@@ -174,4 +174,4 @@ def test_dense_changes_are_diffed_later_not_held(tmp_path: Path, monkeypatch: py
     monkeypatch.setattr(DiffEngine, "changes", changes)
     dense, _ = publish(tmp_path / "dense", "bf16", True, 2, lr=3e-3)
     assert plain == dense
-    assert diffed  # the worker diffed what the fused pass found too dense to keep
+    assert diffed  # the worker diffed what the one-pass cast found too dense to keep

@@ -119,8 +119,10 @@ def demo(
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
         from flipsync.apps.demo.fleet import fleet_lines
-        from flipsync.apps.demo.run import DemoConfig, run_demo, summary_lines, write_outputs
-        from flipsync.apps.demo.summary import comparison, load_report
+        from flipsync.apps.demo.outputs import write_outputs
+        from flipsync.apps.demo.records import DemoConfig
+        from flipsync.apps.demo.run import run_demo
+        from flipsync.apps.demo.summary import comparison, load_report, summary_lines
 
         earlier = load_report(compare) if compare is not None else None
 

@@ -68,8 +68,9 @@ def gateway(
         raise command_error(e) from None
 
     from flipsync.board.signing import Verifier
-    from flipsync.fleet.gateway import Gateway, GatewayConfig
+    from flipsync.fleet.gateway import Gateway
     from flipsync.fleet.pool import BoardPool, Pool, StaticPool
+    from flipsync.fleet.routing import GatewayConfig
     from flipsync.serving import serve_until_signal
     from flipsync.stores import StoreOptions, open_store
 

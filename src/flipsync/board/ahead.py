@@ -1,18 +1,6 @@
-"""Fetch ahead: download a version's objects while it is still being published.
-
-A trainer uploads each part of a version in chunks as it codes them (`flipsync.trainer.upload`), and creates
-the version's manifest only once every part is up. A reader that waits for the manifest before it downloads
-anything pays the trainer's time and the transfer one after the other; a reader that watches the version's
-folder meanwhile overlaps them, and finds most of the version already local when the manifest lands.
-
-`FetchAhead` is that reader's store. ``watch(folder)`` lists the folder and starts downloading, on background
-threads, every object in it that it has not seen yet; a later ``get`` of one of them is answered from that
-download. It is safe because the objects in a version's attempt folders are written once and never changed
-(only the manifest decides which attempt counts), and because nothing here is trusted: the catalog checks
-every part's size and BLAKE3 from the signed manifest, as for any other read. Only the watched folder's
-objects are held, at most ``max_bytes`` of them; watching another folder drops the rest. Listing costs one
-request per ``interval_s`` while a reader waits, so it is for readers that want the lowest latency (or one
-relay per island), not for thousands of readers listing one bucket.
+"""Fetch ahead: `FetchAhead`, a reader's store that downloads a version's objects while the trainer is still
+publishing them, so the transfer overlaps the trainer's work instead of following it. Safe because attempt
+folders are written once and every part is still checked against the signed manifest. See docs/board.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""When to write a keyframe and which squashed spans to publish: pure policy, no I/O.
-
-Keyframes: write one when the bytes of the patch chain since the last keyframe pass a fraction of a
-keyframe's size, or after a maximum number of versions. Then a replica that is behind pays at most
-``min(chain, keyframe + chain since it)``, which stays under ``(1 + fraction)`` keyframes.
-
-Spans: squashed patches over aligned power-of-two ranges (as in a Fenwick tree). After version ``v`` the
-publisher squashes ``v - 2**l .. v`` for every level ``l`` that divides ``v - origin``; any catch-up from
-``a`` to ``b`` then needs O(log(b - a)) downloads: from ``a`` take the largest aligned span starting there.
+"""When to write a keyframe and which squashed spans to publish: pure policy, no I/O. Keyframes bound what a
+replica that is behind pays; aligned power-of-two spans keep any catch-up to O(log k) downloads.
+See docs/board.md ("Cadence").
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The one follow-and-replan loop: one replica's position on a board, advanced only over applied steps.
-
-``Follower.sync`` plans the cheapest catch-up from the version held to a goal (HEAD by default), downloads
-each artifact a step or two ahead, checks that its base is the view held, and hands it to the caller's
-``apply``; it advances only once ``apply`` returned. An artifact that turns out missing or damaged is
-excluded and the rest of the way planned again (a damaged span falls back to the patch chain, a damaged
-chain to a keyframe). One whose content is bad although its hashes match (``apply`` raised
-``UnusableArtifactError``) stays excluded across passes until the position moves past it. Any other failure
-(a store that times out, a HEAD that moved backwards, an ``apply`` that failed) raises and leaves the
-position on the last version applied. The sidecar's replica composes this loop with an engine; tests and
-benchmarks use it with a plain dict of tensors.
+"""The one follow-and-replan loop: `Follower` holds one replica's position on a board and advances it only over
+steps the caller applied, replanning around missing or damaged artifacts. The sidecar's replica composes it
+with an engine; tests and benchmarks use it with a plain dict of tensors. See docs/board.md ("Catch-up").
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
-"""Where things live on a board. Every path the board reads or writes is built here.
-
-```
-runs/<run>/versions/<v>/manifest.json        one published version (a patch v-1 -> v, or a snapshot keyframe)
-runs/<run>/versions/<v>/<attempt>/...        its parts, in a folder unique to one publish attempt
-runs/<run>/keyframes/<v>/manifest.json       an extra keyframe of version v
-runs/<run>/keyframes/<v>/<attempt>/          plain safetensors shards + model.safetensors.index.json
-runs/<run>/spans/<a>-<b>/manifest.json       a squashed patch a -> b
-runs/<run>/latest.json                       a hint of the newest version; readers never trust it alone
-runs/<run>/members/<replica>.json            one replica's fleet membership record, rewritten by its sidecar
-```
-
-Version numbers are zero-padded so that names sort as numbers. Parts sit in a per-attempt folder so that
-two publishers racing for the same version never overwrite each other's bytes: only the manifest decides
-which attempt won.
+"""Where things live on a board: every path the board reads or writes is built here (runs, versions, per-attempt
+part folders, keyframes, spans, the HEAD hint, member records). See docs/board.md ("Layout").
 """
 
 from __future__ import annotations

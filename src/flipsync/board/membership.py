@@ -1,16 +1,6 @@
-"""Fleet membership on the board: one record per replica under ``runs/<run>/members/<replica>.json``.
-
-A sidecar that joins a fleet rewrites its record every few seconds (`MemberWriter`) and deletes it when it
-drains; a replica that dies simply stops writing, and its record expires (``ttl_s`` after its heartbeat).
-One key per replica, overwritten in place: nothing needs compare-and-swap, and the board stays the only
-source of truth (a gateway keeps nothing of its own).
-
-`MemberReader.scan` lists the records of every run (or of the runs given) and returns the live ones and,
-for each record it will not route to, why: malformed JSON or fields, a record under another run's or
-replica's key, expired, written in the future, and, with a verifier (a signed board), unsigned, signed by an
-untrusted key, or modified after signing. A record whose listing (size, time, ETag) has not changed since the
-last scan is not downloaded again, and the ones that changed are downloaded ``max_parallel_reads`` at a time
-(an object store answers each GET in tens of milliseconds, and a fleet rewrites its records every few seconds).
+"""Fleet membership on the board: `MemberWriter` keeps one replica's record under
+``runs/<run>/members/<replica>.json``, and `MemberReader` lists the live records and says why it refuses the
+others. The board stays the only source of truth. See docs/board.md and docs/fleet.md.
 """
 
 from __future__ import annotations

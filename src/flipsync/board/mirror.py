@@ -1,42 +1,6 @@
-"""Following a board through a regional copy that the cloud replicates asynchronously.
-
-S3 replication, GCS dual-region buckets, Azure object replication or an ``rclone sync`` copy a board's
-objects one by one, late and in any order: a version's manifest may show up on the mirror before its parts,
-version 7's manifest before version 6's. `MirrorStore` is the reader's store over such a copy:
-
-```python
-from flipsync.board import BoardReader, open_store
-from flipsync.board.mirror import MirrorPolicy, MirrorStore
-
-store = MirrorStore(open_store("s3://board-eu/board"), origin=open_store("s3://board-us/board"),
-                    policy=MirrorPolicy(wait_s=30.0, fallback=True))
-reader = BoardReader(store, "grpo-0412")        # or: flipsync sidecar --board s3://board-eu/board --origin ...
-```
-
-What it does with an object the mirror does not have yet:
-
-- a **part** (any object other than a manifest or the HEAD hint) is only ever read because a manifest the
-  reader holds lists it, so its absence is replication lag: the read waits for it on the mirror, polling
-  every ``poll_s``, up to ``wait_s``; then reads it from the origin (``fallback`` and an origin given), or
-  raises ``TransientStoreError`` saying which object the mirror lacks. The reader verifies every part's BLAKE3
-  before anything is applied, and a version is applied only once all its parts are in, so an object that
-  never arrives leaves the replica on its last whole version: it tries again at its next poll (the mirror
-  may still deliver it) and never applies part of a version;
-- a **version manifest** below one the mirror already showed (replicated out of order) is waited for the
-  same way; any other missing manifest is "not published yet" (keyframe and span folders fill before their
-  manifests), read from the origin only with ``fallback``, else reported missing at once, as on any board;
-- the HEAD hint ``latest.json`` is the mirror's, whatever it says (readers never trust it alone).
-
-HEAD is the mirror's: a replica follows the copy at the copy's pace, and its parts come from the nearby
-bucket unless one is late past ``wait_s``. The store is read-only (publish to the origin).
-
-**Replication lag** (`MirrorStats`): for each version manifest this reader saw appear on the mirror (absent
-at one look, there at a later one), the time it first saw it minus its ``created`` time (stamped by the
-publisher when it wrote the manifest to the origin); a replica's catch-up at boot is not counted. It
-includes up to one poll interval of the reader and any clock skew between trainer and reader. Also counted:
-reads that had to wait and for how long, objects and bytes read from the origin, reads that gave up.
-``MirrorCollector`` exposes them to Prometheus (the sidecar's ``/metrics`` with ``--origin`` /
-``--mirror-wait``).
+"""Following a board through a regional copy that the cloud replicates asynchronously (late, in any order).
+`MirrorStore` waits for late objects or reads them from the origin, so a replica never applies part of a
+version; `MirrorStats` / `MirrorCollector` measure the replication lag. See docs/integrations/mirrors.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The publish protocol's mechanics for one artifact: durable parts first, then a create-only manifest.
-
-`ArtifactWriter` puts an artifact's files in a fresh attempt folder and makes them durable (``upload``), then
-creates its manifest, signed if a signer is given, with ``If-None-Match: *`` (``commit``). A conflict means
-someone else's manifest is there: our parts are unreferenced and removed, and a version's publisher is fenced
-off, while an extra keyframe or span that someone published with the same end views is theirs to return
-(idempotent). A create is tried once here (the store retries transient failures within its bounds, see
-`flipsync.stores.object_store`); one that failed transiently may still have landed, so it is read back, and never
-followed by deleting parts. A permanent refusal (`PermanentStoreError`) is raised at once.
-`flipsync.board.writer` decides what to publish and when (fences, HEAD, cadence) on top of this.
+"""The publish protocol's mechanics for one artifact: `ArtifactWriter` makes its parts durable in a fresh
+attempt folder, then creates its manifest create-only, resolving conflicts and ambiguous creates safely.
+`flipsync.board.writer` decides what to publish and when. See docs/board.md ("Publish protocol").
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""Retention: delete old versions without breaking any reader inside the retention window.
-
-The window is the newest ``keep_versions`` versions, widened to every version created within
-``keep_seconds``. Everything a reader in the window or a brand-new replica needs stays: the cutoff is the
-older of the window's start and the newest keyframe, so the chain from that keyframe (and from any version
-in the window) to HEAD stays complete. Below the cutoff, versions, keyframes and spans starting there go,
-each manifest before its parts (a half-finished deletion leaves only unreferenced parts, never a manifest
-pointing at nothing). Unreferenced parts (publish attempts that lost a race or crashed) go once they are
-older than a grace period, so a publish in progress is never touched. Fleet member records that no sidecar
-has rewritten for ``member_grace_s`` (replicas that died and never came back) go too.
+"""Retention: delete old versions without breaking any reader inside the retention window, each manifest before
+its parts, plus unreferenced parts past a grace period and stale member records. See docs/board.md ("Retention").
 """
 
 from __future__ import annotations

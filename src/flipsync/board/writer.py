@@ -1,25 +1,6 @@
-"""The publish protocol: parts first, then a create-only manifest; HEAD only moves forward.
-
-Every artifact (a version, an extra keyframe, a squashed span) is published the same way:
-
-1. its parts go to a folder unique to this attempt, and are made durable;
-2. its manifest is created with ``If-None-Match: *`` (obstore ``mode="create"``): the store decides,
-   atomically, which of several racing publishers created version n+1; the losers get ConflictError and
-   delete their parts (nobody references them);
-3. the ``latest.json`` hint is overwritten (best effort; readers never trust it alone).
-
-``commit_uploaded_patch`` is steps 2-3 alone, for a patch version whose parts other processes uploaded
-(sharded training: each rank uploads its part, one process commits).
-
-A crash at any step leaves a usable board: before step 2 the parts are unreferenced (retention removes them
-later), after it the version exists. A publisher whose write timed out checks whether its own manifest
-landed before it reports a failure. A restarted publisher resumes from the newest manifest. A trainer whose
-base is not the board's HEAD (a second trainer, or one restarted from an older checkpoint) is fenced off with
-ConflictError; it may take over explicitly by publishing a snapshot on top of HEAD.
-
-A BoardWriter is meant to be used from one thread. It decides what is published and checks the fences;
-`flipsync.board.protocol` does steps 1-2 for one artifact, and `flipsync.board.cadence_state` keeps the
-keyframe and span cadence's numbers (the policies themselves are in `flipsync.board.cadence`).
+"""`BoardWriter`: the publish protocol on top of `flipsync.board.protocol`. It decides what is published
+(versions, keyframes, spans), fences off a publisher whose base is not HEAD so HEAD only moves forward, and
+leaves a usable board after a crash at any step. Meant for one thread. See docs/board.md ("Publish protocol").
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Apply a patch in place, all or nothing.
-
-Three phases so that nothing is half-applied:
-1. *check* (no writes): the view fingerprint and every touched tensor's layout match the patch's base;
-   otherwise :class:`BaseMismatchError`.
-2. *stage* (no writes): decode every section, gather the old bits at the changed positions, compute the
-   new bits and the new fingerprints, and check the view they give against the patch's target. A corrupt
-   patch fails here.
-3. *commit*: scatter the new bits, keeping the old ones as an undo record; any failure (or interrupt)
-   scatters them back before the error propagates. With ``verify="digest"`` the touched tensors are then
-   rehashed against the patch's combined target digest, and a mismatch rolls back too.
-Everything but the optional digest check is O(changed).
+"""Apply a patch in place, all or nothing: check, stage, then commit with an undo record, so a patch is never
+half-applied. Everything but the optional digest check is O(changed). See docs/codec.md ("Apply: all or nothing").
 """
 
 from __future__ import annotations

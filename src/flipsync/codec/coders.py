@@ -1,11 +1,6 @@
-"""The stream coder interface and registry: each coder is a small class with a codec id, ``encode`` and
-``decode`` (as numcodecs codecs are), and a section's header names the coder of each stream by its id.
-
-Two kinds: a :class:`PositionCoder` codes a tensor's changed positions (sorted, unique int64 flat indices),
-a :class:`SymbolCoder` codes unsigned symbols (zigzagged steps, raw bit patterns, kind flags). Every
-``encode`` returns ``(params, blob)``: a small JSON-able dict and the coded bytes. Every ``decode`` is fed
-bytes from the network, so it checks every length and range before it allocates or indexes, and raises
-:class:`CorruptPatchError` for anything inconsistent.
+"""The stream coder interface and registry: position and symbol coders, each a small class with a codec id,
+``encode`` and a defensive ``decode`` (its bytes come from the network), named by id in a section's header.
+See docs/codec.md ("Coding: pick the smallest per tensor").
 """
 
 from __future__ import annotations

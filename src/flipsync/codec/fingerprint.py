@@ -1,13 +1,6 @@
-"""Proof that a replica holds exactly the target bytes.
-
-Two digests per tensor:
-- the *content digest*: xxh3-128 of the tensor's bytes, hashed in fixed 64 MiB chunks on all cores and
-  combined (a chunk tree), so it runs near memory speed; O(size).
-- the *fingerprint*: the sum mod 2**64 of a 64-bit hash of (position, bit pattern) over all elements.
-  Changing element i from a to b changes it by h(i, b) - h(i, a), so a replica updates it in O(changed)
-  while applying a patch and can prove it holds the target without rehashing the model.
-
-A *view fingerprint* names a whole served view: a hash of every tensor's name, dtype, shape and fingerprint.
+"""Proof that a replica holds exactly the target bytes: per-tensor content digests (xxh3-128, O(size)) and
+fingerprints that a patch updates in O(changed), and the view fingerprint naming a whole served view.
+See docs/codec.md ("Verification: digests and fingerprints").
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The coders a section's two streams may use, and the encoder's choice among them.
-
-Positions (sorted, unique int64 flat indices) are coded as gaps:
-- ``rice`` (:mod:`~flipsync.codec.rice`): Golomb-Rice with the best parameter k; within ~1% of the entropy
-  bound for scattered changes.
-- ``zstd`` (:mod:`~flipsync.codec.zstd`): gaps as the narrowest unsigned ints, byte-shuffled, zstd; cheaper
-  when changes cluster in runs.
-- ``ctx`` (:mod:`~flipsync.codec.context`): per class of the base value (its exponent), the ranks
-  of the class's changed elements; needs the base tensor on both sides, so only offered when the encoder has it.
-Values (unsigned symbols: zigzagged steps or raw bit patterns) and the kind flags of mixed sections:
-- ``zstd``: narrowest unsigned ints, byte-shuffled, zstd.
-- ``bits`` (:mod:`~flipsync.codec.bitpack`): fixed-width bit packing; no tables, so it wins for a handful of values.
-- ``ans`` (:mod:`~flipsync.codec.rans`): order-0 rANS with the frequency table stored and zstd escapes.
-The encoder keeps whichever candidate is smallest (ties go to the first listed); it codes only the candidates
-whose size estimates (exact for rice and bits, within a few bytes for ans, sampled for zstd) come within
-``ESTIMATE_MARGIN`` of the smallest coding so far (see ``CoderRegistry.encode``).
+"""The coders a section's two streams (positions, values) may use, and the encoder's choice among them: the
+smallest candidate, with cheap size estimates to skip the hopeless ones (``ESTIMATE_MARGIN``).
+See docs/codec.md ("Coding: pick the smallest per tensor").
 """
 
 from __future__ import annotations

@@ -1,37 +1,19 @@
-"""Fleet membership: the record a replica keeps on the board, and the routing rules read from those records.
-
-A sidecar that joins a fleet writes one `MemberRecord` under its run (``runs/<run>/members/<replica>.json``)
-every few seconds: where to reach it, what it serves (model, served format, run) and how it stands (the
-verified version it holds, its state, requests in flight, when it last wrote). A record expires ``ttl_s``
-after its heartbeat, so a replica that dies leaves rotation without anyone deleting it.
-
-The rules a gateway (or any client) routes by are pure functions of records and the board's HEAD:
-
-- `liveness`: a record is live from its heartbeat until ``ttl_s`` after it (a heartbeat from the future,
-  beyond the allowed clock skew, is refused);
-- `is_ready`: a live replica takes unconstrained traffic only while it serves a verified version within
-  ``max_lag`` of HEAD and is not draining;
-- `admits`: a request with ``min_version`` / ``exact_version`` may go to any live, serving replica whose
-  version satisfies it; one without goes to ready replicas only; both only to replicas of the requested
-  model, served format and run;
-- `readiness`: the fraction of live replicas at HEAD.
-
-Pure: no I/O. ``from_json`` validates strictly, because records arrive from a store anyone with write
-access can put bytes in; the board's membership module checks signatures.
+"""Fleet membership: the `MemberRecord` a replica keeps on the board, and the routing rules (liveness,
+readiness, admission) read from those records and the board's HEAD, so a gateway and any client route alike.
+Pure, no I/O; ``from_json`` validates strictly. See docs/fleet.md.
 """
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
-from flipsync.domain.manifest import Signature, canonical_json, check_name, parse_time
+from flipsync.domain.manifest import Signature, SignedRecord, check_name, load_json, parse_time
 from flipsync.errors import IntegrityError
 
 MEMBER_SCHEMA = 1
@@ -126,7 +108,7 @@ def check_model(value: object) -> str:
 
 
 @dataclass(frozen=True)
-class MemberRecord:
+class MemberRecord(SignedRecord):
     """What one replica says about itself; written by its sidecar, read by gateways and clients.
 
     ``version`` is the verified version the engine holds (None: none yet), ``head`` the newest version the
@@ -232,27 +214,12 @@ class MemberRecord:
             d["signature"] = self.signature.to_dict() if self.signature is not None else None
         return d
 
-    def to_json(self) -> str:
-        """Canonical JSON (sorted keys, compact, ASCII), as manifests are written."""
-        return canonical_json(self.to_dict())
-
-    def signing_payload(self) -> bytes:
-        """What a signature covers: the canonical JSON of everything but the signature."""
-        return canonical_json(self.to_dict(with_signature=False)).encode("ascii")
-
-    def with_signature(self, signature: Signature | None) -> MemberRecord:
-        return replace(self, signature=signature)
-
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberRecord:
         """Parse and validate; every problem raises IntegrityError naming the field."""
         if len(text) > MAX_RECORD_BYTES:
             raise _fail(f"{len(text)} bytes, at most {MAX_RECORD_BYTES} allowed")
-        try:
-            d = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise _fail(f"not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        return cls.from_dict(load_json(text, _fail))
 
     @classmethod
     def from_dict(cls, d: object) -> MemberRecord:
@@ -299,10 +266,6 @@ def _signature(d: object) -> Signature:
         return Signature.from_dict(d)
     except IntegrityError as e:
         raise _fail(str(e).removeprefix("invalid manifest: ")) from None
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
 
 
 # -- liveness and routing -------------------------------------------------------------------------------

@@ -1,12 +1,6 @@
-"""The vocabulary of a patch: what a patch says about itself, independent of how its bytes are stored.
-
-A patch moves a *served view* (a named set of tensors) from a base to a target. Both ends are named by a
-version number (when the patch came from a board) and by a view fingerprint that any holder of the tensors
-can compute; the view fingerprints cover every tensor, so sections carry none of their own. Each changed
-tensor is one section: which elements changed and by how much. How a header is laid out in a patch file is
-in docs/codec.md ("The container").
-
-Pure: no I/O, no torch. ``from_packed`` validates every field, since patch headers arrive over the network.
+"""The vocabulary of a patch: what a patch says about itself (base and target versions and view fingerprints,
+one section per changed tensor), independent of how its bytes are stored. Pure: no I/O, no torch;
+``from_packed`` validates every field, since headers arrive over the network. See docs/codec.md ("The patch file").
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""The manifest: what one artifact on the board (a version, a keyframe, a squashed span) says about itself.
-
-A manifest names the transition it carries (``base_version`` -> ``target_version``, with the served-view
-fingerprints at both ends), the served format, and every part file with its size and BLAKE3 hash. Manifests
-are immutable once written; readers trust nothing else on the board.
-
-Pure: no I/O, no torch. ``from_json`` validates every field strictly, because manifests arrive over the
-network from a store that may be corrupted or tampered with.
+"""The manifest: what one artifact on the board (a version, a keyframe, a squashed span) says about itself, the
+only thing readers trust. Pure: no I/O, no torch; ``from_json`` validates every field strictly, because
+manifests arrive from a store that may be corrupted or tampered with. See docs/board.md ("Manifests").
 """
 
 from __future__ import annotations
@@ -13,11 +8,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Self
 
 from flipsync.domain.headers import PatchHeader, ViewRef
 from flipsync.errors import CorruptPatchError, IntegrityError
@@ -246,8 +241,36 @@ def _meta(value: object) -> dict[str, str | int | float | bool]:
     return dict(value)
 
 
+class SignedRecord:
+    """What a manifest and a member record share: canonical JSON, the bytes a signature covers, a signed copy."""
+
+    signature: Signature | None
+
+    def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def to_json(self) -> str:
+        """Canonical JSON: sorted keys, no insignificant whitespace, ASCII only."""
+        return canonical_json(self.to_dict())
+
+    def signing_payload(self) -> bytes:
+        """The bytes a signature covers: the canonical JSON of everything but the signature."""
+        return canonical_json(self.to_dict(with_signature=False)).encode("ascii")
+
+    def with_signature(self, signature: Signature | None) -> Self:
+        return replace(self, signature=signature)  # type: ignore[type-var]  # subclasses are dataclasses
+
+
+def load_json(text: str | bytes, fail: Callable[[str], IntegrityError]) -> object:
+    """Parse JSON strictly (no NaN or Infinity); ``fail`` makes the error that names the record."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # the last: nesting deeper than Python's stack
+        raise fail(f"not valid JSON ({e})") from None
+
+
 @dataclass(frozen=True)
-class Manifest:
+class Manifest(SignedRecord):
     """What one artifact on the board holds.
 
     ``version`` is the folder the manifest lives in and always equals ``target_version``. Keyframes have no
@@ -381,25 +404,10 @@ class Manifest:
             d["signature"] = self.signature.to_dict() if self.signature is not None else None
         return d
 
-    def to_json(self) -> str:
-        """Canonical JSON: sorted keys, no insignificant whitespace, ASCII only."""
-        return canonical_json(self.to_dict())
-
-    def signing_payload(self) -> bytes:
-        """The bytes a signature covers: the canonical JSON of everything but the signature."""
-        return canonical_json(self.to_dict(with_signature=False)).encode("ascii")
-
-    def with_signature(self, signature: Signature | None) -> Manifest:
-        return replace(self, signature=signature)
-
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
         """Parse and validate; every problem raises IntegrityError naming the field."""
-        try:
-            d = json.loads(text, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # the last: nesting deeper than Python's stack
-            raise _fail(f"not valid JSON ({e})") from None
-        return cls.from_dict(d)
+        return cls.from_dict(load_json(text, _fail))
 
     @classmethod
     def from_dict(cls, d: object) -> Manifest:

@@ -1,16 +1,7 @@
-"""The Engine port: what the sidecar needs from an inference engine to keep it at a board version.
-
-The sidecar owns the protocol (which version, when to pause, whether to roll back); an engine owns the
-weights. Patches are defined on checkpoint-format served tensors, so every engine speaks in checkpoint
-names and checkpoint coordinates; an engine whose runtime layout differs (fused, sharded or repacked
-parameters) maps them itself.
-
-Lifecycle of one update, all driven by the sidecar:
-    staged = engine.stage(patch)        # while serving: decode, validate, prepare buffers; no weight changes
-    (sidecar gates new requests and pauses or drains in-flight ones)
-    undo = engine.commit(staged)        # in place; raises => the engine holds exactly what it held before
-    (sidecar checks engine.table.view_fp() == patch target, resumes; on any later failure:)
-    engine.rollback(undo)
+"""The Engine port: what the sidecar needs from an inference engine to keep it at a board version. The sidecar
+owns the protocol, the engine owns the weights, in checkpoint names and coordinates; an update is
+``stage`` (while serving), ``commit`` (all or nothing) and, on a later failure, ``rollback``.
+See docs/sidecar.md ("The Engine port and the torch engine").
 """
 
 from __future__ import annotations

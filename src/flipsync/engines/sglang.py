@@ -1,37 +1,6 @@
-"""The ``sglang`` engine: keeps an SGLang server's weights at a board version through its HTTP API.
-
-SGLang takes new weights only through its documented update routes, each of which replaces *whole*
-tensors by running the model's ``load_weights`` (and ``process_weights_after_loading``):
-
-- ``POST /update_weights_from_disk`` ``{"model_path", "load_format", "abort_all_requests", "weight_version",
-  "flush_cache"}``: loads every ``*.safetensors`` file of a local directory; a directory that holds only
-  some tensors updates only those.
-- ``POST /update_weights_from_tensor``: the same from torch tensors pickled with SGLang's
-  ``MultiprocessingSerializer`` (shared-memory handles, so only from a process of the same host and torch).
-- ``POST /update_weights_from_distributed``: an NCCL broadcast group with the trainer (GPU only).
-
-This engine uses the first. The sidecar keeps the served view it last pushed as a *host_copy*: one safetensors
-file on local disk, memory-mapped writable (:class:`HostCopy`), or any mapping of CPU tensors. A patch is
-staged against the host_copy with the codec (decode, old bits, new bits, target fingerprints: O(changed)),
-the touched tensors are written with their new values into a small update checkpoint (and their old
-values into an undo checkpoint), and the commit asks SGLang to load that directory, stamping
-``weight_version`` with the board version. Only then does the host_copy take the new bits (O(changed)).
-A rollback loads the undo checkpoint and restores the previous ``weight_version``.
-
-What this costs: the sidecar holds O(model) on local disk (page cache as the kernel sees fit) and O(touched
-tensors) in memory; SGLang reads O(touched tensors) from local disk and reprocesses its layers. A tensor is
-either touched or not, so a patch of a few elements of every tensor reloads the whole model.
-
-What is checked where: ``table`` and ``recompute_table`` describe the host_copy, i.e. what was pushed and
-acknowledged. SGLang's memory is reachable only through ``/get_weights_by_name`` (the first rows of one
-parameter as the model holds it, as float32; its Llama-style models map ``q_proj`` / ``gate_proj`` names onto
-their slice of the fused parameter and gather row-parallel shards). That is the audit SGLang's routes allow:
-at start the engine reads back the first ``audit_rows`` rows of every tensor and keeps as *auditable* those
-that equal the host_copy's (a runtime layout other than the checkpoint's, such as a transposed or repacked
-quantized weight, cannot be compared); after every update it reads the touched auditable tensors again
-(``audit="every"``; ``"sample"``: one of them; ``"off"``) and a mismatch (SGLang acknowledged values it does
-not hold) undoes the update and raises. Tested only against a fake server that implements this HTTP contract
-(``tests/engines/fake_sglang.py``); SGLang has no CPU build that runs here.
+"""The ``sglang`` engine: keeps an SGLang server's weights at a board version through its HTTP update routes,
+which replace whole tensors. Patches are staged against a local host copy, pushed as a small update
+checkpoint, and audited through ``/get_weights_by_name``. See docs/engines.md ("SGLang").
 """
 
 from __future__ import annotations

@@ -32,16 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
-import random
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpcore
 from fastapi import FastAPI
@@ -49,204 +43,29 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from flipsync.board.membership import REASONS
-from flipsync.domain.fleet import MemberRecord, Want, admits, floor_version, rank, satisfies, serves
-from flipsync.errors import FlipsyncError
+from flipsync.domain.fleet import MemberRecord, Want, floor_version, satisfies, serves
+from flipsync.fleet.forwarding import (
+    DROP_REQUEST_HEADERS,
+    DROP_RESPONSE_HEADERS,
+    H_ATTEMPTS,
+    H_FLEET_HEAD,
+    H_FORMAT,
+    H_REPLICA,
+    H_RUN,
+    ForwardRequest,
+    Retry,
+    error_response,
+    header_value,
+    is_engine_unreachable,
+    netloc,
+    read_all,
+    watch_disconnect,
+)
 from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
+from flipsync.fleet.routing import FleetView, GatewayConfig
 from flipsync.fleet.transport import AsyncioBackend
 from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, BadRequest, parse_constraint
-
-log = logging.getLogger(__name__)
-
-H_FORMAT = "x-flipsync-format"
-H_RUN = "x-flipsync-run"
-H_REPLICA = "x-flipsync-replica"
-H_FLEET_HEAD = "x-flipsync-fleet-head"
-H_ATTEMPTS = "x-flipsync-attempts"
-# Hop-by-hop headers (RFC 9110 7.6.1), those recomputed here, and the gateway's own.
-_DROP_REQUEST = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"host",
-        b"content-length",
-        b"accept-encoding",
-        H_FORMAT.encode(),
-        H_RUN.encode(),
-    }
-)
-_DROP_RESPONSE = frozenset(
-    {
-        b"connection",
-        b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"te",
-        b"trailer",
-        b"transfer-encoding",
-        b"upgrade",
-        b"content-length",
-        b"date",
-        b"server",
-    }
-)
-
-
-@dataclass(frozen=True)
-class GatewayConfig:
-    """How the gateway routes. ``max_lag``: versions behind HEAD a replica may be and still take
-    unconstrained traffic. ``hold_s``: how long a request waits for a replica that can serve it.
-    ``refresh_s``: seconds between scans of the pool (``held_refresh_s`` while requests are held)."""
-
-    max_lag: int = 2
-    hold_s: float = 10.0
-    refresh_s: float = 1.0
-    held_refresh_s: float = 0.2
-    connect_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0  # one read of the replica (a token gap), not the whole response
-    max_body_bytes: int = 64 << 20
-    retry_after_s: int = 1
-    suspect_s: float = 30.0  # a replica that refused a connection: skipped until it writes again (at most this)
-    max_connections: int = 1024
-
-
-class FleetView:
-    """The gateway's view of the fleet: the pool's last snapshot, refreshed on a thread, and per replica the
-    requests this gateway has in flight there and when it last refused a connection."""
-
-    def __init__(self, pool: Pool, config: GatewayConfig, metrics: GatewayMetrics) -> None:
-        self.pool = pool
-        self.config = config
-        self.metrics = metrics
-        self.snapshot = FleetSnapshot((), {})
-        self.refreshed = 0.0  # monotonic time of the last good scan (0: never)
-        self.error: str | None = None
-        self.in_flight: dict[str, int] = {}
-        self.suspects: dict[str, tuple[datetime, float]] = {}  # replica -> (failed at, skip until monotonic)
-        self.holders = 0
-        self.scans = 0
-        self.rng = random.Random()  # ties between equally loaded replicas
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def refresh(self) -> bool:
-        """Scan the pool now; on failure the last snapshot stays (routing goes on from it)."""
-        try:
-            snapshot = self.pool.discover_replicas()
-        except FlipsyncError as e:
-            self.metrics.refresh_failures.inc()
-            if self.error is None:
-                log.warning("cannot read the fleet (routing from the last snapshot): %s", e)
-            self.error = str(e)
-            return False
-        self.snapshot, self.refreshed, self.error = snapshot, time.monotonic(), None
-        self.scans += 1
-        self._set_gauges(snapshot)
-        return True
-
-    def _set_gauges(self, snap: FleetSnapshot) -> None:
-        m = self.metrics
-        for run, info in snap.runs().items():
-            m.members.labels(run=run).set(info["members"])
-            m.ready.labels(run=run).set(sum(1 for r in snap.ready(self.config.max_lag) if r.run == run))
-            m.readiness.labels(run=run).set(-1 if info["readiness"] is None else info["readiness"])
-            m.head.labels(run=run).set(-1 if info["head"] is None else info["head"])
-        counts: dict[str, int] = {}
-        for rej in snap.rejected:
-            counts[rej.reason] = counts.get(rej.reason, 0) + 1
-        for reason in {*REASONS, *counts}:
-            m.rejected.labels(reason=reason).set(counts.get(reason, 0))
-
-    def start(self) -> FleetView:
-        self.refresh()
-        self._thread = threading.Thread(target=self._loop, name="flipsync-gateway-refresh", daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            interval = self.config.held_refresh_s if self.holders else self.config.refresh_s
-            self._wake.wait(interval)
-            self._wake.clear()
-            if not self._stop.is_set():
-                self.refresh()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(10)
-            self._thread = None
-
-    @contextmanager
-    def holding(self) -> Iterator[None]:
-        """A request is waiting for the fleet to change: scan faster meanwhile (and once at once)."""
-        self.holders += 1
-        if self.holders == 1:
-            self._wake.set()
-        try:
-            yield
-        finally:
-            self.holders -= 1
-
-    def age_s(self) -> float | None:
-        return None if not self.refreshed else time.monotonic() - self.refreshed
-
-    def suspect(self, r: MemberRecord) -> bool:
-        s = self.suspects.get(r.replica)
-        if s is None:
-            return False
-        failed_at, until = s
-        if r.heartbeat_at > failed_at or time.monotonic() > until:  # it wrote since (back), or long enough
-            self.suspects.pop(r.replica, None)
-            return False
-        return True
-
-    def unreachable(self, r: MemberRecord) -> None:
-        self.suspects[r.replica] = (datetime.now(UTC), time.monotonic() + self.config.suspect_s)
-
-    def candidates(self, want: Want) -> tuple[list[MemberRecord], FleetSnapshot]:
-        snap = self.snapshot
-        ok = [r for r in snap.members if admits(r, want, snap.head(r), self.config.max_lag) and not self.suspect(r)]
-        return rank(ok, self.in_flight, self.rng), snap
-
-    def models(self) -> list[dict[str, Any]]:
-        seen: dict[str, set[str]] = {}
-        for r in self.snapshot.members:
-            seen.setdefault(r.model, set()).add(r.served_format)
-        out = []
-        for model in sorted(seen):
-            out.append({"id": model, "object": "model", "owned_by": "flipsync", "formats": sorted(seen[model])})
-        for model in sorted(seen):
-            out += [{"id": f"{model}@{f}", "object": "model", "owned_by": "flipsync"} for f in sorted(seen[model])]
-        return out
-
-
-class _Retry(Exception):
-    """One attempt that another replica may do better: ``reason`` (a metric label) and the refusal, if any."""
-
-    def __init__(self, reason: str, status: int | None = None, body: bytes = b"") -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.body = body
-
-
-@dataclass
-class _Request:
-    path: str  # with the query string
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    want: Want
-    receive: Receive | None = None  # the client's channel, to see it go away mid-stream
 
 
 class Gateway:
@@ -312,17 +131,19 @@ class Gateway:
         finally:
             self.metrics.in_flight.dec()
 
-    async def _read(self, scope: Scope, receive: Receive) -> _Request | Response:
+    async def _read(self, scope: Scope, receive: Receive) -> ForwardRequest | Response:
         chunks: list[bytes] = []
         size = 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return _error(499, "the client went away", "client_closed")
+                return error_response(499, "the client went away", "client_closed")
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.config.max_body_bytes:
-                return _error(413, f"the body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error")
+                return error_response(
+                    413, f"the body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error"
+                )
             chunks.append(chunk)
             if not message.get("more_body"):
                 break
@@ -336,14 +157,14 @@ class Gateway:
             except ValueError:
                 doc = None  # not ours to judge: the replica answers malformed bodies
             except RecursionError:
-                return _error(
+                return error_response(
                     400, "the JSON body nests too deeply to parse; send a flatter body", "invalid_request_error"
                 )
         try:
             field = doc.get(BODY_FIELD) if isinstance(doc, dict) else None
             constraint = parse_constraint(field, named)
         except BadRequest as e:
-            return _error(400, str(e), "invalid_request_error")
+            return error_response(400, str(e), "invalid_request_error")
         model = doc.get("model") if isinstance(doc, dict) else None
         fmt = named.get(H_FORMAT) or None
         if isinstance(model, str) and "@" in model:  # NAME@FORMAT: one served format of the model
@@ -358,12 +179,12 @@ class Gateway:
             fmt,
             named.get(H_RUN) or None,
         )
-        forwarded = [(k, v) for k, v in headers if k not in _DROP_REQUEST]
+        forwarded = [(k, v) for k, v in headers if k not in DROP_REQUEST_HEADERS]
         query = scope.get("query_string", b"")
         path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
-        return _Request(path, forwarded, body, want)
+        return ForwardRequest(path, forwarded, body, want)
 
-    async def _serve(self, req: _Request, scope: Scope, receive: Receive, send: Send, t0: float) -> None:
+    async def _serve(self, req: ForwardRequest, scope: Scope, receive: Receive, send: Send, t0: float) -> None:
         attempts = [0]
         try:
             last = await self._pass(req, attempts, send, t0)
@@ -382,20 +203,22 @@ class Gateway:
             self.metrics.held_seconds.observe(time.monotonic() - held_since)
         except httpcore.TimeoutException as e:  # the replica took longer than request_timeout_s to answer
             self.metrics.outcome("timeout")
-            await _error(504, f"the replica did not answer in time: {e}", "upstream_timeout")(scope, receive, send)
+            await error_response(504, f"the replica did not answer in time: {e}", "upstream_timeout")(
+                scope, receive, send
+            )
             return
         await self._refuse(req, last, scope, receive, send)
 
-    async def _pass(self, req: _Request, attempts: list[int], send: Send, t0: float) -> _Retry | bool | None:
+    async def _pass(self, req: ForwardRequest, attempts: list[int], send: Send, t0: float) -> Retry | bool | None:
         """Try every replica that may serve ``req`` once, best first: True once one answered, else the last
         refusal (None: no replica to try)."""
         candidates, snap = self.view.candidates(req.want)
-        last: _Retry | None = None
+        last: Retry | None = None
         for r in candidates:
             attempts[0] += 1
             try:
                 await self._attempt(r, snap, req, attempts[0], send, t0)
-            except _Retry as e:
+            except Retry as e:
                 last = e
                 self.metrics.retry(e.reason)
                 continue
@@ -406,15 +229,15 @@ class Gateway:
         self,
         r: MemberRecord,
         snap: FleetSnapshot,
-        req: _Request,
+        req: ForwardRequest,
         attempt: int,
         send: Send,
         t0: float,
     ) -> None:
-        """Send ``req`` to ``r`` and relay its answer; raise _Retry where another replica may serve it."""
+        """Send ``req`` to ``r`` and relay its answer; raise Retry where another replica may serve it."""
         assert self.http is not None
         head = snap.head(r)
-        headers = [(b"host", _netloc(r.url)), (b"content-length", str(len(req.body)).encode()), *req.headers]
+        headers = [(b"host", netloc(r.url)), (b"content-length", str(len(req.body)).encode()), *req.headers]
         floor = floor_version(req.want, head, self.config.max_lag)
         if floor is not None:
             headers.append((H_MIN.encode(), str(floor).encode()))
@@ -432,20 +255,20 @@ class Gateway:
                 resp = await self.http.handle_async_request(upstream)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
                 view.unreachable(r)
-                raise _Retry("unreachable") from e
+                raise Retry("unreachable") from e
             except (httpcore.ReadTimeout, httpcore.WriteTimeout, httpcore.PoolTimeout):
                 raise
             except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:  # dropped before it answered
-                raise _Retry("broken") from e
+                raise Retry("broken") from e
             status = resp.status
-            is_stream = _header(resp.headers, b"content-type").startswith(b"text/event-stream")
+            is_stream = header_value(resp.headers, b"content-type").startswith(b"text/event-stream")
             if status in (409, 503, 502) and not is_stream:
                 try:
-                    body = await _read_all(resp)
+                    body = await read_all(resp)
                 except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:
-                    raise _Retry("broken") from e
-                if status == 409 or status == 503 or _is_unreachable(body):
-                    raise _Retry({409: "refused_409", 503: "refused_503"}.get(status, "upstream_502"), status, body)
+                    raise Retry("broken") from e
+                if status == 409 or status == 503 or is_engine_unreachable(body):
+                    raise Retry({409: "refused_409", 503: "refused_503"}.get(status, "upstream_502"), status, body)
                 await self._answer(resp.status, resp.headers, body, r, head, attempt, send)
                 self.metrics.outcome("upstream_status")
                 return
@@ -453,10 +276,10 @@ class Gateway:
                 await self._relay_stream(resp, r, head, attempt, send, t0, req.receive)
                 return
             try:
-                body = await _read_all(resp)
+                body = await read_all(resp)
             except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:  # died mid-answer: nothing sent yet
                 view.unreachable(r)
-                raise _Retry("broken") from e
+                raise Retry("broken") from e
             self.metrics.request_seconds.observe(time.monotonic() - t0)
             await self._answer(status, resp.headers, body, r, head, attempt, send)
             self.metrics.outcome("ok" if status < 400 else "upstream_status")
@@ -470,7 +293,7 @@ class Gateway:
     def _headers(
         self, upstream: list[tuple[bytes, bytes]], r: MemberRecord, head: int | None, attempt: int
     ) -> list[tuple[bytes, bytes]]:
-        out = [(k, v) for k, v in upstream if k.lower() not in _DROP_RESPONSE]
+        out = [(k, v) for k, v in upstream if k.lower() not in DROP_RESPONSE_HEADERS]
         out.append((H_REPLICA.encode(), r.replica.encode()))
         if head is not None:
             out.append((H_FLEET_HEAD.encode(), str(head).encode()))
@@ -508,14 +331,14 @@ class Gateway:
                 first = await anext(stream, b"")
             except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:  # nothing relayed yet: try elsewhere
                 self.view.unreachable(r)
-                raise _Retry("broken") from e
+                raise Retry("broken") from e
             self.metrics.request_seconds.observe(time.monotonic() - t0)
             headers = self._headers(resp.headers, r, head, attempt)
             await send({"type": "http.response.start", "status": resp.status, "headers": headers})
             await send({"type": "http.response.body", "body": first, "more_body": True})
             outcome = "ok" if resp.status < 400 else "upstream_status"
             gone = asyncio.Event()
-            watcher = asyncio.create_task(_watch_disconnect(receive, gone)) if receive is not None else None
+            watcher = asyncio.create_task(watch_disconnect(receive, gone)) if receive is not None else None
             try:
                 async for chunk in stream:
                     if gone.is_set():  # the client left: stop (closing the replica's stream stops its generation)
@@ -546,7 +369,9 @@ class Gateway:
         finally:
             await resp.aclose()
 
-    async def _refuse(self, req: _Request, last: _Retry | None, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refuse(
+        self, req: ForwardRequest, last: Retry | None, scope: Scope, receive: Receive, send: Send
+    ) -> None:
         want = req.want
         snap = self.view.snapshot
         mine = [r for r in snap.members if serves(r, want)]
@@ -556,7 +381,7 @@ class Gateway:
         if want.constrained:
             self.metrics.outcome("rejected_version")
             served = ", ".join(f"v{v}" for v in versions) or "none"
-            response = _error(
+            response = error_response(
                 409,
                 f"no replica serves {want.describe()} within {self.config.hold_s:g} s (versions served now: {served})",
                 "weight_version_unavailable",
@@ -576,7 +401,7 @@ class Gateway:
                 if last and last.status
                 else ""
             )
-            response = _error(
+            response = error_response(
                 503,
                 f"no ready replica for {want.describe()} within {self.config.hold_s:g} s ({len(mine)} live, "
                 f"{len(snap.ready(self.config.max_lag))} ready in the fleet){why}",
@@ -640,7 +465,7 @@ class Gateway:
             run: str | None = None,
         ) -> Response:
             if min_version < 0 or not timeout_s >= 0:
-                return _error(
+                return error_response(
                     400, "min_version must be >= 0 and timeout_s a non-negative number", "invalid_request_error"
                 )
             want = Want(min_version=min_version, model=model, served_format=format, run=run)
@@ -675,39 +500,3 @@ def create_gateway_app(
 ) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
     """The gateway's ASGI application (uvicorn serves it; its lifespan starts the fleet refresher)."""
     return Gateway(pool, config).app
-
-
-async def _watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
-    """Set ``gone`` once the client disconnects (the request body was read already: nothing else comes)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-    gone.set()
-
-
-def _netloc(url: str) -> bytes:
-    return urlsplit(url).netloc.encode("ascii")
-
-
-def _header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
-    for k, v in headers:
-        if k.lower() == name:
-            return v
-    return b""
-
-
-async def _read_all(resp: httpcore.Response) -> bytes:
-    try:
-        return b"".join([chunk async for chunk in resp.aiter_stream()])
-    finally:
-        await resp.aclose()
-
-
-def _is_unreachable(body: bytes) -> bool:
-    """A sidecar's 502 that says its engine is unreachable (another replica may be up)."""
-    return b"upstream_unavailable" in body[:4096]
-
-
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
-    )

@@ -1,18 +1,6 @@
-"""The Pool port (where a fleet's replicas are found) beside its implementations: the board, a static list.
-
-`Pool.discover_replicas()` returns a point-in-time `FleetSnapshot`: the live replicas' member records, the
-HEAD of every run they serve (what readiness is measured against) and the records refused, with why. Replicas
-appear and disappear between two snapshots; callers must tolerate both. ``gateway_url()`` is the one URL
-rollout traffic goes to, when the pool has one. ``wake`` and ``scale`` are optional (a pool whose replicas
-an autoscaler starts and stops); the base class refuses them.
-
-- `BoardPool`: the records sidecars keep on the board (``flipsync.board.membership``), HEAD from the
-  board's manifests; on a signed board, only records signed by a trusted member key.
-- `StaticPool`: a fixed list of sidecar URLs, each asked for its ``/flipsync/status``; HEAD is the newest
-  any of them saw.
-
-A Kubernetes or cloud-autoscaler discovery is one more subclass: list the pods (instances) of a deployment,
-build their records from ``/flipsync/status`` as `StaticPool` does, and map ``scale`` to the replica count.
+"""The Pool port (where a fleet's replicas are found) and its implementations: `BoardPool` (member records on
+the board) and `StaticPool` (a fixed list of sidecar URLs). Each returns a point-in-time `FleetSnapshot`.
+See docs/fleet.md.
 """
 
 from __future__ import annotations

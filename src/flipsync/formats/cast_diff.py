@@ -5,10 +5,11 @@ to find the changed elements. `CastDiffer.cast_diff` does both in one pass over 
 previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
 emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
 
-CPU: a numba kernel works on groups of 64 lanes: one vectorized loop rounds the masters, stores them and
-sets a bit of a 64-bit mask per lane that differs from the previous view; only the set bits (few at RL
-learning rates) are then visited, by trailing-zero count. The quantized families below encode a row into
-a code buffer and store and compare it the same way. Chunks run on a thread pool with the GIL released
+CPU: a numba kernel (`flipsync.formats.cast_kernels`) works on groups of 64 lanes: one vectorized loop
+rounds the masters, stores them and sets a bit of a 64-bit mask per lane that differs from the previous view;
+only the set bits (few at RL learning rates) are then visited, by trailing-zero count. The quantized families'
+kernels (`flipsync.formats.quantize_kernels`) encode a row into a code buffer and store and compare it the
+same way. Chunks run on a thread pool with the GIL released
 (inline on one thread); each worker appends its chunks' changes to one buffer, and the caller copies them
 all, in chunk order, into the result once.
 Any other device (CUDA) or master dtype takes the torch path: `cast_master`, then a compare on the
@@ -28,19 +29,26 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
 
-import numba
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import types
-from numba.core.extending import intrinsic
-from numba.cpython.unsafe.numbers import trailing_zeros, viewer
 
 from flipsync.codec import Changes
 from flipsync.errors import FormatError
 from flipsync.formats.base import cast_master
+from flipsync.formats.cast_kernels import BF16, FP16, GROUP, cast_diff_bits, cast_diff_f16
+from flipsync.formats.quantize_kernels import (
+    E4M3_VALUES,
+    MX,
+    NV,
+    TILE,
+    fp8_rows,
+    fp8_tile_rows,
+    i8_rows,
+    mx_rows,
+    nv_rows,
+    tensor_amax,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,152 +62,13 @@ MIN_CHUNK_ELEMENTS = 1 << 18
 _BF16_LIMIT = 0x7F7F8000  # rounds to bf16 inf (and every inf / NaN)
 _FP16_LIMIT = 0x477FF000  # 65520: rounds beyond fp16's 65504
 
-_BF16, _FP16 = 0, 1
 _FP4 = ("mxfp4", "nvfp4")  # two e2m1 codes per payload byte
 _QUANTIZED = ("fp8-tensor", "fp8-channel", "fp8-block", "mxfp8", "mxfp4", "nvfp4", "int8-channel")
-_GROUP = 64  # lanes whose differences make one 64-bit mask
-
-_U = np.uint32
-_Q = np.uint64
-
-
-# Every step is wrapped in a uint32 cast: numba widens integer arithmetic to 64 bits, which would halve the
-# lanes per vector of the block loop; truncated back at each step, LLVM keeps it in 32-bit lanes.
-@numba.njit(nogil=True, cache=True, inline="always")
-def _round16(u: np.uint32, kind: int) -> np.uint32:
-    """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs).
-
-    Branch-free (every case computed, then selected) so that the block loop vectorizes.
-    """
-    if kind == _BF16:  # c10's round_to_nearest_even
-        return _U(_U(_U(u + _U(0x7FFF)) + _U(_U(u >> _U(16)) & _U(1))) >> _U(16))
-    sign = _U(_U(u >> _U(16)) & _U(0x8000))
-    a = _U(u & _U(0x7FFFFFFF))
-    # a normal fp16: rebias the exponent (127 -> 15), round the mantissa at bit 13
-    an = _U(a - _U(0x38000000))
-    normal = _U(_U(_U(an + _U(0xFFF)) + _U(_U(an >> _U(13)) & _U(1))) >> _U(13))
-    # an fp16 subnormal: the mantissa with its hidden bit, in units of 2**-24, rounded at bit `shift`
-    e = _U(a >> _U(23))
-    shift = min(_U(_U(126) - e), _U(25))  # wraps for normal inputs, clamped: that result is unused
-    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
-    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
-    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
-    sub = sub if e >= _U(102) else _U(0)  # below 2**-25 (ties included) rounds to zero
-    return _U(sign | (normal if a >= _U(0x38800000) else sub))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _emit(
-    m: np.uint64,
-    base: int,
-    at: int,
-    ref: np.ndarray,
-    out: np.ndarray,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-    n: int,
-) -> int:
-    """Records the lanes set in mask ``m`` (lane ``j``: element ``base + j`` of ``ref`` / ``out``, position
-    ``at + base + j``) at slots ``n``...; the next free slot. The first two lanes are written
-    unconditionally and counted only when present (at RL learning rates a group rarely holds more), so the
-    common case takes no branch: the buffers need two spare slots. ``trailing_zeros(0)`` is 64, masked
-    back into the group."""
-    j = base + (trailing_zeros(m) & _Q(63))
-    pos[n], old[n], new[n] = at + j, ref[j], out[j]
-    n += m != 0
-    m &= m - _Q(1)
-    j = base + (trailing_zeros(m) & _Q(63))
-    pos[n], old[n], new[n] = at + j, ref[j], out[j]
-    n += m != 0
-    m &= m - _Q(1)
-    while m != 0:
-        j = base + trailing_zeros(m)
-        pos[n], old[n], new[n] = at + j, ref[j], out[j]
-        n += 1
-        m &= m - _Q(1)
-    return n
-
-
-@numba.njit(nogil=True, cache=True)
-def _cast_diff(
-    src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray
-) -> tuple[int, np.uint32]:
-    """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``.
-
-    Groups of 64 lanes: one loop casts, stores, tracks max |master| and sets a bit per lane that differs
-    (LLVM vectorizes it: vector compares into mask registers), then only the set bits are visited.
-    ``pos`` gets chunk-relative positions and needs ``len(src) + 2`` slots (see `_emit`).
-    Returns (changes written to pos/old/new, max |master| bits: the caller checks the range).
-    """
-    n = 0
-    top = _U(0)
-    size = src.shape[0]
-    full = size - size % _GROUP
-    for g in range(0, full, _GROUP):
-        m = _Q(0)
-        for j in range(_GROUP):
-            u = src[g + j]
-            r = np.uint16(_round16(u, kind))
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            m |= _Q(_Q(r != ref[g + j]) << _Q(j))
-            out[g + j] = r
-        n = _emit(m, g, 0, ref, out, pos, old, new, n)
-    for i in range(full, size):
-        u = src[i]
-        r = np.uint16(_round16(u, kind))
-        top = max(top, _U(u & _U(0x7FFFFFFF)))
-        out[i] = r
-        if r != ref[i]:
-            pos[n], old[n], new[n] = i, ref[i], r
-            n += 1
-    return n, top
-
-
-@intrinsic
-def _f16_bits(typingctx: Any, u: Any) -> tuple[Any, Callable[..., Any]]:
-    """fp32 bits -> fp16 bits by LLVM's ``fptrunc`` (x86 F16C ``vcvtps2ph``, Arm ``fcvt``: IEEE round to
-    nearest even, subnormals kept), which vectorizes; `_hw_fp16` checks it against `_round16` first."""
-
-    def codegen(context: Any, builder: ir.IRBuilder, signature: Any, args: list[ir.Value]) -> ir.Value:
-        half = builder.fptrunc(builder.bitcast(args[0], ir.FloatType()), ir.HalfType())
-        return builder.bitcast(half, ir.IntType(16))
-
-    return types.uint16(types.uint32), codegen
-
-
-@numba.njit(nogil=True, cache=True)
-def _cast_diff_f16(
-    src: np.ndarray, ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray
-) -> tuple[int, np.uint32]:
-    """`_cast_diff` for fp16 with the hardware conversion (three times faster than `_round16`'s)."""
-    n = 0
-    top = _U(0)
-    size = src.shape[0]
-    full = size - size % _GROUP
-    for g in range(0, full, _GROUP):
-        m = _Q(0)
-        for j in range(_GROUP):
-            u = src[g + j]
-            r = _f16_bits(u)
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            m |= _Q(_Q(r != ref[g + j]) << _Q(j))
-            out[g + j] = r
-        n = _emit(m, g, 0, ref, out, pos, old, new, n)
-    for i in range(full, size):
-        u = src[i]
-        r = _f16_bits(u)
-        top = max(top, _U(u & _U(0x7FFFFFFF)))
-        out[i] = r
-        if r != ref[i]:
-            pos[n], old[n], new[n] = i, ref[i], r
-            n += 1
-    return n, top
 
 
 @functools.cache
 def _hw_fp16() -> bool:
-    """Whether `_cast_diff_f16` compiles here and gives `_round16`'s bits on every fp16 value, every tie
+    """Whether `cast_diff_f16` compiles here and gives `round16`'s bits on every fp16 value, every tie
     between neighbours and one fp32 step either side (a platform without a native conversion may lack the
     runtime routine LLVM calls instead, or round otherwise): else fp16 takes the integer recipe."""
     every = np.arange(0, 0x7C00, dtype=np.uint16).view(np.float16).astype(np.float32)
@@ -210,342 +79,12 @@ def _hw_fp16() -> bool:
     got = np.empty(x.size, np.uint16)
     scratch = (np.empty(x.size + 2, np.int64), np.empty(x.size + 2, np.uint16), np.empty(x.size + 2, np.uint16))
     try:
-        _cast_diff(x, got, want, _FP16, *scratch)
-        _cast_diff_f16(x, want, got, *scratch)
+        cast_diff_bits(x, got, want, FP16, *scratch)
+        cast_diff_f16(x, want, got, *scratch)
     except Exception:  # numba's lowering and linking errors have no common base
-        logger.info("no native fp16 conversion for the fused pass: fp16 takes the integer recipe")
+        logger.info("no native fp16 conversion for the one-pass cast: fp16 takes the integer recipe")
         return False
     return bool(np.array_equal(got, want))
-
-
-_E4M3_MAX = np.float32(448.0)
-_EPS32 = np.float32(2.0**-23)  # compressed-tensors' replacement of a zero channel scale
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _e4m3(v: np.uint32) -> np.uint8:
-    """fp32 bits of a finite ``|y| <= 448`` -> e4m3fn bits, round to nearest even (subnormals from 2**-9)."""
-    sign = _U(_U(v >> _U(24)) & _U(0x80))
-    a = _U(v & _U(0x7FFFFFFF))
-    an = _U(a - _U(0x3C000000))  # rebias the exponent 127 -> 7, round the mantissa at bit 20
-    normal = _U(_U(_U(an + _U(0x7FFFF)) + _U(_U(an >> _U(20)) & _U(1))) >> _U(20))
-    e = _U(a >> _U(23))
-    shift = min(_U(_U(141) - e), _U(25))  # subnormal: the mantissa in units of 2**-9
-    m = _U(_U(a & _U(0x7FFFFF)) | _U(0x800000))
-    half = _U(_U(_U(1) << _U(shift - _U(1))) - _U(1))
-    sub = _U(_U(_U(m + half) + _U(_U(m >> shift) & _U(1))) >> shift)
-    sub = sub if e >= _U(117) else _U(0)  # below 2**-10 (ties included) rounds to zero
-    return np.uint8(sign | (normal if a >= _U(0x3C800000) else sub))
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _store_diff(
-    codes: np.ndarray,
-    out: np.ndarray,
-    ref: np.ndarray,
-    at: int,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-    n: int,
-) -> int:
-    """Copies one row of codes into ``out`` (a row of the payload) and records where ``ref`` (the previous
-    row) held another byte, positions from ``at``, in groups of 64 as `_cast_diff`; the next free slot."""
-    size = codes.shape[0]
-    full = size - size % _GROUP
-    for g in range(0, full, _GROUP):
-        m = _Q(0)
-        for j in range(_GROUP):
-            q = codes[g + j]
-            m |= _Q(_Q(q != ref[g + j]) << _Q(j))
-            out[g + j] = q
-        n = _emit(m, g, at, ref, out, pos, old, new, n)
-    for i in range(full, size):
-        q = codes[i]
-        out[i] = q
-        if q != ref[i]:
-            pos[n], old[n], new[n] = at + i, ref[i], q
-            n += 1
-    return n
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint32) -> np.uint32:
-    """One row of fp32 master bits into ``bits`` (rounded to bf16 first when the recipe starts from bf16);
-    the running max of |master| bits, which tells a row with a non-finite or out-of-range master."""
-    if round_bf16:  # two loops, not a select per element: each vectorizes
-        for j in range(src.shape[0]):
-            u = src[j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[j] = _U(_round16(u, _BF16) << _U(16))
-    else:
-        for j in range(src.shape[0]):
-            u = src[j]
-            top = max(top, _U(u & _U(0x7FFFFFFF)))
-            bits[j] = u
-    return top
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _abs_max_bits(src: np.ndarray) -> np.uint32:
-    """max |x| of fp32 bit patterns, as a bit pattern (sign cleared: the order of |x|, NaN's above inf's).
-    An integer max vectorizes; a float one does not (LLVM keeps its NaN order)."""
-    top = _U(0)
-    for i in range(src.shape[0]):
-        top = max(top, _U(src[i] & _U(0x7FFFFFFF)))
-    return top
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _fp8_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    scales: np.ndarray,
-    channel: bool,
-    inv: np.float32,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> e4m3 ``out``, and the changes against ``ref`` (positions from the
-    first row). ``channel``: compressed-tensors (row scale amax/448 into ``scales``, a zero one 2**-23,
-    ``clamp(x / scale)``); else vLLM per-tensor (``fmax(-448, fmin(x * inv, 448))``, NaN-ignoring: 0 * inf
-    gives 448). ``round_bf16``: the input is bf16(master). Returns (changes, max |master| bits)."""
-    rows, k = src.shape
-    vals = np.empty(k, np.float32)
-    bits = vals.view(np.uint32)
-    codes = np.empty(k, np.uint8)
-    n = 0
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits, round_bf16, top)
-        if channel:
-            amax = viewer(_abs_max_bits(bits), np.float32)
-            scale = np.float32(amax / _E4M3_MAX)
-            if scale == 0:
-                scale = _EPS32
-            scales[r] = scale
-            for j in range(k):
-                vals[j] = min(max(np.float32(vals[j] / scale), -_E4M3_MAX), _E4M3_MAX)
-        else:
-            for j in range(k):
-                y = np.float32(vals[j] * inv)
-                vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
-        for j in range(k):
-            codes[j] = _e4m3(bits[j])
-        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
-    return n, top
-
-
-_I8_HALF_RANGE = np.float32(127.5)  # compressed-tensors' symmetric int8 divisor: (127 - (-128)) / 2
-_I8_MIN, _I8_MAX = np.float32(-128.0), np.float32(127.0)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _i8_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    scales: np.ndarray,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> int8 codes (as bytes) in ``out`` and the changes against ``ref``:
-    compressed-tensors symmetric int8 (row scale amax/127.5 into ``scales``, a zero one 2**-23,
-    ``rint(clamp(x / scale, -128, 127))``, round half to even). Returns (changes, max |master| bits)."""
-    rows, k = src.shape
-    vals = np.empty(k, np.float32)
-    bits = vals.view(np.uint32)
-    codes = np.empty(k, np.uint8)
-    n = 0
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits, round_bf16, top)
-        amax = viewer(_abs_max_bits(bits), np.float32)
-        scale = np.float32(amax / _I8_HALF_RANGE)
-        if scale == 0:
-            scale = _EPS32
-        scales[r] = scale
-        for j in range(k):
-            y = np.rint(min(max(np.float32(vals[j] / scale), _I8_MIN), _I8_MAX))
-            codes[j] = np.uint8(np.int32(y) & 0xFF)
-        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
-    return n, top
-
-
-_TILE = 128  # fp8-block: DeepGEMM's 128x128 tiles
-_TILE_AMAX_FLOOR = np.float32(1e-4)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _fp8_tile_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    sf: np.ndarray,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """One row of 128x128 tiles (``src`` [<= 128, K] fp32 bits) -> e4m3 ``out`` and its tiles' ``sf``
-    (amax floored at 1e-4, / 448), ``x * (1 / sf)`` clamped: DeepGEMM's `per_block_cast_to_fp8`. Returns
-    (changes against ``ref``, positions from the first row; max |master| bits)."""
-    rows, k = src.shape
-    vals = np.empty((rows, k), np.float32)
-    bits = vals.view(np.uint32)
-    tiles = sf.shape[0]
-    amax = np.zeros(tiles, np.uint32)  # as |x| bit patterns
-    codes = np.empty(k, np.uint8)
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits[r], round_bf16, top)
-        for t in range(tiles):
-            amax[t] = max(amax[t], _abs_max_bits(bits[r, t * _TILE : (t + 1) * _TILE]))
-    inv = np.empty(tiles, np.float32)
-    for t in range(tiles):
-        s = np.float32(max(viewer(amax[t], np.float32), _TILE_AMAX_FLOOR) / _E4M3_MAX)
-        sf[t] = s
-        inv[t] = np.float32(np.float32(1.0) / s)
-    n = 0
-    for r in range(rows):
-        for j in range(k):
-            y = np.float32(vals[r, j] * inv[j // _TILE])
-            vals[r, j] = min(max(y, -_E4M3_MAX), _E4M3_MAX)
-        for j in range(k):
-            codes[j] = _e4m3(bits[r, j])
-        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
-    return n, top
-
-
-_MX = 32  # MX block: 32 consecutive elements along K
-_F32_MIN_NORMAL = np.float32(2.0**-126)
-
-
-@numba.njit(nogil=True, cache=True, inline="always")
-def _e2m1(y: np.float32, sign_bits: np.uint32) -> np.uint8:
-    """fp32 -> e2m1 code: RNE saturating at 6 by counting thresholds passed; sign = signbit (-0.0 -> 0x8)."""
-    a = abs(y)
-    idx = (
-        np.uint8(a > 0.25)
-        + np.uint8(a >= 0.75)
-        + np.uint8(a > 1.25)
-        + np.uint8(a >= 1.75)
-        + np.uint8(a > 2.5)
-        + np.uint8(a >= 3.5)
-        + np.uint8(a > 5.0)
-    )
-    return np.uint8(idx | np.uint8((sign_bits >> _U(31)) << _U(3)))
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _mx_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    scale: np.ndarray,
-    emax: int,
-    fp4: bool,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> MX (torchao FLOOR) payload ``out`` (e4m3 [R, K], or e2m1 codes
-    packed two per byte [R, K/2], element 2i low) and E8M0 ``scale`` [R, ceil(K/32)]; the payload's changes
-    against ``ref``, positions from the first row. Returns (changes, max |master| bits)."""
-    rows, k = src.shape
-    width = out.shape[1]
-    vals = np.empty(k, np.float32)
-    bits = vals.view(np.uint32)
-    divisors = np.empty(k, np.float32)  # each element's block divisor: the division then vectorizes
-    codes = np.empty(k, np.uint8)
-    packed = np.empty(width, np.uint8)
-    n = 0
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits, round_bf16, top)
-        for b0 in range(0, k, _MX):
-            b1 = min(k, b0 + _MX)
-            amax = _abs_max_bits(bits[b0:b1])
-            field = np.int64(amax >> _U(23)) & 0xFF
-            e = min(max(field - 127 - emax, -127), 127)
-            byte = e + 127
-            scale[r, b0 // _MX] = byte
-            divisor = max(viewer(_U(_U(byte) << _U(23)), np.float32), _F32_MIN_NORMAL)
-            for j in range(b0, b1):
-                divisors[j] = divisor
-        for j in range(k):
-            vals[j] = np.float32(vals[j] / divisors[j])
-        if fp4:
-            for j in range(k):
-                codes[j] = _e2m1(vals[j], bits[j])
-            for j in range(width):
-                packed[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-            n = _store_diff(packed, out[r], ref[r], r * width, pos, old, new, n)
-        else:
-            for j in range(k):
-                vals[j] = min(max(vals[j], -_E4M3_MAX), _E4M3_MAX)
-            for j in range(k):
-                codes[j] = _e4m3(bits[j])
-            n = _store_diff(codes, out[r], ref[r], r * width, pos, old, new, n)
-    return n, top
-
-
-_NV = 16  # NVFP4 block: 16 consecutive elements along K
-_E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def _nv_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    scale: np.ndarray,
-    s2: np.float32,
-    six_s2: np.float32,
-    e4m3_values: np.ndarray,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> NVFP4 (ModelOpt) codes packed two per byte ``out`` [R, K/2] and
-    e4m3 block scales ``scale`` [R, ceil(K/16)] (as bytes), given the global ``s2`` and ``6 * s2`` (fp32);
-    the payload's changes against ``ref``, positions from the first row. Returns (changes, max |master|)."""
-    rows, k = src.shape
-    width = out.shape[1]
-    vals = np.empty(k, np.float32)
-    bits = vals.view(np.uint32)
-    divisors = np.empty(k, np.float32)  # each element's block divisor: the division then vectorizes
-    codes = np.empty(k, np.uint8)
-    packed = np.empty(width, np.uint8)
-    n = 0
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits, round_bf16, top)
-        for b0 in range(0, k, _NV):
-            b1 = min(k, b0 + _NV)
-            amax = viewer(_abs_max_bits(bits[b0:b1]), np.float32)
-            bs = np.float32(amax / six_s2)
-            if bs == 0:
-                bs = np.float32(1.0)
-            bs8 = _e4m3(viewer(min(max(bs, np.float32(2.0**-9)), _E4M3_MAX), np.uint32))
-            scale[r, b0 // _NV] = bs8
-            d = np.float32(e4m3_values[bs8] * s2)
-            for j in range(b0, b1):
-                divisors[j] = d
-        for j in range(k):
-            y = np.float32(vals[j] / divisors[j])
-            codes[j] = _e2m1(y, _U(0x80000000) if y < 0 else _U(0))
-        for j in range(width):
-            packed[j] = np.uint8(codes[2 * j] | (codes[2 * j + 1] << 4))
-        n = _store_diff(packed, out[r], ref[r], r * width, pos, old, new, n)
-    return n, top
 
 
 @dataclass
@@ -580,7 +119,7 @@ class CastDiffer:
 
     def __init__(self, threads: int | None = None, *, chunk_elements: int = CHUNK_ELEMENTS) -> None:
         self.threads = max(1, threads or os.cpu_count() or 1)
-        self.chunk_elements = max(_GROUP, chunk_elements)
+        self.chunk_elements = max(GROUP, chunk_elements)
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-fused")
         # spills between calls, per element type: at most `threads` each (calls on several threads take
         # their own), so they hold at most threads x 2 x the largest chunk's slots
@@ -685,7 +224,7 @@ class CastDiffer:
         rows, k = x.shape
         inv = np.float32(0.0)
         if not channel:
-            amax = _tensor_amax(x, group_amax, from_fp32=from_fp32)
+            amax = tensor_amax(x, group_amax, from_fp32=from_fp32)
             if amax is None:
                 return None
             if fmt == "nvfp4":
@@ -700,7 +239,7 @@ class CastDiffer:
         scales = np.empty(rows, np.float32)
 
         def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return _fp8_rows(  # type: ignore[no-any-return]
+            return fp8_rows(  # type: ignore[no-any-return]
                 src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], channel, inv, not from_fp32,
                 buf.pos, buf.old, buf.new,
             )  # fmt: skip
@@ -724,7 +263,7 @@ class CastDiffer:
         scales = np.empty(rows, np.float32)
 
         def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return _i8_rows(  # type: ignore[no-any-return]
+            return i8_rows(  # type: ignore[no-any-return]
                 src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], not from_fp32, buf.pos, buf.old, buf.new
             )
 
@@ -738,7 +277,7 @@ class CastDiffer:
     ) -> tuple[dict[str, torch.Tensor], Changes] | None:
         """fp8-block: one row of 128x128 tiles per task (their amax needs all 128 rows first)."""
         rows, k = x.shape
-        nb, kb = -(-rows // _TILE), -(-k // _TILE)
+        nb, kb = -(-rows // TILE), -(-k // TILE)
         limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
         src = x.detach().view(torch.int32).numpy().view(np.uint32)
         was = ref.detach().view(torch.uint8).numpy()
@@ -747,11 +286,11 @@ class CastDiffer:
         sf = np.empty((nb, kb), np.float32)
 
         def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return _fp8_tile_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], sf[r0 // _TILE], not from_fp32, buf.pos, buf.old, buf.new
+            return fp8_tile_rows(  # type: ignore[no-any-return]
+                src[r0:r1], was[r0:r1], dst[r0:r1], sf[r0 // TILE], not from_fp32, buf.pos, buf.old, buf.new
             )
 
-        changes = self._over_rows(rows, _TILE, k, limit, kernel)
+        changes = self._over_rows(rows, TILE, k, limit, kernel)
         if changes is None:
             return None
         return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
@@ -768,11 +307,11 @@ class CastDiffer:
         was = ref.detach().view(torch.uint8).numpy()
         payload = torch.empty((rows, width), dtype=torch.uint8 if fp4 else torch.float8_e4m3fn)
         dst = payload.view(torch.uint8).numpy()
-        scale = torch.empty((rows, -(-k // _MX)), dtype=torch.uint8)
+        scale = torch.empty((rows, -(-k // MX)), dtype=torch.uint8)
         sc = scale.numpy()
 
         def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return _mx_rows(  # type: ignore[no-any-return]
+            return mx_rows(  # type: ignore[no-any-return]
                 src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], 2 if fp4 else 8, fp4, not from_fp32,
                 buf.pos, buf.old, buf.new,
             )  # fmt: skip
@@ -798,13 +337,13 @@ class CastDiffer:
         was = ref.detach().view(torch.uint8).numpy()
         payload = torch.empty((rows, width), dtype=torch.uint8)
         dst = payload.numpy()
-        scale = torch.empty((rows, -(-k // _NV)), dtype=torch.uint8)
+        scale = torch.empty((rows, -(-k // NV)), dtype=torch.uint8)
         sc = scale.numpy()
         s2_32, six_32 = np.float32(s2.item()), np.float32(six_s2.item())
 
         def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return _nv_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, _E4M3_VALUES, not from_fp32,
+            return nv_rows(  # type: ignore[no-any-return]
+                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, E4M3_VALUES, not from_fp32,
                 buf.pos, buf.old, buf.new,
             )  # fmt: skip
 
@@ -822,7 +361,7 @@ class CastDiffer:
         tasks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
         try:
             return self._gather(
-                [(r0 * width, (r1 - r0) * width + 2) for r0, r1 in tasks],  # `_emit`'s two spare slots
+                [(r0 * width, (r1 - r0) * width + 2) for r0, r1 in tasks],  # `emit_lanes`'s two spare slots
                 np.uint8,
                 limit,
                 lambda i, buf: kernel(*tasks[i], buf),
@@ -903,13 +442,13 @@ class CastDiffer:
 
     def _kernel(self, master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor, out: torch.Tensor) -> Changes:
         numel = master.numel()
-        kind, limit = (_BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (_FP16, _FP16_LIMIT)
-        hw = kind == _FP16 and _hw_fp16()
+        kind, limit = (BF16, _BF16_LIMIT) if dtype == torch.bfloat16 else (FP16, _FP16_LIMIT)
+        hw = kind == FP16 and _hw_fp16()
         src = master.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
         was = ref.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16)
         dst = out.reshape(-1).view(torch.int16).numpy().view(np.uint16)
         chunk = min(self.chunk_elements, max(MIN_CHUNK_ELEMENTS, -(-numel // self.threads)))
-        chunk += -chunk % _GROUP  # whole groups: every chunk but the last starts on one
+        chunk += -chunk % GROUP  # whole groups: every chunk but the last starts on one
         if numel == 0:
             empty = np.empty(0, np.uint16)
             return Changes(np.empty(0, np.int64), empty, empty)
@@ -919,25 +458,11 @@ class CastDiffer:
             s = starts[i]
             e = min(s + chunk, numel)
             if hw:
-                return _cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
-            return _cast_diff(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
+                return cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
+            return cast_diff_bits(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
 
-        # `_emit`'s two spare slots
+        # `emit_lanes`'s two spare slots
         return self._gather([(s, min(chunk, numel - s) + 2) for s in starts], np.uint16, limit, run)
-
-
-def _tensor_amax(x: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool) -> torch.Tensor | None:
-    """The amax a per-tensor recipe starts from (0-dim fp32): the group's, or max |bf16(x)| (RNE is
-    monotone, so that is bf16(max |x|): no cast of the whole tensor); None when it is not finite."""
-    amax = group_amax
-    if amax is None:
-        # max |x| from the bit patterns (sign cleared, the order of |x|; NaN's sort above inf's): one
-        # vectorized pass, no |x| tensor. ``x`` is a contiguous fp32 CPU tensor here.
-        bits = _abs_max_bits(x.detach().reshape(-1).view(torch.int32).numpy().view(np.uint32))
-        top = torch.tensor(int(bits), dtype=torch.int32).view(torch.float32)
-        amax = top if from_fp32 else top.to(torch.bfloat16).float()
-    amax = amax.float().reshape(())
-    return amax if bool(torch.isfinite(amax)) else None
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

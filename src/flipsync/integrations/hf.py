@@ -1,40 +1,5 @@
-"""`FlipsyncCallback`: publish every optimizer step of a Hugging Face ``Trainer`` (TRL's trainers included).
-
-```python
-from trl import GRPOConfig, GRPOTrainer
-from flipsync.integrations.hf import FlipsyncCallback
-
-trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(...), train_dataset=data,
-                      callbacks=[FlipsyncCallback("s3://bucket/board", format="bf16", run="grpo-0412")])
-trainer.train()        # v0 = the initial weights, then one version per optimizer step; flushed at the end
-```
-
-The callback wraps `flipsync.trainer.Publisher` (docs/trainer.md): ``on_train_begin`` builds it on the model
-(publishing the initial weights as v0), ``on_step_end`` publishes the step, ``on_train_end`` flushes and
-closes it. Hugging Face calls ``on_step_end`` once per *optimizer* step, after ``optimizer.step()``, the
-scheduler and ``zero_grad()``, so with gradient accumulation there is one version per optimizer step, never
-one per micro-batch. The served view is computed in the training thread at that point (the weights do not
-change until the next optimizer step); diffing, coding and uploading run on the publisher's background
-threads, and squash steps when uploads fall behind (``meta.steps`` says how many a version covers).
-
-Distributed training:
-
-- single process, with or without ``accelerate``: one publisher;
-- DDP (``torchrun`` / ``accelerate launch``): **every rank** builds the publisher (the callback runs on every
-  process): the ranks split the served tensors between them, each uploads its part of every version, rank 0
-  commits the manifest (docs/trainer.md, "Sharded training"); ``DistributedDataParallel`` / ``DataParallel`` /
-  ``torch.compile`` wrappers are unwrapped, so the served names are the model's checkpoint names;
-- FSDP2 (``fully_shard``, accelerate's ``fsdp_version: 2``): the parameters are DTensors, which the publisher
-  serves where they lie (element-wise formats) or gathers with ``full_tensor()`` (quantized formats); every
-  rank builds the publisher as under DDP;
-- FSDP1 (``FullyShardedDataParallel`` wrappers with flat parameters) and DeepSpeed ZeRO-3 (partitioned
-  parameters) are refused with a ``ConfigError`` at ``on_train_begin``: their ``state_dict()`` is a collective
-  whose result depends on a state-dict type the trainer owns, so a served view cannot be taken from a
-  callback without changing how the trainer checkpoints. Use FSDP2, or ``flipsync watch`` on the trainer's
-  checkpoint folder.
-
-A LoRA / PEFT model is published as it is (base weights and adapter tensors under their own names); merge
-the adapters first if the engines serve merged weights.
+"""`FlipsyncCallback`: publish every optimizer step of a Hugging Face ``Trainer`` (TRL's trainers included) by
+wrapping `flipsync.trainer.Publisher`, single-process, DDP or FSDP2. See docs/integrations/hf.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Named tensors in, named tensors out: the two ends other RL stacks hand weights through.
-
-Stacks such as verl and slime already turn their sharded weights into whole Hugging Face tensors for every
-weight sync. `StepPublisher` takes one such set per sync (a mapping of name -> tensor and the stack's own
-step number) and publishes it as the next board version through `flipsync.trainer.Publisher`: v0 is the
-first set (a snapshot), every later one a patch, each version's ``meta.step`` the stack's step.
-`HostReplica` is the other end: a host copy of the served view that follows one run on a board, version by
-version through the codec (staged, committed, fingerprint-checked), and says which tensors and positions
-each catch-up changed, so a consumer can hand an engine only those.
+"""Named tensors in, named tensors out, the two ends other RL stacks hand weights through: `StepPublisher`
+publishes one set of whole named tensors per sync, `HostReplica` follows a run and says what each catch-up
+changed. See docs/integrations/verl.md and docs/integrations/slime.md.
 """
 
 from __future__ import annotations

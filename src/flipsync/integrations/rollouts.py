@@ -1,43 +1,6 @@
-"""Rollouts from the islands in your own async loop, with the standard ``openai`` client.
-
-Every island sidecar is an OpenAI-compatible proxy (docs/sidecar.md) that takes a version constraint per
-request and tags every response with the policy version that produced it. An asynchronous RL loop (the way
-TRL's ``AsyncGRPOTrainer`` works: generation runs ahead of the optimizer, off-policy by a bounded number of
-versions) needs three things from it, which `RolloutClient` does:
-
-1. **send a constraint**: ``min_version`` (do not sample from weights older than this; a replica that is
-   behind answers 409 and the client tries another island, then waits for the ``Retry-After`` the proxy
-   gives) or ``exact_version`` (on-policy sampling, or an evaluation of one version);
-2. **read back the version** of each completion: the proxy's ``weight_version: {"start": S, "end": E}``
-   (the versions at generation start and end; ``end`` may be later when an update landed while it ran);
-3. **drop stale rollouts**: a completion whose *oldest* weights (``start``) are more than ``max_staleness``
-   versions behind the trainer's current version when it is consumed is dropped, not trained on.
-
-```python
-import asyncio
-from flipsync.integrations.rollouts import RolloutClient
-
-async def main() -> None:
-    islands = ["http://island-a:8100/v1", "http://island-b:8100/v1"]
-    async with RolloutClient(islands, max_staleness=2) as client:
-        version = 0                                   # the trainer's newest published version
-        for step in range(100):
-            batch = await client.collect(prompts(step), version=version, max_tokens=256)
-            rewards = [score(r.text) for r in batch.kept]      # batch.dropped: too stale, not used
-            version = train_step(batch.kept, rewards)          # publishes the next version (FlipsyncCallback
-                                                               # or flipsync.trainer.Publisher)
-asyncio.run(main())
-```
-
-``collect`` asks every request for ``min_version = version - max_staleness``, samples the prompts
-concurrently across the islands (round-robin, skipping islands that refuse), and splits the results by
-freshness against ``version`` (pass ``current=`` a callable to judge them against the trainer's version at
-the time they come back instead). Needs the ``openai`` package (the ``rollouts`` extra).
-
-In place of a list of proxies, the client takes one URL: a gateway's (``flipsync gateway``, which routes
-every request across the fleet itself: ``RolloutClient("http://gateway:8300/v1")``), or a board's
-(``s3://...``, a path: the client finds the replicas from their member records, as a gateway does, and
-routes by the same rules), or a `flipsync.fleet.pool.Pool`.
+"""`RolloutClient`: rollouts from the islands in your own async loop with the standard ``openai`` client,
+sending version constraints, reading back each completion's version and dropping stale rollouts.
+See docs/integrations/rollouts.md.
 """
 
 from __future__ import annotations

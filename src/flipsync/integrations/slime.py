@@ -1,22 +1,6 @@
-"""slime / miles (Megatron RL): publish every disk weight sync to a flipsync board from slime's own hook.
-
-slime and miles convert their Megatron weights to Hugging Face names on every sync. With
-``--update-weight-transport disk`` they write each sync to ``--update-weight-disk-dir`` as a directory
-``weight_vNNNNNN/`` and then call the hook named by ``--custom-update-weight-post-write-path`` as
-``hook(args, version_dir, rollout_engines)`` on every trainer rank. Two layouts arrive there:
-
-- ``--update-weight-mode delta`` (their disk delta): ``model-NNNNN-of-NNNNN.safetensors`` files holding, per
-  changed tensor, its zstd-compressed byte diff (a 1-D uint8 array; ``xor``: new ^ old, ``overwrite``: u4
-  count, u4 byte positions, new bytes), the per-tensor checksum of the new bytes in each file's metadata,
-  and ``model.safetensors.index.json`` whose ``metadata`` names ``version``, ``base_version``,
-  ``delta_encoding``, ``compression_format`` and ``checksum_format``. Before the first version the hook is
-  called once on the delta directory itself (no index): the stream starts from ``args.hf_checkpoint``;
-- ``--update-weight-mode full``: each ``weight_vNNNNNN/`` is a whole Hugging Face checkpoint.
-
-`SlimePublisher` is such a hook: on rank 0 it keeps a host copy of the weights (the base checkpoint, then
-each delta decoded onto it, every changed tensor checked against slime's checksum before any is applied),
-and publishes it as the next version of a flipsync run, ``meta.step`` = slime's weight version. The
-rollout islands follow the run with ``flipsync sidecar``; slime's own ``/pull_weights`` path is untouched.
+"""slime / miles (Megatron RL): `SlimePublisher`, a post-write hook that publishes every disk weight sync
+(delta or full) to a flipsync board, checking slime's checksums before anything is applied.
+See docs/integrations/slime.md.
 """
 
 from __future__ import annotations

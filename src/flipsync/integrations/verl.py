@@ -1,27 +1,6 @@
-"""flipsync as a verl checkpoint engine: ``actor_rollout_ref.rollout.checkpoint_engine.backend=flipsync``.
-
-verl (0.9.x) moves weights from its actor to its rollout replicas through a pluggable *checkpoint engine*
-(`verl.checkpoint_engine.CheckpointEngine`); this module registers one named ``flipsync`` whose only
-transport is a flipsync board, so trainer and rollout ranks need no network path to each other:
-
-- **trainer side** (`send_weights`): every actor rank walks verl's weight generator (whole Hugging Face
-  tensors after verl's own conversion: FSDP ``full_tensor()``, Megatron-Bridge export, experts unfused);
-  actor rank 0 keeps them and publishes them as the next board version of the configured served format,
-  with verl's ``global_steps`` as the version's ``meta.step`` (`flipsync.integrations.named.StepPublisher`);
-  ``send_weights`` returns once the version is on the board;
-- **rollout side** (`receive_weights`): each rollout worker keeps a host copy of the served view that
-  follows the run (`flipsync.integrations.named.HostReplica`), waits for the version holding
-  ``global_steps``, applies the patches and yields to verl's server adapter either ``named_tensors``
-  (``(name, tensor)``: every tensor on the first sync, then only the tensors that changed, whole) or
-  ``delta_flush`` (verl's sparse wire: int32 positions + values per changed tensor, dense values on the first
-  sync), which verl's SGLang ``delta_loader`` and vLLM delta weight-transfer backend apply in place; or, with
-  ``sidecar=URL``, yields nothing and waits until the flipsync sidecar beside the engine serves that version.
-
-Configured through verl's ``checkpoint_engine.engine_kwargs.flipsync`` (see docs/integrations/verl.md).
-Supported: full weights, dense and MoE (expert-parallel layouts arrive as per-expert HF tensors after verl's
-export), LoRA merged into the weights (``model.lora.merge=True``). Refused with `ConfigError`: unmerged LoRA
-adapter tensors, DTensor shards (anything but whole tensors), duplicate names, and ``delta_flush`` for served
-views with tensors verl's NaN-masked delta wire cannot carry (quantized payloads, integer tensors).
+"""flipsync as a verl checkpoint engine (``checkpoint_engine.backend=flipsync``): the actor publishes each weight
+sync to a board and the rollout workers follow it, so trainer and rollout ranks need no network path to
+each other. See docs/integrations/verl.md.
 """
 
 from __future__ import annotations

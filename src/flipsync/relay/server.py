@@ -1,24 +1,5 @@
-"""``flipsync relay``: a read-through cache of a board for the sidecars of one rollout island.
-
-Every sidecar of an island reads the board through the relay (``HttpStore``), so the WAN carries each patch
-once per island however many replicas read it:
-
-- **coalesced fetches**: concurrent requests for one object wait for a single upstream fetch;
-- **immutable objects are cached** (LRU, bounded in bytes): a manifest is written create-only and parts sit
-  in per-attempt folders, so once an object exists its bytes never change;
-- **the HEAD hint** (``latest.json``) is cached for ``hint_ttl_s`` only, listings for ``listing_ttl_s``, and a
-  missing object for ``negative_ttl_s`` (so a newly published version shows up within that time);
-- objects over ``max_object_bytes`` are fetched (still coalesced) but not kept;
-- **waiting for an object** (``GET /board/wait/<path>``, a long poll): the relay alone polls the board for it,
-  every ``watch_interval_s``, however many sidecars wait, so they learn of a new version within that time
-  instead of each polling the board (or the relay) themselves;
-- **fetching ahead** (``fetch_ahead``): while sidecars wait for a version's manifest, the relay also lists
-  that version's folder at each check and downloads every object already in it into the cache. A trainer
-  uploads its parts in chunks while it codes them (`flipsync.trainer.upload`), so the island's copy of a
-  version is mostly there by the time its manifest lands.
-
-The relay holds no credentials for anything but the board it reads, and it is read-only. It trusts nothing
-it serves: sidecars verify every part's BLAKE3 hash and, with a public key, every manifest's signature.
+"""``flipsync relay``: a read-only, read-through cache of a board for the sidecars of one rollout island, so the
+WAN carries each object once per island; it trusts nothing it serves. See docs/sidecar.md ("The island relay").
 """
 
 from __future__ import annotations

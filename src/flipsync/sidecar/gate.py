@@ -1,17 +1,6 @@
-"""The request gate: admission of proxied requests, and the pause around a commit.
-
-A commit closes the gate (new requests wait at the door), optionally drains requests already inside, writes
-the weights, publishes the new version and opens the gate again. Requests are admitted only while the gate
-is open, so a request never starts on a half-applied version.
-
-Which requests a commit drains depends on the commit mode:
-- ``quiesce``: every request in flight (they all finish on the version they started on);
-- ``in_place``: only *pinned* requests (those that asked for an exact version); others keep running, and
-  the engine pauses them between decode steps while it writes.
-Draining is bounded by a timeout; past it the commit proceeds and the late requests report both versions.
-
-A sidecar that leaves the fleet (SIGTERM) starts *draining* the gate for good: the proxy refuses new
-requests (503, so a gateway sends them elsewhere) while the ones inside finish (``wait_idle``).
+"""The request gate: admission of proxied requests, and the pause around a commit, so a request never starts on
+a half-applied version; also the final drain when a sidecar leaves the fleet.
+See docs/sidecar.md ("Commit modes") and docs/fleet.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""The sidecar's side of fleet membership: its record on the board, kept fresh, and removed when it leaves.
-
-`Heartbeat` writes the replica's `MemberRecord` (``runs/<run>/members/<replica>.json``) every
-``interval_s``, and at once (at most every ``min_gap_s``) when what routing depends on changes: the version
-held, whether it serves, whether it is draining. A write that fails is logged and tried again at the next
-beat; the record expires ``ttl_s`` after the last one that landed, so a replica that dies (or loses the
-board) leaves rotation by itself. ``leave()`` writes the draining state; ``stop(deregister=True)`` deletes
-the record.
+"""The sidecar's side of fleet membership: `Heartbeat` keeps the replica's record on the board fresh, rewrites it
+at once when routing-relevant state changes, and removes it when the sidecar leaves. See docs/fleet.md.
 """
 
 from __future__ import annotations

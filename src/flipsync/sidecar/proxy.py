@@ -1,22 +1,6 @@
-"""The version-aware, OpenAI-compatible proxy in front of one engine, and the sidecar's control API.
-
-Every ``POST`` (completions, chat completions, anything that runs the model) goes through the request gate:
-
-- the request may ask for a version: a ``weight_version`` body field ``{"min_version": N}`` or
-  ``{"exact_version": N}`` (removed before forwarding), or the ``X-Flipsync-Min-Version`` /
-  ``X-Flipsync-Exact-Version`` headers. A replica that does not satisfy it answers 409 with ``Retry-After``;
-  a replica with no verified version (booting, or resyncing after a fault) answers 503 with ``Retry-After``;
-- it is admitted only while no commit is under way, so it never starts on a half-applied version;
-- the response carries the version at generation start and end: headers
-  ``X-Flipsync-Weight-Version-Start`` / ``-End`` (streams: the start header, and the end in every event),
-  and a ``weight_version: {"start": S, "end": E}`` field in the JSON body or in every SSE event.
-  ``end`` is an upper bound: a commit under way when the response finished counts already.
-
-Other methods and paths (``GET /v1/models``, ...) pass through untouched. Streams (SSE) are relayed event by
-event. The upstream is any OpenAI-compatible server URL (the torch engine's own, vLLM, SGLang).
-
-Control: ``GET /flipsync/status``, ``GET /flipsync/wait?min_version=N&timeout_s=S`` (long poll),
-``GET /flipsync/health``, ``POST /flipsync/sync`` (poll the board now), ``GET /metrics`` (Prometheus).
+"""The version-aware, OpenAI-compatible proxy in front of one engine, and the sidecar's control API: requests
+may ask for a version, are admitted only between commits, and come back stamped with the versions that
+produced them. See docs/sidecar.md ("The proxy").
 """
 
 from __future__ import annotations

@@ -1,39 +1,6 @@
-"""One replica's reconcile loop: follow the board, stage while serving, commit with a short pause.
-
-A pass of the loop:
-
-1. **fetching**: read HEAD (a relay or the store itself), plan the cheapest catch-up from the version held
-   (chain, squashed spans, or a keyframe), download each artifact a step or two ahead and verify its
-   hashes (and signature, with a verifier);
-2. **staging**: decode a patch into ready-to-scatter buffers and check it against the weights held, while
-   the engine keeps serving;
-3. **committing**: close the request gate (new requests wait), drain in-flight requests as the commit mode
-   asks, let the engine write in place, check the fingerprint of the view it now holds, publish the new
-   version, open the gate.
-
-The replica reports a version only once the engine holds it and its fingerprint matches the board's. On any
-failure it keeps serving its last verified version, says why (``status()``, metrics), backs off and tries
-again, and converges once the fault is gone:
-
-- a damaged or undecodable artifact is excluded and the rest of the way planned again (a span falls back
-  to the chain, a chain to a keyframe); a patch whose content is bad although its hashes match stays
-  excluded until a way past it appears;
-- an engine that refuses a commit keeps its weights (the port is all-or-nothing), and a post-commit
-  fingerprint mismatch is rolled back;
-- after an engine fault or restart the weights are audited (fingerprints recomputed); if they are not the
-  version on record, the replica stops serving and resyncs from a keyframe;
-- on boot (and after an audit lost the version) the replica *adopts* what an engine that outlived its
-  sidecar holds: if the recomputed view fingerprint is a version among the newest manifests on the board,
-  that version is reported and patches continue from it; anything else (a commit cut short by a killed
-  sidecar, other weights) resyncs from a keyframe, so a half-written engine is never reported;
-- a base mismatch (the engine no longer holds the base it should) resyncs from a keyframe;
-- a board that cannot be reached, or whose HEAD moved backwards, leaves everything as it is; one that
-  refuses reads for good (``PermanentStoreError``: permission, credentials, no bucket) too, and is polled
-  at ``max_backoff_s`` until someone fixes it.
-
-The replica composes three parts and keeps the books (state, metrics, status): the position on the board
-and the follow-and-replan loop are ``board.follow.Follower``'s, staging and committing one step is
-``sidecar.commit.EngineUpdater``'s, and finding the version an engine already holds is ``sidecar.adopt``'s.
+"""One replica's reconcile loop: follow the board, stage while serving, commit with a short pause, and report a
+version only once the engine holds it verified; on any failure keep serving the last verified version and
+converge once the fault is gone. See docs/sidecar.md ("The reconcile loop").
 """
 
 from __future__ import annotations

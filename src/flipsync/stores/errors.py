@@ -1,17 +1,6 @@
-"""What an object-store failure means: permanent (waiting does not heal it) or transient, and what to do.
-
-obstore raises a few typed exceptions (``PermissionDeniedError`` for HTTP 403, ``UnauthenticatedError`` for
-401, ``NotFoundError`` for 404, ...) and ``GenericError`` for everything else; the HTTP status, the store's
-error code (``<Code>SlowDown</Code>``), the OS error number (``os error 28``), the kind of transport failure
-and how often obstore already retried are in its text. That text is read here, and only here: the store
-raises `flipsync.errors.PermanentStoreError` or `TransientStoreError` from what `describe_failure` finds,
-and every caller above decides by type.
-
-Permanent: permission denied or forbidden, rejected credentials, no such bucket or container, a malformed
-request (bad URL, region, endpoint), an operation the backend cannot do, no space left. Transient:
-timeouts, throttling (429, 503 SlowDown / ServerBusy), other 5xx, refused or dropped connections, and
-local I/O errors other than the permanent ones (e.g. ``EIO`` or ``ESTALE`` on a network filesystem); an
-unrecognised failure counts as transient, so it is retried within the bounds and then reported.
+"""What an object-store failure means: permanent (waiting does not heal it) or transient. obstore's error text
+is read here and only here; callers above decide by exception type.
+See docs/board.md ("Failures: refused at once, or retried within a bound").
 """
 
 from __future__ import annotations

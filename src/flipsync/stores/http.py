@@ -1,20 +1,5 @@
-"""``HttpStore``: the board's Store port over a relay's HTTP API (read-only), picked by ``flipsync.stores.open_store``
-for a relay URL.
-
-A sidecar reads a board either directly (``open_store``: file://, s3://, gs://, az://, ...) or through an
-island relay (``flipsync relay``) at ``http://HOST:PORT``. The relay API:
-
-    GET  /board/o/<path>            the object's bytes (``Range: bytes=a-b`` answers 206)
-    HEAD /board/o/<path>            size (Content-Length), Last-Modified, ETag
-    GET  /board/list?prefix=<dir>   {"objects": [{"path", "size", "modified", "etag"}, ...]}
-    GET  /board/dirs?prefix=<dir>   {"dirs": [name, ...]}
-
-404 is NotFoundError. A failure of the relay's own board comes with ``X-Flipsync-Store-Error: permanent`` or
-``transient``: the relay's store has applied its retries already, so it is raised at once, as
-PermanentStoreError or TransientStoreError. Otherwise, connection failures, timeouts, 429 and 5xx from the
-relay itself (restarting, overloaded) are retried with exponential backoff, bounded in count
-(``max_retries``) and time (``retry_timeout_s``), then raised as TransientStoreError saying how often and for
-how long; any other refusal (4xx) is a PermanentStoreError at once.
+"""``HttpStore``: the board's Store port over a relay's HTTP API (read-only), picked by
+``flipsync.stores.open_store`` for a relay URL. See docs/sidecar.md ("The island relay").
 """
 
 from __future__ import annotations

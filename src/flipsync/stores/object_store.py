@@ -1,11 +1,5 @@
-"""The obstore implementation of the Store port (`flipsync.stores.base`).
-
-One client (obstore, the Rust ``object_store``) serves every backend: ``file://`` (the default, plain paths
-too), ``memory://``, ``s3://`` (AWS, and S3-compatible endpoints such as R2 or MinIO), ``gs://`` and
-``az://``. Large objects go up as multipart uploads and come down as parallel range reads; transient errors
-are retried with exponential backoff inside a bounded total time, permanent ones (permission, credentials,
-no bucket, no space) fail at once; every failure surfaces as a ``flipsync.errors`` exception that names the
-object, the cause and what to do (``PermanentStoreError`` or ``TransientStoreError`` for the store's own).
+"""The obstore implementation of the Store port (`flipsync.stores.base`): one client for file, memory, S3, GCS
+and Azure, with bounded retries and typed failures. See docs/board.md ("Stores").
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
-"""What each rank serves: its model's masters -> checkpoint-format *pieces* of the served view.
-
-A piece is a contiguous run of one served tensor's flat elements, held by one rank: a whole tensor (offset
-0), or the rows an FSDP2 / DTensor ``Shard(0)`` shard holds. Names are the model's ``state_dict()`` keys
-(the Hugging Face checkpoint names), so served names are the checkpoint names of ``flipsync.formats``.
-
-Which rank serves what is planned once, from every rank's master list (`plan_view`):
-
-- a ``Shard(0)`` DTensor on a 1-D mesh whose recipe is an element-wise cast (bf16 / fp16, or any tensor a
-  quantized format leaves unquantized) is served where it lies: every rank casts its own rows, with no
-  parameter communication;
-- every other master is served whole by one rank: a plain tensor by the rank that holds it (balanced by
-  bytes when several do, as under DDP), a ``Replicate`` DTensor likewise, and any other DTensor is gathered
-  with ``full_tensor()`` each step (a collective on the training group, in the training thread) and served
-  by one rank. Members of a fused group (shared fp8 / nvfp4 scale) stay on one rank.
-- tied weights (one tensor under two names, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) are
-  served once, under the name a Hugging Face checkpoint keeps.
+"""What each rank serves: its model's masters -> checkpoint-format *pieces* of the served view, planned once
+from every rank's master list (`plan_view`). See docs/trainer.md ("Sharded training").
 """
 
 from __future__ import annotations

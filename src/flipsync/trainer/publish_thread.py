@@ -1,23 +1,6 @@
-"""The publisher's background thread: takes the newest step from the slot and publishes it.
-
-Error policy (all surfaced to the training thread by the next ``step()``, ``flush()`` or ``close()``):
-
-- a store failure that cannot heal (``PermanentStoreError``: permission, credentials, no such bucket or
-  container, a malformed request, no space left) stops the publisher at once, on every rank: the next call
-  raises it, within one step of the failure, and nothing half-published is visible;
-- a transient store failure (``TransientStoreError``, after the store's own retries: timeouts, throttling,
-  5xx, dropped connections) skips the version: nothing is visible to readers, the base stays, and the next
-  step's publication covers both steps. The failed step is kept (``unpublished``) until one does, so that
-  ``flush()`` and ``close()`` can publish it again when no newer step comes. After ``max_store_failures``
-  failures in a row the publisher stops with the store's error.
-- a conflict (another trainer published on this run) stops the publisher: it is fenced off.
-- a rank that could not serve a step (non-finite weights, a layout change) makes every rank skip that step;
-  the failing rank raised it from ``step()``, the others raise it once from their next call.
-- a rank that died or hung (a collective failed or timed out) stops the publisher on every rank: the
-  version in progress is not published.
-
-On Linux the thread lowers its own scheduling priority (``nice``), and the diff and hash pools it creates
-inherit it, so on a machine whose cores the training step keeps busy, the publisher takes what is left.
+"""The publisher's background thread: takes the newest step from the slot and publishes it, and applies the
+error policy (stop, skip or fence) that the next ``step()``, ``flush()`` or ``close()`` surfaces.
+See docs/trainer.md ("Errors").
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """`flipsync.trainer.Publisher`: publish a torch model's served view to a board after every optimizer step.
-
-```python
-pub = Publisher(model, "s3://bucket/board", format="bf16", run="grpo-7b-0412", optimizer=opt)
-for batch in data:
-    loss(model, batch).backward(); opt.step(); opt.zero_grad()   # the post-step hook calls pub.step()
-pub.close()                                                       # waits for the last upload
-```
-
-Attached to an optimizer, the post-step hook only collects references to the masters; a background
-thread computes the served view (torch ops on the parameters' devices: a cast or a quantization recipe,
-plus a copy to pinned host memory) while the next forward and backward run, and a pre-step hook holds the
-next ``optimizer.step()`` until that view is read. Another background thread diffs, encodes and uploads.
-See docs/trainer.md for the threads, the back-pressure policy, sharded training and error handling.
-
-This module assembles the publisher and drives its life (start, steps, flush, close); the parts live
-beside it: `config` (the tuning knobs), `startup` (how a run starts), `feed` (each step's served view),
-`worker` and `rounds` (diff, encode, upload, commit).
+This module assembles the publisher and drives its life (start, steps, flush, close); the parts live beside
+it (`config`, `startup`, `feed`, `worker`, `rounds`). See docs/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""Publishing one version, on every rank together.
-
-Every rank runs the same sequence of small exchanges per version (a single process runs it alone):
-
-1. *agree*: each rank says which step it holds; all must hold the agreed step (else the round is retried),
-   and any rank that failed to compute its view (non-finite weights, ...) makes every rank skip the step;
-   rank 0 names the version number and the attempt folder;
-2. *diff*: each rank diffs its own pieces against the view of the previous version and sends only the
-   fingerprint delta of each changed tensor. Meanwhile the codec's ``PatchEncoder`` codes each changed
-   piece's section and, in chunks, it is uploaded (`flipsync.trainer.upload.PartStream`);
-3. *encode*: with every delta known, each rank knows the fingerprint table at every part boundary, so it
-   completes its part as a flipsync patch from the view before its part to the view after it (the header:
-   the sections are already coded). Parts are ordered by rank; a rank with no changes sends no part. The
-   parts form a chain whose first base is the previous version's view and whose last target is the new
-   version's view;
-4. *upload*: each rank uploads the rest of its part (the header last of all) and makes it durable; rank 0
-   creates the manifest only after every rank reported success, so readers never see a half-published
-   version;
-5. *result*: rank 0 tells every rank whether the version exists, so all move their base together.
-
-Snapshots (the run's first version, a takeover, or a layout change) gather every piece to rank 0, which
-publishes the full view; extra keyframes, when the board's cadence asks, are published the same way.
+"""Publishing one version, on every rank together: agree, diff, encode, upload, result; rank 0 creates the
+manifest only after every rank's part is durable, so readers never see a half-published version.
+See docs/trainer.md ("Sharded training").
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
-"""The hand-off between the training thread and the publisher's background thread.
-
-The training thread pushes one *item* per optimizer step: the served view of that step (or the error that
-kept it from computing one). The slot holds at most one item: a newer item replaces a pending one, so when
-uploads fall behind, the steps in between are never diffed at all; the next publication goes straight from
-the last published view to the newest one. That is the squash: bitwise the same result as squashing the
-skipped patches, for less work and bounded memory.
-
-A snapshot item (the run's first version, or a new layout) is *held* apart instead: it is never replaced or
-merged with the steps after it, so the version it becomes holds exactly the weights it was taken from (v0 is
-step 0 even when the first step arrives before the background thread took the initial snapshot). Steps
-pushed meanwhile go to the pending item behind it and squash as usual.
+"""The hand-off between the training thread and the publisher's background thread: a one-item slot where a
+newer step replaces a pending one (the squash), and snapshots are held apart.
+See docs/trainer.md ("Back-pressure: squash, never queue").
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Where the publisher keeps served views between steps: on the device, or in pinned host memory.
-
-``keep_on="host"`` (the default) copies every accelerator piece into a pinned host buffer on a side stream,
-so the device holds no extra view and the copy overlaps the next training step; the background thread waits
-for the copy's event before it reads the buffer. Pinned buffers are expensive to allocate, so released views
-give theirs back to a pool that the next step reuses. ``keep_on="device"`` keeps the pieces where they were
-computed (the diff then runs on the device). CPU pieces are kept as they are either way; their casts write
-into buffers from the same pool (`Stager.buffers`).
-
-CUDA work may be issued from a thread other than the training thread (the deferred served view), whose
-current device and stream are not the training loop's: every call here names the pieces' own device, and
-`StreamFence` orders the publisher's kernels after the optimizer's and the next optimizer step after them.
+"""Where the publisher keeps served views between steps: on the device, or in pinned host memory (pooled), with
+`StreamFence` ordering the publisher's CUDA work against the optimizer's. See docs/trainer.md.
 """
 
 from __future__ import annotations

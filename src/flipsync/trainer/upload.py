@@ -1,17 +1,6 @@
-"""One rank's half of publishing a version: upload its part, while it is still being coded.
-
-Every rank uploads its own part of a version to the version's attempt folder (chosen by rank 0 before the
-diff) and reports the part's manifest entry; rank 0 then commits the version with the board's
-``Publisher.commit_uploaded_patch``, which checks that every object is there and creates the manifest with
-the same fences as ``publish_patch``.
-
-A part is streamed: the codec's ``PatchEncoder`` hands over the file's data area as its sections are coded,
-and whenever ``chunk_bytes`` of it have gathered they go up as the next chunk object on the uploader
-threads, while the next pieces are still being diffed. The container header can only be written once every
-rank's fingerprint delta is known, so it goes up last, as the part's first object; readers join the
-objects in manifest order into the very file `Patch.to_bytes` writes. A reader watching the version's
-folder (`flipsync.board.ahead`) can download the chunks before the manifest exists. A part smaller than one
-chunk is uploaded as a single object, as it always was.
+"""One rank's half of publishing a version: stream its part to the attempt folder in chunks while it is still
+being coded, header last, and report the part's manifest entry for rank 0 to commit.
+See docs/trainer.md ("Sharded training") and docs/board.md ("Layout").
 """
 
 from __future__ import annotations

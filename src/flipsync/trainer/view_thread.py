@@ -1,11 +1,5 @@
-"""Computing a step's served view off the training thread, before the next optimizer step.
-
-When the publisher is attached to an optimizer, its post-step hook only collects references to the masters
-(and runs the collectives of gathered DTensors) and hands the served-view computation (casts, quantization,
-the non-finite check, the host copy) to this thread; the training loop goes on with the next forward and
-backward meanwhile. The optimizer's *pre*-step hook waits for the computation to finish, because the next
-optimizer step changes the masters in place. So the view is exact, and the training thread only waits when
-the computation takes longer than a forward and backward pass.
+"""Computing a step's served view off the training thread, before the next optimizer step, so the training
+thread only waits when the computation takes longer than a forward and backward pass. See docs/trainer.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
-"""Publish Hugging Face safetensors checkpoints that a trainer we do not control writes to a directory.
-
-``flipsync watch CKPT_DIR BOARD_URL``: every new checkpoint under CKPT_DIR becomes the next version of the
-run (the first one a snapshot). A checkpoint is a directory holding ``*.safetensors`` files: CKPT_DIR itself
-(a trainer that overwrites one checkpoint in place) or its subdirectories (``checkpoint-500/``, ...).
-
-Trainers do not always write atomically, so a checkpoint is published only when it is *complete*:
-
-- if it has a ``model.safetensors.index.json``, every shard the index names exists; without one, shards
-  named ``model-0000i-of-0000N.safetensors`` must all be there;
-- every file is a whole safetensors file: its size equals the 8-byte header length + header + the largest
-  data offset the header declares (a half-written file is shorter);
-- and *stable*: the names, sizes and modification times of its files did not change for ``settle_s``.
-
-Checkpoints are published in order of the step number in their name (then modification time); one older
-than the last published is skipped. With ``resume=True`` a restarted watcher continues after the
-checkpoint named in HEAD's manifest (``meta.source``).
+"""Publish Hugging Face safetensors checkpoints that a trainer we do not control writes to a directory
+(``flipsync watch``), each only once it is complete and stable. See docs/trainer.md ("Checkpoint watcher").
 """
 
 from __future__ import annotations

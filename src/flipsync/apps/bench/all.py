@@ -393,7 +393,7 @@ class _FusedRow:
 FUSED_MD = """The publisher's fused pass (`flipsync.formats.cast_diff.CastDiffer`: one read of the FP32 master and the
 previous served view, the new view written and its changed positions emitted) against a torch cast then
 `np.flatnonzero(old != new)` and against a cast then `DiffEngine`, on the codec section's llm-like masters moved
-by Adam at lr 1e-6, per served byte, at 1 and 2 threads; then whole BF16 publications with the fused pass on
+by Adam at lr 1e-6, per served byte, at 1 and 2 threads; then whole BF16 publications with the one-pass cast on
 and off, by phase (`Published.timings`: view, diff, code, commit) per served byte. For bf16 and fp16 a *memory
 floor* is timed beside them: a pass that reads the masters and the previous view and writes the new view with
 next to no arithmetic, so no pass that moves these bytes can be faster here; *flatnonzero / floor* is the most
@@ -452,7 +452,19 @@ def document(run: Run, command: str, started: datetime, seconds: float) -> str:
 
 def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -> str:
     """Run every benchmark; return the markdown document for ``out``, whose plots go to ``out``'s stem folder."""
-    from flipsync.apps.bench import board, codec, crossregion, formats, fused, gateway, scaling, sidecar, trainer, verl
+    from flipsync.apps.bench import (
+        board,
+        codec,
+        codec_markdown,
+        crossregion,
+        formats,
+        fused,
+        gateway,
+        scaling,
+        sidecar,
+        trainer,
+        verl,
+    )
 
     figures = Figures(out.parent / out.stem, out.stem)
     started = datetime.now(UTC)
@@ -462,7 +474,7 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
         "codec",
         "Codec: patch size and speed",
         lambda: codec.run(console, quick=quick),
-        lambda r: codec.markdown(r, figures, quick=quick),
+        lambda r: codec_markdown.markdown(r, figures, quick=quick),
     )
     # The 500 GB extrapolation uses the change rate the codec measured at BF16, lr 1e-6, on every workload
     # (LLM-shaped synthetic weights first, then the real models), at the bytes per change of the whole patch:
@@ -494,7 +506,7 @@ def run_all(console: Console, *, quick: bool = False, out: Path, command: str) -
     run.timed("board", "Board: publish and catch-up", lambda: board.run(console, quick=quick), board.markdown)
     run.timed(
         "fused",
-        "Trainer: the fused cast-and-diff pass",
+        "Trainer: the one-pass cast-and-diff pass",
         lambda: fused.run(console, quick=quick),
         lambda r: FUSED_MD + "\n\n" + fused.markdown(r),
     )

@@ -26,14 +26,14 @@ def bench_codec(
     json_out: Annotated[Path | None, typer.Option("--json", help="also write the rows as JSON here")] = None,
 ) -> None:
     """Our patch beside the encodings slime, TRL, vLLM and verl ship, on the same Adam (and Muon) steps."""
-    from flipsync.apps.bench import codec
+    from flipsync.apps.bench import codec, codec_markdown
 
     console = Console()  # its tables fit 100 columns; the full ones go to --markdown and --json
     report = codec.run(console, quick=quick)
     if markdown:
-        markdown.write_text(codec.markdown(report))
+        markdown.write_text(codec_markdown.markdown(report))
     if json_out:
-        json_out.write_text(json.dumps(codec.as_dict(report), indent=2))
+        json_out.write_text(json.dumps(codec_markdown.as_dict(report), indent=2))
 
 
 def _bench(module: str, quick: bool, json_out: Path | None) -> None:
@@ -70,7 +70,7 @@ def bench_trainer(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
 
 @bench_app.command("fused")
 def bench_fused(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
-    """The publisher's fused cast-and-diff pass beside a torch cast + np.flatnonzero, per served byte."""
+    """The publisher's one-pass cast-and-diff pass beside a torch cast + np.flatnonzero, per served byte."""
     _run(lambda: _bench("fused", quick, json_out))
 
 

@@ -1,4 +1,4 @@
-"""``flipsync bench fused``: the publisher's fused cast-and-diff pass beside a cast then a compare.
+"""``flipsync bench fused``: the publisher's one-pass cast-and-diff pass beside a cast then a compare.
 
 On the same synthetic masters moved by real Adam steps (`flipsync.apps.synthetic`), every floating tensor's new
 served view is computed and compared with the previous one three ways, timed back to back in one process
@@ -13,15 +13,15 @@ served view is computed and compared with the previous one three ways, timed bac
 
 Costs are nanoseconds per served byte (the new view's bytes); the ratios are the baselines' time over the
 fused pass's. All three must find the same changed positions (checked). For bf16 and fp16 a *memory floor*
-is timed beside them: a pass that moves the fused pass's bytes (reads the master and the previous view, writes
+is timed beside them: a pass that moves the one-pass cast's bytes (reads the master and the previous view, writes
 the new view) and computes next to nothing, so no pass over these tensors can be faster on this machine;
 *flatnonzero / floor* is the most any such pass could gain over the baseline here. Quantized formats get the same three
 rows over their whole served view (`measure_quantized`): the publisher's fused pass (payloads and plain
 casts in one pass, scales diffed after), and `served_view` followed by ``np.flatnonzero`` or `DiffEngine`.
 
 Then the whole publication: two inline publishers (``background=False``, no spans, no keyframes) serve the
-same masters as bf16 to one in-memory board, one with the fused pass and one without (``feed.fuse``), stepping in turns
-after every Adam step; the table gives each phase of `Published.timings` (view, diff, code, commit) per
+same masters as bf16 to one in-memory board, one with the one-pass cast and one without (``feed.fuse``),
+stepping in turns after every Adam step; the table gives each phase of `Published.timings` (view, diff, code, commit) per
 served byte, median over the steps.
 """
 
@@ -90,7 +90,7 @@ def _ints(t: torch.Tensor) -> np.ndarray:
 
 @numba.njit(nogil=True, cache=True)
 def _touch(src: np.ndarray, ref: np.ndarray, out: np.ndarray) -> None:
-    """The fused pass's memory traffic with next to no arithmetic: read a 32-bit master and a 16-bit old value,
+    """The one-pass cast's memory traffic with next to no arithmetic: read a 32-bit master and a 16-bit old value,
     write a 16-bit new one (its top half xor the old: both reads are used, so neither is optimized away)."""
     for i in range(src.shape[0]):
         out[i] = np.uint16(src[i] >> np.uint32(16)) ^ ref[i]

@@ -85,7 +85,7 @@ def edge_masters(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def check_bits(device: torch.device) -> dict[str, Any]:
-    """Every format's served view on ``device`` against the CPU's, bitwise, and the fused pass's changes."""
+    """Every format's served view on ``device`` against the CPU's, bitwise, and the one-pass cast's changes."""
     masters = edge_masters()
     out: dict[str, Any] = {"formats": {}, "fused_cast_diff": {}}
     for fmt in FORMAT_NAMES:

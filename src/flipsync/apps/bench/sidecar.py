@@ -255,7 +255,9 @@ def _stand_in_core(hidden: int, inter: int, layers: int, view: dict[str, torch.T
 
 def audit_cost(sizes: tuple[tuple[int, int], ...], layers: int, console: Console) -> dict[str, Any]:
     """Per touched layer: the reload's time and the audit's (``sample``, ``every``) for each layer size."""
-    from flipsync.engines.vllm.engine import LocalTransport, VllmEngine, specs_of
+    from flipsync.engines.vllm.engine import VllmEngine
+    from flipsync.engines.vllm.rpc_transports import LocalTransport
+    from flipsync.engines.vllm.tensor_specs import specs_of
 
     out: dict[str, Any] = {"layers": layers, "rows": []}
     for hidden, inter in sizes:

@@ -18,18 +18,15 @@ import time
 from collections.abc import Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from flipsync.apps.demo.island_link import IslandSpec, MeteredStore, Meters, serve_commands
 from flipsync.checkpoint import save_checkpoint
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import FlipsyncError, NotFoundError
 from flipsync.stores import open_store
-
-if TYPE_CHECKING:
-    from flipsync.apps.demo.island import IslandSpec, Meters
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +81,6 @@ class CheckpointShelf:
 
 def control_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The control island process: a torch engine that reloads the newest full checkpoint, forever."""
-    from flipsync.apps.demo.island import MeteredStore, serve_commands
     from flipsync.sidecar.service import start_torch_engine
 
     torch.set_num_threads(1)

@@ -1,7 +1,7 @@
 """The demo's fleet: rollouts through a gateway, an island that joins mid-run, and one that is killed.
 
-Each flipsync island's sidecar joins the fleet under the island's name (`join_fleet`: a member record on the
-board). The trainer's process starts ``flipsync gateway`` over the run's records (`GatewayProcess`), and the
+Each flipsync island's sidecar joins the fleet under the island's name (`island_link.join_fleet`: a member record
+on the board). The trainer's process starts ``flipsync gateway`` over the run's records (`GatewayProcess`), and the
 rollout threads send the flipsync islands' requests there: the gateway picks a replica that holds the
 version asked for. `FleetDirector` samples the gateway's ``/flipsync/fleet`` (members, ready, readiness)
 and, at the steps of its `FleetPlan`, starts a new island (it boots, catches up from the board, and enters
@@ -29,28 +29,13 @@ import httpx
 from rich.console import Console
 
 from flipsync.errors import ConfigError
-from flipsync.sidecar.heartbeat import MembershipConfig
-from flipsync.stores import open_store
 
 if TYPE_CHECKING:
-    from flipsync.apps.demo.island import Island, IslandSpec
-    from flipsync.sidecar.service import Sidecar
+    from flipsync.apps.demo.island import Island
 
 log = logging.getLogger(__name__)
 
 HOLD_S = 5.0  # how long the gateway holds a request no island can serve yet
-BEAT_S = 0.5  # the islands' heartbeat
-TTL_S = 3.0  # a killed island leaves the gateway's view this long after its last heartbeat
-
-
-def join_fleet(sidecar: Sidecar, spec: IslandSpec) -> None:
-    """In an island's process: keep its member record on the board (plain store: not the metered link)."""
-    sidecar.join(
-        MembershipConfig(
-            public_url=sidecar.url, replica_id=spec.name, island=spec.name, interval_s=BEAT_S, ttl_s=TTL_S
-        ),
-        store=open_store(spec.board),
-    )
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,15 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 
-from flipsync.board.throttle import ThrottledStore
+from flipsync.apps.demo.control import control_main
+from flipsync.apps.demo.island_link import IslandSpec, MeteredStore, Meters, join_fleet, serve_commands
 from flipsync.engines.base import Engine
 from flipsync.errors import ConfigError, EngineError
 from flipsync.sidecar.replica import ReplicaConfig
@@ -41,59 +39,6 @@ from flipsync.stores import Store, open_store
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class IslandSpec:
-    name: str
-    board: str  # the board URL (flipsync islands) or the checkpoint folder's URL (the control island)
-    run: str
-    model: str  # a model folder with config.json (and, for vllm, the tokenizer and the first version's weights)
-    served_format: str
-    bandwidth_bytes_per_s: float | None
-    seed: int
-    max_concurrency: int = 8
-    engine: str = "torch"  # torch | vllm
-    control: bool = False  # reloads full checkpoints instead of following the board
-    fleet: bool = False  # joins the fleet: a member record on the board, under the island's name
-
-
-@dataclass
-class Meters:
-    """Counters an island process shares with the parent."""
-
-    bytes_read: Synchronized[int] = field(default_factory=lambda: mp.get_context("spawn").Value("q", 0))
-    held_step: Synchronized[int] = field(default_factory=lambda: mp.get_context("spawn").Value("q", -1))
-
-
-class MeteredStore(ThrottledStore):
-    """A `ThrottledStore` (or, without a limit, a plain pass-through) that counts its bytes in `Meters`."""
-
-    def __init__(self, inner: Store, bytes_per_s: float | None, meters: Meters) -> None:
-        # Without a limit the bucket's rate is so high that nothing ever waits.
-        super().__init__(inner, bytes_per_s or 1e15)
-        self.meters = meters
-
-    def _pay(self, n: int) -> None:
-        super()._pay(n)
-        with self.meters.bytes_read.get_lock():
-            self.meters.bytes_read.value += n
-
-
-def serve_commands(conn: Connection, engine: Engine, version: Callable[[], int | None]) -> None:
-    """Answer the parent's commands until it says ``stop`` or goes away."""
-    try:
-        while True:
-            command, arg = conn.recv()
-            if command == "stop":
-                return
-            if command == "audit":
-                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
-                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
-                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
-                conn.send(("audit", {"version": version(), "view_fp": table.view_fp(), "tensors": tensors}))
-    except EOFError:
-        pass  # the parent went away
-
-
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
     # Islands stand for machines elsewhere: on the demo's shared cores they yield to the trainer and its
@@ -101,8 +46,6 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     with contextlib.suppress(OSError):
         os.nice(10)
     if spec.control:
-        from flipsync.apps.demo.control import control_main
-
         control_main(spec, conn, meters)
         return
     from flipsync.apps.demo.warmup import compile_codec_kernels
@@ -126,8 +69,6 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     sidecar = Sidecar(store, spec.run, engine, upstream, replica_config=ReplicaConfig(poll_interval_s=0.05))
     sidecar.start()
     if spec.fleet:
-        from flipsync.apps.demo.fleet import join_fleet
-
         join_fleet(sidecar, spec)
     conn.send(("ready", sidecar.url))
     try:
@@ -169,7 +110,7 @@ class VllmServer:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
-        from flipsync.engines.vllm.engine import serve_command
+        from flipsync.engines.vllm.launch import serve_command
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -202,7 +143,9 @@ class VllmServer:
     def attach(self) -> Engine:
         from flipsync.checkpoint import Checkpoint
         from flipsync.engines.host_copy import HostCopy
-        from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
+        from flipsync.engines.vllm.engine import VllmEngine
+        from flipsync.engines.vllm.rpc_transports import HttpTransport
+        from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
 
         # a host copy of the served view, so that patches coded against their base decode here
         host_copy = HostCopy.create(self.log_path.with_suffix(".host-copy.safetensors"), Checkpoint(self.model_dir))

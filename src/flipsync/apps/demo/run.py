@@ -16,23 +16,18 @@ With ``fleet`` on (the default) the flipsync islands' rollouts go through a gate
 third of the way in and one is killed two thirds of the way in (`flipsync.apps.demo.fleet`). The
 run ends with every flipsync island recomputing its fingerprints from the weights it holds, which must
 equal the trainer's final served view, and is written out as JSON and PNG plots.
+
+This module holds the loop (`run_demo`); its records are in `records`, the rollout pool in `rollouts`, the
+monitor and the live table in `monitor`, and the files it writes in `outputs`.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import queue
-import random
 import statistics
-import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Self
 
 import httpx
 import torch
@@ -40,404 +35,31 @@ from rich.console import Console
 from rich.console import Group as RenderGroup
 from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from flipsync.apps.demo.control import CheckpointShelf
 from flipsync.apps.demo.experts import ExpertRates
 from flipsync.apps.demo.fleet import FleetDirector, FleetPlan, GatewayProcess
-from flipsync.apps.demo.fleet import plot as plot_fleet
 from flipsync.apps.demo.grpo import Rollout, optimizer_spec, policy_loss, rl_optimizer, warm_start
-from flipsync.apps.demo.island import Island, IslandSpec, board_url, vllm_python
+from flipsync.apps.demo.island import Island, board_url, vllm_python
+from flipsync.apps.demo.island_link import IslandSpec
 from flipsync.apps.demo.model import DEMO_MODELS, demo_config, write_model_dir
+from flipsync.apps.demo.monitor import Monitor, StepTable
+from flipsync.apps.demo.records import CONTROL, DemoConfig, DemoReport, IslandStep, StepRecord
+from flipsync.apps.demo.rollouts import RolloutPool, StepIndex
 from flipsync.apps.demo.summary import lr_text, summarize
-from flipsync.apps.demo.summary import summary_lines as summary_lines  # where callers have always found it
-from flipsync.apps.demo.task import Problem, ReverseDigits
+from flipsync.apps.demo.task import ReverseDigits
 from flipsync.apps.demo.warmup import compile_codec_kernels
-from flipsync.board.reader import BoardReader
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
-from flipsync.codec import Patch
 from flipsync.codec.bits import int_view as bits_view
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.domain.manifest import Kind
 from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.tokenizer import ByteTokenizer
-from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.errors import ConfigError
 from flipsync.formats import get_format, served_view
-from flipsync.stores import open_store
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
-log = logging.getLogger(__name__)
-
-CONTROL = "full-ckpt"  # the control island's name
 ENGINES = ("torch", "vllm")
-
-
-@dataclass
-class DemoConfig:
-    steps: int = 40
-    served_format: str = "bf16"
-    lr: float = 3e-5
-    head_lr_scale: float = 20.0  # the LM head and final norm learn at this times lr (see grpo.rl_optimizer)
-    islands: int = 2  # flipsync islands
-    control: bool = True  # one more island that reloads full checkpoints
-    bandwidth: str | None = "100mbit"
-    max_staleness: int = 1  # trainer steps
-    group_size: int = 4
-    prompts_per_step: int = 6
-    model: str = "llama-20m"
-    warm_start_steps: int = 100
-    warm_start_lr: float = 3e-3
-    stop_fraction: float = 0.5
-    max_tokens: int = 6
-    min_digits: int = 2
-    max_digits: int = 3
-    seed: int = 0
-    engine: str = "torch"
-    context: bool = True  # the publisher codes positions against their base (PublisherConfig.context)
-    masters_at: tuple[int, ...] = (0, 1, -1)  # trainer steps whose FP32 masters are saved; -1: the last
-    out: Path = Path("flipsync-demo")
-    optimizer: str = "adam"  # adam, adamw, muon or sgd (see grpo.rl_optimizer)
-    muon_lr_scaling: str = "match_rms_adamw"  # Muon's adjust_lr_fn
-    fleet: bool = True  # rollouts through a gateway; an island joins and one is killed (flipsync.apps.demo.fleet)
-    join_step: int | None = None  # when the new island joins (None: a third of the way in)
-    kill_step: int | None = None  # when island-1 is killed (None: two thirds of the way in)
-
-
-@dataclass
-class VersionRow:
-    version: int
-    steps: int  # trainer steps it covers (more than one when the publisher squashed)
-    step: int  # the last trainer step it covers
-    changed: int
-    served_values: int
-    patch_bytes: int
-    checkpoint_bytes: int
-    publish_s: float | None = None  # the step's optimizer.step() returned -> its manifest on the board
-    applied_s: dict[str, float] = field(default_factory=dict)  # island -> manifest on the board -> committed
-    verified: dict[str, bool] = field(default_factory=dict)
-
-    @property
-    def changed_pct(self) -> float:
-        return 100.0 * self.changed / max(1, self.served_values)
-
-
-@dataclass
-class IslandStep:
-    behind: int  # trainer steps between the policy being trained and the weights the island served then
-    used: int  # rollouts of this island in the step's batch
-    dropped: int  # its rollouts dropped as more than max_staleness steps old
-    rollout_lag: float | None  # mean trainer steps between the batch's policy and the rollouts' weights
-    bytes: int  # bytes its link carried so far
-
-
-@dataclass
-class StepRecord:
-    step: int
-    reward: float
-    rollouts: int
-    islands: dict[str, IslandStep]
-
-
-@dataclass
-class DemoReport:
-    config: dict[str, Any]
-    run: str
-    board: str
-    parameters: int
-    checkpoint_bytes: int
-    versions: list[VersionRow]
-    steps: list[StepRecord]
-    lag_samples: list[tuple[float, int, dict[str, int]]]  # (seconds, trainer step, island -> step it serves)
-    audits: dict[str, dict[str, Any]]
-    final_view_fp: str
-    bitwise_equal: dict[str, bool]  # flipsync islands only: the control is not expected to have caught up
-    summary: dict[str, Any]
-    timings: dict[str, float]
-    masters: list[str]
-    wall_s: float
-    fleet: dict[str, Any] = field(default_factory=dict)  # the gateway's view: joins, leaves, readiness
-    failed_rollouts: int = 0  # rollout requests that ended in an error (not a 409/503 retried)
-
-    def to_json(self) -> dict[str, Any]:
-        doc = asdict(self)
-        for row, v in zip(doc["versions"], self.versions, strict=True):
-            row["changed_pct"] = v.changed_pct
-        return doc
-
-
-@dataclass(frozen=True)
-class RolloutGroup:
-    problem: Problem
-    group: int
-    completions: list[tuple[str, tuple[int, ...]]]  # text, token ids
-    step: int  # the trainer step of the oldest weights that produced any of its tokens
-    island: str
-
-
-class StepIndex:
-    """Board version -> the last trainer step it covers (manifest ``meta.step``), read once per version."""
-
-    def __init__(self, board: str, run: str) -> None:
-        self.reader = BoardReader(open_store(board), run)
-        self._steps: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def step(self, version: int) -> int:
-        with self._lock:
-            if version not in self._steps:
-                meta = self.reader.catalog.version(version).meta or {}
-                self._steps[version] = int(meta.get("step", version))
-            return self._steps[version]
-
-
-class Workers:
-    """Threads that run until ``stop`` is set: ``start`` starts them all, ``close`` stops and joins them."""
-
-    stop: threading.Event
-    _threads: list[threading.Thread]
-
-    def start(self) -> Self:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def close(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(10)
-
-
-class RolloutPool(Workers):
-    """Keeps rollout requests in flight on every island; each answer is a group of samples for one prompt."""
-
-    def __init__(
-        self,
-        islands: list[Island],
-        task: ReverseDigits,
-        tok: ByteTokenizer,
-        cfg: DemoConfig,
-        head_version: Callable[[], int],
-        steps: StepIndex,
-        gateway: str | None = None,
-    ) -> None:
-        self.islands, self.task, self.tok, self.cfg = islands, task, tok, cfg
-        self.head_version, self.steps = head_version, steps
-        self.gateway = gateway  # the flipsync islands' requests go there; it says which island served
-        self.groups: queue.Queue[RolloutGroup] = queue.Queue(maxsize=4 * cfg.prompts_per_step)
-        self.stop = threading.Event()
-        self.errors: list[str] = []
-        self._next_group = 0
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(island, k), daemon=True, name=f"rollouts-{island.spec.name}-{k}")
-            for island in islands
-            for k in range(2)
-        ]
-
-    def _request(self, island: Island, problem: Problem, seed: int) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": "flipsync-demo" if island.spec.engine == "vllm" and not island.spec.control else "flipsync-torch",
-            "prompt": self.tok.encode(problem.prompt),  # token ids: the same for every engine
-            "max_tokens": self.cfg.max_tokens,
-            "n": self.cfg.group_size,
-            "temperature": 1.0,
-            "seed": seed,
-        }
-        if not island.spec.control:
-            # the proxy holds or refuses the request until the island serves a recent enough version
-            body["weight_version"] = {"min_version": max(0, self.head_version() - self.cfg.max_staleness)}
-        return body
-
-    def _loop(self, island: Island, k: int) -> None:
-        rng = random.Random(hash((island.spec.name, k)))
-        routed = self.gateway is not None and not island.spec.control
-        base = self.gateway if routed else island.url
-        with httpx.Client(base_url=base or "", timeout=60) as client:
-            while not self.stop.is_set():
-                with self._lock:
-                    problem, gid = self.task.sample(), self._next_group
-                    self._next_group += 1
-                held_before = island.meters.held_step.value
-                try:
-                    r = client.post("/v1/completions", json=self._request(island, problem, rng.randrange(2**31)))
-                except httpx.HTTPError as e:
-                    self.errors.append(f"{island.spec.name}: {e}")
-                    time.sleep(0.2)
-                    continue
-                if r.status_code in (409, 503):  # behind the trainer, or committing: retry shortly
-                    time.sleep(min(0.2, float(r.headers.get("Retry-After", "0.1"))))
-                    continue
-                if r.status_code != 200:
-                    self.errors.append(f"{island.spec.name}: HTTP {r.status_code} {r.text[:200]}")
-                    time.sleep(0.2)
-                    continue
-                doc = r.json()
-                name = r.headers.get("x-flipsync-replica", island.spec.name) if routed else island.spec.name
-                try:
-                    if island.spec.control:
-                        # the engine stamps every token with the trainer step of the checkpoint it came from
-                        stamps = [v for c in doc["choices"] for v in c.get("token_versions") or []]
-                        if any(v is None for v in stamps):
-                            continue  # generated while a load was half done: not a policy's sample
-                        step = min(stamps) if stamps else held_before
-                    else:
-                        span = doc.get("weight_version", {})
-                        step = self.steps.step(int(span["start"]))
-                except (KeyError, ValueError, FlipsyncError) as e:
-                    self.errors.append(f"{island.spec.name}: unreadable answer ({e})")
-                    continue
-                completions = [(c["text"], tuple(self.tok.encode(c["text"], bos=False))) for c in doc["choices"]]
-                group = RolloutGroup(problem, gid, completions, step, name)
-                while not self.stop.is_set():
-                    try:
-                        self.groups.put(group, timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-
-    def take(self, n: int, step: int, timeout_s: float = 300.0) -> tuple[list[RolloutGroup], dict[str, int]]:
-        """``n`` groups whose weights are at most ``max_staleness`` trainer steps older than the policy of
-        ``step`` (the weights after step - 1); returns them and, per island, how many rollouts were dropped."""
-        out: list[RolloutGroup] = []
-        dropped: dict[str, int] = defaultdict(int, {i.spec.name: 0 for i in self.islands})
-        deadline = time.monotonic() + timeout_s
-        while len(out) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no rollouts within {timeout_s} s; island errors: {self.errors[-3:]}")
-            try:
-                g = self.groups.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if (step - 1) - g.step > self.cfg.max_staleness:
-                dropped[g.island] += len(g.completions)
-                continue
-            out.append(g)
-        return out, dropped
-
-
-class Monitor(Workers):
-    """Watches the board and the islands: version rows, and which trainer step each island serves.
-
-    One thread per source (the board, each flipsync island's status, the control island's counter and the
-    sampler), so that an island slow to answer delays nothing else's timestamps. They poll at 10-20 Hz, not
-    faster: they share the trainer's process, and its publisher, with the GIL.
-    """
-
-    def __init__(
-        self,
-        board: str,
-        run: str,
-        islands: list[Island],
-        steps: StepIndex,
-        served_values: int,
-        checkpoint_bytes: int,
-        experts: ExpertRates | None = None,
-    ) -> None:
-        self.reader = BoardReader(open_store(board), run)
-        self.experts = experts  # a mixture of experts: where each version's changes land
-        self.islands = islands
-        self.steps = steps
-        self.served_values, self.checkpoint_bytes = served_values, checkpoint_bytes
-        self.rows: dict[int, VersionRow] = {}
-        self.seen: dict[int, float] = {}  # version -> when its manifest was seen on the board
-        self.step_end: dict[int, float] = {}  # trainer step -> when optimizer.step() returned
-        self.trainer_step = 0
-        self.held: dict[str, int] = {i.spec.name: 0 for i in islands}  # island -> trainer step it serves
-        self.samples: list[tuple[float, int, dict[str, int]]] = []
-        self.t0 = time.monotonic()
-        self.fps: dict[int, str] = {}
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._board_loop, daemon=True, name="demo-monitor-board")]
-        self._threads += [
-            threading.Thread(target=self._island_loop, args=(i,), daemon=True, name=f"demo-monitor-{i.spec.name}")
-            for i in islands
-            if not i.spec.control
-        ]
-        self._threads.append(threading.Thread(target=self._sample_loop, daemon=True, name="demo-monitor-samples"))
-
-    def start(self) -> Self:
-        self.t0 = time.monotonic()
-        return super().start()
-
-    def watch(self, island: Island) -> None:
-        """Follow an island that joined during the run."""
-        with self.lock:
-            self.islands.append(island)
-            self.held[island.spec.name] = 0
-        t = threading.Thread(
-            target=self._island_loop, args=(island,), daemon=True, name=f"demo-monitor-{island.spec.name}"
-        )
-        self._threads.append(t)
-        t.start()
-
-    def _new_version(self, v: int, now: float) -> VersionRow:
-        m = self.reader.catalog.version(v)
-        changed = 0
-        if m.kind is not Kind.KEYFRAME:
-            parts = self.reader.catalog.fetch_parts(m, self.reader.catalog.artifact_dir(m))
-            patches = [Patch.from_bytes(p) for p in parts]
-            changed = sum(p.header.n_changed for p in patches)
-            if self.experts is not None:
-                self.experts.add(patches)
-        meta = m.meta or {}
-        step = int(meta.get("step", v))
-        steps = int(meta.get("steps", 1))
-        row = VersionRow(v, steps, step, changed, self.served_values, m.total_size, self.checkpoint_bytes)
-        with self.lock:
-            if step in self.step_end:
-                row.publish_s = now - self.step_end[step]
-            self.seen[v] = now
-            self.fps[v] = m.target_view_fp
-            self.rows[v] = row
-        return row
-
-    def _board_loop(self) -> None:
-        known = -1
-        while not self.stop.is_set():
-            now = time.monotonic()
-            try:
-                head = self.reader.head()
-            except FlipsyncError:
-                head = None
-            while head is not None and known < head:
-                known += 1
-                try:
-                    self._new_version(known, now)
-                except FlipsyncError as e:
-                    log.warning("monitor: cannot read v%d: %s", known, e)
-            time.sleep(0.05)
-
-    def _island_loop(self, island: Island) -> None:
-        name = island.spec.name
-        with httpx.Client(base_url=island.url or "", timeout=10) as client:
-            while not self.stop.is_set():
-                try:
-                    status = client.get("/flipsync/status").json()
-                except (httpx.HTTPError, ValueError):
-                    time.sleep(0.05)
-                    continue
-                now = time.monotonic()  # the answer's arrival: an upper bound on when the commit happened
-                held = status.get("version")
-                with self.lock:
-                    if held is not None and held in self.rows:
-                        self.held[name] = self.rows[held].step
-                        for v, row in self.rows.items():
-                            if v <= held and name not in row.applied_s:
-                                row.applied_s[name] = max(0.0, now - self.seen[v])
-                                row.verified[name] = status.get("view_fp") == self.fps[held]
-                time.sleep(0.1)
-
-    def _sample_loop(self) -> None:
-        while not self.stop.is_set():
-            with self.lock:
-                for island in self.islands:
-                    if island.spec.control:
-                        self.held[island.spec.name] = max(0, island.meters.held_step.value)
-                self.samples.append((time.monotonic() - self.t0, self.trainer_step, dict(self.held)))
-            time.sleep(0.2)
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -447,54 +69,6 @@ def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return all(
         x.dtype == b[k].dtype and x.shape == b[k].shape and bits_view(x).equal(bits_view(b[k])) for k, x in a.items()
     )
-
-
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.1f}"
-
-
-class StepTable:
-    """The live table: one row per trainer step, version columns filled in as the version lands."""
-
-    def __init__(self, cfg: DemoConfig, run: str, names: list[str], monitor: Monitor) -> None:
-        self.cfg, self.run, self.names, self.monitor = cfg, run, names, monitor
-        self.records: list[StepRecord] = []
-
-    def render(self) -> Table:
-        cfg = self.cfg
-        t = Table(
-            title=f"run {self.run}: {cfg.model}, {cfg.served_format}, {lr_text(cfg.lr, cfg.head_lr_scale)}, "
-            f"{cfg.bandwidth or 'unlimited'} link",
-            caption="per island: trainer steps its weights trailed the policy when the batch was taken · rollouts "
-            "dropped as too stale · MB over its "
-            "link so far. publish: step end -> manifest on the board; applied: manifest -> last flipsync island "
-            "committed",
-            expand=False,
-        )
-        for col in ("step", "reward", "version", "changed", "patch KB", "publish s", "applied s"):
-            t.add_column(col, justify="right")
-        for name in self.names:
-            t.add_column(f"{name}\nbehind·drop·MB", justify="right")
-        with self.monitor.lock:
-            by_step = {r.step: r for r in self.monitor.rows.values() if r.version > 0}
-        flipsync = [n for n in self.names if n != CONTROL]
-        for rec in self.records:
-            row = by_step.get(rec.step)
-            version_cells = ["-"] * 5
-            if row is not None:
-                applied = [row.applied_s[n] for n in flipsync if n in row.applied_s]
-                version_cells = [
-                    f"v{row.version}" + (f" ({row.steps} steps)" if row.steps > 1 else ""),
-                    f"{row.changed_pct:.2f}%",
-                    f"{row.patch_bytes / 1e3:,.0f}",
-                    f"{row.publish_s:.2f}" if row.publish_s is not None else "-",
-                    f"{max(applied):.2f}" if len(applied) == len(flipsync) else "…",
-                ]
-            islands = [
-                f"{s.behind} · {s.dropped} · {_mb(s.bytes)}" if (s := rec.islands.get(n)) else "-" for n in self.names
-            ]
-            t.add_row(str(rec.step), f"{rec.reward:.3f}", *version_cells, *islands)
-        return t
 
 
 def _check(cfg: DemoConfig) -> None:
@@ -785,73 +359,3 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             gateway.stop()
         saver.shutdown(wait=True)
     return report
-
-
-def write_outputs(report: DemoReport, out: Path) -> list[Path]:
-    """The JSON report and the PNG plots; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / "report.json"]
-    paths[0].write_text(json.dumps(report.to_json(), indent=2))
-    patches = [r for r in report.versions if r.version > 0]
-
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        paths.append(out / name)
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(11, 4))
-    if report.lag_samples:
-        names = list(dict.fromkeys(n for _, _, held in report.lag_samples for n in held))  # joiners too
-        for name in names:
-            mine = [(t, step, held) for t, step, held in report.lag_samples if name in held]
-            xs = [t for t, _, _ in mine]
-            ys = [max(0, step - held[name]) for _, step, held in mine]
-            style = {"lw": 2.2, "color": "tab:red"} if name == CONTROL else {"lw": 1.2, "alpha": 0.8}
-            label = f"{name} (reloads full checkpoints)" if name == CONTROL else f"{name} (flipsync patches)"
-            ax.step(xs, ys, where="post", label=label, **style)
-    ax.set_xlabel("wall time since the islands started (s)")
-    ax.set_ylabel("trainer steps behind")
-    ax.set_title(f"How far each island's served weights trail the trainer ({report.config['bandwidth']} link)")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, fontsize=8)  # beside the data
-    save(fig, "lag_over_time.png")
-
-    if report.fleet.get("samples"):
-        fig, ax = plt.subplots(figsize=(11, 4))
-        plot_fleet(report.fleet, ax)
-        save(fig, "fleet.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([r.version for r in patches], [r.changed_pct for r in patches], marker="o")
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("% of served values changed")
-    ax.set_title(
-        f"Served values changed per version ({report.config['served_format']}, "
-        f"{lr_text(report.config['lr'], report.config.get('head_lr_scale'))})"
-    )
-    save(fig, "changed_fraction.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.semilogy([r.version for r in patches], [r.patch_bytes for r in patches], marker="o", label="patch")
-    ax.semilogy(
-        [r.version for r in patches], [r.checkpoint_bytes for r in patches], ls="--", label="full served checkpoint"
-    )
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("bytes shipped per version")
-    ax.set_title("Patch vs checkpoint bytes")
-    ax.legend()
-    save(fig, "patch_vs_checkpoint.png")
-
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([s.step for s in report.steps], [s.reward for s in report.steps], marker="o")
-    ax.set_xlabel("trainer step")
-    ax.set_ylabel("mean reward of the batch")
-    ax.set_ylim(0, 1)
-    ax.set_title("Reward (rollouts generated by the islands)")
-    save(fig, "reward.png")
-    return paths

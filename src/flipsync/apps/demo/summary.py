@@ -13,15 +13,13 @@ import json
 import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
 from flipsync.apps.demo.experts import summary_line as experts_line
+from flipsync.apps.demo.records import DemoConfig, DemoReport, StepRecord, VersionRow
 from flipsync.errors import ConfigError
-
-if TYPE_CHECKING:
-    from flipsync.apps.demo.run import DemoConfig, DemoReport, StepRecord, VersionRow
 
 CLEAR = 1.05  # how far apart two figures must be before a sentence calls one of them smaller
 REWARD_WINDOW = 5  # steps averaged at each end of the run, fewer in a short run

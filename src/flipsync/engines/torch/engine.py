@@ -1,23 +1,6 @@
 """The ``torch`` engine: an in-process Hugging Face causal LM whose weights a sidecar keeps at a board version.
-
-The engine holds the *served view* (checkpoint-format tensors, exactly the bytes the trainer published) as
-its source of truth, and the model computes from it:
-
-- bf16 / fp16: the model's parameters ARE the served tensors (zero copy). A commit scatters the changed
-  elements straight into the parameters: O(changed).
-- quantized formats (fp8, MXFP8/4, NVFP4): the served payload and scale tensors live beside the model
-  (the parameters hold their dequantized values). Staging, while the engine serves, dequantizes patched
-  copies of the touched components and compares them with the parameters: O(size of the touched tensors),
-  off the critical path. The commit then scatters the changed served elements and the changed parameter
-  elements: O(changed) inside the pause (a scale that changes moves its whole block). With
-  ``stage_refresh=False`` the touched parameters are dequantized inside the pause instead. Tensors the
-  format keeps in high precision (norms, embeddings) are the parameters themselves when the model's dtype
-  matches.
-
-Writes take a readers-writer lock against decode steps (``StepLock``), so every forward pass sees one
-version; each generated token is stamped with the board version of the weights that produced it
-(``label_version``). The generate loop is deliberately simple (one sequence per call, a KV cache, greedy
-or seeded sampling); concurrency comes from calling it from several threads.
+It holds the served view as its source of truth, commits in O(changed), and stamps each generated token
+with the version that produced it. See docs/sidecar.md ("The Engine port and the torch engine").
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""The torch engine's OpenAI-compatible server: ``/v1/completions`` and ``/v1/chat/completions``.
-
-This is the *upstream* a sidecar's proxy forwards to when the engine is the in-process torch engine (vLLM
-and SGLang bring their own). Streaming and non-streaming, ``n`` choices, ``stop`` strings, ``ignore_eos``,
-``seed``, ``temperature``/``top_p``, ``logprobs`` (of the sampled tokens). Each choice also carries
-``token_versions``: the board version of the weights that produced each generated token (the engine knows
-it exactly, because its decode steps and weight writes exclude each other).
-
-Generation runs on a bounded thread pool; a streaming client that goes away stops its sequences.
+"""The torch engine's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``): the upstream a
+sidecar's proxy forwards to for the in-process torch engine; each choice carries ``token_versions``.
+See docs/sidecar.md ("The torch engine's OpenAI server").
 """
 
 from __future__ import annotations

@@ -1,14 +1,16 @@
-"""The vLLM engine: the sidecar half (``engine``) and the half vLLM loads into every worker (``worker``),
-with what both agree on (``wire``), the pure block map from checkpoint tensors to vLLM's fused parameters
-(``blockmap``), the stand-ins the worker probes its loaders with (``scratch``) and the kernel-state audit's
-twins and probes (``kernels``).
+"""The vLLM engine: the sidecar half (``engine``: ``rpc_transports``, ``tensor_specs``, ``launch``) and the half
+vLLM loads into every worker (``worker``: ``map_learning``, ``kernel_audit``, ``element_bits``), with what both
+agree on (``wire``), the block map to vLLM's fused parameters (``blockmap``), the worker's probe stand-ins
+(``scratch``) and the kernel-state audit's twins and probes (``kernels``). See docs/engines.md.
 
 ``create_engine`` is what ``flipsync sidecar --engine vllm`` builds it with (`flipsync.engines.registry`).
 """
 
 from flipsync.engines.host_copy import default_host_copy, open_host_copy
 from flipsync.engines.registry import EngineOptions
-from flipsync.engines.vllm.engine import HttpTransport, VllmEngine, specs_from_checkpoint
+from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.rpc_transports import HttpTransport
+from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
 from flipsync.errors import ConfigError
 
 __all__ = ["HttpTransport", "VllmEngine", "create_engine", "specs_from_checkpoint"]

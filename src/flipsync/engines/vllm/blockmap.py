@@ -1,14 +1,6 @@
-"""The block map: where each checkpoint element lives among an engine's (fused, sharded, padded) parameters.
-
-A worker learns the map by pushing probe tensors through the engine's own weight loaders: element ``i`` of a
-checkpoint tensor holds digit ``k`` of ``i`` in base ``B`` (``digit_probe``), one pass per digit
-(``probe_passes``), ``B`` the largest power of two whose integers the dtype holds exactly
-(``exact_int_base``). Reading back where each digit landed gives (checkpoint index, parameter index) pairs,
-compressed here into affine 2-D blocks (``compress_map``): one block for a contiguous or row-sharded slice,
-one strided block for a column-sharded one. The sidecar looks a patch's changed positions up in the blocks
-(``lookup_blocks``); fingerprints are computed over their runs (``block_runs``).
-
-Pure numpy and torch: no vLLM, no worker state, so the maps are tested on their own.
+"""The block map: where each checkpoint element lives among an engine's fused, sharded or padded parameters,
+learned with probe tensors and compressed into affine blocks. Pure numpy and torch, no vLLM, so it is tested
+on its own. See docs/engines.md ("The map: learned through vLLM's own loaders").
 """
 
 from __future__ import annotations

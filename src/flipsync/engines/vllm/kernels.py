@@ -1,23 +1,6 @@
-"""The kernel-state audit: do the kernels compute from what a fresh load of the same checkpoint tensors gives?
-
-A reload-mode layer is written through the engine's own update path (vLLM's layerwise reload), and engines
-have bugs there that no checksum of the shipped bytes can see (vLLM CPU's MoE skips its expert prepack on a
-weight update). The worker therefore builds a *twin* of a touched layer: a copy of the module whose
-parameters are fresh model-format tensors loaded through the same weight loaders, processed by the same
-post-load step with freshly built method objects (as at engine start), and compares it with the live layer:
-
-- every parameter and buffer, bitwise (shape, dtype, strides and bits), which covers kernels that read
-  tensors (prepacked experts, transposed FP8 weights, scales);
-- where the kernel computes from an opaque copy (a oneDNN handle, a packed copy the module keeps outside
-  its parameters), the kernel's own outputs on fixed probe inputs, bitwise: a linear layer is run on rows
-  of the identity matrix, so each output element is one weight times one (plus zeros), which reads back the
-  effective weight matrix exactly (up to the sign of zeros and what the kernel does to subnormals); an
-  INT8 kernel quantizes each identity row to 127 at one position, so its outputs are ``q * scale`` rounded
-  to the output dtype, which tells every int8 code apart and its per-channel scale to that precision.
-
-The hooks here say how to build a twin, probe a module, carry a twin's opaque state over and name a layer's
-kind, for any model with vLLM's ``load_weights`` contract (``default_*``, used by the tests) and for vLLM
-(``vllm_*``). The worker (:mod:`flipsync.engines.vllm.worker`) decides what to audit and what a mismatch means.
+"""The kernel-state audit's hooks: build a freshly loaded *twin* of a touched layer and compare it with the live
+one (parameters bitwise, opaque kernels by their outputs on probe inputs), because engines have update bugs
+no checksum of the shipped bytes can see. See docs/engines.md ("The kernel-state audit").
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""What probing loads into instead of the live parameters, and which parameters a patch may write in place.
-
-While a worker learns its block map, the parameters of the probed layer are swapped for zeroed scratch
-copies (rebuilt from vLLM's recorded model-format metadata where the kernel format differs) and every other
-parameter for a zero-stride "tripwire" that raises on any write, so the live weights are never written.
-A policy says per parameter whether the kernel computes from it as loaded (``inplace``) or from a repacked
-copy (``reload``). ``default_*`` serve any model with vLLM's ``load_weights`` contract (tests); ``vllm_*``
-read vLLM's own metadata.
+"""What probing loads into instead of the live parameters (scratch copies, write-refusing tripwires), and the
+policy of which parameters a patch may write in place. See docs/engines.md ("Two ways to write").
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ over HTTP (``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). Requests a
 All engine-independent logic lives in :class:`WorkerCore`, which needs only a module with vLLM's
 ``load_weights(Iterable[(checkpoint name, tensor)])`` contract; unit tests drive it with a small fake model.
 Beside it: ``wire`` (what both halves agree on), ``blockmap`` (the map's blocks and probe digits, pure) and
-``scratch`` (the stand-ins probing loads into, and the in-place policies).
+``scratch`` (the stand-ins probing loads into, and the in-place policies); :class:`WorkerCore` takes its
+probing from ``map_learning``, its audit from ``kernel_audit`` and its element reads and writes from
+``element_bits``.
 
 The map from checkpoint coordinates to vLLM's parameters is *learned*, never written by hand: each
 checkpoint tensor is pushed through the model's own ``load_weights`` (stacked-parameter mapping, fused
@@ -55,58 +57,40 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import random
 import time
 import traceback
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.codec.fingerprint import fingerprint_of, fp_hex
-from flipsync.engines.vllm.blockmap import (
-    compress_map,
-    digit_probe,
-    exact_int_base,
-    group_key,
-    iter_chunks,
-    probe_passes,
-)
-from flipsync.engines.vllm.kernels import (
-    ADOPTED,
-    DEFAULT_HOOKS,
-    SAMPLE_ROWS,
-    KernelHooks,
-    compare,
-    digest,
-    module_tensors,
-    vllm_hooks,
-)
+from flipsync.engines.vllm.blockmap import exact_int_base, group_key, iter_chunks
+from flipsync.engines.vllm.element_bits import read_as, read_bits, write_as, write_bits
+from flipsync.engines.vllm.kernel_audit import KernelAuditor
+from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, vllm_hooks
+from flipsync.engines.vllm.map_learning import MapLearner
 from flipsync.engines.vllm.scratch import (
     Policy,
     ScratchFactory,
     default_policy,
     default_scratch,
-    tripwire,
     vllm_policy,
     vllm_scratch,
 )
 from flipsync.engines.vllm.wire import (
     AUDIT_EVERY,
     AUDIT_MODES,
-    AUDIT_OFF,
     DEFAULT_MAX_UNDO,
     INPLACE,
     PROTOCOL,
     RELOAD,
-    AuditError,
     StateUnknownError,
     WorkerOpError,
     b64,
@@ -137,71 +121,7 @@ class UndoEntry:
     modules: set[str] = field(default_factory=set)
 
 
-def _read_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
-    d = dtype_of(t)
-    flat = int_view(t.detach())
-    if flat.device.type == "cpu":
-        return flat.numpy()[positions].view(d.uint_numpy)
-    idx = torch.from_numpy(positions).to(flat.device)
-    return flat[idx].cpu().numpy().view(d.uint_numpy)
-
-
-def _write_bits(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray) -> None:
-    d = dtype_of(t)
-    flat = int_view(t.detach())
-    signed = np.ascontiguousarray(bits.astype(d.uint_numpy, copy=False)).view(_np_int(d.bits))
-    if flat.device.type == "cpu":
-        flat.numpy()[positions] = signed
-    else:
-        flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), torch.from_numpy(signed).to(flat.device))
-
-
-def _np_int(bits: int) -> np.dtype:
-    return np.dtype(np.uint8) if bits == 8 else np.dtype(f"<i{bits // 8}")
-
-
-# Checkpoint dtype -> engine parameter dtypes it converts into exactly (and back, for the values it came from).
-_WIDENS: dict[torch.dtype, tuple[torch.dtype, ...]] = {
-    torch.bfloat16: (torch.float32,),
-    torch.float16: (torch.float32,),
-}
-
-
-def widens(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether every value of ``src`` converts exactly into ``dst`` (BF16 or FP16 loaded into FP32)."""
-    return dst in _WIDENS.get(src, ())
-
-
-def _read_as(t: torch.Tensor, positions: np.ndarray, ck: DType) -> np.ndarray:
-    """The checkpoint-dtype bits of elements ``positions`` of ``t`` (which may hold them widened)."""
-    if t.dtype == ck.torch_dtype:
-        return _read_bits(t, positions)
-    flat = t.detach().reshape(-1)
-    vals = flat[torch.from_numpy(positions).to(flat.device)]
-    back = vals.to(ck.torch_dtype)
-    if not torch.equal(int_view(back.to(t.dtype)), int_view(vals)):
-        raise WorkerOpError(
-            f"a {t.dtype} parameter holds values that are not {ck.name} values; it no longer holds what the "
-            "checkpoint loaded into it"
-        )
-    return int_view(back).cpu().numpy().view(ck.uint_numpy)
-
-
-def _write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DType) -> None:
-    """Write checkpoint-dtype ``bits`` at ``positions`` of ``t``, converted exactly into its dtype."""
-    if t.dtype == ck.torch_dtype:
-        _write_bits(t, positions, bits)
-        return
-    raw = np.ascontiguousarray(bits.astype(ck.uint_numpy, copy=False)).view(_np_int(ck.bits))
-    flat = t.detach().reshape(-1)
-    vals = torch.from_numpy(raw).view(ck.torch_dtype).to(t.dtype).to(flat.device)
-    flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), vals)
-
-
-_KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
-
-
-class WorkerCore:
+class WorkerCore(MapLearner, KernelAuditor):
     """Learns the checkpoint-to-parameter map of one worker and applies, undoes and fingerprints writes."""
 
     def __init__(
@@ -242,78 +162,6 @@ class WorkerCore:
         self._probe_shapes: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
         self._rng = random.Random(rank)
 
-    # ------------------------------------------------------------------------------ module tree
-    def _live_params(self) -> dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]]:
-        """Every parameter by its name in ``named_parameters`` (module name, module, attribute, tensor), and the
-        ones the engine dropped (None: the kernel holds them elsewhere) whose model format is known."""
-        out: dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]] = {}
-        seen: set[int] = set()
-        for mname, mod in self.model.named_modules():
-            for pname, p in mod._parameters.items():
-                full = f"{mname}.{pname}" if mname else pname
-                if p is None:
-                    if full in self._dropped:
-                        out[full] = (mname, mod, pname, None)
-                    continue
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                out[full] = (mname, mod, pname, p)
-        return out
-
-    def _find_dropped(self) -> None:
-        """Parameters set to None whose model format the scratch factory can rebuild (vLLM's metadata)."""
-        self._dropped = set()
-        for mname, mod in self.model.named_modules():
-            for pname, p in mod._parameters.items():
-                if p is None and self.scratch(mod, pname, None) is not None:
-                    self._dropped.add(f"{mname}.{pname}" if mname else pname)
-
-    def _owners(self) -> dict[int, list[tuple[str, torch.nn.Module, str]]]:
-        owners: dict[int, list[tuple[str, torch.nn.Module, str]]] = {}
-        for mname, mod in self.model.named_modules(remove_duplicate=False):
-            for pname, p in mod._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), []).append((mname, mod, pname))
-        return owners
-
-    @contextmanager
-    def _swapped(self, scratch_names: set[str]) -> Iterator[dict[str, torch.Tensor]]:
-        """Swap the named parameters for zeroed scratch and every other one for a tripwire; restore on exit."""
-        live = self._live_params()
-        owners = self._owners()
-        saved: list[tuple[torch.nn.Module, str, torch.Tensor | None]] = []
-        scratch: dict[str, torch.Tensor] = {}
-        try:
-            for full, (_mname, mod, pname, p) in live.items():
-                if p is None:  # dropped: scratch only where probed
-                    if full in scratch_names:
-                        s = self.scratch(mod, pname, None)
-                        if s is not None:
-                            scratch[full] = s
-                            saved.append((mod, pname, None))
-                            mod._parameters[pname] = s  # type: ignore[assignment]
-                    continue
-                if full in scratch_names:
-                    s = self.scratch(mod, pname, p)
-                    assert s is not None
-                    scratch[full] = s
-                elif p.numel() == 0:
-                    continue
-                else:
-                    s = tripwire(p, mod)
-                for _m, omod, opname in owners.get(id(p), [(_mname, mod, pname)]):
-                    saved.append((omod, opname, omod._parameters[opname]))
-                    omod._parameters[opname] = s  # type: ignore[assignment]
-            yield scratch
-        finally:
-            for mod, pname, p in reversed(saved):
-                mod._parameters[pname] = p  # type: ignore[assignment]
-
-    def _load(self, name: str, tensor: torch.Tensor) -> set[str] | None:
-        ret = self.model.load_weights([(name, tensor)])  # type: ignore[operator]
-        return set(ret) if isinstance(ret, set | frozenset | list | tuple) else None
-
     # ------------------------------------------------------------------------------- attach
     def attach(
         self,
@@ -334,18 +182,6 @@ class WorkerCore:
         self.specs = {n: (tuple(int(x) for x in s), str(d)) for n, (s, d) in specs.items()}
         with self._buffers_guard():
             return self._attach(source, t0)
-
-    @contextmanager
-    def _buffers_guard(self) -> Iterator[None]:
-        """Probes load through ``load_weights``, which may also write buffers; put every buffer back after."""
-        saved = [(b, b.detach().clone()) for _, b in self.model.named_buffers() if b is not None and b.numel()]
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for b, copy in saved:
-                    if not torch.equal(b, copy):
-                        b.copy_(copy)
 
     def _attach(self, source: Mapping[str, torch.Tensor] | None, t0: float) -> dict:
         self._find_dropped()
@@ -430,28 +266,6 @@ class WorkerCore:
         out["audit"] = self._attach_audit()
         return out
 
-    def _attach_audit(self) -> dict[str, Any]:
-        """Compare the reload-mode layers, as the engine loaded them at start, with twins loaded from the host
-        copies (``source``): equal means the engine serves ``source`` and the twins are fresh loads. A
-        mismatch is reported (the sidecar then refuses patches until a full load), not raised."""
-        modules = sorted(m for m in self.feeds if self._module_reloads(m))
-        picked = self._pick(modules) if self.audit != AUDIT_OFF else []
-        t0 = time.perf_counter()
-        bad: dict[str, list[str]] = {}
-        for m in picked:
-            twin = self._twin(m)
-            found = self._compare(m, twin, self._rows())
-            if found:
-                bad[m] = found
-                log.warning(
-                    "flipsync: rank %d: layer %s (%s) differs from a fresh load of the source checkpoint: %s",
-                    self.rank,
-                    m,
-                    self._kind(m),
-                    "; ".join(found[:3]),
-                )
-        return {"layers": picked, "mismatches": bad, "seconds": time.perf_counter() - t0}
-
     def _module_reloads(self, module: str) -> bool:
         return any(p.mode == RELOAD for p in self.params.values() if p.module == module)
 
@@ -471,98 +285,6 @@ class WorkerCore:
             },
             "unheld": dict(unheld or {}),
         }
-
-    def _probe_group(
-        self, names: list[str], members: set[str], narrowest: int, unheld: dict[str, str]
-    ) -> dict[str, list[tuple[str, np.ndarray]]]:
-        out: dict[str, list[tuple[str, np.ndarray]]] = {}
-        with self._swapped(members) as scratch:
-            for full, s in scratch.items():
-                self._probe_shapes[full] = (tuple(s.shape), s.dtype, s.device)
-            for name in names:
-                shape, dname = self.specs[name]
-                dtype = dtype_named(dname).torch_dtype
-                numel = math.prod(shape)
-                if numel == 0:
-                    unheld[name] = "empty tensor"
-                    continue
-                base = min(exact_int_base(dtype), narrowest)
-                if base < 2:
-                    raise WorkerOpError(f"cannot probe {name!r}: dtype {dname} holds no small integers exactly")
-                passes = probe_passes(numel, base)
-                found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (positions, index so far)
-                for k in range(passes):
-                    loaded = self._load(name, digit_probe(numel, shape, dtype, base, k))
-                    if k > 0:
-                        candidates = list(found)
-                    elif loaded is not None and loaded & scratch.keys():
-                        candidates = sorted(loaded & scratch.keys())
-                    else:
-                        candidates = list(scratch)
-                    for pname in candidates:
-                        flat = scratch[pname].detach().reshape(-1)
-                        pos = torch.nonzero(flat != 0).squeeze(1)
-                        if k > 0 and (pname not in found or not torch.equal(pos, found[pname][0])):
-                            raise WorkerOpError(
-                                f"loading {name!r} into {pname!r} is not a pure relayout (the written elements "
-                                f"differ between probe passes); this parameter is not supported"
-                            )
-                        if pos.numel() == 0:
-                            continue
-                        vals = flat[pos].to(torch.float64)
-                        digits = vals - 1
-                        if not bool(((digits >= 0) & (digits < base) & (digits == digits.round())).all()):
-                            raise WorkerOpError(
-                                f"loading {name!r} into {pname!r} transforms values (a probe digit did not survive); "
-                                "serve this tensor in the checkpoint's dtype without online quantization"
-                            )
-                        acc = found[pname][1] if pname in found else torch.zeros(pos.numel(), dtype=torch.int64)
-                        acc = acc + digits.to(torch.int64).cpu() * (base**k)
-                        found[pname] = (pos, acc)
-                        flat[pos] = 0
-                places: list[tuple[str, np.ndarray]] = []
-                for pname, (pos, idx) in sorted(found.items()):
-                    idx_np = idx.numpy()
-                    if idx_np.size and int(idx_np.max()) >= numel:
-                        raise WorkerOpError(f"probe of {name!r} decoded an index past its end in {pname!r}")
-                    places.append((pname, compress_map(idx_np, pos.cpu().numpy())))
-                if not places:
-                    unheld[name] = "the engine does not load this tensor (ignored, tied or on another pipeline stage)"
-                    continue
-                self._verify(name, shape, dtype, places, scratch)
-                out[name] = places
-        return out
-
-    def _verify(
-        self,
-        name: str,
-        shape: tuple[int, ...],
-        dtype: torch.dtype,
-        places: list[tuple[str, np.ndarray]],
-        scratch: Mapping[str, torch.Tensor],
-    ) -> None:
-        """Load random values and check that every mapped element holds the checkpoint's exact bits (or their
-        exact conversion into a wider parameter dtype)."""
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        if dtype.is_floating_point:
-            rnd = torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
-        else:
-            rnd = torch.randint(-100 if dtype.is_signed else 0, 100, shape, generator=g).to(dtype)
-        self._load(name, rnd)
-        ck = dtype_named(dtype_of(rnd).name)
-        src = bits_numpy(rnd.contiguous())
-        for pname, blocks in places:
-            t = scratch[pname]
-            if t.dtype != dtype and not widens(dtype, t.dtype):
-                raise WorkerOpError(
-                    f"checkpoint tensor {name!r} is {dtype} but loads into {pname!r} as {t.dtype}, which cannot hold "
-                    f"its bits exactly; serve the model so that the engine keeps the checkpoint's dtype (e.g. --dtype "
-                    f"bfloat16 for a BF16 view), or save the checkpoint with {name!r} in {t.dtype}"
-                )
-            for c, p in iter_chunks(blocks):
-                if not np.array_equal(_read_as(t, p, ck), src[c]):
-                    raise WorkerOpError(f"loading {name!r} into {pname!r} does not copy bits exactly; not supported")
-                _write_bits(t, p, np.zeros(p.size, dtype=dtype_of(t).uint_numpy))
 
     def _capture(self, names: list[str], source: Mapping[str, torch.Tensor]) -> None:
         """Host copies of reload-mode parameters, filled by loading ``names`` from ``source`` into scratch."""
@@ -587,7 +309,7 @@ class WorkerCore:
                         if pname not in reload_params:
                             continue
                         for _c, p in iter_chunks(blocks):
-                            _write_bits(self.host[pname], p, _read_bits(scratch[pname], p))
+                            write_bits(self.host[pname], p, read_bits(scratch[pname], p))
 
     def _check_spec(self, name: str, tensor: torch.Tensor) -> None:
         shape, dname = self.specs[name]
@@ -625,7 +347,7 @@ class WorkerCore:
             t = self._target(pname, live)
             pos = unb64(pos_b64, np.int64)
             self._positions_ok(pname, t, pos)
-            out.append(b64(_read_as(t, pos, self._ck(pname))))
+            out.append(b64(read_as(t, pos, self._ck(pname))))
         return out
 
     def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
@@ -639,7 +361,7 @@ class WorkerCore:
             for pname, blocks in self.maps[name]:
                 target = self._target(pname, live)
                 for c, p in iter_chunks(blocks):
-                    _write_bits(out, c, _read_as(target, p, d))
+                    write_bits(out, c, read_as(target, p, d))
             tensors.append((name, out))
         return tensors
 
@@ -654,153 +376,6 @@ class WorkerCore:
         names = {n for m in modules for n in self.feeds.get(m, ())}
         self.reloader(self._held_checkpoint(names))
         self._check_reloaded(sorted(modules), seed)
-
-    # ------------------------------------------------------------------------------- the audit
-    def _kind(self, mname: str) -> str:
-        return self.hooks.kind(self.model.get_submodule(mname))
-
-    def _rows(self) -> int | None:
-        return None if self.audit == AUDIT_EVERY else SAMPLE_ROWS
-
-    def _pick(self, modules: Sequence[str]) -> list[str]:
-        """The layers an audit compares: all of them (``every``) or one of each kind, at random (``sample``)."""
-        if self.audit == AUDIT_EVERY:
-            return list(modules)
-        by_kind: dict[str, list[str]] = {}
-        for m in modules:
-            by_kind.setdefault(self._kind(m), []).append(m)
-        return sorted(self._rng.choice(ms) for ms in by_kind.values())
-
-    def _twin(self, mname: str) -> torch.nn.Module:
-        """A fresh load of layer ``mname``: its checkpoint tensors (rebuilt from the held values) loaded into
-        zeroed model-format scratch through the model's own loaders, then processed by the hooks' twin."""
-        module = self.model.get_submodule(mname)
-        names = sorted(self.feeds.get(mname, ()))
-        members = {p for p, info in self.params.items() if info.module == mname}
-        tensors = self._held_checkpoint(names)
-        with self._buffers_guard(), self._swapped(members) as scratch:
-            for name, t in tensors:
-                self._load(name, t)
-            loaded = {full.rpartition(".")[2]: s for full, s in scratch.items() if full in members}
-        return self.hooks.twin(mname, module, loaded)
-
-    def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None) -> list[str]:
-        """What differs between layer ``mname`` as the kernels hold it and its twin (empty: nothing)."""
-        module = self.model.get_submodule(mname)
-        bad = compare(module_tensors(module), module_tensors(twin))
-        seed = self._rng.randrange(1 << 30)
-        bad += compare(self.hooks.probe(mname, module, rows, seed), self.hooks.probe(mname, twin, rows, seed), "probe ")
-        return bad
-
-    def _adopt(self, mname: str, twin: torch.nn.Module, *, opaque: bool = False) -> tuple[list[str], bool]:
-        """Make layer ``mname`` hold its twin's processed state: tensors copied into the live storage (same
-        shapes, dtypes, strides), then, if the kernel's outputs still differ (or ``opaque``: the kind's repair
-        needed it before), the twin's opaque state. Returns what still differs (empty: the layer now equals a
-        fresh load) and whether the opaque state was taken."""
-        module = self.model.get_submodule(mname)
-        live_t, twin_t = module_tensors(module), module_tensors(twin)
-        if set(live_t) != set(twin_t):
-            return [f"the layer holds tensors {sorted(live_t)}, a fresh load {sorted(twin_t)}"], False
-        for name, b in twin_t.items():
-            a = live_t[name]
-            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype or (a.numel() > 1 and a.stride() != b.stride()):
-                return [f"{name} has another layout than in a fresh load; it cannot be copied over"], False
-        with torch.no_grad():
-            for name, b in twin_t.items():
-                if compare({name: live_t[name]}, {name: b}):
-                    live_t[name].data.copy_(b.data)
-        bad = [] if opaque else self._compare(mname, twin, None)
-        if opaque or bad:
-            # An opaque copy can look right and still be wrong later: vLLM CPU's oneDNN INT8 handle reads its
-            # scales from the tensors it was built from, which a reload frees. The live layer takes the twin's
-            # state and keeps the twin alive (its tensors with it) until the next one.
-            self.hooks.transplant(module, twin)
-            vars(module)[ADOPTED] = twin
-            return self._compare(mname, twin, None), True
-        return bad, False
-
-    def _check_reloaded(self, modules: list[str], seed: int) -> None:
-        """The audit after a reload. A kind of layer reloaded for the first time is always compared with its
-        twin: equal, its reload path is faithful; different, the layer takes the twin's state (``repair``) and
-        so will every later reload of that kind. Faithful kinds are then audited per ``audit``. Raises
-        `AuditError` for any layer that still differs."""
-        t0 = time.perf_counter()
-        self.audited = []
-        rng_state = self._rng.getstate()
-        self._rng.seed(self.rank * 1_000_003 + seed)
-        try:
-            by_status: dict[str, list[str]] = {}
-            for m in modules:
-                by_status.setdefault(self.kinds.get(self._kind(m), _KIND_UNKNOWN), []).append(m)
-            must = by_status.get(_KIND_UNKNOWN, []) + by_status.get(_KIND_REPAIRED, [])
-            faithful = by_status.get(_KIND_FAITHFUL, [])
-            chosen = self._pick(faithful) if self.audit != AUDIT_OFF and faithful else []
-            failures: list[str] = []
-            for m in sorted(set(must) | set(chosen)):
-                kind = self._kind(m)
-                status = self.kinds.get(kind, _KIND_UNKNOWN)
-                twin = self._twin(m)
-                self.audited.append(m)
-                if status == _KIND_REPAIRED:  # the engine's path is known to fall short: take the fresh state
-                    bad, _ = self._adopt(m, twin, opaque=self._opaque.get(kind, False))
-                    if not bad:
-                        continue
-                else:
-                    full = status != _KIND_FAITHFUL or self.audit == AUDIT_EVERY
-                    bad = self._compare(m, twin, None if full else SAMPLE_ROWS)
-                    if not bad:
-                        self.kinds.setdefault(kind, _KIND_FAITHFUL)
-                        continue
-                if status == _KIND_UNKNOWN and self.repair:
-                    left, opaque = self._adopt(m, twin)
-                    if not left:
-                        log.warning(
-                            "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
-                            "load (%s); such layers now take a fresh load's processed state after each reload",
-                            self.rank, m, kind, "; ".join(bad[:3]),
-                        )  # fmt: skip
-                        self.kinds[kind] = _KIND_REPAIRED
-                        self._opaque[kind] = opaque
-                        continue
-                    bad = left
-                failures.append(f"layer {m} ({kind}): {'; '.join(bad[:3])}")
-                log.error(
-                    "flipsync: rank %d: kernel-state audit: layer %s (%s) computes from other weights than a "
-                    "fresh load of the same checkpoint tensors: %s",
-                    self.rank,
-                    m,
-                    kind,
-                    "; ".join(bad[:3]),
-                )
-            if failures:
-                raise AuditError(
-                    f"rank {self.rank}: {len(failures)} reloaded layer(s) differ from a fresh load of the same "
-                    f"checkpoint tensors, e.g. {failures[0]}; the update is refused"
-                )
-        finally:
-            self._rng.setstate(rng_state)
-            self.audit_s = time.perf_counter() - t0
-
-    def kernel_state(self, modules: Iterable[str] | None = None) -> dict[str, dict[str, list[Any]]]:
-        """Digests of every module's tensors as the kernels hold them, and of the kernel outputs on the full
-        identity probes for reload-mode layers: what a fresh engine of the same version must also give."""
-        wanted = set(modules) if modules is not None else None
-        out: dict[str, dict[str, list[Any]]] = {}
-        for mname, module in self.model.named_modules():
-            if wanted is not None and mname not in wanted:
-                continue
-            rows: dict[str, list[Any]] = {n: digest(t) for n, t in module_tensors(module).items()}
-            if mname in self.feeds and self._module_reloads(mname):
-                for label, t in self.hooks.probe(mname, module, None, 0).items():
-                    rows[f"probe {label}"] = digest(t)
-            if rows:
-                out[mname] = rows
-        return out
-
-    def audit_now(self, modules: Iterable[str] | None = None) -> dict[str, list[str]]:
-        """Compare the named reload-mode layers (default: all) with twins of the held values, full probes."""
-        names = sorted(modules) if modules is not None else sorted(m for m in self.feeds if self._module_reloads(m))
-        return {m: found for m in names if (found := self._compare(m, self._twin(m), None))}
 
     # ------------------------------------------------------------------------------- writes
     def apply(self, token: str, writes: list[list[str]]) -> dict:
@@ -819,12 +394,12 @@ class WorkerCore:
         t0 = time.perf_counter()
         try:
             for pname, t, ck, pos, bits in decoded:
-                entry.writes.append((pname, pos, _read_as(t, pos, ck)))
-                _write_as(t, pos, bits, ck)
+                entry.writes.append((pname, pos, read_as(t, pos, ck)))
+                write_as(t, pos, bits, ck)
                 if self.params[pname].mode == RELOAD:
                     entry.modules.add(self.params[pname].module)
             for pname, t, ck, pos, bits in decoded:
-                if not np.array_equal(_read_as(t, pos, ck), bits):
+                if not np.array_equal(read_as(t, pos, ck), bits):
                     raise WorkerOpError(f"read-back of {pname!r} after the scatter differs from what was written")
             self._reload_modules(entry.modules, seed=zlib.crc32(token.encode()))
         except BaseException as e:
@@ -850,7 +425,7 @@ class WorkerCore:
     def _revert(self, entry: UndoEntry) -> None:
         live = self._live_params()
         for pname, pos, old in reversed(entry.writes):
-            _write_as(self._target(pname, live), pos, old, self._ck(pname))
+            write_as(self._target(pname, live), pos, old, self._ck(pname))
         if entry.modules:
             self._reload_modules(entry.modules)
 
@@ -871,7 +446,7 @@ class WorkerCore:
                 t = self._target(pname, live)
                 ck = self._ck(pname)
                 for block in blocks:
-                    fp = sum(fingerprint_of(c, _read_as(t, p, ck)) for c, p in iter_chunks(block[None, :]))
+                    fp = sum(fingerprint_of(c, read_as(t, p, ck)) for c, p in iter_chunks(block[None, :]))
                     rows.append([pname, [int(x) for x in block], fp_hex(fp & 0xFFFFFFFFFFFFFFFF)])
             out[name] = rows
         return out

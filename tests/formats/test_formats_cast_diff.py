@@ -1,4 +1,4 @@
-"""The fused cast-and-diff pass gives exactly `served_view`'s bits and the integer diff's changes.
+"""The one-pass cast-and-diff pass gives exactly `served_view`'s bits and the integer diff's changes.
 
 Bitwise: the new view is compared with `served_view` and with the numpy/ml_dtypes reference as integer
 views, and the changes with ``np.flatnonzero`` over integer views of the previous and new view. Both the
@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from test_formats_properties import PROPERTY_SETTINGS, SPECIALS, master_arrays
 
 from flipsync.errors import FormatError, NonFiniteError
-from flipsync.formats import fused, get_format, served_view
+from flipsync.formats import cast_diff, get_format, served_view
 from flipsync.formats.cast_diff import CastDiffer
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,7 +126,7 @@ def test_fp16_without_a_native_conversion(caster: CastDiffer, monkeypatch: pytes
     x = edge_masters("fp16")
     prev = torch.from_numpy(x[::-1].copy()).to(torch.float16)
     check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
-    monkeypatch.setattr(fused, "_hw_fp16", lambda: False)
+    monkeypatch.setattr(cast_diff, "_hw_fp16", lambda: False)
     check(caster, "fp16", torch.from_numpy(x), prev, torch_path=False)
     check(caster, "fp16", torch.from_numpy(x[5:1234]), prev[5:1234], torch_path=False)
 
@@ -270,7 +270,7 @@ def test_quantize_diff_is_served_view_and_its_diff(caster: CastDiffer, fmt: str,
     master = torch.from_numpy(x)
     try:
         expected = reference(fmt, "w.weight", x, from_fp32=from_fp32)
-    except RefOverflow:  # the recipe refuses it: so does the fused pass (the caller then raises the error)
+    except RefOverflow:  # the recipe refuses it: so does the one-pass cast (the caller then raises the error)
         assert caster.quantize_diff(fmt, "w.weight", master, zero_payload(fmt, x.shape), None,
                                     from_fp32=from_fp32) is None  # fmt: skip
         return
@@ -363,7 +363,7 @@ def test_quantize_leaves_what_it_does_not_cover_to_the_recipe(caster: CastDiffer
 
 def test_nvfp4_with_an_underflowing_global_scale_falls_back_to_the_recipe(caster: CastDiffer) -> None:
     """Found by hypothesis: a subnormal amax makes amax / (6 * 448) zero and the recipe's block scales NaN;
-    the fused pass must not guess them, so it hands the tensor back to the recipe."""
+    the one-pass cast must not guess them, so it hands the tensor back to the recipe."""
     x = np.array([[0.0, 0.0], [4.6e-43, 7.6e-44]], dtype=np.float32)
     assert global_scale_underflows("nvfp4", x, from_fp32=True)
     got = caster.quantize_diff("nvfp4", "w.weight", torch.from_numpy(x), zero_payload("nvfp4", x.shape), None,

@@ -1,0 +1,226 @@
+"""The worker's kernel-state audit: after a reload, which layers to compare with a twin and what a mismatch means.
+
+:class:`KernelAuditor` (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`) decides per kind of layer
+whether the engine's reload is faithful, repairs kinds that fall short and refuses updates that still differ;
+the twins and probes themselves are :mod:`flipsync.engines.vllm.kernels`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from flipsync.engines.vllm.kernels import ADOPTED, SAMPLE_ROWS, KernelHooks, compare, digest, module_tensors
+from flipsync.engines.vllm.wire import AUDIT_EVERY, AUDIT_OFF, AuditError
+
+if TYPE_CHECKING:
+    from flipsync.engines.vllm.worker import ParamInfo
+
+# The worker's logger: what the audit reports is the worker's.
+log = logging.getLogger("flipsync.engines.vllm.worker")
+
+_KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
+
+
+class KernelAuditor:
+    """The audit half of a worker core: twins of reloaded layers, compared with (or adopted by) the live ones."""
+
+    model: torch.nn.Module
+    rank: int
+    hooks: KernelHooks
+    params: dict[str, ParamInfo]
+    feeds: dict[str, set[str]]
+    audit: str
+    repair: bool
+    kinds: dict[str, str]
+    _opaque: dict[str, bool]
+    audit_s: float
+    audited: list[str]
+    _rng: random.Random
+
+    if TYPE_CHECKING:  # the rest of the worker core (MapLearner, WorkerCore)
+
+        def _swapped(self, scratch_names: set[str]) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
+
+        def _buffers_guard(self) -> AbstractContextManager[None]: ...
+
+        def _load(self, name: str, tensor: torch.Tensor) -> set[str] | None: ...
+
+        def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]: ...
+
+        def _module_reloads(self, module: str) -> bool: ...
+
+    def _attach_audit(self) -> dict[str, Any]:
+        """Compare the reload-mode layers, as the engine loaded them at start, with twins loaded from the host
+        copies (``source``): equal means the engine serves ``source`` and the twins are fresh loads. A
+        mismatch is reported (the sidecar then refuses patches until a full load), not raised."""
+        modules = sorted(m for m in self.feeds if self._module_reloads(m))
+        picked = self._pick(modules) if self.audit != AUDIT_OFF else []
+        t0 = time.perf_counter()
+        bad: dict[str, list[str]] = {}
+        for m in picked:
+            twin = self._twin(m)
+            found = self._compare(m, twin, self._rows())
+            if found:
+                bad[m] = found
+                log.warning(
+                    "flipsync: rank %d: layer %s (%s) differs from a fresh load of the source checkpoint: %s",
+                    self.rank,
+                    m,
+                    self._kind(m),
+                    "; ".join(found[:3]),
+                )
+        return {"layers": picked, "mismatches": bad, "seconds": time.perf_counter() - t0}
+
+    # ------------------------------------------------------------------------------- the audit
+    def _kind(self, mname: str) -> str:
+        return self.hooks.kind(self.model.get_submodule(mname))
+
+    def _rows(self) -> int | None:
+        return None if self.audit == AUDIT_EVERY else SAMPLE_ROWS
+
+    def _pick(self, modules: Sequence[str]) -> list[str]:
+        """The layers an audit compares: all of them (``every``) or one of each kind, at random (``sample``)."""
+        if self.audit == AUDIT_EVERY:
+            return list(modules)
+        by_kind: dict[str, list[str]] = {}
+        for m in modules:
+            by_kind.setdefault(self._kind(m), []).append(m)
+        return sorted(self._rng.choice(ms) for ms in by_kind.values())
+
+    def _twin(self, mname: str) -> torch.nn.Module:
+        """A fresh load of layer ``mname``: its checkpoint tensors (rebuilt from the held values) loaded into
+        zeroed model-format scratch through the model's own loaders, then processed by the hooks' twin."""
+        module = self.model.get_submodule(mname)
+        names = sorted(self.feeds.get(mname, ()))
+        members = {p for p, info in self.params.items() if info.module == mname}
+        tensors = self._held_checkpoint(names)
+        with self._buffers_guard(), self._swapped(members) as scratch:
+            for name, t in tensors:
+                self._load(name, t)
+            loaded = {full.rpartition(".")[2]: s for full, s in scratch.items() if full in members}
+        return self.hooks.twin(mname, module, loaded)
+
+    def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None) -> list[str]:
+        """What differs between layer ``mname`` as the kernels hold it and its twin (empty: nothing)."""
+        module = self.model.get_submodule(mname)
+        bad = compare(module_tensors(module), module_tensors(twin))
+        seed = self._rng.randrange(1 << 30)
+        bad += compare(self.hooks.probe(mname, module, rows, seed), self.hooks.probe(mname, twin, rows, seed), "probe ")
+        return bad
+
+    def _adopt(self, mname: str, twin: torch.nn.Module, *, opaque: bool = False) -> tuple[list[str], bool]:
+        """Make layer ``mname`` hold its twin's processed state: tensors copied into the live storage (same
+        shapes, dtypes, strides), then, if the kernel's outputs still differ (or ``opaque``: the kind's repair
+        needed it before), the twin's opaque state. Returns what still differs (empty: the layer now equals a
+        fresh load) and whether the opaque state was taken."""
+        module = self.model.get_submodule(mname)
+        live_t, twin_t = module_tensors(module), module_tensors(twin)
+        if set(live_t) != set(twin_t):
+            return [f"the layer holds tensors {sorted(live_t)}, a fresh load {sorted(twin_t)}"], False
+        for name, b in twin_t.items():
+            a = live_t[name]
+            if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype or (a.numel() > 1 and a.stride() != b.stride()):
+                return [f"{name} has another layout than in a fresh load; it cannot be copied over"], False
+        with torch.no_grad():
+            for name, b in twin_t.items():
+                if compare({name: live_t[name]}, {name: b}):
+                    live_t[name].data.copy_(b.data)
+        bad = [] if opaque else self._compare(mname, twin, None)
+        if opaque or bad:
+            # An opaque copy can look right and still be wrong later: vLLM CPU's oneDNN INT8 handle reads its
+            # scales from the tensors it was built from, which a reload frees. The live layer takes the twin's
+            # state and keeps the twin alive (its tensors with it) until the next one.
+            self.hooks.transplant(module, twin)
+            vars(module)[ADOPTED] = twin
+            return self._compare(mname, twin, None), True
+        return bad, False
+
+    def _check_reloaded(self, modules: list[str], seed: int) -> None:
+        """The audit after a reload. A kind of layer reloaded for the first time is always compared with its
+        twin: equal, its reload path is faithful; different, the layer takes the twin's state (``repair``) and
+        so will every later reload of that kind. Faithful kinds are then audited per ``audit``. Raises
+        `AuditError` for any layer that still differs."""
+        t0 = time.perf_counter()
+        self.audited = []
+        rng_state = self._rng.getstate()
+        self._rng.seed(self.rank * 1_000_003 + seed)
+        try:
+            by_status: dict[str, list[str]] = {}
+            for m in modules:
+                by_status.setdefault(self.kinds.get(self._kind(m), _KIND_UNKNOWN), []).append(m)
+            must = by_status.get(_KIND_UNKNOWN, []) + by_status.get(_KIND_REPAIRED, [])
+            faithful = by_status.get(_KIND_FAITHFUL, [])
+            chosen = self._pick(faithful) if self.audit != AUDIT_OFF and faithful else []
+            failures: list[str] = []
+            for m in sorted(set(must) | set(chosen)):
+                kind = self._kind(m)
+                status = self.kinds.get(kind, _KIND_UNKNOWN)
+                twin = self._twin(m)
+                self.audited.append(m)
+                if status == _KIND_REPAIRED:  # the engine's path is known to fall short: take the fresh state
+                    bad, _ = self._adopt(m, twin, opaque=self._opaque.get(kind, False))
+                    if not bad:
+                        continue
+                else:
+                    full = status != _KIND_FAITHFUL or self.audit == AUDIT_EVERY
+                    bad = self._compare(m, twin, None if full else SAMPLE_ROWS)
+                    if not bad:
+                        self.kinds.setdefault(kind, _KIND_FAITHFUL)
+                        continue
+                if status == _KIND_UNKNOWN and self.repair:
+                    left, opaque = self._adopt(m, twin)
+                    if not left:
+                        log.warning(
+                            "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
+                            "load (%s); such layers now take a fresh load's processed state after each reload",
+                            self.rank, m, kind, "; ".join(bad[:3]),
+                        )  # fmt: skip
+                        self.kinds[kind] = _KIND_REPAIRED
+                        self._opaque[kind] = opaque
+                        continue
+                    bad = left
+                failures.append(f"layer {m} ({kind}): {'; '.join(bad[:3])}")
+                log.error(
+                    "flipsync: rank %d: kernel-state audit: layer %s (%s) computes from other weights than a "
+                    "fresh load of the same checkpoint tensors: %s",
+                    self.rank,
+                    m,
+                    kind,
+                    "; ".join(bad[:3]),
+                )
+            if failures:
+                raise AuditError(
+                    f"rank {self.rank}: {len(failures)} reloaded layer(s) differ from a fresh load of the same "
+                    f"checkpoint tensors, e.g. {failures[0]}; the update is refused"
+                )
+        finally:
+            self._rng.setstate(rng_state)
+            self.audit_s = time.perf_counter() - t0
+
+    def kernel_state(self, modules: Iterable[str] | None = None) -> dict[str, dict[str, list[Any]]]:
+        """Digests of every module's tensors as the kernels hold them, and of the kernel outputs on the full
+        identity probes for reload-mode layers: what a fresh engine of the same version must also give."""
+        wanted = set(modules) if modules is not None else None
+        out: dict[str, dict[str, list[Any]]] = {}
+        for mname, module in self.model.named_modules():
+            if wanted is not None and mname not in wanted:
+                continue
+            rows: dict[str, list[Any]] = {n: digest(t) for n, t in module_tensors(module).items()}
+            if mname in self.feeds and self._module_reloads(mname):
+                for label, t in self.hooks.probe(mname, module, None, 0).items():
+                    rows[f"probe {label}"] = digest(t)
+            if rows:
+                out[mname] = rows
+        return out
+
+    def audit_now(self, modules: Iterable[str] | None = None) -> dict[str, list[str]]:
+        """Compare the named reload-mode layers (default: all) with twins of the held values, full probes."""
+        names = sorted(modules) if modules is not None else sorted(m for m in self.feeds if self._module_reloads(m))
+        return {m: found for m in names if (found := self._compare(m, self._twin(m), None))}

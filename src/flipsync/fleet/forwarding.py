@@ -1,0 +1,113 @@
+"""The HTTP pieces of forwarding a request to a replica: the gateway's headers, the hop-by-hop ones it drops,
+a request as read from the client, the signal that another replica should be tried, and small helpers for
+reading replica answers and writing OpenAI-style errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpcore
+from fastapi.responses import JSONResponse
+from starlette.types import Receive
+
+from flipsync.domain.fleet import Want
+
+H_FORMAT = "x-flipsync-format"
+H_RUN = "x-flipsync-run"
+H_REPLICA = "x-flipsync-replica"
+H_FLEET_HEAD = "x-flipsync-fleet-head"
+H_ATTEMPTS = "x-flipsync-attempts"
+# Hop-by-hop headers (RFC 9110 7.6.1), those recomputed here, and the gateway's own.
+DROP_REQUEST_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+        b"accept-encoding",
+        H_FORMAT.encode(),
+        H_RUN.encode(),
+    }
+)
+DROP_RESPONSE_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"date",
+        b"server",
+    }
+)
+
+
+class Retry(Exception):
+    """One attempt that another replica may do better: ``reason`` (a metric label) and the refusal, if any."""
+
+    def __init__(self, reason: str, status: int | None = None, body: bytes = b"") -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.body = body
+
+
+@dataclass
+class ForwardRequest:
+    path: str  # with the query string
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    want: Want
+    receive: Receive | None = None  # the client's channel, to see it go away mid-stream
+
+
+async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:
+    """Set ``gone`` once the client disconnects (the request body was read already: nothing else comes)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    gone.set()
+
+
+def netloc(url: str) -> bytes:
+    return urlsplit(url).netloc.encode("ascii")
+
+
+def header_value(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return b""
+
+
+async def read_all(resp: httpcore.Response) -> bytes:
+    try:
+        return b"".join([chunk async for chunk in resp.aiter_stream()])
+    finally:
+        await resp.aclose()
+
+
+def is_engine_unreachable(body: bytes) -> bool:
+    """A sidecar's 502 that says its engine is unreachable (another replica may be up)."""
+    return b"upstream_unavailable" in body[:4096]
+
+
+def error_response(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
+    )
