@@ -17,14 +17,13 @@ from flipsync.domain.fleet import MemberRecord
 from flipsync.errors import IntegrityError
 from flipsync.stores import ObstoreStore, Store, StoreWrapper
 
-NOW = datetime.now(UTC)
-
 
 def iso(t: datetime) -> str:
     return t.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def record(replica: str = "r1", run: str = "run", **over: Any) -> MemberRecord:
+    now = iso(datetime.now(UTC))  # at the call: a time taken at import would expire during a long run
     fields: dict[str, Any] = {
         "replica": replica,
         "run": run,
@@ -39,9 +38,9 @@ def record(replica: str = "r1", run: str = "run", **over: Any) -> MemberRecord:
         "state": "idle",
         "serving": True,
         "in_flight": 0,
-        "heartbeat": iso(NOW),
+        "heartbeat": now,
         "ttl_s": 30.0,
-        "started": iso(NOW),
+        "started": now,
         "seq": 0,
     }
     fields.update(over)
@@ -85,10 +84,11 @@ def test_records_round_trip_and_leave(store: ObstoreStore) -> None:
 
 
 def test_expired_future_malformed_and_misplaced_records_are_refused(store: ObstoreStore) -> None:
+    now = datetime.now(UTC)
     w = MemberWriter(store, "run")
-    w.put(record("live"))
-    w.put(record("old", heartbeat=iso(NOW - timedelta(seconds=31))))
-    w.put(record("ahead", heartbeat=iso(NOW + timedelta(minutes=5))))
+    w.put(record("live", heartbeat=iso(now)))
+    w.put(record("old", heartbeat=iso(now - timedelta(seconds=31))))
+    w.put(record("ahead", heartbeat=iso(now + timedelta(minutes=5))))
     store.put("runs/run/members/garbage.json", b"{not json")
     store.put("runs/run/members/wrongtype.json", json.dumps({**record("wrongtype").to_dict(), "version": "3"}).encode())
     store.put("runs/run/members/huge.json", b" " * 20_000)
@@ -96,7 +96,7 @@ def test_expired_future_malformed_and_misplaced_records_are_refused(store: Obsto
     # A valid record copied under another replica's key, and under another run.
     store.put("runs/run/members/copy.json", record("live").to_json().encode())
     store.put("runs/other/members/live.json", record("live").to_json().encode())
-    scan = MemberReader(store).scan(NOW + timedelta(seconds=1))
+    scan = MemberReader(store).scan(now + timedelta(seconds=1))
     assert [r.replica for r in scan.live] == ["live"]
     assert by_reason(scan) == {
         "old.json": "expired",
@@ -109,8 +109,8 @@ def test_expired_future_malformed_and_misplaced_records_are_refused(store: Obsto
     }
     assert all(r.message for r in scan.rejected)
     # The same record is live or expired depending on when one looks, and a reader may cap the TTL.
-    assert not MemberReader(store, runs=("run",)).scan(NOW + timedelta(seconds=40)).live
-    assert not MemberReader(store, runs=("run",), max_ttl_s=5).scan(NOW + timedelta(seconds=10)).live
+    assert not MemberReader(store, runs=("run",)).scan(now + timedelta(seconds=40)).live
+    assert not MemberReader(store, runs=("run",), max_ttl_s=5).scan(now + timedelta(seconds=10)).live
 
 
 def test_a_signed_board_routes_only_signed_records(store: ObstoreStore) -> None:

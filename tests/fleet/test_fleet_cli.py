@@ -70,8 +70,10 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
             (f"127.0.0.1-{sp}", "test", f"http://127.0.0.1:{sp}")
         ]
         trainer.step()
-        r = httpx.post(
-            f"{gateway}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "weight_version": {"min_version": 1}}
+        r = httpx.post(  # held by the gateway until the sidecar holds v1: a loaded machine takes seconds
+            f"{gateway}/v1/completions",
+            json={"prompt": "hi", "max_tokens": 3, "weight_version": {"min_version": 1}},
+            timeout=60,
         )
         assert r.status_code == 200 and r.json()["weight_version"]["start"] == 1, r.text
 
