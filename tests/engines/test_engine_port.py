@@ -74,6 +74,6 @@ def test_an_engine_inherits_the_optional_capabilities() -> None:
 
 
 def test_engines_that_cannot_be_adopted_say_so_through_the_port() -> None:
-    # SGLang's fingerprints come from its host_copy, never from the server: the port's default is overridden.
+    # SGLang's fingerprints come from its host copy, never from the server: the port's default is overridden.
     assert SglangEngine.adoptable is not Engine.adoptable and VllmEngine.adoptable is not Engine.adoptable
     assert TorchEngine.adoptable is Engine.adoptable and TorchEngine.label_version is not Engine.label_version

@@ -105,7 +105,7 @@ def test_a_refused_update_changes_nothing(setup) -> None:
     fake.fail_next = True
     with pytest.raises(EngineError, match="injected failure"):
         engine.commit(staged)
-    # the engine pushed the old values again (recovery) and kept its host_copy, table and version
+    # the engine pushed the old values again (recovery) and kept its host copy, table and version
     assert [c[1]["model_path"] for c in fake.calls] == [str(staged.update_dir), str(staged.undo_dir)]
     assert same(fake.weights, v0)
     assert engine.table.view_fp() == FingerprintTable.of(v0).view_fp() == engine.recompute_table().view_fp()
@@ -152,7 +152,7 @@ def test_missing_route_says_what_to_do(tmp_path) -> None:
 
 def test_a_patch_coded_against_its_base_decodes_from_the_host_copy(setup) -> None:
     """The host_copy is the sidecar's view of the server, so ``ctx`` patches (and multi-part versions coded
-    against their base) decode from it: ``host_view`` is the host_copy."""
+    against their base) decode from it: ``host_view`` is the host copy."""
     v0, fake, engine, _url, _ = setup
     v1 = one_class_step(v0, "model.embed_tokens.weight")
     patch, t1 = diff_views(v0, v1)
@@ -165,7 +165,7 @@ def test_a_patch_coded_against_its_base_decodes_from_the_host_copy(setup) -> Non
 # ------------------------------------------------------------------------------------- the read-back audit
 def test_an_update_sglang_acknowledges_but_does_not_hold_is_undone_and_raised(tmp_path) -> None:
     """A stale reload path (success answered, old values kept): the audit reads the touched tensors back
-    through /get_weights_by_name, pushes the undo checkpoint and raises; the table and the host_copy stay."""
+    through /get_weights_by_name, pushes the undo checkpoint and raises; the table and the host copy stay."""
     v0 = view0()
     fake = FakeSglang(v0)
     with serve(fake.app) as url:

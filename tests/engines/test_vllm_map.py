@@ -316,7 +316,7 @@ def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind
     assert p1.needs_base and p2.needs_base
     u1 = engine.commit(engine.stage(p1))
     assert bits_equal(held_view(pairs, engine), v1) and bits_equal(dict(host_copy), v1)
-    u2 = engine.commit(engine.stage(p2))  # decoded against the host_copy the first commit wrote
+    u2 = engine.commit(engine.stage(p2))  # decoded against the host copy the first commit wrote
     assert bits_equal(held_view(pairs, engine), v2) and bits_equal(dict(host_copy), v2)
     assert engine.recompute_table().view_fp() == t2.view_fp() == FingerprintTable.of(host_copy).view_fp()
     engine.rollback(u2)
@@ -327,8 +327,8 @@ def test_a_mirror_lets_patches_coded_against_their_base_apply_and_roll_back(kind
 
 
 def test_the_mirror_s_class_index_moves_with_commits_and_rollbacks() -> None:
-    """The engine keeps a class index of its host_copy (sparse ctx sections read only their blocks): every commit
-    and rollback must leave it describing the host_copy. The fake model's tensors are too small for the default
+    """The engine keeps a class index of its host copy (sparse ctx sections read only their blocks): every commit
+    and rollback must leave it describing the host copy. The fake model's tensors are too small for the default
     index, so this one indexes every tensor."""
     v0 = checkpoint(0)
     v1, v2 = step(v0, 1), step(step(v0, 1), 2)
@@ -379,7 +379,7 @@ def test_a_mirror_that_drifts_from_the_workers_is_refused_at_stage() -> None:
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
     plain, _ = diff_views(v0, v1, context=False)
     ch = next(iter(plain.changes()))
-    int_view(host_copy[ch.name]).view(-1)[int(ch.positions[0])] += 1  # the host_copy no longer holds what is served
+    int_view(host_copy[ch.name]).view(-1)[int(ch.positions[0])] += 1  # the host copy no longer holds what is served
     with pytest.raises(EngineError, match="host_copy"):
         engine.stage(plain)
     assert engine.host_view is None
@@ -401,7 +401,7 @@ def test_a_mirror_of_other_tensors_is_a_config_error() -> None:
 def test_a_replica_follows_patches_coded_against_their_base_only_with_a_host_copy(
     with_host_copy: bool, tmp_path
 ) -> None:
-    """Without a host_copy such a patch is excluded as undecodable here (the replica keeps serving and waits for a
+    """Without a host copy such a patch is excluded as undecodable here (the replica keeps serving and waits for a
     keyframe past it); with one it applies like any other."""
     store = open_store(str(tmp_path / "board"), FAST)
     writer = BoardWriter(store, "run", publisher_id="t")

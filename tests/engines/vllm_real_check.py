@@ -5,10 +5,10 @@
 Builds a tiny Llama checkpoint (bf16), serves it with an offline ``vllm.LLM`` carrying the flipsync worker
 extension, attaches a ``VllmEngine``, applies two patches built with ``diff_views`` from the served views,
 rolls back and re-applies, then loads a full view and applies a patch coded against its base (``ctx``, decoded
-from the engine's host_copy: a memory-mapped host copy of the served view), and checks:
+from the engine's host copy: a memory-mapped host copy of the served view), and checks:
 
 - the workers' fingerprints of the checkpoint-coordinate view (live parameters for in-place ones, host
-  copies for repacked ones) equal the patch targets, after every step, and so do the host_copy's;
+  copies for repacked ones) equal the patch targets, after every step, and so do the host copy's;
 - greedy generation changes after the patch and returns to the original after the rollback;
 - the patched engine generates exactly (tokens and logprobs) what a fresh engine started from the target
   checkpoint generates, which shows that the reloaded (oneDNN-repacked) layers hold the new weights too.

@@ -17,7 +17,7 @@ from flipsync.trainer import Publisher, PublisherConfig
 
 
 class NoHostCopy(MemoryEngine):
-    """An engine whose weights the sidecar cannot read (a vLLM engine attached without a host_copy)."""
+    """An engine whose weights the sidecar cannot read (a vLLM engine attached without a host copy)."""
 
     @property
     def decodes_context(self) -> bool:

@@ -88,7 +88,7 @@ class Engine(ABC, Generic[StagedT, UndoT]):
     @property
     def decodes_context(self) -> bool:
         """Whether ``stage`` decodes patches whose positions are coded against their base (``ctx``): true for
-        every engine that holds its view, or a host_copy of it, where the sidecar runs."""
+        every engine that holds its view, or a host copy of it, where the sidecar runs."""
         return True
 
     def label_version(self, view_fp: str, version: int) -> None:

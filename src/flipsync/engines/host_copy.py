@@ -1,7 +1,7 @@
 """A sidecar's host copy of the view an engine serves, for engines whose weights the sidecar cannot read.
 
 An SGLang server takes weights only through its update routes, and a vLLM engine's parameters live in its
-workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *host_copy*
+workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *host copy*
 holds them: a safetensors file on local disk, memory-mapped writable (:class:`HostCopy`: the page cache
 holds what is read, nothing is loaded up front), or any mapping of CPU tensors. The engine writes a patch's
 new bits into it after the engine itself took them (O(changed)) and the old ones back on rollback.
@@ -70,7 +70,7 @@ class HostCopy(MutableMapping[str, torch.Tensor]):
                 (hlen,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(hlen))
         except (OSError, ValueError, struct.error) as e:
-            raise ConfigError(f"cannot open the host_copy {self.path}: {e}") from None
+            raise ConfigError(f"cannot open the host copy {self.path}: {e}") from None
         header.pop("__metadata__", None)
         self._mm = np.memmap(self.path, dtype=np.uint8, mode="r+", offset=8 + hlen)
         self._tensors: dict[str, torch.Tensor] = {}
@@ -98,7 +98,7 @@ class HostCopy(MutableMapping[str, torch.Tensor]):
         t.copy_(value)
 
     def __delitem__(self, name: str) -> None:
-        raise ConfigError("the host_copy's tensors are fixed by its file")
+        raise ConfigError("the host copy's tensors are fixed by its file")
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)

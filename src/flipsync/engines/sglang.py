@@ -57,7 +57,7 @@ class SglangUndo(Undo):
 
 
 class SglangEngine(Engine[SglangStaged, SglangUndo]):
-    """An SGLang server updated through ``/update_weights_from_disk`` from a host_copy of the served view."""
+    """An SGLang server updated through ``/update_weights_from_disk`` from a host copy of the served view."""
 
     name: ClassVar[str] = "sglang"
 
@@ -94,9 +94,9 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self._staging.mkdir(parents=True, exist_ok=True)
         self._live_dirs: list[Path] = []  # update/undo dirs SGLang may still point at
         self._table = table.copy() if table is not None else FingerprintTable.of(host_copy)
-        self._index = ClassIndex()  # of the host_copy, kept current with it: sparse ctx sections read only their blocks
+        self._index = ClassIndex()  # of the host copy, kept current with it: sparse ctx sections read only their blocks
         if set(self._table) != set(host_copy):
-            raise ConfigError("the fingerprint table does not describe the host_copy's tensors")
+            raise ConfigError("the fingerprint table does not describe the host copy's tensors")
         self.weight_version = self._get_weight_version()
         self.audit, self.audit_rows = audit, max(1, audit_rows)
         self._rng = random.Random(0)
@@ -108,8 +108,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             skipped = sorted(set(found) - self.auditable)
             if skipped:
                 log.warning(
-                    "sglang engine: %d of %d tensors do not read back as the host_copy holds them (%s...): a runtime "
-                    "layout other than the checkpoint's, or a server that does not serve the host_copy; they are not "
+                    "sglang engine: %d of %d tensors do not read back as the host copy holds them (%s...): a runtime "
+                    "layout other than the checkpoint's, or a server that does not serve the host copy; they are not "
                     "audited",
                     len(skipped),
                     len(found),
@@ -167,7 +167,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
 
     def load_view(self, view: Mapping[str, torch.Tensor]) -> None:
         if set(view) != set(self._host_copy):
-            raise ConfigError("the view does not have the tensors of the host_copy")
+            raise ConfigError("the view does not have the tensors of the host copy")
         directory = self._new_dir("full")
         write_safetensors(view, directory / "model.safetensors")
         version = self.weight_version
@@ -217,8 +217,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
 
     @property
     def adoptable(self) -> bool:
-        # The fingerprints come from the host_copy, not the server: a sidecar killed between the server's update
-        # and the host_copy's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead.
+        # The fingerprints come from the host copy, not the server: a sidecar killed between the server's update
+        # and the host copy's write leaves them apart, so a restarted sidecar resyncs from a keyframe instead.
         return False
 
     def commit(self, staged: SglangStaged) -> SglangUndo:
@@ -258,7 +258,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         undo.done = True
 
     def recompute_table(self) -> FingerprintTable:
-        """Fingerprints of the host_copy (what SGLang acknowledged); see :meth:`sample_check` for the server."""
+        """Fingerprints of the host copy (what SGLang acknowledged); see :meth:`sample_check` for the server."""
         return FingerprintTable.of(self._host_copy)
 
     def health(self) -> bool:
@@ -304,7 +304,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         return got.shape == want32.shape and bool(torch.equal(got.view(torch.int32), want32.view(torch.int32)))
 
     def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
-        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the host_copy, exactly
+        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the host copy, exactly
         (float32 bit patterns); a tensor SGLang cannot report reads as False."""
         return {name: self._reads_back(name, self._host_copy[name][:rows]) for name in names}
 

@@ -26,10 +26,10 @@ Then, per patch:
   coordinates; fingerprints are additive, so the blocks sum to each checkpoint tensor's fingerprint.
   Replicated blocks (tensor-parallel copies) must agree.
 
-With a *host_copy* (:mod:`flipsync.engines.host_copy`: a host copy of the served view, e.g. a memory-mapped
+With a *host copy* (:mod:`flipsync.engines.host_copy`: a host copy of the served view, e.g. a memory-mapped
 safetensors file) the sidecar also decodes patches coded against their base (``ctx``), which it otherwise
-refuses: the base values live in the workers. Stage checks the host_copy's old bits against the workers' at
-every changed element; commit and rollback write the host_copy after the workers (O(changed)).
+refuses: the base values live in the workers. Stage checks the host copy's old bits against the workers' at
+every changed element; commit and rollback write the host copy after the workers (O(changed)).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class VllmStaged(Staged):
     targets: dict[str, TensorId]
     n_changed: int
     stage_s: float = 0.0
-    # with a host_copy: each changed tensor's positions, old bits and new bits, for the host_copy's own commit
+    # with a host copy: each changed tensor's positions, old bits and new bits, for the host copy's own commit
     host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
@@ -144,12 +144,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             raise ConfigError(f"audit must be one of {', '.join(AUDIT_MODES)}, not {audit!r}")
         if host_copy is not None and specs_of(host_copy) != dict(specs):
             raise ConfigError(
-                "the host_copy does not hold the engine's tensors (names, shapes, dtypes): create it from the "
+                "the host copy does not hold the engine's tensors (names, shapes, dtypes): create it from the "
                 "checkpoint the engine serves"
             )
         self._host_copy = host_copy
-        self._host_copy_current = False  # whether the host_copy holds what the workers serve
-        self._index = ClassIndex()  # of the host_copy, kept current with it: sparse ctx sections read only their blocks
+        self._host_copy_current = False  # whether the host copy holds what the workers serve
+        self._index = ClassIndex()  # of the host copy, kept current with it: sparse ctx sections read only their blocks
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
@@ -219,7 +219,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._host_copy_current = self._diverged is None and copied == self._table.view_fp()
             if not self._host_copy_current:
                 log.warning(
-                    "vllm engine: the host_copy does not hold what the workers serve; patches coded against their "
+                    "vllm engine: the host copy does not hold what the workers serve; patches coded against their "
                     "base are refused until the next full load"
                 )
         log.info(
@@ -355,7 +355,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if patch.needs_base and base is None:
             raise PatchError(
                 "this patch codes positions against its base values ('ctx', from flipsync diff), which the vLLM "
-                "engine's sidecar does not hold (they live in the workers): attach the engine with a host_copy "
+                "engine's sidecar does not hold (they live in the workers): attach the engine with a host copy "
                 "(VllmEngine(..., host_copy=...); the sidecar creates one unless told host_copy=none), publish with "
                 "PublisherConfig(context=False), or rebuild it with diff_views(..., context=False)"
             )
@@ -515,7 +515,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
     def _checked_against_host_copy(
         self, writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
     ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``writes``, once the host_copy's bits at every changed element are the workers' (O(changed))."""
+        """``writes``, once the host copy's bits at every changed element are the workers' (O(changed))."""
         if self._host_copy is None or not writes:
             return writes
         for name, (pos, old, _) in writes.items():
@@ -523,7 +523,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             if not np.array_equal(held, old):
                 self._host_copy_current = False
                 raise EngineError(
-                    f"the host_copy's {name!r} differs from what the workers serve at the patch's changed elements; "
+                    f"the host copy's {name!r} differs from what the workers serve at the patch's changed elements; "
                     "it is no longer used (resync from a keyframe to refresh it)"
                 )
         return writes
@@ -535,7 +535,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         new: bool,
         fps: tuple[Mapping[str, TensorId], Mapping[str, TensorId]],
     ) -> None:
-        """The new (or, undoing, the old) bits of a commit the workers took, into the host_copy and its class index
+        """The new (or, undoing, the old) bits of a commit the workers took, into the host copy and its class index
         (``fps``: the tensors' fingerprints before and after)."""
         if self._host_copy is None or not writes:
             return
@@ -549,12 +549,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 else:
                     self._index.moved(name, pos, was, now, before.fp, after.fp)
             self._flush_host_copy()
-        except Exception as e:  # the workers hold the version; only the host_copy is behind
+        except Exception as e:  # the workers hold the version; only the host copy is behind
             self._host_copy_current = False
-            log.warning("vllm engine: could not update the host_copy (%s); it is no longer used until a full load", e)
+            log.warning("vllm engine: could not update the host copy (%s); it is no longer used until a full load", e)
 
     def _host_copy_bits(self, name: str, bits: np.dtype) -> np.ndarray:
-        """The host_copy's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the host_copy)."""
+        """The host copy's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the host copy)."""
         assert self._host_copy is not None
         return int_view(self._host_copy[name]).reshape(-1).numpy().view(bits)
 
