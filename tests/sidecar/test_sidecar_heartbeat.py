@@ -38,7 +38,8 @@ def test_the_record_says_what_routing_needs_and_follows_the_version(
         "flipsync-torch",
         "bf16",
     )
-    assert (r.version, r.serving, r.state, r.ttl_s) == (0, True, "idle", 90)
+    assert (r.version, r.serving, r.ttl_s) == (0, True, 90)
+    assert r.state in ("idle", "fetching")  # between two polls, or polling the board (a loaded machine)
     assert r.view_fp == trainer.fps[0]
     assert hb.replica_id == stack.sidecar.url.removeprefix("http://").replace(":", "-")
     trainer.step()

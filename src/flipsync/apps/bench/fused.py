@@ -345,4 +345,14 @@ def markdown(result: dict[str, Any]) -> str:
         FusedRow(**{k: v for k, v in r.items() if k not in ("vs_flatnonzero", "floor_vs_flatnonzero")})
         for r in result["rows"]
     ]
-    return md_table(HEAD, [_cells(r) for r in rows])
+    phases = [
+        (n, name, *(f"{p[k]:.3f}" for k in (*PHASES, "total")))
+        for n, by in result.get("publish_ns_per_byte", {}).items()
+        for name, p in by.items()
+    ]
+    return (
+        md_table(HEAD, [_cells(r) for r in rows])
+        + "\n\nWhole BF16 publications (inline publisher, median over the steps), ns per served byte by phase; "
+        + "*fused*: the one-pass cast, *separate*: the cast, then the diff:\n\n"
+        + md_table(("threads", "pass", *PHASES, "total"), phases, left=2)
+    )
