@@ -73,7 +73,9 @@ def test_routes_by_readiness_and_constraint(
         trainer.step()
     assert wait_until(lambda: fresh.sidecar.replica.version == 3)
     gw = make_gateway(max_lag=1)
+    # both records seen, the fresh one's at v3 (its record is rewritten just after its version moves)
     assert wait_until(lambda: gw.fleet()["runs"].get("run", {}).get("members") == 2)
+    assert wait_until(lambda: gw.fleet()["runs"]["run"]["at_head"] == 1)
     fleet = gw.fleet()
     assert fleet["runs"]["run"]["head"] == 3 and fleet["runs"]["run"]["at_head"] == 1
     assert fleet["runs"]["run"]["readiness"] == 0.5 and fleet["ready"] == 1
