@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from trainer_helpers import Replica, adam, assert_bitwise, expected_view, tiny_llama, train
+from trainer_helpers import Replica, SlowStore, adam, assert_bitwise, expected_view, tiny_llama, train
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.errors import ConfigError
@@ -17,22 +16,6 @@ from flipsync.trainer.pieces import ViewPlan
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=1 << 30)
 FORMATS = ("bf16", "fp8-block", "nvfp4")
-
-
-class SlowStore:
-    """Every manifest create takes a while: a run that squashed steps would fall behind the others."""
-
-    def __init__(self, inner: Any, delay_s: float) -> None:
-        self._inner = inner
-        self.delay_s = delay_s
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
-
-    def put(self, path: str, data: bytes, *, create_only: bool = False) -> None:
-        if create_only:
-            time.sleep(self.delay_s)
-        self._inner.put(path, data, create_only=create_only)
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trainer_helpers import Replica, adam, assert_bitwise, expected_view, follow_and_check, tiny_llama, train
+from trainer_helpers import Replica, SlowStore, adam, assert_bitwise, expected_view, follow_and_check, tiny_llama, train
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
@@ -108,23 +108,10 @@ def test_a_second_trainer_fences_off_the_first(tmp_path: Path) -> None:
 
 def test_step_returns_while_uploads_are_slow_and_versions_are_squashed(tmp_path: Path) -> None:
     """Back-pressure: a slow store never blocks step(); pending steps fold into the next version."""
-
-    class SlowStore:
-        def __init__(self, inner: object) -> None:
-            self._inner = inner
-
-        def __getattr__(self, name: str) -> object:
-            return getattr(self._inner, name)
-
-        def put(self, path: str, data: bytes, *, create_only: bool = False) -> None:
-            if create_only:
-                time.sleep(0.5)  # every manifest create takes a while
-            self._inner.put(path, data, create_only=create_only)  # type: ignore[attr-defined]
-
     store = open_store(tmp_path)
     model = tiny_llama()
     opt = adam(model)
-    pub = Publisher(model, SlowStore(store), run="slow", optimizer=opt, config=PublisherConfig(spans=False))  # type: ignore[arg-type]
+    pub = Publisher(model, SlowStore(store, 0.5), run="slow", optimizer=opt, config=PublisherConfig(spans=False))  # type: ignore[arg-type]
     t = time.perf_counter()
     train(model, opt, 8)
     stepping = time.perf_counter() - t

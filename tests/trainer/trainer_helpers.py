@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -201,6 +202,22 @@ class RefusingStore:
         if self.refuse(path, create_only, data):
             self.refused += 1
             raise TransientStoreError(f"{self._inner.url}/{path}: 503 Slow Down (injected)")
+        self._inner.put(path, data, create_only=create_only)
+
+
+class SlowStore:
+    """Every manifest create takes ``delay_s``: uploads fall behind the training steps."""
+
+    def __init__(self, inner: Any, delay_s: float) -> None:
+        self._inner = inner
+        self.delay_s = delay_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def put(self, path: str, data: bytes, *, create_only: bool = False) -> None:
+        if create_only:
+            time.sleep(self.delay_s)
         self._inner.put(path, data, create_only=create_only)
 
 
