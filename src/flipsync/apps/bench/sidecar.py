@@ -274,7 +274,7 @@ def audit_cost(sizes: tuple[tuple[int, int], ...], layers: int, console: Console
             cur = {k: v.clone() for k, v in view.items()}
             table = FingerprintTable.of(view)
             rng = np.random.default_rng(0)
-            applies, audits = [], []
+            applies, audits, audited = [], [], []
             for _ in range(3):  # the first reload of a kind is always compared: measure the later ones
                 prev = {k: v.clone() for k, v in cur.items()}
                 _bump(cur, 1e-4, rng)
@@ -282,12 +282,14 @@ def audit_cost(sizes: tuple[tuple[int, int], ...], layers: int, console: Console
                 engine.commit(engine.stage(patch))
                 applies.append(engine.last_audit["apply_s"])
                 audits.append(engine.last_audit["seconds"])
+                audited.append(sum(len(v) for v in engine.last_audit["layers"].values()))
             touched = 2 * layers
             apply_s, audit_s = statistics.median(applies[1:]), statistics.median(audits[1:])
             row[mode] = {
                 "apply_per_layer_s": apply_s / touched,
                 "audit_per_layer_s": audit_s / touched,
                 "reload_per_layer_s": (apply_s - audit_s) / touched,
+                "audited_layers": audited[-1],  # read back by the last of the measured reloads
             }
         out["rows"].append(row)
     return out
