@@ -69,8 +69,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, in memory."""
-    ckpt = Checkpoint(path)
-    return {name: ckpt[name] for name in ckpt}
+    return dict(Checkpoint(path))
 
 
 def save_checkpoint(

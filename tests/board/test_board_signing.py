@@ -13,7 +13,7 @@ from board_helpers import Recorder, backend_params, build_run, fp
 from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader
-from flipsync.board.signing import Signer, Verifier, generate_keypair, public_key_path, write_keypair
+from flipsync.board.signing import Signer, Verifier, generate_keypair, write_keypair
 from flipsync.errors import ConfigError, IntegrityError
 from flipsync.stores import ObstoreStore
 
@@ -23,7 +23,7 @@ L = RunLayout("run")
 @pytest.fixture
 def keys(tmp_path: Path) -> tuple[Signer, Verifier]:
     private, public, kid = write_keypair(tmp_path / "board.key")
-    assert public == public_key_path(private) and len(kid) == 16
+    assert public == private.with_name("board.key.pub") and len(kid) == 16
     assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
     signer, verifier = Signer.from_pem(private), Verifier.from_pem(public)
     assert signer.key_id == kid and verifier.key_ids == [kid]

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from flipsync.codec import Patch, apply_patch, diff_views
 from flipsync.codec import apply as apply_mod
+from flipsync.codec.bits import KIND_CODE
 from flipsync.codec.container import HEADER_TENSOR, split_tail
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
@@ -232,7 +233,7 @@ def test_stage_kernel_matches_the_reference_key_and_fingerprint(dtype: str, mode
         symbols,
         flags if mode == "mixed" else np.zeros(0, bool),
         apply_mod._MODE[mode],
-        apply_mod._KIND[d.kind],
+        KIND_CODE[d.kind],
         d.bits,
         old_out,
         new_out,

@@ -79,7 +79,7 @@ def test_ans_estimate_is_within_a_few_bytes(values: np.ndarray) -> None:
     """Off by the final states' bits at most, when the escapes are few enough to be coded, not sampled."""
     if int((values >= rans.ANS_MAX_ALPHABET).sum()) >= SAMPLE_FROM:
         return
-    assert abs(rans.ans_estimate(values) - len(rans.ans_encode(values)[1])) <= ESTIMATE_SLACK
+    assert abs(rans.RansCoder().estimate(values) - len(rans.RansCoder().encode(values)[1])) <= ESTIMATE_SLACK
 
 
 def _within_margin(registry: CoderRegistry, data: np.ndarray) -> None:

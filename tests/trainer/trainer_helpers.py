@@ -206,11 +206,12 @@ class RefusingStore:
 
 
 class SlowStore:
-    """Every manifest create takes ``delay_s``: uploads fall behind the training steps."""
+    """Every manifest create takes ``delay_s``, and waits while ``gate`` is clear: uploads fall behind."""
 
-    def __init__(self, inner: Any, delay_s: float) -> None:
+    def __init__(self, inner: Any, delay_s: float, gate: threading.Event | None = None) -> None:
         self._inner = inner
         self.delay_s = delay_s
+        self.gate = gate
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -218,6 +219,8 @@ class SlowStore:
     def put(self, path: str, data: bytes, *, create_only: bool = False) -> None:
         if create_only:
             time.sleep(self.delay_s)
+            if self.gate is not None:
+                self.gate.wait()
         self._inner.put(path, data, create_only=create_only)
 
 

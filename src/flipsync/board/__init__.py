@@ -1,9 +1,7 @@
 """The bulletin board: versions, keyframes and spans of a run on an object store, published create-only.
 
-Writer side: ``BoardWriter`` (publish_snapshot / publish_patch / publish_keyframe / publish_span, and
-commit_uploaded_patch for parts that ranks uploaded themselves; with the keyframe and span cadence). Reader
-side: ``BoardReader`` (HEAD, catch-up plans, verified downloads, waiting for a version where the store can)
-and ``Follower`` (the follow-and-replan loop: one replica's last good version). Stores: ``open_store(url)``.
+``BoardWriter`` publishes (with the keyframe and span cadence), ``BoardReader`` plans and fetches verified
+catch-ups, ``Follower`` keeps one replica on its last good version; stores come from ``open_store(url)``.
 """
 
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish

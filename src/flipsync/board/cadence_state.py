@@ -8,7 +8,7 @@ HEAD to the newest keyframe), then moved forward by every snapshot, patch and ke
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy, should_write_keyframe, spans_to_publish
 from flipsync.board.catalog import Catalog
@@ -97,20 +97,16 @@ class CadenceTracker:
     def patch_published(self, m: Manifest) -> None:
         """A patch version lengthens the chain since the keyframe."""
         c = self.state
-        self.state = CadenceState(
-            c.keyframe_version, c.keyframe_bytes, c.chain_bytes + m.total_size, c.versions_since + 1
-        )
+        self.state = replace(c, chain_bytes=c.chain_bytes + m.total_size, versions_since=c.versions_since + 1)
 
     def keyframe_published(self, m: Manifest, head_version: int) -> None:
         """An extra keyframe of version ``m.version``: the chain restarts there (up to ``head_version``)."""
         c = self.state
         if c.keyframe_version is not None and m.version < c.keyframe_version:
             return
-        chain, since = 0, 0
-        for v in range(m.version + 1, head_version + 1):
-            chain += self.catalog.version(v).total_size
-            since += 1
-        self.state = CadenceState(m.version, m.total_size, chain, since)
+        later = range(m.version + 1, head_version + 1)
+        chain = sum(self.catalog.version(v).total_size for v in later)
+        self.state = CadenceState(m.version, m.total_size, chain, len(later))
 
     # -- what the policies ask for --------------------------------------------------------------------
 

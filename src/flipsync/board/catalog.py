@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import blake3
 
@@ -94,16 +95,15 @@ class Catalog:
     def span(self, base: int, target: int) -> Manifest:
         return self._read_manifest(self.layout.span_manifest(base, target), lambda _m: (Kind.SPAN.value, base, target))
 
-    def read_versions(self, versions: Iterable[int], problems: list[str] | None = None) -> dict[int, Manifest]:
-        """Read many version manifests in parallel; missing ones (retention) are skipped, unusable ones
-        skipped and noted in ``problems``."""
-        todo = list(versions)
-        if not todo:
-            return {}
+    def read_many(self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None) -> list[Manifest]:
+        """Read manifests in parallel, in order; missing ones (retention) are skipped, unusable ones skipped
+        and noted in ``problems``."""
+        if not reads:
+            return []
 
-        def one(v: int) -> Manifest | None:
+        def one(read: Callable[[], Manifest]) -> Manifest | None:
             try:
-                return self.version(v)
+                return read()
             except NotFoundError:
                 return None
             except IntegrityError as e:
@@ -112,9 +112,12 @@ class Catalog:
                     problems.append(str(e))
                 return None
 
-        workers = min(self.max_parallel, len(todo))
-        with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-m") as pool:
-            return {v: m for v, m in zip(todo, pool.map(one, todo), strict=True) if m is not None}
+        with ThreadPoolExecutor(min(self.max_parallel, len(reads)), thread_name_prefix="flipsync-m") as pool:
+            return [m for m in pool.map(one, reads) if m is not None]
+
+    def read_versions(self, versions: Iterable[int], problems: list[str] | None = None) -> dict[int, Manifest]:
+        """``read_many`` of version manifests, by version."""
+        return {m.version: m for m in self.read_many([partial(self.version, v) for v in versions], problems)}
 
     def artifact_dir(self, m: Manifest) -> str:
         """The folder of a manifest read through this catalog (a keyframe may be a version's snapshot)."""
@@ -174,10 +177,7 @@ class Catalog:
         if start is not None and not self.has_version(start):
             start = None  # gone (retention or a rolled-back board): fall back to a listing
         if start is None:
-            for v in reversed(self.list_versions()):
-                if self.has_version(v):
-                    start = v
-                    break
+            start = next((v for v in reversed(self.list_versions()) if self.has_version(v)), None)
             if start is None:
                 return None
         # Gallop: find a step that is missing, then bisect between the last present and it.

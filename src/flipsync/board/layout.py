@@ -49,26 +49,11 @@ class RunLayout:
     def __init__(self, run: str) -> None:
         self.run = check_name(run, "run name")
         self.root = f"{RUNS}/{run}"
-
-    @property
-    def versions_dir(self) -> str:
-        return f"{self.root}/versions"
-
-    @property
-    def keyframes_dir(self) -> str:
-        return f"{self.root}/keyframes"
-
-    @property
-    def spans_dir(self) -> str:
-        return f"{self.root}/spans"
-
-    @property
-    def latest(self) -> str:
-        return f"{self.root}/{LATEST}"
-
-    @property
-    def members_dir(self) -> str:
-        return f"{self.root}/{MEMBERS}"
+        self.versions_dir = f"{self.root}/versions"
+        self.keyframes_dir = f"{self.root}/keyframes"
+        self.spans_dir = f"{self.root}/spans"
+        self.latest = f"{self.root}/{LATEST}"
+        self.members_dir = f"{self.root}/{MEMBERS}"
 
     def member_path(self, replica: str) -> str:
         return f"{self.members_dir}/{check_name(replica, 'replica id')}.json"

@@ -100,7 +100,7 @@ class MemberReader:
             if obj.path.endswith(".json")
         ]
         listed = {obj.path for obj, _ in objects}
-        changed = [(obj, run) for obj, run in objects if not self._unchanged(obj)]
+        changed = [(o, run) for o, run in objects if getattr(self._seen.get(o.path), "listing", None) != _listing(o)]
         if len(changed) > 1:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.max_parallel_reads, thread_name_prefix="flipsync-members")
@@ -124,12 +124,8 @@ class MemberReader:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
-    def _unchanged(self, obj: ObjectInfo) -> bool:
-        seen = self._seen.get(obj.path)
-        return seen is not None and seen.listing == (obj.size, obj.modified.isoformat(), obj.etag)
-
     def _read(self, obj: ObjectInfo, run: str) -> tuple[MemberRecord | None, Rejected | None]:
-        listing = (obj.size, obj.modified.isoformat(), obj.etag)
+        listing = _listing(obj)
         seen = self._seen.get(obj.path)
         if seen is not None and seen.listing == listing:
             return seen.record, seen.error
@@ -156,39 +152,32 @@ class MemberReader:
         record = MemberRecord.from_json(data)
         expected = RunLayout(run).member_path(record.replica)
         if record.run != run or expected != path:
-            raise _Misplaced(
+            raise _Refused(
                 f"{path} holds the record of replica {record.replica!r} of run {record.run!r}: a record lives "
-                "at runs/<its run>/members/<its replica>.json (copied from elsewhere?)"
+                "at runs/<its run>/members/<its replica>.json (copied from elsewhere?)",
+                "misplaced",
             )
         if self.verifier is not None:
             sig = record.signature
             if sig is None:
-                raise _Unsigned(f"{path} is not signed, and this board's members must sign their records")
+                raise _Refused(f"{path} is not signed, and this board's members must sign their records", "unsigned")
             if sig.key_id not in self.verifier.key_ids:
-                raise _Untrusted(f"{path} is signed by key {sig.key_id}, not a trusted member key")
+                raise _Refused(f"{path} is signed by key {sig.key_id}, not a trusted member key", "untrusted_key")
             self.verifier.verify_payload(sig, record.signing_payload(), path, what="member records")
         return record
 
 
-class _Misplaced(IntegrityError):
-    reason = "misplaced"
+class _Refused(IntegrityError):
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
-class _Unsigned(IntegrityError):
-    reason = "unsigned"
-
-
-class _Untrusted(IntegrityError):
-    reason = "untrusted_key"
+def _listing(obj: ObjectInfo) -> tuple[int, str, str | None]:
+    return (obj.size, obj.modified.isoformat(), obj.etag)
 
 
 def _reason(e: IntegrityError) -> str:
-    reason = getattr(e, "reason", None)
-    if reason is not None:
-        return str(reason)
+    if isinstance(e, _Refused):
+        return e.reason
     return "bad_signature" if "bad signature" in str(e) else "malformed"
-
-
-def member_records(store: Store, run: str) -> list[ObjectInfo]:
-    """The record objects of one run (for tools: ``flipsync board ls``, retention)."""
-    return [o for o in store.list(RunLayout(run).members_dir) if o.path.endswith(".json")]

@@ -10,7 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,19 +46,19 @@ class MirrorPolicy:
             raise ConfigError(f"mirror wait must be >= 0 s and its poll > 0 s, got {self.wait_s}, {self.poll_s}")
 
 
-@dataclass(frozen=True)
+@dataclass
 class MirrorStats:
     """What the mirror store saw so far."""
 
-    manifests: int  # version manifests seen to appear on the mirror (one lag sample each)
-    lag_last_s: float | None  # replication lag of the newest of them
-    lag_max_s: float  # the largest lag seen
-    lag_sum_s: float  # sum of the lags (mean = lag_sum_s / manifests)
-    waits: int  # reads that found the object missing on the mirror and waited for it
-    waited_s: float  # total time those reads waited
-    origin_reads: int  # objects read from the origin instead of the mirror
-    origin_bytes: int
-    unavailable: int  # reads that gave up: neither the mirror (within wait_s) nor the origin had the object
+    manifests: int = 0  # version manifests seen to appear on the mirror (one lag sample each)
+    lag_last_s: float | None = None  # replication lag of the newest of them
+    lag_max_s: float = 0.0  # the largest lag seen
+    lag_sum_s: float = 0.0  # sum of the lags (mean = lag_sum_s / manifests)
+    waits: int = 0  # reads that found the object missing on the mirror and waited for it
+    waited_s: float = 0.0  # total time those reads waited
+    origin_reads: int = 0  # objects read from the origin instead of the mirror
+    origin_bytes: int = 0
+    unavailable: int = 0  # reads that gave up: neither the mirror (within wait_s) nor the origin had the object
 
 
 class MirrorStore(StoreWrapper):
@@ -87,15 +87,7 @@ class MirrorStore(StoreWrapper):
         # one (a replica that boots late would otherwise count its whole catch-up as lag).
         self._missed: set[str] = set()  # version manifests looked for and not there (yet)
         self._appeared: dict[str, float] = {}  # missed manifests now seen: when they were first seen
-        self._manifests = 0
-        self._lag_last: float | None = None
-        self._lag_max = 0.0
-        self._lag_sum = 0.0
-        self._waits = 0
-        self._waited = 0.0
-        self._origin_reads = 0
-        self._origin_bytes = 0
-        self._unavailable = 0
+        self._stats = MirrorStats()
 
     def __repr__(self) -> str:
         return f"MirrorStore({self.url!r}, origin={self.origin.url if self.origin else None!r})"
@@ -165,14 +157,14 @@ class MirrorStore(StoreWrapper):
                     raise
             else:
                 with self._lock:
-                    self._origin_reads += 1
-                    self._origin_bytes += size_of(out)
+                    self._stats.origin_reads += 1
+                    self._stats.origin_bytes += size_of(out)
                 log.info("mirror %s lacks %s; read it from the origin %s", self.url, path, self.origin.url)
                 return out
         if not expected:
             raise NotFoundError(f"{self.url}/{path} does not exist")
         with self._lock:
-            self._unavailable += 1
+            self._stats.unavailable += 1
         where = "nor on the origin" if self.policy.fallback else "(origin fallback is off)"
         raise TransientStoreError(
             f"{op} {self.url}/{path}: the mirror still lacks this object after {self.policy.wait_s:g} s {where}; "
@@ -195,7 +187,7 @@ class MirrorStore(StoreWrapper):
         t0 = time.monotonic()
         deadline = t0 + self.policy.wait_s
         with self._lock:
-            self._waits += 1
+            self._stats.waits += 1
         try:
             while not self._stop.is_set():
                 if self.inner.exists(path):
@@ -209,7 +201,7 @@ class MirrorStore(StoreWrapper):
             return False
         finally:
             with self._lock:
-                self._waited += time.monotonic() - t0
+                self._stats.waited_s += time.monotonic() - t0
 
     # -- lag -----------------------------------------------------------------------------------------
 
@@ -242,36 +234,25 @@ class MirrorStore(StoreWrapper):
             return  # the catalog reports an unusable manifest itself
         lag = max(0.0, seen - created)
         with self._lock:
-            self._manifests += 1
-            self._lag_last = lag
-            self._lag_max = max(self._lag_max, lag)
-            self._lag_sum += lag
+            self._stats.manifests += 1
+            self._stats.lag_last_s = lag
+            self._stats.lag_max_s = max(self._stats.lag_max_s, lag)
+            self._stats.lag_sum_s += lag
 
     @property
     def stats(self) -> MirrorStats:
+        """A snapshot of the counters."""
         with self._lock:
-            return MirrorStats(
-                manifests=self._manifests,
-                lag_last_s=self._lag_last,
-                lag_max_s=self._lag_max,
-                lag_sum_s=self._lag_sum,
-                waits=self._waits,
-                waited_s=self._waited,
-                origin_reads=self._origin_reads,
-                origin_bytes=self._origin_bytes,
-                unavailable=self._unavailable,
-            )
+            return replace(self._stats)
 
 
 def find_mirror(store: Store) -> MirrorStore | None:
     """The MirrorStore inside a chain of store wrappers (fetch-ahead, ...), if any."""
-    seen = 0
     s: object = store
-    while s is not None and seen < 16:
+    for _ in range(16):
         if isinstance(s, MirrorStore):
             return s
         s = getattr(s, "inner", None)
-        seen += 1
     return None
 
 

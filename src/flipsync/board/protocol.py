@@ -124,31 +124,27 @@ class ArtifactWriter:
         try:
             self.store.put(path, payload, create_only=True)
             return
-        except ConflictError:
-            existing = self.read_existing(path)
-            if existing == payload:
-                return  # an earlier try of ours landed after all
-            # Someone else's manifest: our parts are unreferenced, so removing them is safe.
-            self._cleanup(written)
-            if not fence:
-                raise ConflictError(f"{self.store.url}/{path} already exists") from None
-            raise self.fenced_off(version, existing) from None
+        except ConflictError as e:
+            failure: BoardError = e
         except PermanentStoreError:
             raise  # refused: nothing was created, and trying again will not help
         except StoreError as e:
             # The last try may still have landed (a timeout). Never delete parts here: a late-landing manifest
             # would then point at nothing. Read it back once.
-            existing = self.read_existing(path)
-            if existing == payload:
-                return
-            if existing is not None:  # someone else's
-                self._cleanup(written)
-                if not fence:
-                    raise ConflictError(f"{self.store.url}/{path} already exists") from None
-                raise self.fenced_off(version, existing) from None
-            raise type(e)(
-                f"{e}. v{version} of run {self.run!r} is not published; its parts stay until retention removes them"
-            ) from e
+            failure = e
+        existing = self.read_existing(path)
+        if existing == payload:
+            return  # an earlier try of ours landed after all
+        if existing is None and not isinstance(failure, ConflictError):
+            raise type(failure)(
+                f"{failure}. v{version} of run {self.run!r} is not published; its parts stay until retention "
+                "removes them"
+            ) from failure
+        # Someone else's manifest: our parts are unreferenced, so removing them is safe.
+        self._cleanup(written)
+        if not fence:
+            raise ConflictError(f"{self.store.url}/{path} already exists") from None
+        raise self.fenced_off(version, existing) from None
 
     def read_existing(self, path: str) -> bytes | None:
         try:

@@ -6,15 +6,17 @@ artifact each raise a clear error); ``board.follow.Follower`` drives one replica
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING
 
 from flipsync.board.catalog import Catalog
-from flipsync.board.keyframes import INDEX_NAME, tensors_from_files
+from flipsync.board.keyframes import tensors_from_files
 from flipsync.board.signing import Verifier
 from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
@@ -28,10 +30,22 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class PatchStep:
+class _Verified:
+    manifest: Manifest
+
+    @property
+    def target_version(self) -> int:
+        return self.manifest.target_version
+
+    @property
+    def target_view_fp(self) -> str:
+        return self.manifest.target_view_fp
+
+
+@dataclass(frozen=True)
+class PatchStep(_Verified):
     """A verified patch (or squashed span): its parts, in manifest order, every hash checked."""
 
-    manifest: Manifest
     parts: list[bytes]
 
     @property
@@ -40,33 +54,16 @@ class PatchStep:
         return self.manifest.base_version
 
     @property
-    def target_version(self) -> int:
-        return self.manifest.target_version
-
-    @property
     def base_view_fp(self) -> str:
         assert self.manifest.base_view_fp is not None
         return self.manifest.base_view_fp
 
-    @property
-    def target_view_fp(self) -> str:
-        return self.manifest.target_view_fp
-
 
 @dataclass(frozen=True)
-class KeyframeStep:
+class KeyframeStep(_Verified):
     """A verified keyframe: the full served view at ``target_version``."""
 
-    manifest: Manifest
     tensors: dict[str, torch.Tensor]
-
-    @property
-    def target_version(self) -> int:
-        return self.manifest.target_version
-
-    @property
-    def target_view_fp(self) -> str:
-        return self.manifest.target_view_fp
 
 
 Step = PatchStep | KeyframeStep
@@ -114,25 +111,6 @@ class BoardReader:
 
     # -- planning -------------------------------------------------------------------------------------
 
-    def _read_many(self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None) -> list[Manifest]:
-        """Read manifests in parallel, skipping missing (retention) and broken ones (logged, noted)."""
-        if not reads:
-            return []
-
-        def one(read: Callable[[], Manifest]) -> Manifest | None:
-            try:
-                return read()
-            except NotFoundError:
-                return None
-            except IntegrityError as e:
-                log.warning("skipping an unusable manifest: %s", e)
-                if problems is not None:
-                    problems.append(str(e))
-                return None
-
-        with ThreadPoolExecutor(min(self.max_parallel, len(reads)), thread_name_prefix="flipsync-m") as pool:
-            return [m for m in pool.map(one, reads) if m is not None]
-
     def _versions_back_to_keyframe(self, head: int, floor: int, problems: list[str]) -> list[Manifest]:
         """Version manifests from ``head`` down to the newest snapshot (or ``floor``), in parallel batches."""
         out: list[Manifest] = []
@@ -167,10 +145,9 @@ class BoardReader:
             snapshots = [m.version for m in ms if m.kind is Kind.KEYFRAME]
             lower = max([*snapshots, *([newest_kf] if newest_kf is not None else []), lowest])
         wanted_kf = [k for k in keyframes if k >= lower or k == newest_kf]
-        # mypy cannot type a lambda with default arguments (they bind the loop variables here).
-        ms += self._read_many([lambda k=k: self.catalog.keyframe(k) for k in wanted_kf], problems)  # type: ignore[misc]
+        ms += self.catalog.read_many([partial(self.catalog.keyframe, k) for k in wanted_kf], problems)
         spans = [(a, b) for a, b in self.catalog.list_spans() if a >= lower and b <= head]
-        ms += self._read_many([lambda a=a, b=b: self.catalog.span(a, b) for a, b in spans], problems)  # type: ignore[misc]
+        ms += self.catalog.read_many([partial(self.catalog.span, a, b) for a, b in spans], problems)
         return ms
 
     def plan(
@@ -181,10 +158,8 @@ class BoardReader:
             goal = self.head()
             if goal is None:
                 raise NotFoundError(f"run {self.run!r} on {self.store.url} has no published version yet")
-        if local_version is not None and local_version > goal:
-            return plan_catchup(local_version, goal, [])  # raises: the board moved backwards
-        if local_version == goal:
-            return CatchupPlan(goal, goal, ())
+        if local_version is not None and local_version >= goal:
+            return plan_catchup(local_version, goal, [])  # nothing to do, or raises: the board moved backwards
         self.catalog.version(goal)  # a HEAD manifest that fails to parse or verify is an error of its own
         problems: list[str] = []
         artifacts = self.artifacts(local_version, goal, problems)
@@ -206,8 +181,6 @@ class BoardReader:
         if m.kind is not Kind.KEYFRAME:
             return PatchStep(m, parts)
         files = {p.path.rsplit("/", 1)[-1]: data for p, data in zip(m.parts, parts, strict=True)}
-        if INDEX_NAME not in files:
-            raise IntegrityError(f"keyframe v{m.version} in {self.store.url}/{folder} has no {INDEX_NAME}")
         try:
             tensors = tensors_from_files(files)
         except IntegrityError as e:
@@ -222,10 +195,7 @@ class BoardReader:
         pending: deque[tuple[Manifest, Future[Step]]] = deque()
         todo = iter(plan.steps)
         try:
-            for m in todo:
-                pending.append((m, pool.submit(self.fetch, m)))
-                if len(pending) >= self.prefetch_depth:
-                    break
+            pending.extend((m, pool.submit(self.fetch, m)) for m in itertools.islice(todo, self.prefetch_depth))
             while pending:
                 m, fut = pending.popleft()
                 nxt = next(todo, None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 
@@ -53,25 +54,20 @@ class GcReport:
 
 
 def _newest_keyframe(cat: Catalog, head: int) -> int | None:
-    listed = [k for k in cat.list_keyframes() if k <= head]
-    best: int | None = None
-    for k in reversed(listed):
-        try:
-            cat.keyframe(k)
-            best = k
-            break
-        except (NotFoundError, IntegrityError):
-            continue
-    versions = [v for v in cat.list_versions() if v <= head]
-    for v in reversed(versions):
-        if best is not None and v <= best:
-            break
-        try:
-            if cat.version(v).kind is Kind.KEYFRAME:
-                return v
-        except (NotFoundError, IntegrityError):
-            continue
+    """The newest readable keyframe at or below HEAD: an extra keyframe, or a newer snapshot version."""
+    best = next((k for k in reversed(cat.list_keyframes()) if k <= head and _readable(cat.keyframe, k)), None)
+    for v in reversed([v for v in cat.list_versions() if v <= head and (best is None or v > best)]):
+        m = _readable(cat.version, v)
+        if m is not None and m.kind is Kind.KEYFRAME:
+            return v
     return best
+
+
+def _readable(read: Callable[[int], Manifest], v: int) -> Manifest | None:
+    try:
+        return read(v)
+    except (NotFoundError, IntegrityError):
+        return None
 
 
 def _window_start(cat: Catalog, head: int, policy: RetentionPolicy, now: datetime) -> int:
@@ -119,55 +115,37 @@ def collect_garbage(
 
     grace = now - timedelta(seconds=policy.orphan_grace_s)
     members_gone = now - timedelta(seconds=policy.member_grace_s)
-    groups: dict[str, list[ObjectInfo]] = defaultdict(list)
+    groups: dict[tuple[str, str], list[ObjectInfo]] = defaultdict(list)
     stale_members: list[ObjectInfo] = []
     root = cat.layout.root + "/"
     for obj in store.list(cat.layout.root):
         rel = obj.path[len(root) :] if obj.path.startswith(root) else obj.path
         bits = rel.split("/")
         if len(bits) >= 3 and bits[0] in ("versions", "keyframes", "spans"):
-            groups[f"{bits[0]}/{bits[1]}"].append(obj)
+            groups[bits[0], bits[1]].append(obj)
         elif len(bits) == 2 and bits[0] == MEMBERS and obj.modified < members_gone:
             stale_members.append(obj)
-    if stale_members:
-        if not dry_run:
-            store.delete([o.path for o in stale_members])
-        report.deleted_members = len(stale_members)
-        report.deleted_bytes += sum(o.size for o in stale_members)
+    report.deleted_members = len(stale_members)
+    _delete(store, report, stale_members)
 
     doomed: list[tuple[tuple[int, int], str, list[ObjectInfo]]] = []
-    for key, objs in groups.items():
-        area, name = key.split("/", 1)
-        folder = f"{cat.layout.root}/{key}"
-        if area == "spans":
-            span = parse_span_name(name)
-            if span is None:
-                continue
-            below, order = span[0] < cutoff, span
-        else:
-            v = parse_version_name(name)
-            if v is None:
-                continue
-            below, order = v < cutoff, (v, v)
-        if below:
-            doomed.append((order, key, objs))
+    for (area, name), objs in groups.items():
+        span = parse_span_name(name) if area == "spans" else _as_span(parse_version_name(name))
+        if span is None:
             continue
-        report.deleted_orphans += _orphans(cat, store, folder, area, name, objs, grace, report)
+        if span[0] < cutoff:
+            doomed.append((span, area, objs))
+        else:
+            report.deleted_orphans += _orphans(cat, f"{root}{area}/{name}", area, span, objs, grace, report)
 
     # Oldest first, each manifest before its parts.
-    for _, key, objs in sorted(doomed):
-        area, name = key.split("/", 1)
-        objs = sorted(objs, key=lambda o: not o.path.endswith("/" + MANIFEST))
-        if not dry_run:
-            store.delete([o.path for o in objs])
-        report.deleted_bytes += sum(o.size for o in objs)
+    for span, area, objs in sorted(doomed):
+        _delete(store, report, sorted(objs, key=lambda o: not o.path.endswith("/" + MANIFEST)))
         if area == "versions":
-            report.deleted_versions.append(int(name))
+            report.deleted_versions.append(span[0])
         elif area == "keyframes":
-            report.deleted_keyframes.append(int(name))
+            report.deleted_keyframes.append(span[0])
         else:
-            span = parse_span_name(name)
-            assert span is not None
             report.deleted_spans.append(span)
     log.info(
         "gc %s: HEAD v%d, cutoff v%d, deleted %d versions, %d keyframes, %d spans, %d orphans, %d member records "
@@ -188,10 +166,9 @@ def collect_garbage(
 
 def _orphans(
     cat: Catalog,
-    store: Store,
     folder: str,
     area: str,
-    name: str,
+    span: tuple[int, int],
     objs: list[ObjectInfo],
     grace: datetime,
     report: GcReport,
@@ -201,7 +178,7 @@ def _orphans(
     referenced: set[str] = set()
     if any(o.path == manifest_path for o in objs):
         try:
-            m = _read(cat, area, name)
+            m = _read(cat, area, span)
         except (IntegrityError, NotFoundError) as e:
             # Never delete what an unreadable manifest might reference.
             log.warning("gc keeps %s untouched: %s", folder, e)
@@ -209,18 +186,24 @@ def _orphans(
             return 0
         referenced = {f"{folder}/{path}" for p in m.parts for path, _ in p.objects} | {manifest_path}
     stale = [o for o in objs if o.path not in referenced and o.modified < grace]
-    if stale:
-        if not report.dry_run:
-            store.delete([o.path for o in stale])
-        report.deleted_bytes += sum(o.size for o in stale)
+    _delete(cat.store, report, stale)
     return len(stale)
 
 
-def _read(cat: Catalog, area: str, name: str) -> Manifest:
+def _as_span(v: int | None) -> tuple[int, int] | None:
+    """A version folder's place among the span folders: (v, v)."""
+    return None if v is None else (v, v)
+
+
+def _read(cat: Catalog, area: str, span: tuple[int, int]) -> Manifest:
     if area == "versions":
-        return cat.version(int(name))
+        return cat.version(span[0])
     if area == "keyframes":
-        return cat.keyframe(int(name))
-    span = parse_span_name(name)
-    assert span is not None
+        return cat.keyframe(span[0])
     return cat.span(*span)
+
+
+def _delete(store: Store, report: GcReport, objs: list[ObjectInfo]) -> None:
+    if objs and not report.dry_run:
+        store.delete([o.path for o in objs])
+    report.deleted_bytes += sum(o.size for o in objs)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import blake3
 from cryptography.exceptions import InternalError, InvalidSignature, UnsupportedAlgorithm
@@ -23,6 +25,7 @@ from flipsync.domain.manifest import Manifest, Signature
 from flipsync.errors import ConfigError, IntegrityError
 
 ALG = "ed25519"
+K = TypeVar("K", Ed25519PrivateKey, Ed25519PublicKey)
 
 
 def key_id(public_key: Ed25519PublicKey) -> str:
@@ -40,20 +43,9 @@ class Signer:
 
     @classmethod
     def from_pem(cls, pem: bytes | str | Path) -> Signer:
-        data = _read(pem, "private key")
-        try:
-            key = serialization.load_pem_private_key(data, password=None)
-        # UnsupportedAlgorithm: a key type cryptography lacks; InternalError: OpenSSL refused the key bytes.
-        except (ValueError, TypeError, UnsupportedAlgorithm, InternalError) as e:
-            raise ConfigError(
-                f"cannot load the Ed25519 private key: {_reason(e)} (create one with `flipsync keygen KEY`)"
-            ) from None
-        if not isinstance(key, Ed25519PrivateKey):
-            raise ConfigError(
-                f"the private key is {type(key).__name__}, not Ed25519: "
-                "create an Ed25519 pair with `flipsync keygen KEY`"
-            )
-        return cls(key)
+        load = partial(serialization.load_pem_private_key, password=None)
+        cannot, wrong = "create one with `flipsync keygen KEY`", "create an Ed25519 pair with `flipsync keygen KEY`"
+        return cls(_load_key(pem, "private key", load, Ed25519PrivateKey, cannot, wrong))
 
     def public_key(self) -> Ed25519PublicKey:
         return self._key.public_key()
@@ -74,30 +66,14 @@ class Verifier:
         self._keys = {key_id(k): k for k in public_keys}
         if not self._keys:
             raise ConfigError("a Verifier needs at least one public key")
+        self.key_ids = sorted(self._keys)
 
     @classmethod
     def from_pem(cls, *pems: bytes | str | Path) -> Verifier:
-        keys = []
-        for pem in pems:
-            data = _read(pem, "public key")
-            try:
-                key = serialization.load_pem_public_key(data)
-            except (ValueError, TypeError, UnsupportedAlgorithm, InternalError) as e:  # as in Signer.from_pem
-                raise ConfigError(
-                    f"cannot load the Ed25519 public key: {_reason(e)} "
-                    "(readers take the KEY.pub that `flipsync keygen` wrote)"
-                ) from None
-            if not isinstance(key, Ed25519PublicKey):
-                raise ConfigError(
-                    f"the public key is {type(key).__name__}, not Ed25519: pass the KEY.pub that `flipsync keygen` "
-                    "wrote beside the publisher's key"
-                )
-            keys.append(key)
-        return cls(keys)
-
-    @property
-    def key_ids(self) -> list[str]:
-        return sorted(self._keys)
+        cannot = "readers take the KEY.pub that `flipsync keygen` wrote"
+        wrong = "pass the KEY.pub that `flipsync keygen` wrote beside the publisher's key"
+        load = serialization.load_pem_public_key
+        return cls(_load_key(pem, "public key", load, Ed25519PublicKey, cannot, wrong) for pem in pems)
 
     def verify(self, manifest: Manifest, where: str = "manifest") -> None:
         self.verify_payload(manifest.signature, manifest.signing_payload(), where, what="manifests")
@@ -127,13 +103,9 @@ def generate_keypair() -> tuple[bytes, bytes]:
     return private, public
 
 
-def public_key_path(private_path: Path) -> Path:
-    return private_path.with_name(private_path.name + ".pub")
-
-
 def write_keypair(out: Path, *, force: bool = False) -> tuple[Path, Path, str]:
     """Write a new key pair to ``out`` (private, mode 0600) and ``out.pub``; return the paths and key id."""
-    pub_path = public_key_path(out)
+    pub_path = out.with_name(out.name + ".pub")
     if not force and (out.exists() or pub_path.exists()):
         raise ConfigError(f"{out} or {pub_path} already exists; pass force to replace it")
     private, public = generate_keypair()
@@ -147,9 +119,20 @@ def write_keypair(out: Path, *, force: bool = False) -> tuple[Path, Path, str]:
     return out, pub_path, Signer.from_pem(private).key_id
 
 
-def _reason(e: Exception) -> str:
-    # OpenSSL's InternalError text is a paragraph about its error stack; what the user needs is below.
-    return "its key bytes are corrupt" if isinstance(e, InternalError) else str(e)
+def _load_key(
+    pem: bytes | str | Path, what: str, load: Callable[[bytes], object], cls: type[K], cannot: str, wrong: str
+) -> K:
+    data = _read(pem, what)
+    try:
+        key = load(data)
+    # UnsupportedAlgorithm: a key type cryptography lacks; InternalError: OpenSSL refused the key bytes (its text
+    # is a paragraph about its error stack; what the user needs is below).
+    except (ValueError, TypeError, UnsupportedAlgorithm, InternalError) as e:
+        reason = "its key bytes are corrupt" if isinstance(e, InternalError) else str(e)
+        raise ConfigError(f"cannot load the Ed25519 {what}: {reason} ({cannot})") from None
+    if not isinstance(key, cls):
+        raise ConfigError(f"the {what} is {type(key).__name__}, not Ed25519: {wrong}")
+    return key
 
 
 def _read(source: bytes | str | Path, what: str) -> bytes:

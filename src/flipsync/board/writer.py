@@ -151,14 +151,9 @@ class BoardWriter:
 
         The second half of ``publish_patch``, for sharded training: every rank puts its part under
         ``layout.version_dir(target_version)/<attempt>/`` (an attempt id shared by the ranks, from
-        ``new_attempt_id()``), makes it durable and reports its ``Part`` (path relative to the version
-        folder, size, BLAKE3); one process then commits them all here, with the same fences as
-        ``publish_patch``: the base must be HEAD (else ConflictError), the manifest is created create-only,
-        and if another publisher created the version first, the parts are deleted and ConflictError raised.
-
-        Every part must be on the board with its recorded size (one listing of the version folder; the
-        hashes are the uploaders' word, checked by every reader): NotFoundError if one is missing,
-        IntegrityError if one has another size. Nothing is created then.
+        ``new_attempt_id()``), makes it durable and reports its ``Part``; one process commits them all here,
+        with ``publish_patch``'s fences. Every part must be on the board with its recorded size (one listing;
+        the hashes are the uploaders' word, checked by every reader), else nothing is created.
         """
         self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         folder = self.layout.version_dir(target_version)

@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,9 +16,8 @@ import numba
 import numpy as np
 import torch
 
-from flipsync.codec.bits import DType, bits_numpy, dtype_named, dtype_of, int_view
+from flipsync.codec.bits import KIND_CODE, DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.class_index import ClassIndex
-from flipsync.codec.encode import gather_bits
 from flipsync.codec.fingerprint import FP_SEED, MASK64, FingerprintTable, Hasher, TensorId, combine_digests, fmix64
 from flipsync.codec.intrinsics import prefetch_write
 from flipsync.codec.patch import Patch
@@ -42,8 +42,7 @@ class StagedWrite:
 
 @dataclass
 class UndoRecord:
-    """What a commit overwrote; ``rollback`` restores the tensors, the fingerprint table and the class index
-    the commit moved (if any)."""
+    """What a commit overwrote; ``rollback`` restores the tensors, the fingerprint table and the class index."""
 
     writes: list[StagedWrite] = field(default_factory=list)
     table_before: dict[str, TensorId] = field(default_factory=dict)
@@ -97,10 +96,7 @@ def _scatter_cpu(flat: np.ndarray, positions: np.ndarray, bits: np.ndarray) -> N
 
 
 def scatter(t: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> None:
-    """Write ``bits`` at flat ``positions`` of ``t`` in place, O(len(positions)).
-
-    On the CPU a compiled loop is several times faster than ``index_copy_`` for 8/16-bit elements.
-    """
+    """Write ``bits`` at flat ``positions`` of ``t`` in place (CPU: a compiled loop, faster than ``index_copy_``)."""
     flat = int_view(t)
     if flat.device.type == "cpu":
         _scatter_cpu(flat.numpy(), positions.numpy(), bits.numpy())
@@ -113,7 +109,6 @@ def _torch_bits(bits: np.ndarray, d: DType, device: torch.device) -> torch.Tenso
     return torch.from_numpy(np.ascontiguousarray(signed)).to(device)
 
 
-_KIND = {"float": 0, "int": 1, "uint": 2}
 _MODE = {"step": 0, "raw": 1, "mixed": 2}
 _BLOCK = 2048  # values per kernel block: its gathered bits stay in L1 between the kernel's three loops
 
@@ -131,14 +126,11 @@ def _stage_kernel(
     old_out: np.ndarray,
     new_out: np.ndarray,
 ) -> tuple[int, np.uint64]:
-    """Everything staging does per changed value, block by block: gather the old bits (``src[positions[i]]``,
-    or ``src[i]`` when already ``gathered``), apply the zigzagged step or raw pattern through the order key
-    (the arithmetic of bits.to_key/from_key, mod 2**64, truncated to ``width``), and accumulate the
-    fingerprint delta sum(h(i, new) - h(i, old)) of fingerprint.py.
-
-    Three tight loops per block rather than one fused loop: a bare gather loop keeps many cache misses in
-    flight, and the branch-free arithmetic and hash loops vectorise (one fused loop was 4x slower).
-    Returns (index of the first raw value wider than ``width``, or -1; fingerprint delta mod 2**64).
+    """Everything staging does per changed value, block by block: gather the old bits (unless ``gathered``),
+    apply the zigzagged step or raw pattern through the order key (bits.to_key/from_key, truncated to
+    ``width``), and accumulate the fingerprint delta. Returns (index of the first raw value wider than
+    ``width``, or -1; fingerprint delta mod 2**64). Three tight loops per block rather than one fused loop: a
+    bare gather loop keeps many cache misses in flight, and the others vectorise (one fused loop was 4x slower).
     """
     one = np.uint64(1)
     zero = np.uint64(0)
@@ -183,70 +175,6 @@ def _stage_kernel(
     return -1, acc
 
 
-@dataclass
-class _Decoded:
-    """One section's streams decoded but not yet turned into values (the stage kernel does that)."""
-
-    dtype: DType
-    mode: str  # "step", "raw" or "mixed"
-    positions: np.ndarray  # int64, sorted, below numel
-    symbols: np.ndarray  # zigzagged steps or raw patterns
-    raw: np.ndarray | None  # per-value kind flags of a mixed section
-
-
-def _decode_section(section: SectionHeader, blob: bytes | memoryview, base: Base) -> _Decoded:
-    """``patch.decode_change`` without its numpy value passes; failures are CorruptPatchError."""
-    d, positions, symbols, raw = decode_streams(section, blob, base)
-    return _Decoded(d, section.mode, positions, symbols, raw)
-
-
-def _base_of(
-    patch: Patch, section: SectionHeader, t: torch.Tensor, table: FingerprintTable, index: ClassIndex | None
-) -> Base:
-    """What a section decodes against: the tensor, or, for ``ctx`` positions on the host, its bits held by the
-    receiver's class index."""
-    held = table.get(section.name)
-    if index is None or held is None or t.device.type != "cpu" or not patch.section_needs_base(section.name):
-        return t
-    return index.base(section.name, bits_numpy(t), dtype_named(section.dtype), held.fp)
-
-
-def _stage_bits(t: torch.Tensor, dec: _Decoded, name: str) -> tuple[np.ndarray, np.ndarray, int]:
-    """Old and new bit patterns at the changed positions, and the fingerprint delta (mod 2**64)."""
-    d = dec.dtype
-    n = dec.positions.size
-    if n and dec.positions[-1] >= t.numel():  # the decoders bound positions by the header's shape already
-        raise CorruptPatchError(f"section {name!r} has positions past the end of its tensor")
-    old_bits = np.empty(n, dtype=d.uint_numpy)
-    new_bits = np.empty(n, dtype=d.uint_numpy)
-    if t.device.type == "cpu":
-        src, gathered = bits_numpy(t), False
-    else:
-        src, gathered = gather_bits(t, dec.positions), True
-    raw = dec.raw if dec.raw is not None else np.zeros(0, dtype=bool)
-    mode = _MODE[dec.mode]
-    bad, delta = _stage_kernel(
-        src, dec.positions, gathered, dec.symbols, raw, mode, _KIND[d.kind], d.bits, old_bits, new_bits
-    )
-    if bad >= 0:
-        raise CorruptPatchError(f"section {name!r} has raw values wider than {d.name}")
-    return old_bits, new_bits, int(delta)
-
-
-def check_base(tensors: MutableMapping[str, torch.Tensor], patch: Patch, table: FingerprintTable) -> None:
-    """Refuse a patch whose base is not what we hold; reads only the fingerprint table and layouts."""
-    for s in patch.sections:  # layout first: the most actionable message
-        _check_layout(tensors, s.name, s.dtype, s.shape)
-    held = table.view_fp()
-    if held != patch.header.base.view:
-        version = patch.header.base.version
-        raise BaseMismatchError(
-            f"this patch applies to view {patch.header.base.view}"
-            + (f" (version {version})" if version is not None else "")
-            + f", but the tensors hold view {held}; fetch the patches in between or resync from a keyframe"
-        )
-
-
 def _check_layout(tensors: MutableMapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> None:
     if name not in tensors:
         raise BaseMismatchError(f"the patch changes tensor {name!r}, which the target tensors do not have")
@@ -268,30 +196,46 @@ def stage(
     index: ClassIndex | None = None,
 ) -> list[StagedWrite]:
     """Decode and prepare every write without touching the tensors; verifies the target fingerprints.
-
-    ``check=False`` skips the base check, allowed only for all-raw (idempotent overwrite) patches: their
-    result does not depend on the old values, and the target is then verified by a full rehash at commit.
-    ``index``: the receiver's class index of ``tensors`` (kept current by passing it to :func:`commit` too):
-    ``ctx`` sections then read only the blocks of their base that hold changes.
-    """
-    if check:
-        check_base(tensors, patch, table)
-    elif not patch.header.idempotent:
+    ``check=False`` skips the base check, allowed only for all-raw (idempotent overwrite) patches (verified by
+    a full rehash at commit). ``index``: the receiver's class index of ``tensors`` (pass it to :func:`commit`)."""
+    if not check and not patch.header.idempotent:
         raise PatchError("only overwrite-mode patches can be applied without checking their base")
-    for s in patch.sections:
+    for s in patch.sections:  # layout first: the most actionable message
         _check_layout(tensors, s.name, s.dtype, s.shape)
+    if check and table.view_fp() != patch.header.base.view:  # reads only the fingerprint table
+        version = patch.header.base.version
+        raise BaseMismatchError(
+            f"this patch applies to view {patch.header.base.view}"
+            + (f" (version {version})" if version is not None else "")
+            + f", but the tensors hold view {table.view_fp()}; fetch the patches in between or resync from a keyframe"
+        )
 
     def prepare(s: SectionHeader) -> StagedWrite:
-        t = tensors[s.name]
-        dec = _decode_section(s, patch.section_blob(s.name), _base_of(patch, s, t, table, index))
-        old_bits, new_bits, delta = _stage_bits(t, dec, s.name)
-        fp = (table[s.name].fp + delta) & MASK64  # the target view check below vouches for it
+        t, held = tensors[s.name], table.get(s.name)
+        base: Base = t  # for ctx positions on the host: its bits held by the receiver's class index
+        if index is not None and held is not None and t.device.type == "cpu" and patch.section_needs_base(s.name):
+            base = index.base(s.name, bits_numpy(t), dtype_named(s.dtype), held.fp)
+        d, positions, symbols, raw = decode_streams(s, patch.section_blob(s.name), base)
+        n = positions.size
+        if n and positions[-1] >= t.numel():  # the decoders bound positions by the header's shape already
+            raise CorruptPatchError(f"section {s.name!r} has positions past the end of its tensor")
+        old_bits, new_bits = np.empty(n, dtype=d.uint_numpy), np.empty(n, dtype=d.uint_numpy)
+        if t.device.type == "cpu":
+            src, gathered = bits_numpy(t), False
+        else:  # the old bits, gathered on the device
+            src, gathered = int_view(t)[torch.from_numpy(positions).to(t.device)].cpu().numpy().view(d.uint_numpy), True
+        raw = raw if raw is not None else np.zeros(0, dtype=bool)
+        mode, kind = _MODE[s.mode], KIND_CODE[d.kind]
+        bad, delta = _stage_kernel(src, positions, gathered, symbols, raw, mode, kind, d.bits, old_bits, new_bits)
+        if bad >= 0:
+            raise CorruptPatchError(f"section {s.name!r} has raw values wider than {d.name}")
+        fp = (table[s.name].fp + int(delta)) & MASK64  # the target view check below vouches for it
         return StagedWrite(
             name=s.name,
-            positions=torch.from_numpy(dec.positions).to(t.device),
-            old_bits=_torch_bits(old_bits, dec.dtype, t.device),
-            new_bits=_torch_bits(new_bits, dec.dtype, t.device),
-            target=TensorId(dec.dtype.name, s.shape, fp),
+            positions=torch.from_numpy(positions).to(t.device),
+            old_bits=_torch_bits(old_bits, d, t.device),
+            new_bits=_torch_bits(new_bits, d, t.device),
+            target=TensorId(d.name, s.shape, fp),
         )
 
     # Sections are independent and their decoders release the GIL for most of the work: large patches are
@@ -302,23 +246,17 @@ def stage(
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="flipsync-stage") as pool:
             staged = list(pool.map(prepare, patch.sections))
-    if check:
-        _check_target_view(table, staged, patch)
+    if check:  # every tensor matching its target is not enough: the header's target view must be what results
+        after = table.copy()
+        after.update({w.name: w.target for w in staged})
+        if after.view_fp() != patch.header.target.view:
+            target = patch.header.target
+            raise VerificationError(
+                f"applying this patch would give view {after.view_fp()}, not the target view {target.view}"
+                + (f" (version {target.version})" if target.version is not None else "")
+                + " its header names; the patch is corrupt or crafted (nothing was changed)"
+            )
     return staged
-
-
-def _check_target_view(table: FingerprintTable, staged: list[StagedWrite], patch: Patch) -> None:
-    """Every tensor matching its target is not enough: the header's target view must be what results."""
-    after = table.copy()
-    after.update({w.name: w.target for w in staged})
-    if after.view_fp() != patch.header.target.view:
-        raise VerificationError(
-            f"applying this patch would give view {after.view_fp()}, not the target view "
-            f"{patch.header.target.view}"
-            + (f" (version {patch.header.target.version})" if patch.header.target.version is not None else "")
-            + " its header names; the patch "
-            "is corrupt or crafted (nothing was changed)"
-        )
 
 
 def commit(
@@ -332,38 +270,31 @@ def commit(
     digest: str | None = None,
     index: ClassIndex | None = None,
 ) -> UndoRecord:
-    """Scatter staged writes in place; on any failure restore every byte and re-raise.
-
-    ``digest``: the patch's combined target digest (``PatchHeader.digest``), checked with ``verify="digest"``
-    against the touched tensors' digests. ``index``: the class
-    index given to :func:`stage`, moved with the tensors (and back by the undo record's rollback).
-    """
+    """Scatter staged writes in place; on any failure restore every byte and re-raise. ``digest``: the patch's
+    combined target digest, checked with ``verify="digest"``. ``index``: the one given to :func:`stage`."""
     undo = UndoRecord(table_before={w.name: table[w.name] for w in staged})
-    own = hasher is None and (verify == "digest" or full_fingerprint)
-    h = hasher or (Hasher() if own else None)
-    try:
-        for w in staged:
-            undo.writes.append(w)
-            scatter(tensors[w.name], w.positions, w.new_bits)
-            table[w.name] = w.target
-        if full_fingerprint and h is not None:
+    with ExitStack() as own:
+        h = hasher or (own.enter_context(Hasher()) if verify == "digest" or full_fingerprint else None)
+        try:
             for w in staged:
-                table[w.name] = TensorId(w.target.dtype, w.target.shape, h.fingerprint(tensors[w.name]))
-        if verify == "digest" and h is not None:
-            held = {w.name: h.digest(tensors[w.name]) for w in staged}
-            if digest is not None and combine_digests(held.items()) != digest:
-                raise VerificationError(
-                    "the changed tensors do not match the patch's target content digest after applying; rolled back"
-                )
-        if index is not None:
-            _move_index(index, undo.writes, undo.table_before, table)
-            undo.index = index
-    except BaseException:
-        undo.rollback(tensors, table)
-        raise
-    finally:
-        if own and h is not None:
-            h.close()
+                undo.writes.append(w)
+                scatter(tensors[w.name], w.positions, w.new_bits)
+                table[w.name] = w.target
+            if full_fingerprint and h is not None:
+                for w in staged:
+                    table[w.name] = TensorId(w.target.dtype, w.target.shape, h.fingerprint(tensors[w.name]))
+            if verify == "digest" and h is not None:
+                held = {w.name: h.digest(tensors[w.name]) for w in staged}
+                if digest is not None and combine_digests(held.items()) != digest:
+                    raise VerificationError(
+                        "the changed tensors do not match the patch's target content digest after applying; rolled back"
+                    )
+            if index is not None:
+                _move_index(index, undo.writes, undo.table_before, table)
+                undo.index = index
+        except BaseException:
+            undo.rollback(tensors, table)
+            raise
     return undo
 
 
@@ -377,8 +308,7 @@ def apply_patch(
     hasher: Hasher | None = None,
     index: ClassIndex | None = None,
 ) -> ApplyResult:
-    """Apply ``patch`` to ``tensors`` in place and update ``table`` (and ``index``, see :func:`stage`); all or
-    nothing (see module doc)."""
+    """Apply ``patch`` to ``tensors`` in place and update ``table`` (and ``index``, see :func:`stage`)."""
     t0 = time.perf_counter()
     staged = stage(tensors, patch, table, check=check, index=index)
     t1 = time.perf_counter()

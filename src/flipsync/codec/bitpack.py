@@ -1,8 +1,5 @@
-"""MSB-first bit packing (numba): the bit writer (plain and Rice codes) the coders share, and the fixed-width
-value coder ``bits``.
-
-The unpackers read untrusted bytes, so every read is bounds-checked and a malformed stream returns a
-negative status instead of reading past the buffer.
+"""MSB-first bit packing (numba): the bit writer the coders share, and the fixed-width value coder ``bits``.
+The unpackers read untrusted bytes: a malformed stream returns a negative status, never reads past the buffer.
 """
 
 from __future__ import annotations
@@ -37,6 +34,20 @@ def put_bits(
 
 
 @numba.njit(inline="always")
+def bit_at(data: np.ndarray, p: int) -> int:
+    return (data[p >> 3] >> (7 - (p & 7))) & 1
+
+
+@numba.njit(inline="always")
+def read_bits(data: np.ndarray, p: int, width: int) -> np.uint64:
+    """The ``width`` bits from bit ``p`` (the caller bounds-checks)."""
+    v = np.uint64(0)
+    for t in range(width):
+        v = (v << np.uint64(1)) | np.uint64(bit_at(data, p + t))
+    return v
+
+
+@numba.njit(inline="always")
 def flush_bits(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> int:
     """Write the last partial byte (zero-padded); returns the number of bytes used."""
     if nacc > 0:
@@ -57,21 +68,7 @@ def put_rice(out: np.ndarray, j: int, acc: np.uint64, nacc: int, g: np.uint64, k
 
 
 @numba.njit(inline="always")
-def _put_word(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, int]:
-    """Flush 32 bits of ``acc`` (the 32 above its low ``nacc - 32``) as four bytes once ``nacc`` reaches 32."""
-    if nacc < 32:
-        return j, nacc
-    nacc -= 32
-    word = acc >> np.uint64(nacc)
-    out[j] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
-    out[j + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
-    out[j + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
-    out[j + 3] = np.uint8(word & np.uint64(0xFF))
-    return j + 4, nacc
-
-
-@numba.njit(inline="always")
-def _put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, int]:
+def put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, int]:
     while nacc >= 8:
         nacc -= 8
         out[j] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
@@ -82,11 +79,8 @@ def _put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int,
 @numba.njit(nogil=True, cache=True)
 def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> int:
     """Each value as a Rice code with parameter ``param`` (``rice``), or in ``param`` bits (1..64); returns the
-    number of bytes used.
-
-    A code of at most 56 bits (all but very long quotients or wide fields) goes into the 64-bit accumulator
-    whole, flushed 32 bits at a time; longer ones take ``put_bits``' general path. Same bits either way.
-    """
+    number of bytes used. A code of at most 56 bits goes into the 64-bit accumulator whole, flushed 32 bits at
+    a time; longer ones take ``put_bits``' general path."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
@@ -108,11 +102,18 @@ def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> i
                 j, acc, nacc = put_bits(out, j, acc, nacc, v, param)
             continue
         if nacc + width > 64:
-            j, nacc = _put_bytes(out, j, acc, nacc)
+            j, nacc = put_bytes(out, j, acc, nacc)
         acc = (acc << np.uint64(width)) | code
         nacc += width
-        j, nacc = _put_word(out, j, acc, nacc)
-    j, nacc = _put_bytes(out, j, acc, nacc)
+        if nacc >= 32:  # flush the 32 bits above the low nacc - 32
+            nacc -= 32
+            word = acc >> np.uint64(nacc)
+            out[j] = np.uint8((word >> np.uint64(24)) & np.uint64(0xFF))
+            out[j + 1] = np.uint8((word >> np.uint64(16)) & np.uint64(0xFF))
+            out[j + 2] = np.uint8((word >> np.uint64(8)) & np.uint64(0xFF))
+            out[j + 3] = np.uint8(word & np.uint64(0xFF))
+            j += 4
+    j, nacc = put_bytes(out, j, acc, nacc)
     return flush_bits(out, j, acc, nacc)
 
 
@@ -127,9 +128,7 @@ def exp_golomb_bits(values: np.ndarray, k: int) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def pack_exp_golomb(values: np.ndarray, k: int, out: np.ndarray) -> int:
-    """Order-``k`` Exp-Golomb: x = v + 2**k in its bit length b, after b - 1 - k zeros; small values take
-    few bits and large ones grow with their logarithm (unlike a fixed width or one Rice parameter). Each value
-    below 2**62. Returns the number of bytes used."""
+    """Order-``k`` Exp-Golomb codes (x = v + 2**k after b - 1 - k zeros, v < 2**62); returns the bytes used."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
@@ -143,8 +142,7 @@ def pack_exp_golomb(values: np.ndarray, k: int, out: np.ndarray) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
-    """Decode len(out) order-``k`` Exp-Golomb codes; TRUNCATED if the bytes run out, CORRUPT for a code
-    longer than 63 bits."""
+    """Decode len(out) order-``k`` Exp-Golomb codes; TRUNCATED, or CORRUPT for a code over 63 bits."""
     p = 0
     total = data.shape[0] * 8
     for i in range(out.shape[0]):
@@ -152,7 +150,7 @@ def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
         while True:
             if p >= total:
                 return TRUNCATED
-            if (data[p >> 3] >> (7 - (p & 7))) & 1:
+            if bit_at(data, p):
                 break
             z += 1
             p += 1
@@ -161,11 +159,8 @@ def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
         width = z + k + 1
         if p + width > total:
             return TRUNCATED
-        x = np.uint64(0)
-        for _ in range(width):
-            x = (x << np.uint64(1)) | np.uint64((data[p >> 3] >> (7 - (p & 7))) & 1)
-            p += 1
-        out[i] = x - (np.uint64(1) << np.uint64(k))
+        out[i] = read_bits(data, p, width) - (np.uint64(1) << np.uint64(k))
+        p += width
     return OK
 
 
@@ -173,13 +168,8 @@ def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
 def fixed_unpack(data: np.ndarray, width: int, out: np.ndarray) -> int:
     if out.shape[0] * width > data.shape[0] * 8:
         return TRUNCATED
-    p = 0
     for i in range(out.shape[0]):
-        v = np.uint64(0)
-        for _ in range(width):
-            v = (v << np.uint64(1)) | np.uint64((data[p >> 3] >> (7 - (p & 7))) & 1)
-            p += 1
-        out[i] = v
+        out[i] = read_bits(data, i * width, width)
     return OK
 
 

@@ -1,8 +1,6 @@
-"""Integer views of tensors and the order-preserving key of a bit pattern.
-
-The codec never looks at floating-point values: every tensor is read through an integer view of the same
-width, so +0/-0, NaN payloads and subnormals are all just distinct bit patterns. A changed value is stored
-as the difference of *order keys* (new minus old), which is +/-1 for a value that moved by one ulp.
+"""Integer views of tensors and the order-preserving key of a bit pattern: the codec never looks at
+floating-point values (+0/-0, NaN payloads are distinct patterns), and stores a change as the difference of
+order keys, +/-1 for a value that moved by one ulp.
 """
 
 from __future__ import annotations
@@ -24,11 +22,6 @@ class DType:
     torch_dtype: torch.dtype
     bits: int  # element width
     kind: str  # "float" (sign-magnitude), "int" (two's complement) or "uint"
-
-    @property
-    def int_torch(self) -> torch.dtype:
-        """The signed integer torch dtype of the same width (torch has few unsigned ops)."""
-        return {8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[self.bits]
 
     @property
     def uint_numpy(self) -> np.dtype:
@@ -72,11 +65,8 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
     """A flat integer view of the tensor's bytes (zero-copy; the tensor must be contiguous)."""
     if not t.is_contiguous():
         raise PatchError("the codec needs contiguous tensors; call .contiguous() first")
-    d = dtype_of(t)
-    flat = t.reshape(-1)
-    if d.torch_dtype is torch.bool:
-        return flat.view(torch.uint8)
-    return flat.view(d.int_torch)
+    # signed integers of the same width (torch has few unsigned ops); bytes for bool
+    return t.reshape(-1).view({8: torch.uint8, 16: torch.int16, 32: torch.int32, 64: torch.int64}[dtype_of(t).bits])
 
 
 def bits_numpy(t: torch.Tensor) -> np.ndarray:
@@ -86,11 +76,8 @@ def bits_numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def to_key(bits: np.ndarray, d: DType) -> np.ndarray:
-    """Map bit patterns (unsigned, width d.bits) to int64 keys whose order is the numeric order.
-
-    Sign-magnitude floats: negative patterns reverse, so -0 and +0 are neighbours and one ulp is one step.
-    For 64-bit elements the key is kept modulo 2**64 (steps still add and subtract exactly).
-    """
+    """Map bit patterns (unsigned, width d.bits) to int64 keys whose order is the numeric order (floats:
+    negative patterns reverse, so -0 and +0 are neighbours); 64-bit keys are kept modulo 2**64."""
     u = bits.astype(np.uint64)
     half = np.uint64(1) << np.uint64(d.bits - 1)
     if d.kind == "float":
@@ -123,22 +110,21 @@ def _order_key(u: np.uint64, half: np.uint64, top: np.uint64, kind: int) -> np.u
 
 @numba.njit(nogil=True, cache=True)
 def key_steps_into(old: np.ndarray, new: np.ndarray, bits: int, kind: int, out: np.ndarray) -> None:
-    """out[i] = key(new[i]) - key(old[i]) mod 2**64, for patterns of width ``bits`` (kind 0 float, 1 int,
-    2 uint): the order-key step of `to_key` in one pass, without its int64 temporaries."""
+    """out[i] = key(new[i]) - key(old[i]) mod 2**64 (kind 0 float, 1 int, 2 uint), without to_key's temporaries."""
     half = np.uint64(1) << np.uint64(bits - 1)
     top = np.uint64(0xFFFFFFFFFFFFFFFF) >> np.uint64(64 - bits)
     for i in range(old.shape[0]):
         out[i] = _order_key(np.uint64(new[i]), half, top, kind) - _order_key(np.uint64(old[i]), half, top, kind)
 
 
-_KIND_CODE = {"float": 0, "int": 1, "uint": 2}
+KIND_CODE = {"float": 0, "int": 1, "uint": 2}
 
 
 def key_steps(old_bits: np.ndarray, new_bits: np.ndarray, d: DType) -> np.ndarray:
     """``to_key(new_bits, d) - to_key(old_bits, d)`` (int64, modulo 2**64) in one compiled pass."""
     out = np.empty(old_bits.size, dtype=np.uint64)
     old, new = np.ascontiguousarray(old_bits).reshape(-1), np.ascontiguousarray(new_bits).reshape(-1)
-    key_steps_into(old, new, d.bits, _KIND_CODE[d.kind], out)
+    key_steps_into(old, new, d.bits, KIND_CODE[d.kind], out)
     return out.view(np.int64)
 
 

@@ -1,9 +1,5 @@
-"""The receiver's class index, and the classes it counts: an element's class is a few bits of its pattern
-(the exponent, for floats), the same rule the ``ctx`` coder conditions positions on (``codec.context``).
-
-Per tensor and per class present in it, a Fenwick tree of the class's counts over blocks of the tensor:
-moved in O(changed x log blocks) by every commit, it lets a sparse ``ctx`` section decode by reading only
-the blocks that hold its changes (docs/codec.md, "The class index").
+"""The element classes ``ctx`` conditions on (the exponent bits, for floats), and the receiver's class index:
+per tensor and class, a Fenwick tree of counts over blocks, so that sparse ``ctx`` sections read only their blocks.
 """
 
 from __future__ import annotations
@@ -58,8 +54,8 @@ def class_rule(d: DType) -> ClassRule:
 
 @numba.njit(nogil=True, cache=True)
 def count_classes(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
-    """Every class's element count in ``base[lo:hi]`` into ``counts`` (n_classes). Four interleaved
-    histograms, so that runs of one class do not wait on the previous store to the same counter."""
+    """Every class's element count in ``base[lo:hi]`` into ``counts``. Four interleaved histograms, so that
+    runs of one class do not wait on the previous store to the same counter."""
     n_classes = counts.shape[0]
     h = np.zeros((4, n_classes), dtype=np.int64)
     two = m2 != 0
@@ -76,10 +72,8 @@ def count_classes(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-
         counts[c] = h[0, c] + h[1, c] + h[2, c] + h[3, c]
 
 
-# The class index: per class present in the base, a Fenwick tree over blocks of the base (tree[slot[c], i - 1]
-# covers class c's count in blocks (i - lowbit(i), i], 1-based; slot[c] is -1 for a class the base lacks), so
-# that a change of the base moves it in O(log blocks) and the block holding class c's r-th element is found in
-# O(log blocks).
+# The class index: tree[slot[c], i - 1] covers class c's count in blocks (i - lowbit(i), i], 1-based (slot[c] is
+# -1 for a class the base lacks).
 
 
 @numba.njit(nogil=True, cache=True)
@@ -101,9 +95,8 @@ def tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-
 
 @numba.njit(nogil=True, cache=True)
 def tree_move(tree, slot, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
-    """The base's ``old`` bits became ``new`` at ``positions``: O(changes x log blocks). Returns -1, or the first
-    change (not applied) whose new class has no tree yet (the base lacked it when the index was built), or -2
-    if the tree cannot describe the base."""
+    """The base's ``old`` bits became ``new`` at ``positions``. Returns -1, or the first change (not applied)
+    whose new class has no tree yet, or -2 if the tree cannot describe the base."""
     n_blocks = tree.shape[1]
     a1, b1, a2, b2, c2 = np.uint64(s1), np.uint64(m1), np.uint64(s2), np.uint64(m2), np.uint64(w1)
     for j in range(positions.shape[0]):
@@ -147,8 +140,7 @@ def tree_rows(tree, slot, cut, out):  # type: ignore[no-untyped-def]
 @dataclass(frozen=True)
 class BaseBits:
     """The base tensor's bit patterns (flat, unsigned) and dtype: what ``ctx`` conditions on; optionally the
-    receiver's class index that holds it (as tensor ``name`` at fingerprint ``fp``), which the decoder asks
-    for the tensor's tree where it pays."""
+    receiver's class index that holds it (as tensor ``name`` at fingerprint ``fp``)."""
 
     bits: np.ndarray
     dtype: DType
@@ -160,18 +152,9 @@ class BaseBits:
 MIN_BLOCK = 512  # elements per index block at least: about what a change's block read costs against a pass
 
 
-def index_block(d: DType, numel: int, classes: int) -> tuple[int, type]:
-    """Elements per block of a class index of ``classes`` classes, and its counts' dtype: the index costs at
-    most 1/8 of the base."""
-    count = np.int32 if numel < 2**31 else np.int64
-    need = 8 * classes * np.dtype(count).itemsize // max(1, d.bits // 8)
-    return max(MIN_BLOCK, 1 << (need - 1).bit_length()), count
-
-
 @dataclass
 class ClassTree:
-    """One tensor's class index: ``tree[slot[c]]`` is class c's Fenwick tree over blocks of ``block`` elements
-    (``slot[c]`` is -1 for a class the tensor lacked when it was built)."""
+    """One tensor's class index: ``tree[slot[c]]`` is class c's Fenwick tree over blocks of ``block`` elements."""
 
     block: int
     tree: np.ndarray
@@ -187,21 +170,11 @@ class _Entry:
 
 
 class ClassIndex:
-    """A receiver's class index of the tensors it holds: per tensor and class, a Fenwick tree of the class's
-    counts over blocks of the tensor. With it, a sparse ``ctx`` section decodes without a pass over its base
-    (each change's block is found in O(log blocks) and only that block is read), and a large base splits into
-    chunks without a counting pass: work that depends on the base alone, done before the patch arrives.
-
-    An entry is built the first time a tensor's ``ctx`` section is staged with the index where it may pay (two
-    passes over the tensor), or by :meth:`tree`, and then kept current by commit and rollback in O(changed x
-    log blocks). Each entry is tied to the fingerprint of the tensor it describes: one that does not match
-    what the receiver holds is rebuilt, never used. Memory: about 1/8 of the indexed tensors' bytes; tensors
-    of fewer than ``min_blocks`` blocks are not indexed.
-    """
+    """A receiver's class index of the tensors it holds (about 1/8 of their bytes), kept current by commit and
+    rollback; each entry is tied to its tensor's fingerprint, and rebuilt, never used, when that does not match."""
 
     def __init__(self, *, min_blocks: int = 8) -> None:
-        """``min_blocks``: index blocks a tensor must span to be indexed (a pass over fewer costs next to
-        nothing, and the index of a tensor smaller than that would cost more than 1/8 of it)."""
+        """``min_blocks``: index blocks a tensor must span to be indexed (a pass over fewer costs next to nothing)."""
         self._entries: dict[str, _Entry] = {}
         self.min_blocks = min_blocks
 
@@ -222,9 +195,7 @@ class ClassIndex:
         return BaseBits(np.ascontiguousarray(bits).reshape(-1), d, self, name, fp)
 
     def tree(self, name: str, bits: np.ndarray, d: DType, fp: int) -> ClassTree | None:
-        """The class index of tensor ``name`` as it is now (``bits``, fingerprint ``fp``), built if the index
-        does not hold it at ``fp`` (two passes: the classes present, then the tree); None for a tensor too
-        small to index."""
+        """The class index of tensor ``name`` (``bits``, fingerprint ``fp``), built if not held; None: too small."""
         bits = np.ascontiguousarray(bits).reshape(-1)
         if bits.size < self.min_blocks * MIN_BLOCK:
             return None
@@ -238,7 +209,9 @@ class ClassIndex:
         count_classes(bits, 0, bits.size, *r, counts)
         present = counts > 0
         n_present = int(present.sum())
-        block, count = index_block(d, bits.size, n_present)
+        count = np.int32 if bits.size < 2**31 else np.int64  # blocks such that the index costs at most 1/8 of the base
+        need = 8 * n_present * np.dtype(count).itemsize // max(1, d.bits // 8)
+        block = max(MIN_BLOCK, 1 << (need - 1).bit_length())
         if bits.size < self.min_blocks * block:
             self._entries[name] = _Entry(fp, d, bits.size, None)
             return None

@@ -1,7 +1,4 @@
-"""The stream coder interface and registry: position and symbol coders, each a small class with a codec id,
-``encode`` and a defensive ``decode`` (its bytes come from the network), named by id in a section's header.
-See docs/codec.md ("Coding: pick the smallest per tensor").
-"""
+"""The stream coder interface and registry (docs/codec.md, "Coding: pick the smallest per tensor")."""
 
 from __future__ import annotations
 
@@ -42,26 +39,9 @@ def position_gaps(positions: np.ndarray) -> np.ndarray:
     return gaps.astype(np.uint64)
 
 
-def positions_from_gaps(gaps: np.ndarray, numel: int) -> np.ndarray:
-    """Inverse of :func:`position_gaps` for untrusted gaps: refuses positions at or past ``numel``."""
-    n = gaps.size
-    if n == 0:
-        return np.empty(0, dtype=np.int64)
-    # Check the sum before the int64 cumsum so that crafted gaps cannot wrap around.
-    if int(gaps.max()) >= numel or float(gaps.astype(np.float64).sum()) + n > numel * 1.0001 + 1:
-        raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
-    positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
-    if positions[-1] >= numel:
-        raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
-    return positions
-
-
 class Coder(ABC):
     """A stream coder: a codec id (what a header names it by), ``encode`` and a defensive ``decode``.
-
-    ``base``, where given, is state both sides hold (the base tensor's bits; see ``context``): a coder with
-    ``needs_base`` is tried only when the encoder has it, and its streams decode only with it.
-    """
+    ``base``: state both sides hold (the base tensor's bits), which a coder with ``needs_base`` decodes with."""
 
     codec_id: ClassVar[str]
     needs_base: ClassVar[bool] = False
@@ -74,8 +54,7 @@ class Coder(ABC):
     def encode(self, data: np.ndarray, base: Any = None) -> tuple[Params, bytes]: ...
 
     def estimate(self, data: np.ndarray, base: Any = None) -> int | None:
-        """The bytes ``encode(data, base)`` would return, or a close estimate of them, at a fraction of its cost;
-        None where there is none (the registry then encodes). Called only where ``accepts`` is true."""
+        """About the length of ``encode(data, base)``'s bytes, at a fraction of its cost; None: no estimate."""
         return None
 
 
@@ -99,19 +78,13 @@ C = TypeVar("C", bound=Coder)
 
 
 class CoderRegistry(Generic[C]):
-    """The coders a stream may use, by codec id, in the order the encoder tries them (ties go to the first).
-
-    Immutable: a registry is built once from its coders; a new coder is a new entry in the tuple that builds it.
-    """
+    """The coders a stream may use, by codec id, in the order the encoder tries them (ties go to the first)."""
 
     def __init__(self, what: str, *coders: C) -> None:
         self.what = what
         self._by_id: Mapping[str, C] = MappingProxyType({c.codec_id: c for c in coders})
         if len(self._by_id) != len(coders):
             raise ValueError(f"two {what} coders share a codec id")
-
-    def __contains__(self, codec_id: object) -> bool:
-        return codec_id in self._by_id
 
     def ids(self) -> tuple[str, ...]:
         return tuple(self._by_id)
@@ -126,12 +99,8 @@ class CoderRegistry(Generic[C]):
 
     def encode(self, data: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         """The smallest coding among the coders that accept ``data``, its codec id recorded in its params.
-
-        Coding every candidate to keep one was most of the coding time, so candidates are coded in the order of
-        their size estimates (those without one first), and the rest are skipped once their estimates exceed the
-        smallest size coded so far by more than ``ESTIMATE_MARGIN`` (an exact estimate never skips the smallest;
-        a sampled one may, by about that much). Ties among the coded ones go to the first listed.
-        """
+        Candidates are coded in the order of their size estimates (those without one first), and the rest are
+        skipped once their estimates exceed the smallest size so far by more than ``ESTIMATE_MARGIN``."""
         coders = [c for c in self._by_id.values() if c.accepts(data, base)]
         guesses: list[int | None] = [None] * len(coders)
         if data.size >= ESTIMATE_FROM and len(coders) > 1:

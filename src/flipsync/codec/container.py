@@ -1,10 +1,6 @@
-"""The patch file: a plain safetensors file of uint8 tensors (the layout is specified in docs/codec.md).
-
-A changed tensor whose coded streams reach ``OWN_TENSOR_BYTES`` is a tensor of the same name holding its
-streams back to back, so any safetensors reader lists the large changes and a store can range-read one. The
-tensor ``HEADER_TENSOR``, after them, holds the header's fixed fields in binary, its rows zstd-compressed, the
-value steps of small sections coded as one stream, their positions as one stream, and the small sections:
-a table entry per tiny tensor would outweigh its changes.
+"""The patch file: a plain safetensors file of uint8 tensors, specified in docs/codec.md ("The patch file"):
+one tensor per section of at least ``OWN_TENSOR_BYTES``, then ``HEADER_TENSOR`` with the header and the small
+sections (a table entry per tiny tensor would outweigh its changes), their values and positions grouped.
 """
 
 from __future__ import annotations
@@ -18,9 +14,9 @@ import numpy as np
 import zstandard
 
 from flipsync.codec import streams
-from flipsync.codec.bitpack import FixedWidthCoder
+from flipsync.codec.bitpack import FixedWidthCoder, pack_codes
 from flipsync.codec.coders import position_gaps
-from flipsync.codec.rice import MAX_RICE_K, best_rice_k, rice_bits, rice_decode_runs, rice_encode, rice_pack
+from flipsync.codec.rice import MAX_RICE_K, best_rice_k, rice_bits, rice_decode_runs, rice_encode
 from flipsync.codec.section import split_streams
 from flipsync.domain.headers import PatchHeader, SectionHeader, read_varint, varint
 from flipsync.errors import CorruptPatchError, PatchError
@@ -45,14 +41,8 @@ _FIXED = FixedWidthCoder()
 
 
 class PatchFileWriter:
-    """Lays out a patch file while its sections are still being coded.
-
-    A section large enough for its own tensor goes into the data area as soon as it is added (``add`` returns
-    its bytes, to be written or uploaded at once); small ones are held and go last, into the header tensor.
-    The container header, which names every tensor's offsets, is written last but goes first: the file is
-    ``head + every returned blob, in order + tail``. `Patch.to_bytes` uses the same layout, so a file streamed
-    out this way is byte for byte the one it would write (and the same header gives the same bytes).
-    """
+    """Lays out a patch file while its sections are still being coded: the file is ``head + every blob ``add``
+    returned, in order + tail`` (small sections are held for the tail). `Patch.to_bytes` writes the same bytes."""
 
     def __init__(self) -> None:
         self._names: list[str] = []
@@ -62,8 +52,7 @@ class PatchFileWriter:
 
     def add(self, name: str, blob: bytes | memoryview, small: bool | None = None) -> bytes | memoryview | None:
         """Place one section (in header order); its bytes when they go into the data area now, else None.
-        ``small``: whether it goes into the shared tensor, when known (a patch read from a file keeps its
-        layout), else by its size."""
+        ``small``: whether it goes into the header tensor (a patch read from a file keeps its layout), else by size."""
         self._names.append(name)
         if len(blob) < OWN_TENSOR_BYTES if small is None else small:
             self._small.append((name, blob))
@@ -100,16 +89,6 @@ def _inflate(packed: bytes | memoryview) -> str:
         raise CorruptPatchError(f"patch header cannot be decoded: {e}") from None
 
 
-def _section_size(section: SectionHeader) -> int:
-    # grouped streams are not in the section's bytes
-    sizes = [
-        p.get("bytes") for p in (section.pos, section.val, section.tag) if p is not None and p.get("codec") != GROUP
-    ]
-    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in sizes):
-        raise CorruptPatchError(f"section {section.name!r} has invalid stream lengths")
-    return sum(sizes)  # type: ignore[arg-type]
-
-
 def _groupable(s: SectionHeader) -> bool:
     return s.mode == "step" and s.tag is None and s.pos.get("codec") in GROUP_POSITION_CODERS
 
@@ -120,10 +99,8 @@ _PREAMBLE = struct.Struct("<H")  # grouped values: length of the JSON params of 
 def _group_values(
     header: PatchHeader, small: list[tuple[str, bytes | memoryview]]
 ) -> tuple[PatchHeader, list[bytes | memoryview], bytes]:
-    """The value steps of the small step sections coded as one stream (one frequency
-    table per version instead of one per tensor), when that is smaller; their sections then hold only their
-    positions. Returns the header (grouped sections' value codec ``GROUP``), the small sections' bytes in
-    order, and the grouped values' bytes (empty: nothing grouped)."""
+    """The value steps of the small step sections as one stream (one frequency table instead of one per
+    tensor) where that is smaller: (header with their value codec ``GROUP``, small sections' bytes, grouped values)."""
     by_name = {s.name: s for s in header.sections}
     picked = [
         i for i, (name, _) in enumerate(small) if _groupable(by_name[name]) and by_name[name].val.get("codec") != GROUP
@@ -151,8 +128,7 @@ def _group_values(
 def _ungroup_values(
     header: PatchHeader, blobs: dict[str, memoryview], values: memoryview | None
 ) -> tuple[PatchHeader, dict[str, bytes | memoryview]]:
-    """Give every grouped section its own value stream again (fixed width: exact, no search), so that the
-    rest of the codec sees ordinary sections; every inconsistency is a CorruptPatchError."""
+    """Give every grouped section its own (fixed-width) value stream again, or raise CorruptPatchError."""
     grouped = [s for s in header.sections if s.val.get("codec") == GROUP]
     if values is None or not grouped:
         raise CorruptPatchError("patch has grouped value steps without their grouped values, or the reverse")
@@ -184,27 +160,19 @@ def _ungroup_values(
     return replace(header, sections=tuple(sections)), out
 
 
-def _position_groupable(s: SectionHeader) -> bool:
-    """Rice positions: they decode without the base, and the reader gives each member a Rice stream back, so
-    that a patch read back groups its values the same way too (which depends on the positions' coder)."""
-    return s.pos.get("codec") == "rice"
-
-
 def _group_positions(
     header: PatchHeader, names: list[str], small: list[bytes | memoryview]
 ) -> tuple[PatchHeader, list[bytes | memoryview], bytes] | None:
-    """The positions of small sections as one Rice stream over their index spaces laid end
-    to end (in header order), instead of one stream per section, each byte-padded and with its own n, k and
-    length in the header. Members are the small sections with Rice positions whose gaps cost, under
-    the group's k, no more than their own stream and row; None when fewer than two qualify or the group would
-    not be smaller. Returns the header
-    (members' n 0 and position codec ``GROUP``), the small sections' bytes without members' positions, and the
-    grouped stream: k (a byte), the number of positions (LEB128), the Rice code of their gaps."""
+    """The positions of the small Rice sections whose gaps cost no more under a shared k as one Rice stream over
+    their index spaces end to end; None if fewer than two or not smaller, else (header with members' n 0 and
+    position codec ``GROUP``, small sections' bytes less members' positions, k byte + LEB128 count + gaps)."""
     by_name = {s.name: s for s in header.sections}
     picked, found, own = [], [], []
     for i, name in enumerate(names):
         s = by_name[name]
-        if not _position_groupable(s):
+        # Rice positions only: they decode without the base, and the reader gives each member a Rice stream
+        # back, so that a patch read back groups its values the same way too (which depends on the positions' coder).
+        if s.pos.get("codec") != "rice":
             continue
         try:
             size = _stream_bytes(s.pos, s.name)
@@ -260,12 +228,8 @@ def _positions_preamble(stream: bytes | memoryview) -> tuple[int, int, int]:
 def _ungroup_positions(
     header: PatchHeader, blobs: dict[str, bytes | memoryview], stream: memoryview | None
 ) -> tuple[PatchHeader, dict[str, bytes | memoryview]]:
-    """Give every section whose positions are grouped its own position stream and its n again, so that the rest
-    of the codec sees ordinary sections: the Rice stream the encoder had given it (members are Rice-coded
-    sections, and Rice is deterministic), so that writing the patch again groups the same sections the same
-    way. Memory is bounded before anything is decoded: the count may not exceed the stream's bits, and the
-    members' streams are sized by their decoded gaps, not by the sizes their rows declare. Every
-    inconsistency is a CorruptPatchError."""
+    """Give every grouped section the Rice stream and n the encoder had given it (so that it groups again the same
+    way); memory is bounded by the stream's bits before anything is decoded. CorruptPatchError otherwise."""
     grouped = [s for s in header.sections if s.pos.get("codec") == GROUP]
     if stream is None or not grouped:
         raise CorruptPatchError("patch has grouped positions without their stream, or the reverse")
@@ -308,7 +272,7 @@ def _ungroup_positions(
     for s in header.sections:
         if s.pos.get("codec") == GROUP:
             lo, hi, k = int(los[member]), int(his[member]), ks[member]
-            used = rice_pack(gaps[lo:hi], k, code_out[at : at + sizes[member]])
+            used = pack_codes(gaps[lo:hi], k, True, code_out[at : at + sizes[member]])
             s = replace(s, n=hi - lo, pos={"codec": "rice", "k": k, "bytes": used})
             out[s.name] = code_out[at : at + used].tobytes() + bytes(blobs[s.name])
             at, member = at + sizes[member], member + 1
@@ -317,9 +281,7 @@ def _ungroup_positions(
 
 
 def _pack_tail(header: PatchHeader, values: bytes, names: list[str], small: list[bytes | memoryview]) -> bytes:
-    """The header tensor, each part after its length (LEB128): the header's fixed fields
-    (``PatchHeader.refs_bytes``), its compressed rows, the grouped values, the grouped positions (see
-    ``_group_positions``); then the small sections."""
+    """The header tensor: fixed fields, rows, grouped values and positions (each after its length), small sections."""
     positions = b""
     grouped = _group_positions(header, names, small)
     if grouped is not None:
@@ -333,8 +295,7 @@ def _pack_tail(header: PatchHeader, values: bytes, names: list[str], small: list
 def split_tail(
     blob: memoryview | bytes,
 ) -> tuple[memoryview, memoryview, memoryview | None, memoryview | None, memoryview]:
-    """(fixed fields, compressed rows, grouped values or None, grouped positions or None, small sections) of a
-    header tensor."""
+    """A header tensor's (fixed fields, rows, grouped values or None, grouped positions or None, small sections)."""
     view, at, parts = memoryview(blob), 0, []
     for what in ("fixed fields", "header", "grouped values", "grouped positions"):
         size, at = read_varint(view, at, f"the length of the patch's {what}")
@@ -347,8 +308,7 @@ def split_tail(
 
 
 def overhead_bytes(data: bytes | memoryview) -> int:
-    """Bytes of a patch file that are no coded stream: the container's table and metadata, the header's fixed
-    fields and compressed rows, the lengths, and the grouped streams' parameters."""
+    """Bytes of a patch file that are no coded stream (table, metadata, header, lengths, grouped parameters)."""
     buf = memoryview(data)
     _, tensors = _parse_safetensors(buf)
     size = 8 + struct.unpack_from("<Q", buf)[0]
@@ -379,7 +339,7 @@ def _locate_sections(
         if s.name in tensors:
             blobs[s.name] = tensors[s.name]
             continue
-        size = _section_size(s)
+        size = sum(_stream_bytes(p, s.name) for p in (s.pos, s.val, s.tag) if p is not None and p.get("codec") != GROUP)
         if cursor + size > len(small):
             raise CorruptPatchError(f"patch is missing the coded streams of tensor {s.name!r}")
         blobs[s.name] = small[cursor : cursor + size]
@@ -424,12 +384,7 @@ def _parse_safetensors(buf: memoryview) -> tuple[dict[str, str], dict[str, memor
             raise CorruptPatchError(f"patch stream {name!r} has offsets outside the file (truncated?)")
         blobs[name] = data[offsets[0] : offsets[1]]
         spans.append((offsets[0], offsets[1]))
-    _check_data_covered(len(data), spans)
-    return meta, blobs
-
-
-def _check_data_covered(size: int, spans: list[tuple[int, int]]) -> None:
-    """The streams must tile the data area: bytes no stream claims mean the file is not the container it says."""
+    # The streams must tile the data area: bytes no stream claims mean the file is not the container it says.
     cursor = 0
     for start, end in sorted(spans):
         if start > cursor:
@@ -438,17 +393,17 @@ def _check_data_covered(size: int, spans: list[tuple[int, int]]) -> None:
                 "crafted file); fetch it again"
             )
         cursor = max(cursor, end)
-    if size > cursor:
+    if len(data) > cursor:
         raise CorruptPatchError(
-            f"patch file has {size - cursor:,} extra bytes past the end of its container: a truncated or "
+            f"patch file has {len(data) - cursor:,} extra bytes past the end of its container: a truncated or "
             "spliced upload (e.g. another object's or a stale attempt's bytes appended); refused, fetch it again "
             "or publish it again"
         )
+    return meta, blobs
 
 
 def read_container(data: memoryview) -> tuple[PatchHeader, dict[str, bytes | memoryview], frozenset[str]]:
-    """(header, every section's coded streams, the sections that were small) of a patch file; anything that is
-    not a well-formed patch of this container format is a CorruptPatchError."""
+    """(header, every section's coded streams, the small sections) of a patch file, or a CorruptPatchError."""
     meta, tensors = _parse_safetensors(data)
     found = meta.get(CONTAINER_KEY)
     if found != CONTAINER_FORMAT:

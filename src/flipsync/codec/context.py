@@ -1,41 +1,16 @@
 """The ``ctx`` position coder: changed positions coded against the base tensor both sides hold.
 
-A served value changes when the optimizer's step crosses its rounding step, which grows with the value's
-own magnitude: in BF16 a value with a large exponent changes far less often than a small one. The receiver
-holds the base, so both sides can split the tensor into *classes* by the base value's exponent bits (for
-packed FP4 bytes: both codes' exponent bits) and code, per class, which of its elements changed. That costs
-about sum over classes of log2 C(N_c, k_c) bits (N_c elements, k_c of them changed), below today's
-log2 C(numel, n) whenever the classes change at different rates.
-
-Coding (per tensor, adaptive: the model's parameters are the per-class counts, stored in the stream):
-a table of the used classes (the gap to the previous used class id, Elias-gamma; k_c - 1 in ``nbits`` bits;
-the step from the previous class's Rice parameter, zigzagged, Elias-gamma), then per class the gaps between
-the *ranks* of its changed elements among the class's elements, Rice-coded. One MSB-first bit stream.
-
-Decoding is one streaming pass over the base: each element's class is computed from its bits, and a
-per-class countdown (how many more elements of the class to pass before its next change: the decoded rank
-gaps) is decremented; an element whose class's countdown was at zero is a changed position. Positions come
-out sorted; the pass stops at the last change. Below ~12% changed the emit is a rarely taken branch, above it
-a branch-free update (a mispredicted branch per change costs more than the extra stores). Memory: the n ranks
-(n is bounded by the stream's length: every rank costs at least one bit), their countdowns and per-class
-state.
-
-A large base is decoded in chunks on a thread pool, from the same stream: first each chunk's class counts
-(they depend on the base alone), whose prefix sums tell each chunk the rank each class starts at, so which
-ranks (a binary search per class) and which slice of the output are its own; then every chunk runs its own
-pass. A chunk that cannot emit all of its share is a corrupt stream, as in the one-thread pass. The encoder's
-pass (each change's class and rank) is chunked the same way and writes the same stream.
-
-A receiver that keeps a ``ClassIndex`` (``codec.class_index``: per class, a Fenwick tree of counts over
-blocks, moved by every commit) needs no pass where changes are sparse: each rank's block is found by a search of its
-class's tree, and only the blocks that hold changes are read. The chunks take their class counts from it too.
-
-The passes themselves are numba kernels, in ``codec.context_kernels``.
+The elements are split into classes by the base value's exponent bits (``class_index.class_rule``), and per
+class the ranks of its changed elements among the class's elements are coded: about sum over classes of
+log2 C(N_c, k_c) bits. The stream (one MSB-first bit stream): a table of the used classes (the gap to the
+previous used class id, Elias-gamma; k_c - 1 in ``nbits`` bits; the step from the previous class's Rice
+parameter, zigzagged, Elias-gamma), then per class the gaps between the ranks of its changed elements,
+Rice-coded. The decoder turns ranks into positions by a countdown pass over the base (chunked for a large base,
+or block by block with a ``ClassIndex``); docs/codec.md ("Positions conditioned on the base") has the design.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -70,30 +45,19 @@ from flipsync.errors import CorruptPatchError
 _K_BITS = 6  # a class's Rice parameter, 0..62
 _DENSE = 0.12  # from this share of changed elements the branch-free pass is faster (measured: 1.5-21% changed)
 _PLACE_UPTO = 1.0  # changes per index block up to which reading only their blocks beats a pass (measured: 1.2)
-log = logging.getLogger(__name__)
-
-
-def classes_and_ranks(base: np.ndarray, positions: np.ndarray, d: DType) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(elements per class, class of each position, rank of each position within its class)."""
-    rule = class_rule(d)
-    counts = np.zeros(rule.n_classes, dtype=np.int64)
-    cls = np.empty(positions.size, dtype=np.int64)
-    rank = np.empty(positions.size, dtype=np.int64)
-    class_ranks(np.ascontiguousarray(base).reshape(-1), np.ascontiguousarray(positions, np.int64), rule.s1, rule.m1,
-           rule.s2, rule.m2, rule.w1, counts, cls, rank)  # fmt: skip
-    return counts, cls, rank
 
 
 def conditional_position_bits(base: np.ndarray, positions: np.ndarray, d: DType) -> float:
     """sum over classes of log2 C(N_c, k_c): the bound the ``ctx`` coder aims at."""
-    counts, cls, _ = classes_and_ranks(base, positions, d)
+    rule = class_rule(d)
+    counts = np.zeros(rule.n_classes, dtype=np.int64)
+    cls, rank = np.empty(positions.size, dtype=np.int64), np.empty(positions.size, dtype=np.int64)
+    class_ranks(np.ascontiguousarray(base).reshape(-1), np.ascontiguousarray(positions, np.int64), rule.s1, rule.m1,
+           rule.s2, rule.m2, rule.w1, counts, cls, rank)  # fmt: skip
     k = np.bincount(cls, minlength=counts.size)
     used = np.flatnonzero(k)
-    return sum(_log2_binom(int(counts[c]), int(k[c])) for c in used)
-
-
-def _log2_binom(u: int, n: int) -> float:
-    return (math.lgamma(u + 1) - math.lgamma(n + 1) - math.lgamma(u - n + 1)) / math.log(2)
+    lg = math.lgamma
+    return sum((lg(counts[c] + 1.0) - lg(k[c] + 1.0) - lg(counts[c] - k[c] + 1.0)) / math.log(2) for c in used)
 
 
 def _counts_before(
@@ -121,11 +85,9 @@ class ContextCoder(PositionCoder):
         dense_from: float = _DENSE,
         place_upto: float = _PLACE_UPTO,
     ) -> None:
-        """``chunk``: elements per chunk of the decoding pass (a base of at least ``parallel_from`` elements is
-        decoded in chunks on ``workers`` threads; default: every core, from 4 cores). A pass whose share of
-        changed elements reaches ``dense_from`` runs branch-free. With the base's class index, up to
-        ``place_upto`` changes per index block are placed block by block instead of by a pass. The stream and
-        the positions are the same either way."""
+        """``chunk``: elements per chunk of a pass over a base of at least ``parallel_from`` elements, on
+        ``workers`` threads (default: every core, from 4); a pass with ``dense_from`` of its elements changed
+        runs branch-free; up to ``place_upto`` changes per index block are placed by the class index."""
         self.chunk = max(1, chunk)
         self.parallel_from = parallel_from
         self.workers = workers
@@ -179,16 +141,18 @@ class ContextCoder(PositionCoder):
         return out
 
     def _tree(self, base: BaseBits, bits: np.ndarray, n: int) -> ClassTree | None:
-        """The base's class index where it may pay: few changes per (smallest) block, or a chunked decode (built
-        then, if the receiver's index does not hold it yet, and kept current by its commits)."""
+        """The base's class index where it may pay (few changes per block, or a chunked decode), built if need be."""
         if base.index is None:
             return None
-        if n * MIN_BLOCK > self.place_upto * bits.size and not self._chunked(bits.size):
+        if n * MIN_BLOCK > self.place_upto * bits.size and self._chunks(bits.size) == 1:
             return None
         return base.index.tree(base.name, bits, base.dtype, base.fp)
 
-    def _chunked(self, numel: int) -> bool:
-        return self._workers() >= 2 and -(-numel // self.chunk) >= 2 and numel >= self.parallel_from
+    def _chunks(self, numel: int, block: int = 1) -> int:
+        """How many chunks a pass over ``numel`` elements runs in; 1: one pass on this thread."""
+        workers = self._workers()
+        n = min(-(-numel // max(self.chunk, block)), 4 * workers)
+        return n if workers >= 2 and n >= 2 and numel >= self.parallel_from else 1
 
     def _workers(self) -> int:
         # The counting pass adds about half a pass of work, and stage already spreads a patch's sections over
@@ -197,15 +161,13 @@ class ContextCoder(PositionCoder):
         return self.workers or (cores if cores >= 4 else 1)
 
     def _classes_and_ranks(self, bits: np.ndarray, positions: np.ndarray, rule: ClassRule) -> tuple[np.ndarray, ...]:
-        """Each position's class and rank in it: one pass, or for a large base the decoder's chunks (counts,
-        then each chunk's ranks from the counts before it)."""
+        """Each position's class and rank in it: one pass, or the decoder's chunks for a large base."""
         r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
         positions = np.ascontiguousarray(positions, np.int64)
         cls = np.empty(positions.size, dtype=np.int64)
         rank = np.empty(positions.size, dtype=np.int64)
-        workers = self._workers()
-        n_chunks = min(-(-bits.size // self.chunk), 4 * workers)
-        if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
+        n_chunks = self._chunks(bits.size)
+        if n_chunks == 1:
             class_ranks(bits, positions, *r, np.zeros(rule.n_classes, dtype=np.int64), cls, rank)
             return cls, rank
         bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
@@ -216,7 +178,7 @@ class ContextCoder(PositionCoder):
             lo, hi, a, b = bounds[j], bounds[j + 1], cuts[j], cuts[j + 1]
             class_ranks(bits[lo:hi], positions[a:b] - lo, *r, before[j].copy(), cls[a:b], rank[a:b])
 
-        with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
+        with ThreadPoolExecutor(min(self._workers(), n_chunks), thread_name_prefix="flipsync-ctx") as pool:
             _counts_before(pool, bits, bounds, r, before)
             list(pool.map(ranks, range(n_chunks)))
         return cls, rank
@@ -231,19 +193,15 @@ class ContextCoder(PositionCoder):
         out: np.ndarray,
         index: ClassTree | None,
     ) -> int:
-        """Ranks to positions. With the base's class index (``index``: block, tree) and few changes per block,
-        each change's block is found and read, and nothing else; otherwise one pass over the base on this
-        thread, or, for a large base, chunks on a pool (their class counts from the index where there is one,
-        else counted first)."""
+        """Ranks to positions: by the class index (few changes per block), one pass, or chunks on a pool."""
         r = (rule.s1, rule.m1, rule.s2, rule.m2, rule.w1)
         if index is not None and out.size * index.block <= self.place_upto * bits.size:
             status = int(place_ranks(bits, index.block, index.tree, index.slot, *r, first, end, ranks, out))
             out.sort()
             return status
-        workers = self._workers()
         after, home = countdowns(first, end, ranks)
-        n_chunks = min(-(-bits.size // max(self.chunk, index.block if index else 1)), 4 * workers)
-        if workers < 2 or n_chunks < 2 or bits.size < self.parallel_from:
+        n_chunks = self._chunks(bits.size, index.block if index else 1)
+        if n_chunks == 1:
             before = np.zeros(rule.n_classes, dtype=np.int64)
             dense = out.size >= self.dense_from * bits.size
             return int(emit_from(bits, 0, bits.size, *r, first, end, ranks, home, after, before, out, dense))
@@ -256,7 +214,7 @@ class ContextCoder(PositionCoder):
             tree_rows(index.tree, index.slot, cut[:-1], before)
         else:
             bounds = np.linspace(0, bits.size, n_chunks + 1).astype(np.int64)
-        with ThreadPoolExecutor(min(workers, n_chunks), thread_name_prefix="flipsync-ctx") as pool:
+        with ThreadPoolExecutor(min(self._workers(), n_chunks), thread_name_prefix="flipsync-ctx") as pool:
             if index is None:
                 _counts_before(pool, bits, bounds, r, before)
             offs = np.empty(n_chunks + 1, dtype=np.int64)

@@ -1,13 +1,12 @@
-"""The ``ctx`` position coder's numba kernels (`flipsync.codec.context.ContextCoder` drives them): the
-encoder's pass (each change's class and rank) and the stream's packing, the stream's reading, and the
-decoder's passes from ranks to positions (one countdown pass per chunk, or block by block with a class index)."""
+"""The numba kernels that `flipsync.codec.context.ContextCoder` drives: ranks and packing, reading, and the
+decoder's passes from ranks to positions."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import flush_bits, put_bits, put_rice
+from flipsync.codec.bitpack import bit_at, flush_bits, put_bits, put_rice, read_bits
 from flipsync.codec.class_index import tree_prefix
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED
 from flipsync.codec.intrinsics import prefetch_read
@@ -36,8 +35,7 @@ def class_ranks(
 
 @numba.njit(nogil=True, cache=True)
 def group_gaps(cls: np.ndarray, rank: np.ndarray, slot: np.ndarray, gaps: np.ndarray) -> None:
-    """Counting sort by class (positions are in order, so ranks rise inside a class): each change's rank gap
-    to the previous change of its class lands in its class's run of ``gaps``, which starts at ``slot[c]``."""
+    """Each change's rank gap to the previous change of its class, grouped by class (runs from ``slot[c]``)."""
     last = np.full(slot.shape[0], -1, dtype=np.int64)
     for j in range(cls.shape[0]):
         c = cls[j]
@@ -83,27 +81,14 @@ def pack_stream(
 
 
 @numba.njit(inline="always")
-def _bit(data: np.ndarray, p: int) -> int:
-    return (data[p >> 3] >> (7 - (p & 7))) & 1
-
-
-@numba.njit(inline="always")
-def _read(data: np.ndarray, p: int, width: int) -> np.uint64:
-    v = np.uint64(0)
-    for t in range(width):
-        v = (v << np.uint64(1)) | np.uint64(_bit(data, p + t))
-    return v
-
-
-@numba.njit(inline="always")
 def _gamma(data: np.ndarray, p: int, total: int) -> tuple[int, int]:
     """(value, next bit) of the Elias gamma code at bit p; value -1 if it is malformed or runs past the end."""
     zeros = 0
-    while p + zeros < total and _bit(data, p + zeros) == 0:
+    while p + zeros < total and bit_at(data, p + zeros) == 0:
         zeros += 1
     if zeros > 40 or p + 2 * zeros + 1 > total:
         return np.int64(-1), p
-    return np.int64(_read(data, p + zeros, zeros + 1)), p + 2 * zeros + 1
+    return np.int64(read_bits(data, p + zeros, zeros + 1)), p + 2 * zeros + 1
 
 
 @numba.njit(nogil=True, cache=True)
@@ -111,8 +96,7 @@ def decode_ranks(
     data: np.ndarray, n_used: int, nbits: int, n_classes: int, numel: int, first: np.ndarray, end: np.ndarray,
     ranks: np.ndarray,
 ) -> int:  # fmt: skip
-    """Read the table and the rank gaps: each used class's ranks land in ``ranks[first[c]:end[c]]`` (rising);
-    an unused class has ``first[c] == -1``. Returns OK or a status."""
+    """Read the table and the rank gaps: class c's ranks into ``ranks[first[c]:end[c]]`` (unused: first -1)."""
     total = data.shape[0] * 8
     n = ranks.shape[0]
     if n_used * (nbits + 2) > total:
@@ -128,7 +112,7 @@ def decode_ranks(
         if gap < 0 or p + nbits > total:
             return TRUNCATED
         c = prev + gap
-        k_c = int(_read(data, p, nbits)) + 1
+        k_c = int(read_bits(data, p, nbits)) + 1
         step, p = _gamma(data, p + nbits, total)
         if step < 0:
             return TRUNCATED
@@ -156,8 +140,7 @@ _FAR = 1 << 62  # a class's countdown when no change lies ahead of it: never rea
 @numba.njit(nogil=True, cache=True)
 def countdowns(first: np.ndarray, end: np.ndarray, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The ranks as countdowns: ``after[home[c] + t]`` is how many elements of class c to skip after its t-th
-    change before the next one (``_FAR`` after its last); one slot per class more than the ranks, and one
-    at the end, so a pointer moved past a class's last change still reads a valid slot."""
+    change (``_FAR`` after its last, and one more slot at the end: a pointer past the last still reads one)."""
     n_classes = first.shape[0]
     after = np.empty(ranks.shape[0] + n_classes + 1, dtype=np.int64)
     home = np.zeros(n_classes, dtype=np.int64)
@@ -175,8 +158,7 @@ def countdowns(first: np.ndarray, end: np.ndarray, ranks: np.ndarray) -> tuple[n
 
 @numba.njit(nogil=True, cache=True)
 def _start(first, end, ranks, home, before, left, ptr):  # type: ignore[no-untyped-def]
-    """Each class's countdown to its next change, and its pointer into the countdowns, at a point of the base
-    before which class c has ``before[c]`` elements."""
+    """Each class's countdown and pointer at a point of the base after ``before[c]`` elements of class c."""
     for c in range(first.shape[0]):
         left[c] = _FAR
         ptr[c] = 0
@@ -189,10 +171,9 @@ def _start(first, end, ranks, home, before, left, ptr):  # type: ignore[no-untyp
 
 @numba.njit(nogil=True, cache=True)
 def _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ignore[no-untyped-def]
-    """The pass over ``base[lo:hi]``: count each element down in its class, and emit, in order, the elements
-    whose class's countdown was at zero; stop at the last. The emit is a (rarely taken) branch. The second
-    field only when the rule has one (packed FP4 bytes): the loop-invariant test is hoisted, and a one-field
-    pass runs about twice as fast."""
+    """The pass over ``base[lo:hi]``: count each element down in its class and emit those whose countdown was
+    at zero, up to the last. The second field is tested for only where the rule has one (hoisted: a one-field
+    pass runs about twice as fast)."""
     n = out.shape[0]
     emitted = 0
     if n == 0:
@@ -220,8 +201,7 @@ def _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ign
 
 @numba.njit(nogil=True, cache=True)
 def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ignore[no-untyped-def]
-    """``_emit`` without a branch per change, for dense changes: every element is written at the output's
-    cursor, which moves on when it was a change, and the countdown and pointer are updated arithmetically."""
+    """``_emit`` without a branch per change (for dense changes): every element is written at the cursor."""
     n = out.shape[0]
     emitted = 0
     if n == 0:
@@ -248,9 +228,8 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
 
 @numba.njit(nogil=True, cache=True)
 def emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after, before, out, dense):  # type: ignore[no-untyped-def]
-    """One pass over ``base[lo:hi]``, independent of any other: ``before`` holds each class's count before
-    ``lo``, and ``out`` is the pass's share of the positions. OK, or CORRUPT if the pass does not hold them
-    all (some class names ranks past its size in this base)."""
+    """One pass over ``base[lo:hi]`` (``before``: each class's count before ``lo``) into its share ``out``;
+    CORRUPT if it does not find them all (ranks past a class's size in this base)."""
     n_classes = first.shape[0]
     left = np.empty(n_classes, dtype=np.int64)
     ptr = np.empty(n_classes, dtype=np.int64)
@@ -268,11 +247,9 @@ _AHEAD = 8  # how many changes ahead ``place_ranks`` prefetches the block of
 
 @numba.njit(nogil=True, cache=True)
 def place_ranks(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
-    """Ranks to positions without a pass over the base. First every rank's block and its ordinal there
-    (a Fenwick search each); then each block that holds changes is read, its elements counted ``_RUN`` at a
-    time (a loop that vectorizes) up to the run that holds a change, which is scanned, while the block of the
-    change ``_AHEAD`` places on is prefetched. ``out[first[c] + t]`` is class c's t-th change: positions come out
-    grouped by class (the caller sorts them). OK, or CORRUPT for a rank past its class's size."""
+    """Ranks to positions without a pass over the base: every rank's block by a Fenwick search, then in each
+    block with changes, elements counted ``_RUN`` at a time (vectorizes) up to the run holding a change, which
+    is scanned. Positions come out grouped by class (the caller sorts them); CORRUPT for a rank past its class."""
     n_blocks = tree.shape[1]
     n = ranks.shape[0]
     top = 1
@@ -349,8 +326,7 @@ def place_ranks(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, 
 
 @numba.njit(nogil=True, cache=True)
 def chunk_offsets(before: np.ndarray, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, offs: np.ndarray) -> None:
-    """``offs[j]``: how many changes lie before chunk j, given ``before[j, c]``, class c's elements before it
-    (row K: the whole tensor's counts, so ``offs[K]`` is every change whose rank its class holds)."""
+    """``offs[j]``: how many changes lie before chunk j, given ``before[j, c]``, class c's elements before it."""
     for j in range(before.shape[0]):
         o = 0
         for c in range(first.shape[0]):

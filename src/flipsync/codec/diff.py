@@ -1,10 +1,5 @@
-"""Find the elements whose bit patterns differ between two tensors.
-
-CPU: a single-pass numba kernel XORs 64-bit words, skips equal words and emits the lane indices of the
-differing elements; the tensor is cut into chunks processed by one thread per core with the GIL released.
-For the sparse changes of RL steps that runs near memory bandwidth, where ``np.flatnonzero(a != b)``
-allocates a full bool temporary; chunks that turn out dense (over 8% changed) use a branch-free compaction.
-CUDA: the same answer from torch ops on the device, chunked to bound the temporary.
+"""Find the elements whose bit patterns differ between two tensors. CPU: a numba kernel XORs 64-bit words and
+skips equal ones, chunks on every core (dense chunks: a branch-free compaction). CUDA: chunked torch ops.
 """
 
 from __future__ import annotations
@@ -49,11 +44,8 @@ def _changed_lanes(
     values: bool,
 ) -> int:
     """Write the lane indices (relative to a[0]) of differing lanes of uint64 words a, b into out; with
-    ``values``, also each lane's old and new bit pattern into ``old`` and ``new`` (already in registers:
-    emitting them here spares the caller a cache-missing gather per change afterwards).
-
-    Equal words cost one XOR and a well-predicted branch. In a differing word every lane is folded onto
-    its lowest bit (SWAR: or-shifts, then a mask), and only the set bits are visited, lowest first.
+    ``values``, also their old and new patterns (already in registers: spares the caller a gather per change).
+    In a differing word every lane is folded onto its lowest bit (SWAR), and only the set bits are visited.
     """
     lanes = 64 // lane_bits
     low = np.uint64(0)
@@ -105,20 +97,15 @@ class Changes:
 _Found = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # positions, and old, new when asked
 
 
-@dataclass
-class _Scratch:
-    """One pool thread's kernel output buffers for chunks of one element size, reused across chunks."""
-
-    pos: np.ndarray  # int32: chunk-relative indices
-    old: np.ndarray
-    new: np.ndarray
+# One pool thread's kernel output buffers for chunks of one element size, reused across chunks: chunk-relative
+# int32 indices, old and new patterns.
+_Scratch = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 @numba.njit(nogil=True, cache=True)
 def _dense_lanes(a: np.ndarray, b: np.ndarray, out: np.ndarray, old: np.ndarray, new: np.ndarray, values: bool) -> int:
     """The indices of differing elements of a, b (element-typed) into out, and with ``values`` their patterns:
-    branch-free compaction (every index is written, the count advances only on a change), which beats both the
-    word-skipping kernel and numpy's compare-then-nonzero once a tenth or more of the elements change."""
+    branch-free compaction, faster than the word-skipping kernel once a tenth or more of the elements change."""
     n = 0
     for i in range(a.shape[0]):
         x, y = a[i], b[i]
@@ -142,15 +129,11 @@ def _widen(rel: np.ndarray, first: int) -> np.ndarray:
 def _chunk_changes(
     a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
 ) -> _Found:
-    """Changed elements inside bytes [start, stop) of two uint8 arrays; start, stop are 8-aligned.
-
-    A probe of the chunk's first words picks the method: the word-skipping kernel for sparse changes, the
-    branch-free one for dense chunks.
-    """
+    """Changed elements in bytes [start, stop) (8-aligned); a probe of the first words picks the kernel."""
     words_a = a8[start:stop].view(np.uint64)
     words_b = b8[start:stop].view(np.uint64)
     count = (stop - start) // esize
-    pos, old, new = buf.pos[:count], buf.old[:count], buf.new[:count]
+    pos, old, new = (b[:count] for b in buf)
     lane_bits, lanes, first = esize * 8, 8 // esize, start // esize
     probe = min(_PROBE_WORDS, words_a.shape[0])
     n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, pos, _BIT_INDEX, old, new, values)
@@ -177,9 +160,9 @@ class DiffEngine:
     def _scratch(self, chunk_bytes: int, esize: int) -> _Scratch:
         bufs: dict[int, _Scratch] = self._local.__dict__.setdefault("bufs", {})
         buf = bufs.get(esize)
-        if buf is None or buf.pos.shape[0] < chunk_bytes // esize:
+        if buf is None or buf[0].shape[0] < chunk_bytes // esize:
             count, dt = chunk_bytes // esize, _uint_np(esize)
-            buf = bufs[esize] = _Scratch(np.empty(count, np.int32), np.empty(count, dt), np.empty(count, dt))
+            buf = bufs[esize] = (np.empty(count, np.int32), np.empty(count, dt), np.empty(count, dt))
         return buf
 
     def close(self) -> None:
@@ -196,8 +179,7 @@ class DiffEngine:
         return self.changed_positions_many([(old, new)])[0]
 
     def changed_positions_many(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[np.ndarray]:
-        """``changed_positions`` of several pairs at once: small tensors share the pool instead of each
-        running alone, so a view of many small tensors still uses every core."""
+        """``changed_positions`` of several pairs at once: small tensors share the pool (every core is used)."""
         return [positions for positions, _, _ in self._find(pairs, values=False)]
 
     def changes(self, old: torch.Tensor, new: torch.Tensor) -> Changes:
@@ -210,7 +192,13 @@ class DiffEngine:
 
     def _find(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], values: bool) -> list[_Found]:
         for old, new in pairs:
-            _check_pair(old, new)
+            if old.shape != new.shape or old.dtype != new.dtype:
+                raise PatchError(
+                    f"cannot diff tensors of different layouts: {tuple(old.shape)} {old.dtype} "
+                    f"vs {tuple(new.shape)} {new.dtype}"
+                )
+            if old.device != new.device:
+                raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
         cpu = [(i, a, b) for i, (a, b) in enumerate(pairs) if a.device.type == "cpu"]
         total = sum(a.numel() * a.element_size() for _, a, _ in cpu)
         chunk = max(MIN_CHUNK_BYTES, min(CHUNK_BYTES, -(-total // self.threads)))
@@ -242,29 +230,22 @@ class DiffEngine:
         for i, (a, b) in enumerate(pairs):
             if a.device.type != "cpu":
                 out.append(_changes_torch(a, b, values))
-            elif not parts[i]:
-                out.append(_nothing(dtype_of(a).bits // 8, values))
-            elif len(parts[i]) == 1:
-                out.append(parts[i][0])
             else:
-                cols = list(zip(*parts[i], strict=True))
-                out.append(tuple(np.concatenate(c) if c[0] is not None else None for c in cols))  # type: ignore[arg-type]
+                out.append(_joined(parts[i]) if parts[i] else _nothing(dtype_of(a).bits // 8, values))
         return out
+
+
+def _joined(parts: list[_Found]) -> _Found:
+    """The changes found in consecutive spans, as one."""
+    if len(parts) == 1:
+        return parts[0]
+    columns = zip(*parts, strict=True)
+    return tuple(np.concatenate(c) if c[0] is not None else None for c in columns)  # type: ignore[return-value]
 
 
 def _nothing(esize: int, values: bool) -> _Found:
     empty = np.empty(0, dtype=_uint_np(esize)) if values else None  # one zero-size array serves both sides
     return np.empty(0, dtype=np.int64), empty, empty
-
-
-def _check_pair(old: torch.Tensor, new: torch.Tensor) -> None:
-    if old.shape != new.shape or old.dtype != new.dtype:
-        raise PatchError(
-            f"cannot diff tensors of different layouts: {tuple(old.shape)} {old.dtype} "
-            f"vs {tuple(new.shape)} {new.dtype}"
-        )
-    if old.device != new.device:
-        raise PatchError(f"cannot diff tensors on different devices ({old.device} vs {new.device})")
 
 
 def _span_changes(
@@ -278,10 +259,7 @@ def _span_changes(
     dt = _uint_np(esize)
     va, vb = a8[body:stop].view(dt), b8[body:stop].view(dt)
     rel = np.flatnonzero(va != vb)
-    positions = np.concatenate([head[0], rel + body // esize])
-    if not values:
-        return positions, None, None
-    return positions, np.concatenate([head[1], va[rel]]), np.concatenate([head[2], vb[rel]])
+    return _joined([head, (rel + body // esize, va[rel], vb[rel]) if values else (rel + body // esize, None, None)])
 
 
 def _uint_np(esize: int) -> np.dtype:
@@ -290,24 +268,16 @@ def _uint_np(esize: int) -> np.dtype:
 
 def _changes_torch(old: torch.Tensor, new: torch.Tensor, values: bool) -> _Found:
     a, b = int_view(old), int_view(new)
-    parts: list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]] = []
+    dt = _uint_np(dtype_of(old).bits // 8)
+    parts = [_nothing(dt.itemsize, values)]
     for s in range(0, a.numel(), _CUDA_CHUNK):
-        e = min(s + _CUDA_CHUNK, a.numel())
-        idx = torch.nonzero(a[s:e] != b[s:e]).reshape(-1)
-        if values:
-            parts.append((idx.cpu().numpy() + s, a[s:e][idx].cpu().numpy(), b[s:e][idx].cpu().numpy()))
-        else:
-            parts.append((idx.cpu().numpy() + s, None, None))
-    esize = dtype_of(old).bits // 8
-    if not parts:
-        return _nothing(esize, values)
-    positions = np.concatenate([p for p, _, _ in parts]).astype(np.int64)
-    if not values:
-        return positions, None, None
-    dt = _uint_np(esize)
-    old_bits = np.concatenate([o for _, o, _ in parts]).view(dt)
-    new_bits = np.concatenate([n for _, _, n in parts]).view(dt)
-    return positions, old_bits, new_bits
+        a_s, b_s = a[s : s + _CUDA_CHUNK], b[s : s + _CUDA_CHUNK]
+        idx = torch.nonzero(a_s != b_s).reshape(-1)
+        found = idx.cpu().numpy().astype(np.int64) + s
+        parts.append(
+            (found, a_s[idx].cpu().numpy().view(dt), b_s[idx].cpu().numpy().view(dt)) if values else (found, None, None)
+        )
+    return _joined(parts)
 
 
 def changed_positions_reference(old: torch.Tensor, new: torch.Tensor) -> np.ndarray:

@@ -1,22 +1,18 @@
-"""Build a patch from changes: ``PatchEncoder`` (the one way a patch is made, for whole tensors and for the
-row pieces a sharded trainer rank holds) and ``diff_views`` (two served views -> their patch).
-
-A piece's changed positions are shifted by its offset into the whole tensor and its fingerprint delta is
-computed with those global positions: the fingerprint is a sum over elements, so a tensor's delta is the sum
-of its pieces' and ranks exchange only deltas (8 bytes per changed tensor), never tensor data.
-"""
+"""Build a patch from changes: ``PatchEncoder`` (whole tensors, or the row pieces a sharded trainer rank
+holds: the fingerprint is a sum over elements, so ranks exchange only deltas) and ``diff_views``."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, Future
+from contextlib import ExitStack
 from typing import Literal
 
 import numpy as np
 import torch
 
-from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of, int_view, key_steps, to_key
+from flipsync.codec.bits import dtype_named, dtype_of, key_steps, to_key
 from flipsync.codec.container import PatchFileWriter
 from flipsync.codec.diff import Changes, DiffEngine
 from flipsync.codec.fingerprint import FingerprintTable, Hasher, combine_digests, fingerprint_delta
@@ -32,13 +28,9 @@ BATCH_BYTES = 256 << 20
 
 
 class PatchEncoder:
-    """Codes one patch's sections as their changes arrive, then builds the patch.
-
-    ``pool``: threads that code sections side by side while the caller finds the next changes (inline
-    without one). ``stream``: handed the patch file's data area as it is laid out, section by section in the
-    order they were added, as soon as each and every earlier one is coded (a part uploaded while it is still
-    being coded); after ``finish``, ``file_ends`` gives the bytes that go before and after it.
-    """
+    """Codes one patch's sections as their changes arrive (on ``pool``, else inline), then builds the patch.
+    ``stream``: handed the patch file's data area in order, as soon as each section and every earlier one is
+    coded; after ``finish``, ``file_ends`` gives the bytes that go before and after it."""
 
     def __init__(self, *, pool: Executor | None = None, stream: Stream | None = None) -> None:
         self._pool = pool
@@ -64,10 +56,8 @@ class PatchEncoder:
         base: torch.Tensor | np.ndarray | None = None,
         digest: Digest = None,
     ) -> int:
-        """Code the changes of one tensor (or of the piece of it that starts at flat element ``offset``);
-        returns the tensor's fingerprint delta. ``base``: the whole tensor the changes apply to, on the host,
-        to also try coding positions against it (``ctx``: the receiver then needs it to decode).
-        ``digest``: the content digest of the whole tensor after the change (None for a piece)."""
+        """Code the changes of one tensor (or of its piece from flat element ``offset``); returns its fingerprint
+        delta. ``base``: the whole tensor on the host (to try ``ctx``). ``digest``: None for a piece."""
         if name in self.deltas:
             raise PatchError(f"tensor {name!r} is added to the patch twice")
         d = dtype_named(dtype)
@@ -132,32 +122,6 @@ class PatchEncoder:
         return self._writer.finish(self._patch.header)
 
 
-def gather_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
-    """The unsigned bit patterns at ``positions`` of a tensor on any device; O(len(positions))."""
-    d = dtype_of(t)
-    if t.device.type == "cpu":
-        return bits_numpy(t)[positions]
-    idx = torch.from_numpy(positions).to(t.device)
-    return int_view(t)[idx].cpu().numpy().view(d.uint_numpy)
-
-
-def check_same_layout(old: Mapping[str, torch.Tensor], new: Mapping[str, torch.Tensor]) -> None:
-    """A patch changes values, never layout; a layout change needs a keyframe."""
-    missing, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
-    if missing or added:
-        raise PatchError(
-            f"the two views hold different tensors (only in old: {missing[:5]}, only in new: {added[:5]}); "
-            "a patch cannot add or remove tensors: publish a keyframe instead"
-        )
-    for name in old:
-        a, b = old[name], new[name]
-        if a.shape != b.shape or a.dtype != b.dtype:
-            raise PatchError(
-                f"tensor {name!r} changed layout from {tuple(a.shape)} {a.dtype} to {tuple(b.shape)} {b.dtype}; "
-                "a patch cannot change shapes or dtypes: publish a keyframe instead"
-            )
-
-
 def diff_views(
     old: Mapping[str, torch.Tensor],
     new: Mapping[str, torch.Tensor],
@@ -173,19 +137,26 @@ def diff_views(
     progress: Progress | None = None,
     context: bool = True,
 ) -> tuple[Patch, FingerprintTable]:
-    """The patch that turns ``old`` into ``new`` bit for bit, and the fingerprint table of ``new``.
-
-    ``mode="step"`` stores order-key steps (smallest); ``"raw"`` stores new bit patterns (idempotent
-    overwrite). Pass the previous call's table as ``old_table`` to keep the whole diff O(size) + O(changed):
-    the new fingerprints are then updated from the changes instead of rehashed. ``context``: also try coding
-    each tensor's positions against its old values (the ``ctx`` coder, CPU tensors; kept where smaller), which
-    makes the patch decodable only with its base at hand (apply, stage, ``squash(..., base=...)``).
-    """
-    check_same_layout(old, new)
-    own_engine, own_hasher = engine is None, hasher is None
-    engine = engine or DiffEngine()
-    hasher = hasher or Hasher()
-    try:
+    """The patch that turns ``old`` into ``new`` bit for bit, and the fingerprint table of ``new``. ``mode``:
+    order-key steps, or new bit patterns (``"raw"``: idempotent overwrite). ``old_table``: the previous call's
+    table (the new one is then updated, not rehashed). ``context``: also try ``ctx`` on CPU tensors."""
+    # A patch changes values, never layout; a layout change needs a keyframe.
+    missing, added = sorted(set(old) - set(new)), sorted(set(new) - set(old))
+    if missing or added:
+        raise PatchError(
+            f"the two views hold different tensors (only in old: {missing[:5]}, only in new: {added[:5]}); "
+            "a patch cannot add or remove tensors: publish a keyframe instead"
+        )
+    for name in old:
+        a, b = old[name], new[name]
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise PatchError(
+                f"tensor {name!r} changed layout from {tuple(a.shape)} {a.dtype} to {tuple(b.shape)} {b.dtype}; "
+                "a patch cannot change shapes or dtypes: publish a keyframe instead"
+            )
+    with ExitStack() as own:
+        engine = engine or own.enter_context(DiffEngine())
+        hasher = hasher or own.enter_context(Hasher())
         table = old_table if old_table is not None else FingerprintTable.of(old, hasher)
         if set(table) != set(old):
             raise PatchError("old_table does not describe the old view (different tensor names)")
@@ -227,8 +198,3 @@ def diff_views(
             served_format=served_format,
         )
         return patch, new_table
-    finally:
-        if own_engine:
-            engine.close()
-        if own_hasher:
-            hasher.close()

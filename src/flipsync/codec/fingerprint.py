@@ -1,6 +1,5 @@
-"""Proof that a replica holds exactly the target bytes: per-tensor content digests (xxh3-128, O(size)) and
-fingerprints that a patch updates in O(changed), and the view fingerprint naming a whole served view.
-See docs/codec.md ("Verification: digests and fingerprints").
+"""Proof that a replica holds exactly the target bytes: content digests (xxh3-128), fingerprints that a patch
+updates in O(changed), and the view fingerprint (docs/codec.md, "Verification: digests and fingerprints").
 """
 
 from __future__ import annotations
@@ -8,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numba
@@ -65,9 +65,7 @@ def fingerprint_of(positions: np.ndarray, bits: np.ndarray) -> int:
 
 
 def fingerprint_delta(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
-    """How much the fingerprint moves when the elements at ``positions`` go from bit patterns ``old`` to ``new``
-    (unsigned, of one width): ``fingerprint_of(positions, new) - fingerprint_of(positions, old)`` mod 2**64,
-    in one pass."""
+    """``fingerprint_of(positions, new) - fingerprint_of(positions, old)`` mod 2**64, in one pass."""
     if not (positions.shape == old.shape == new.shape):
         raise ValueError("positions, old and new bits must have one length")
     return int(_fingerprint_delta(positions.astype(np.int64, copy=False), old, new))
@@ -79,10 +77,7 @@ def fp_hex(fp: int) -> str:
 
 def combine_digests(named: Iterable[tuple[str, str]]) -> str:
     """One digest for a set of (tensor name, content digest) pairs: the XOR of xxh3-128(name NUL digest).
-
-    Order-free, so the combined digests of disjoint sets (one per trainer rank's shard) XOR into the
-    digest of their union; a patch carries this one digest instead of one per changed tensor.
-    """
+    Order-free, so the combined digests of disjoint sets (one per trainer rank's shard) XOR into their union's."""
     acc = 0
     for name, digest in named:
         acc ^= xxhash.xxh3_128_intdigest(name.encode() + b"\0" + bytes.fromhex(digest))
@@ -110,8 +105,8 @@ class Hasher:
         self.close()
 
     def fingerprint(self, t: torch.Tensor, offset: int = 0) -> int:
-        """The additive fingerprint of ``t``'s elements; ``offset``: their flat position in the whole tensor,
-        for a piece of one (a rank's rows), so that the pieces' fingerprints sum to the tensor's."""
+        """The additive fingerprint of ``t``'s elements; ``offset``: their flat position in the whole tensor, for a
+        piece of one (the pieces' fingerprints sum to the tensor's)."""
         bits = bits_numpy(t.detach().contiguous())
         parts = self._pool.map(
             lambda se: int(_fingerprint_dense(bits[se[0] : se[1]], offset + se[0])), _chunks(bits.size, _FP_CHUNK)
@@ -123,15 +118,12 @@ class Hasher:
 
     def digest(self, t: torch.Tensor) -> str:
         """xxh3-128 of the bytes; tensors over one chunk hash the concatenated chunk digests."""
-        raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
-        if raw.size <= DIGEST_CHUNK:
-            return xxhash.xxh3_128_hexdigest(raw)  # type: ignore[arg-type]
-        parts = self._pool.map(lambda se: xxhash.xxh3_128_digest(raw[se[0] : se[1]]), _chunks(raw.size, DIGEST_CHUNK))  # type: ignore[arg-type]
-        return xxhash.xxh3_128_hexdigest(b"".join(parts))
+        if t.numel() * t.element_size() > DIGEST_CHUNK:
+            return self.digest_soon(t)()
+        return xxhash.xxh3_128_hexdigest(bits_numpy(t.detach().contiguous()).view(np.uint8))  # type: ignore[arg-type]
 
     def digest_soon(self, t: torch.Tensor) -> Callable[[], str]:
-        """`digest` started on the pool; calling the result waits for it. The caller's thread goes on
-        meanwhile (the trainer diffs the next tensor while this one is hashed). ``t`` must not change."""
+        """`digest` started on the pool; calling the result waits for it. ``t`` must not change meanwhile."""
         raw = bits_numpy(t.detach().contiguous()).view(np.uint8)
         if raw.size <= DIGEST_CHUNK:
             return self._pool.submit(xxhash.xxh3_128_hexdigest, raw).result  # type: ignore[arg-type]
@@ -156,15 +148,10 @@ class FingerprintTable(dict[str, TensorId]):
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor], hasher: Hasher | None = None) -> FingerprintTable:
-        own = hasher is None
-        h = hasher or Hasher()
-        try:
+        with nullcontext(hasher) if hasher is not None else Hasher() as h:
             return cls(
                 {name: TensorId(dtype_of(t).name, tuple(t.shape), h.fingerprint(t)) for name, t in tensors.items()}
             )
-        finally:
-            if own:
-                h.close()
 
     def view_fp(self) -> str:
         """The view fingerprint: xxh3-128 over the sorted (name, dtype, shape, fingerprint) lines."""

@@ -1,11 +1,11 @@
-"""A patch: its header (``flipsync.domain.headers``) and each changed tensor's coded streams, decoded on
-demand; built from decoded changes, read from and written to the patch file (``container``).
-"""
+"""A patch: its header (``flipsync.domain.headers``) and each changed tensor's coded streams, decoded on demand."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
+from functools import reduce
+from operator import xor
 from pathlib import Path
 
 import torch
@@ -46,7 +46,6 @@ class Patch:
         # board's records name).
         self._raw = raw
 
-    # -------------------------------------------------------------------------------- construction
     @classmethod
     def from_changes(
         cls,
@@ -70,8 +69,7 @@ class Patch:
     def merge_disjoint(
         cls, patches: Iterable[Patch], *, base: ViewRef, target: ViewRef, served_format: str | None = None
     ) -> Patch:
-        """Shards of one version (e.g. one per trainer rank) side by side: their sections are moved, not
-        decoded. Every tensor may appear in one shard only; the caller names the ends of the whole."""
+        """Shards of one version side by side, not decoded; a tensor may be in one shard only."""
         sections: list[SectionHeader] = []
         blobs: dict[str, bytes | memoryview] = {}
         digests: list[str | None] = []
@@ -83,10 +81,9 @@ class Patch:
                 blobs[s.name] = p._blobs[s.name]
             digests.append(p.header.digest)
         # Disjoint shards: the XOR of their combined digests is the digest of the union (combine_digests).
-        digest = None if None in digests else f"{_xor_hex(d for d in digests if d is not None):032x}"
+        digest = None if None in digests else f"{reduce(xor, (int(d, 16) for d in digests if d is not None), 0):032x}"
         return cls(PatchHeader(base, target, tuple(sections), served_format, digest=digest), blobs)
 
-    # ------------------------------------------------------------------------------------- access
     @property
     def sections(self) -> tuple[SectionHeader, ...]:
         return self.header.sections
@@ -109,13 +106,8 @@ class Patch:
 
     def changes(self, base: Mapping[str, torch.Tensor] | None = None) -> Iterator[TensorChange]:
         """Every tensor's change, in header order; ``base``: the view the patch applies to (see ``change``)."""
-        for section in self.header.sections:
-            tensor = None
-            if base is not None and needs_base(section):
-                if section.name not in base:
-                    raise BaseMismatchError(f"the patch changes tensor {section.name!r}, which the base does not hold")
-                tensor = base[section.name]
-            yield self.change(section.name, tensor)
+        for s in self.header.sections:
+            yield self.change(s.name, _base_tensor(base, s.name) if base is not None and needs_base(s) else None)
 
     @property
     def needs_base(self) -> bool:
@@ -126,14 +118,11 @@ class Patch:
         return needs_base(self._sections[name])
 
     def decodable_alone(self, base: Mapping[str, torch.Tensor]) -> Patch:
-        """This patch with every section coded against its base (``ctx``) decoded against ``base`` (the view it
-        applies to) and coded again without it; the other sections are kept as they are."""
+        """This patch with every ``ctx`` section decoded against ``base`` (its view) and coded again without it."""
         sections, blobs = [], dict(self._blobs)
         for s in self.header.sections:
             if needs_base(s):
-                if s.name not in base:
-                    raise BaseMismatchError(f"the patch changes tensor {s.name!r}, which the base does not hold")
-                s, blobs[s.name] = encode_change(self.change(s.name, base[s.name]))
+                s, blobs[s.name] = encode_change(self.change(s.name, _base_tensor(base, s.name)))
             sections.append(s)
         return Patch(replace(self.header, sections=tuple(sections)), blobs)
 
@@ -151,7 +140,6 @@ class Patch:
         """What decoding every section allocates, from the header's declared counts (nothing is decoded)."""
         return self.header.n_changed * DECODED_BYTES_PER_CHANGE
 
-    # ---------------------------------------------------------------------------------------- file
     def to_bytes(self) -> bytes:
         """The patch file (for a patch read from a file: that file)."""
         if self._raw is not None:
@@ -183,11 +171,10 @@ class Patch:
         return cls.from_bytes(data)
 
 
-def _xor_hex(digests: Iterable[str]) -> int:
-    acc = 0
-    for d in digests:
-        acc ^= int(d, 16)
-    return acc
+def _base_tensor(base: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in base:
+        raise BaseMismatchError(f"the patch changes tensor {name!r}, which the base does not hold")
+    return base[name]
 
 
 def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:

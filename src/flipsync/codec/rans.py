@@ -1,6 +1,5 @@
-"""The ``ans`` value coder: an order-0 rANS coder (our own, compiled with numba) over symbols below a cut-off,
-with the frequency table stored; larger symbols escape to a zstd side stream. Reaches the empirical entropy
-of the steps; long streams interleave four states so that decoding takes ~2-3 ns per value.
+"""The ``ans`` value coder: order-0 rANS (compiled with numba) with a stored frequency table; larger symbols
+escape to a zstd side stream. Long streams interleave four states (decoding ~2-3 ns per value).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ ANS_MAX_ALPHABET = 256  # symbols >= this escape to the side stream
 _FIXED = FixedWidthCoder()  # the frequency table's counts
 
 
-# ------------------------------------------------------------------------------------------------- rANS
 # An encoder and decoder pair, compiled here: 64-bit states, 32-bit words, lower bound L = 2**31,
 # frequencies summing to 2**prec (prec <= 16), so every value costs at most one word. The encoder works
 # backwards from a known start state; the decoder reads the final states first and must end at exactly the
@@ -36,12 +34,9 @@ ANS_LOW = 1 << 31
 
 @numba.njit(nogil=True, cache=True)
 def ans_quantize(counts: np.ndarray, prec: int) -> np.ndarray:
-    """Frequencies summing to 2**prec, in integer arithmetic (encoder and decoder must agree bit for bit).
-
-    Every used symbol gets one slot, the rest are shared in proportion to the counts (floor), and what the
-    floors leave over goes to the most frequent symbol (the first of equals). Needs counts.sum() < 2**47
-    and at most 2**prec used symbols; compiled because small sections pay it per section.
-    """
+    """Frequencies summing to 2**prec, in integer arithmetic (encoder and decoder must agree bit for bit): one
+    slot per used symbol, the rest in proportion (floor), the remainder to the first most frequent symbol.
+    Needs counts.sum() < 2**47 and at most 2**prec used symbols."""
     m = counts.shape[0]
     freq = np.zeros(m, dtype=np.uint32)
     used = 0
@@ -89,8 +84,7 @@ def mulhi64(typingctx, a, b):
 @numba.njit(nogil=True, cache=True)
 def ans_reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per symbol, (reciprocal, shift) such that ``x // f == mulhi64(x, rcp) >> shift`` for every x < 2**63 and
-    f >= 2 (Alverson's integer division by reciprocals: rcp = ceil(2**(63 + s) / f), s = ceil(log2 f), which
-    errs by less than x / 2**(63 + s) <= 1 / f). f == 1 has no such reciprocal; ``ans_pack`` special-cases it."""
+    f >= 2 (Alverson: rcp = ceil(2**(63 + s) / f), s = ceil(log2 f)); ``ans_pack`` special-cases f == 1."""
     m = freq.shape[0]
     rcp = np.zeros(m, dtype=np.uint64)
     shift = np.zeros(m, dtype=np.uint64)
@@ -112,16 +106,10 @@ def ans_reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @numba.njit(nogil=True, cache=True)
 def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
-    """Encode ``symbols`` into the tail of ``out`` (uint32, len(symbols) + 2 * lanes words at least); returns
-    the index of the first word used: the stream is ``out[start:]``. A symbol is an index into freq, and one
-    at or past the last index codes as the last (the escape symbol: ``ans_encode`` passes raw symbols).
-
-    Value i goes through state i % lanes (interleaved rANS: the decoder's lanes form independent
-    dependency chains); all lanes share one word stream, and the final states lead it, lane 0 first.
-    The step x -> (x // f) * 2**prec + x % f + cum is computed as x + cum + q * (2**prec - f) with the
-    quotient q from a reciprocal multiply (exact for x < 2**63, which the renormalization keeps): a 64-bit
-    division per value was most of the encoder's time.
-    """
+    """Encode ``symbols`` into the tail of ``out`` (len(symbols) + 2 * lanes words at least); returns the start
+    of the stream. Value i goes through state i % lanes; the final states lead the stream, lane 0 first. The
+    step x -> (x // f) * 2**prec + x % f + cum is computed as x + cum + q * (2**prec - f) with q from a
+    reciprocal multiply: a 64-bit division per value was most of the encoder's time."""
     cum = _cumulative(freq)
     rcp, shift = ans_reciprocals(freq)
     top = np.uint64(freq.shape[0] - 1)
@@ -216,12 +204,9 @@ def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
 @numba.njit(nogil=True, cache=True)
 def ans_unpack(words: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
     """Decode len(out) symbols; OK, TRUNCATED (ran out of words) or CORRUPT (a lane did not end at the
-    encoder's start state, or words are left over). ``lanes`` is 1 or 4; ``freq`` sums to 2**prec.
-
-    One table entry per slot packs the symbol, its frequency and the slot's offset in the symbol's range,
-    so a step is one load, one multiply and one add; four lanes keep four such chains in flight. The
-    steps are written out by hand: a helper returning a tuple made numba's loop 15x slower.
-    """
+    encoder's start state, or words are left over). One table entry per slot packs symbol, frequency and
+    offset: a step is one load, one multiply and one add. The steps are written out by hand: a helper
+    returning a tuple made numba's loop 15x slower."""
     nw = words.shape[0]
     if (lanes == 4 and nw < 8) or (lanes != 1 and lanes != 4):
         return TRUNCATED
@@ -332,27 +317,6 @@ def _cheapest_eg(values: np.ndarray) -> tuple[int, int]:
     return best, best_k
 
 
-def _encode_counts(c: np.ndarray) -> tuple[int, bytes]:
-    """(coding byte, bytes) of the table's counts minus one: the smaller of fixed width and Exp-Golomb."""
-    params, blob = _FIXED.encode(c)
-    bits, k = (int(x) for x in _cheapest_eg(c))
-    if (bits + 7) // 8 >= len(blob):
-        return params["bits"], blob  # ties keep the coding every reader knows
-    out = np.empty((bits + 7) // 8, dtype=np.uint8)
-    return _EXP_GOLOMB + k, out[: pack_exp_golomb(c, k, out)].tobytes()
-
-
-def _decode_counts(kind: int, blob: bytes, used: int) -> np.ndarray:
-    if kind < _EXP_GOLOMB:
-        return _FIXED.decode({"bits": kind}, blob, used)
-    if kind - _EXP_GOLOMB > _MAX_EG_K or used > 8 * len(blob):  # every code takes at least one bit
-        raise CorruptPatchError("ans frequency table's counts are coded in an unknown way, or truncated")
-    out = np.empty(used, dtype=np.uint64)
-    if unpack_exp_golomb(np.frombuffer(blob, dtype=np.uint8), kind - _EXP_GOLOMB, out) != OK:
-        raise CorruptPatchError("ans frequency table's counts are truncated or corrupt")
-    return out
-
-
 def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
     """The frequency table and the offset where the rANS words start."""
     if len(blob) < _ANS_HEADER.size:
@@ -366,9 +330,18 @@ def _ans_table(blob: bytes, n_counts: int) -> tuple[np.ndarray, int]:
     if gaps.max() >= n_counts or symbols[-1] >= n_counts:
         raise CorruptPatchError("ans frequency table names symbols outside the alphabet")
     off += sym_len
+    stored = blob[off : off + cnt_len]
+    if cbits < _EXP_GOLOMB:
+        found = _FIXED.decode({"bits": cbits}, stored, used)
+    else:
+        if cbits - _EXP_GOLOMB > _MAX_EG_K or used > 8 * len(stored):  # every code takes at least one bit
+            raise CorruptPatchError("ans frequency table's counts are coded in an unknown way, or truncated")
+        found = np.empty(used, dtype=np.uint64)
+        if unpack_exp_golomb(np.frombuffer(stored, dtype=np.uint8), cbits - _EXP_GOLOMB, found) != OK:
+            raise CorruptPatchError("ans frequency table's counts are truncated or corrupt")
     counts = np.zeros(n_counts, dtype=np.uint64)
     # Stored as count - 1; a crafted 2**64 - 1 wraps to 0, which the callers' checks refuse.
-    counts[symbols] = _decode_counts(cbits, blob[off : off + cnt_len], used) + np.uint64(1)
+    counts[symbols] = found + np.uint64(1)
     return counts, off + cnt_len
 
 
@@ -378,17 +351,8 @@ _ANS_LANES_FROM = 1 << 14  # 4 interleaved states from here: ~24 more bytes (<0.
 
 
 def _ans_shape(n: int) -> tuple[int, int]:
-    """(precision, lanes) for n values, implied by n so that the header need not carry them: slots in
-    proportion to the values (the decode table costs O(2**prec) per section), four lanes for long streams."""
+    """(precision, lanes) for n values, implied by n so that the header need not carry them."""
     return min(_ANS_MAX_PREC, max(_ANS_MIN_PREC, n.bit_length() + 1)), 4 if n >= _ANS_LANES_FROM else 1
-
-
-def _table(counts: np.ndarray) -> tuple[int, int, bytes, int, bytes]:
-    """The stored frequency table: (used symbols, rice k, their gaps' bytes, counts' coding, counts' bytes)."""
-    used = np.flatnonzero(counts)
-    sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
-    cnt_kind, cnt_blob = _encode_counts(counts[used] - np.uint64(1))
-    return used.size, sym_params["k"], sym_blob, cnt_kind, cnt_blob
 
 
 # rANS words beyond the information they carry: the final states lead the stream (8 bytes a lane) and hold on
@@ -398,8 +362,7 @@ _ANS_STATE_BYTES = {1: 8 - 47 / 8, 4: 4 * (8 - 16 / 8)}
 
 @numba.njit(nogil=True, cache=True)
 def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, int]:
-    """(bits of information of the values under the quantized frequencies, about the table's bytes), in one
-    compiled call: the table as ``_table`` codes it, with the best of every small Rice / Exp-Golomb parameter."""
+    """(bits of information of the values under ``freq``, about the table's bytes), in one compiled call."""
     info = 0.0
     for s in range(counts.shape[0]):
         if counts[s]:
@@ -416,21 +379,6 @@ def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, 
         prev = used[i]
     sym_bits = min([rice_bits(gaps, k) for k in range(9)])
     return info, (sym_bits + 7) // 8 + (cnt_bits + 7) // 8
-
-
-def ans_estimate(symbols: np.ndarray) -> int:
-    """About the length of ``ans_encode(symbols)``'s bytes (within a few bytes, plus the escapes' estimate):
-    the information of the values under the quantized frequencies, the table and the escapes."""
-    n = int(symbols.size)
-    counts = ans_counts(symbols)
-    prec, lanes = _ans_shape(n)
-    info, table = _ans_sizes(counts, ans_quantize(counts, prec), prec)
-    words = 4 * max(1, math.ceil((info / 8 + _ANS_STATE_BYTES[lanes]) / 4))
-    escapes = 0
-    if counts.size > ANS_MAX_ALPHABET and counts[ANS_MAX_ALPHABET]:
-        escaped = _escaped(symbols, int(counts[ANS_MAX_ALPHABET]))
-        escapes = shuffled_zstd_estimate(escaped) or len(shuffled_zstd(escaped)[1])
-    return _ANS_HEADER.size + table + words + escapes
 
 
 @numba.njit(nogil=True, cache=True)
@@ -467,8 +415,7 @@ def _escaped(symbols: np.ndarray, count: int) -> np.ndarray:
 
 
 def ans_counts(symbols: np.ndarray) -> np.ndarray:
-    """The table's counts: one per symbol below the alphabet (the largest symbol + 1, at most
-    ``ANS_MAX_ALPHABET``), plus the escapes' count last when any symbol is at or past it; one compiled pass."""
+    """The table's counts: per symbol up to the largest, or with escapes all ``ANS_MAX_ALPHABET`` and theirs."""
     counts = _capped_counts(symbols)
     if counts[ANS_MAX_ALPHABET]:
         return counts
@@ -476,73 +423,74 @@ def ans_counts(symbols: np.ndarray) -> np.ndarray:
     return counts[: int(used[-1]) + 1 if used.size else 1]
 
 
-def ans_encode(symbols: np.ndarray) -> tuple[Params, bytes]:
-    """rANS (our own compiled coder, above) over symbols < alphabet; larger ones escape to zstd.
-
-    Layout: header, sparse frequency table (Rice-coded symbol gaps, fixed-width exact counts: a section with a
-    few hundred changes pays tens of bytes for it), 32-bit words, escapes. The decoder rebuilds the quantized
-    frequencies from the counts (``ans_quantize``).
-    """
-    n = int(symbols.size)
-    counts = ans_counts(symbols)
-    prec, lanes = _ans_shape(n)
-    out = np.empty(n + 2 * lanes, dtype=np.uint32)
-    start = ans_pack(symbols, ans_quantize(counts, prec), prec, lanes, out)
-    words = out[start:].astype("<u4").tobytes()
-    used, k, sym_blob, cnt_kind, cnt_blob = _table(counts)
-    header = _ANS_HEADER.pack(used, k, cnt_kind, len(sym_blob), len(cnt_blob), len(words))
-    alphabet = ANS_MAX_ALPHABET
-    n_esc = int(counts[alphabet]) if counts.size > alphabet else 0
-    # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
-    esc_params, esc_blob = ({"width": 1}, b"")
-    if n_esc:
-        esc_params, esc_blob = shuffled_zstd(_escaped(symbols, n_esc))
-    params = {"alphabet": len(counts), "escapes": n_esc, "esc_width": esc_params["width"]}
-    return params, header + sym_blob + cnt_blob + words + esc_blob
-
-
-def ans_decode(params: Params, blob: bytes, n: int) -> np.ndarray:
-    n_counts = get_int(params, "alphabet", range(1, ANS_MAX_ALPHABET + 2))
-    n_esc = get_int(params, "escapes", range(n + 1))
-    if n == 0 or n >= 1 << 47:
-        raise CorruptPatchError("an ans stream codes at least one and fewer than 2**47 values")
-    prec, lanes = _ans_shape(n)
-    counts, off = _ans_table(blob, n_counts)
-    # The table holds exact counts: they must add up to the values, which also bounds them for quantizing.
-    if int(counts.max()) > n or int(counts.sum()) != n or int(np.count_nonzero(counts)) > 1 << prec:
-        raise CorruptPatchError("ans frequency table does not add up to the number of values")
-    words_len = _ANS_HEADER.unpack_from(blob)[5]
-    words = np.frombuffer(blob, dtype="<u4", count=words_len // 4, offset=off)
-    symbols = np.empty(n, dtype=np.uint64)
-    status = ans_unpack(words, ans_quantize(counts, prec), prec, lanes, symbols)
-    if status != OK:
-        raise CorruptPatchError("ans stream is truncated or corrupt")
-    esc_sym = n_counts - 1
-    n_esc_seen = int(counts[esc_sym]) if n_esc else 0
-    if n_esc_seen != n_esc:
-        raise CorruptPatchError("ans stream escape count disagrees with the section header")
-    if n_esc:
-        escaped = symbols == np.uint64(esc_sym)
-        if int(escaped.sum()) != n_esc:
-            raise CorruptPatchError("ans stream escape count disagrees with the section header")
-        extra = unshuffled_zstd({"width": params.get("esc_width")}, blob[off + words_len :], n_esc)
-        symbols[escaped] = extra + np.uint64(esc_sym)
-    return symbols
-
-
 class RansCoder(SymbolCoder):
-    """Order-0 rANS with a stored frequency table and zstd escapes (see the module docstring)."""
-
     codec_id: ClassVar[str] = "ans"
 
     def accepts(self, symbols: np.ndarray, base: Any = None) -> bool:
         return symbols.size > 0
 
-    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
-        return ans_encode(symbols)
-
     def estimate(self, symbols: np.ndarray, base: Any = None) -> int:
-        return ans_estimate(symbols)
+        """About the length of ``encode(symbols)``'s bytes (within a few bytes, plus the escapes' estimate)."""
+        n = int(symbols.size)
+        counts = ans_counts(symbols)
+        prec, lanes = _ans_shape(n)
+        info, table = _ans_sizes(counts, ans_quantize(counts, prec), prec)
+        words = 4 * max(1, math.ceil((info / 8 + _ANS_STATE_BYTES[lanes]) / 4))
+        escapes = 0
+        if counts.size > ANS_MAX_ALPHABET and counts[ANS_MAX_ALPHABET]:
+            escaped = _escaped(symbols, int(counts[ANS_MAX_ALPHABET]))
+            escapes = shuffled_zstd_estimate(escaped) or len(shuffled_zstd(escaped)[1])
+        return _ANS_HEADER.size + table + words + escapes
+
+    def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
+        """Layout: header, sparse frequency table (Rice-coded symbol gaps, exact counts), 32-bit words, escapes
+        (zstd). The decoder rebuilds the quantized frequencies from the counts (``ans_quantize``)."""
+        n = int(symbols.size)
+        counts = ans_counts(symbols)
+        prec, lanes = _ans_shape(n)
+        out = np.empty(n + 2 * lanes, dtype=np.uint32)
+        start = ans_pack(symbols, ans_quantize(counts, prec), prec, lanes, out)
+        words = out[start:].astype("<u4").tobytes()
+        used = np.flatnonzero(counts)  # the stored table: the used symbols' gaps, then their counts
+        sym_params, sym_blob = rice_encode(np.diff(used, prepend=-1) - 1)
+        stored = counts[used] - np.uint64(1)
+        cnt_params, cnt_blob = _FIXED.encode(stored)
+        cnt_kind = cnt_params["bits"]
+        bits, k = (int(x) for x in _cheapest_eg(stored))
+        if (bits + 7) // 8 < len(cnt_blob):  # Exp-Golomb where smaller: ties keep the coding every reader knows
+            eg = np.empty((bits + 7) // 8, dtype=np.uint8)
+            cnt_kind, cnt_blob = _EXP_GOLOMB + k, eg[: pack_exp_golomb(stored, k, eg)].tobytes()
+        header = _ANS_HEADER.pack(used.size, sym_params["k"], cnt_kind, len(sym_blob), len(cnt_blob), len(words))
+        alphabet = ANS_MAX_ALPHABET
+        n_esc = int(counts[alphabet]) if counts.size > alphabet else 0
+        # A compressor per call costs ~20 us: most sections have no escapes, and then width 1 codes nothing.
+        esc_params, esc_blob = ({"width": 1}, b"")
+        if n_esc:
+            esc_params, esc_blob = shuffled_zstd(_escaped(symbols, n_esc))
+        params = {"alphabet": len(counts), "escapes": n_esc, "esc_width": esc_params["width"]}
+        return params, header + sym_blob + cnt_blob + words + esc_blob
 
     def decode(self, params: Params, blob: bytes, n: int) -> np.ndarray:
-        return ans_decode(params, blob, n)
+        n_counts = get_int(params, "alphabet", range(1, ANS_MAX_ALPHABET + 2))
+        n_esc = get_int(params, "escapes", range(n + 1))
+        if n == 0 or n >= 1 << 47:
+            raise CorruptPatchError("an ans stream codes at least one and fewer than 2**47 values")
+        prec, lanes = _ans_shape(n)
+        counts, off = _ans_table(blob, n_counts)
+        # The table holds exact counts: they must add up to the values, which also bounds them for quantizing.
+        if int(counts.max()) > n or int(counts.sum()) != n or int(np.count_nonzero(counts)) > 1 << prec:
+            raise CorruptPatchError("ans frequency table does not add up to the number of values")
+        words_len = _ANS_HEADER.unpack_from(blob)[5]
+        words = np.frombuffer(blob, dtype="<u4", count=words_len // 4, offset=off)
+        symbols = np.empty(n, dtype=np.uint64)
+        status = ans_unpack(words, ans_quantize(counts, prec), prec, lanes, symbols)
+        if status != OK:
+            raise CorruptPatchError("ans stream is truncated or corrupt")
+        esc_sym = n_counts - 1
+        if n_esc:
+            escaped = symbols == np.uint64(esc_sym)
+            if int(counts[esc_sym]) != n_esc or int(escaped.sum()) != n_esc:
+                raise CorruptPatchError("ans stream escape count disagrees with the section header")
+            extra = unshuffled_zstd({"width": params.get("esc_width")}, blob[off + words_len :], n_esc)
+            symbols[escaped] = extra + np.uint64(esc_sym)
+        return symbols

@@ -1,20 +1,16 @@
-"""The Rice position coder: changed positions as gaps, each a Golomb-Rice code with the best parameter k.
-
-Within ~1% of the entropy bound log2 C(numel, n) for scattered changes. Bits are MSB-first (see
-``bitpack``); the decoder (numba) reads untrusted bytes through a 64-bit bit buffer, bounds-checks every
-read and turns gaps into positions in the same pass, refusing any at or past the tensor's end.
+"""The Rice position coder: changed positions as gaps, each a Golomb-Rice code with the best parameter k
+(within ~1% of log2 C(numel, n) for scattered changes). Bits are MSB-first (see ``bitpack``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numba
 import numpy as np
 
-from flipsync.codec.bitpack import flush_bits, pack_codes, put_rice
-from flipsync.codec.coders import OK, OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
+from flipsync.codec.bitpack import flush_bits, pack_codes, put_bytes, put_rice
+from flipsync.codec.coders import OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.codec.intrinsics import clz64
 from flipsync.errors import CorruptPatchError
 
@@ -29,22 +25,14 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
     return total
 
 
-def rice_pack(gaps: np.ndarray, k: int, out: np.ndarray) -> int:
-    """Each gap as its quotient in unary (q zeros, then a one) followed by its k low bits."""
-    return int(pack_codes(gaps, k, True, out))
-
-
 @numba.njit(nogil=True, cache=True)
 def rice_decode_runs(
     data: np.ndarray, start_bit: int, ks: np.ndarray, counts: np.ndarray, out: np.ndarray, numel: int
 ) -> int:
-    """Decode runs of Rice-coded gaps from one bit stream through a 64-bit bit buffer (one leading-zero count
-    per quotient): run u is ``counts[u]`` codes with parameter ``ks[u]``, written to ``out`` one after another.
-
-    With ``numel >= 0`` each run's gaps are turned into positions on the fly (running sum of gap + 1, starting
-    at -1 in every run) and one at or past ``numel`` is an OVERFLOW; with ``numel < 0`` the raw gaps are stored.
-    Returns the number of bits read (from ``start_bit``), or TRUNCATED / OVERFLOW (a quotient too large).
-    Invariant: ``buf`` holds ``nbuf`` unread bits MSB-aligned and zeros below them.
+    """Decode runs of Rice-coded gaps from one bit stream through a 64-bit bit buffer: run u is ``counts[u]``
+    codes with parameter ``ks[u]``, written to ``out`` one after another. With ``numel >= 0`` each run's gaps
+    become positions (from -1 in every run), one at or past ``numel`` an OVERFLOW; else the raw gaps are stored.
+    Returns the bits read, or TRUNCATED / OVERFLOW. Invariant: ``buf`` holds ``nbuf`` unread bits MSB-aligned.
     """
     nbytes = data.shape[0]
     bp = start_bit >> 3
@@ -107,32 +95,11 @@ def rice_decode_runs(
     return bp * 8 - nbuf - start_bit
 
 
-def _rice_decode(data: np.ndarray, k: int, out: np.ndarray, numel: int) -> int:
-    used = rice_decode_runs(data, 0, np.array([k], np.int64), np.array([out.shape[0]], np.int64), out, numel)
-    return OK if used >= 0 else int(used)
-
-
-def rice_unpack(data: np.ndarray, k: int, out: np.ndarray) -> int:
-    """Decode len(out) gaps (uint64); returns OK, TRUNCATED or OVERFLOW (quotient too large for 64 bits)."""
-    return int(_rice_decode(data, k, out, -1))
-
-
-def rice_unpack_positions(data: np.ndarray, k: int, out: np.ndarray, numel: int) -> int:
-    """Decode len(out) gaps straight into sorted positions (int64) below ``numel``, in one pass.
-
-    Returns OK, TRUNCATED, or OVERFLOW (a quotient too large, or a position at or past ``numel``).
-    """
-    return int(_rice_decode(data, k, out, numel))
-
-
 @numba.njit(nogil=True, cache=True)
 def _quotient_sums(positions: np.ndarray, k0: int, out: np.ndarray) -> bool:
-    """``out[i]`` += sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, for up to three i,
-    in one pass and without a gap array; False if the positions are not sorted, unique and non-negative.
-
-    Written to vectorize (three scalar sums, gaps from neighbouring loads, the order check OR-ed up rather than
-    an early exit): ~0.3 ns per position instead of ~3.
-    """
+    """``out[i]`` += sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, for up to three i;
+    False if the positions are not sorted, unique and non-negative. Written to vectorize (the order check OR-ed
+    up rather than an early exit): ~0.3 ns per position instead of ~3."""
     n = positions.shape[0]
     if n == 0:
         return True
@@ -163,15 +130,9 @@ def _candidates(mean: float) -> range:
     return range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
 
 
-def _best_k(candidates: range, bits_for: Callable[[int], int]) -> tuple[int, int]:
-    """(k, bits) of the cheapest of the candidate Rice parameters."""
-    return min(((k, bits_for(k)) for k in candidates), key=lambda kb: kb[1])
-
-
 @numba.njit(nogil=True, cache=True)
 def _cheapest_k(gaps: np.ndarray, k0: int, k1: int) -> tuple[int, int]:
-    """(k, bits) of the first cheapest Rice parameter in [k0, k1) (at most three), in one pass over the gaps;
-    the same as ``rice_bits`` for each candidate, at a third of the passes and one call."""
+    """(k, bits) of the first cheapest Rice parameter in [k0, k1) (at most three), in one pass over the gaps."""
     s0, s1, s2 = np.uint64(k0), np.uint64(min(k0 + 1, 63)), np.uint64(min(k0 + 2, 63))
     a = b = c = np.uint64(0)
     for g in gaps:
@@ -206,7 +167,7 @@ def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     g = np.ascontiguousarray(gaps, dtype=np.uint64)
     k, bits = _rice_choice(g)
     out = np.empty((bits + 7) // 8, dtype=np.uint8)
-    used = rice_pack(g, k, out)
+    used = pack_codes(g, k, True, out)
     return {"k": k}, out[:used].tobytes()
 
 
@@ -218,19 +179,16 @@ def _rice_plan(p: np.ndarray) -> tuple[int, int]:
     sums = np.zeros(len(candidates), dtype=np.uint64)
     if not _quotient_sums(p, candidates.start, sums):
         raise ValueError("positions must be sorted and unique")
-    return _best_k(candidates, lambda k: int(sums[k - candidates.start]) + n * (k + 1))
-
-
-def rice_positions_bytes(positions: np.ndarray) -> int:
-    """The exact length of ``rice_encode_positions(positions)``'s bytes, from one pass of quotient sums."""
-    return (_rice_plan(np.ascontiguousarray(positions, dtype=np.int64))[1] + 7) // 8
+    bits = [int(sums[k - candidates.start]) + n * (k + 1) for k in candidates]
+    best = bits.index(min(bits))  # the first cheapest
+    return candidates[best], bits[best]
 
 
 @numba.njit(nogil=True, cache=True)
 def _pack_rice_gaps(positions: np.ndarray, k: int, out: np.ndarray) -> int:
-    """``rice_pack`` of the gaps of sorted ``positions``, the same bytes, for ``out`` with 4 bytes to spare: a code
-    of at most 32 bits (nearly all) goes into the accumulator and 32 bits are stored whether or not they are
-    complete, advancing only when they are; so no branch on the (unpredictable) moment a word fills up."""
+    """``pack_codes``' Rice code of the gaps of sorted ``positions``, for ``out`` with 4 bytes to spare: 32 bits
+    are stored after every short code, complete or not, advancing only when they are (no branch on the
+    unpredictable moment a word fills up)."""
     acc = np.uint64(0)
     nacc = 0
     j = 0
@@ -257,20 +215,8 @@ def _pack_rice_gaps(positions: np.ndarray, k: int, out: np.ndarray) -> int:
             nacc -= 32 * full
         else:  # nacc < 32 here, as put_rice needs
             j, acc, nacc = put_rice(out, j, acc, nacc, v, k)
-    while nacc >= 8:
-        nacc -= 8
-        out[j] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(0xFF))
-        j += 1
+    j, nacc = put_bytes(out, j, acc, nacc)
     return flush_bits(out, j, acc, nacc)
-
-
-def rice_encode_positions(positions: np.ndarray) -> tuple[Params, bytes]:
-    """``rice_encode`` of the gaps of sorted unique positions, the same bytes, without building the gaps."""
-    p = np.ascontiguousarray(positions, dtype=np.int64)
-    k, bits = _rice_plan(p)
-    out = np.empty((bits + 7) // 8 + 4, dtype=np.uint8)
-    used = int(_pack_rice_gaps(p, k, out))
-    return {"k": k}, out[:used].tobytes()
 
 
 def rice_decode(params: Params, blob: bytes, n: int, numel: int | None = None) -> np.ndarray:
@@ -278,30 +224,29 @@ def rice_decode(params: Params, blob: bytes, n: int, numel: int | None = None) -
     k = get_int(params, "k", range(MAX_RICE_K + 1))
     if n > 8 * len(blob):  # every value takes at least one bit
         raise CorruptPatchError(f"rice stream of {len(blob)} bytes cannot hold {n} values")
-    data = np.frombuffer(blob, dtype=np.uint8)
-    if numel is None:
-        out = np.empty(n, dtype=np.uint64)
-        status = rice_unpack(data, k, out)
-    else:
-        out = np.empty(n, dtype=np.int64)
-        status = rice_unpack_positions(data, k, out, numel)
-        if status == OVERFLOW:
-            raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
-    if status != OK:
+    out = np.empty(n, dtype=np.uint64 if numel is None else np.int64)
+    ks, counts = np.array([k], np.int64), np.array([n], np.int64)
+    used = rice_decode_runs(np.frombuffer(blob, dtype=np.uint8), 0, ks, counts, out, -1 if numel is None else numel)
+    if used == OVERFLOW and numel is not None:
+        raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
+    if used < 0:
         raise CorruptPatchError("rice stream is truncated or corrupt")
     return out
 
 
 class RiceCoder(PositionCoder):
-    """Positions as Rice-coded gaps; decoded straight to positions (the gaps never exist as an array)."""
-
     codec_id: ClassVar[str] = "rice"
 
     def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
-        return rice_encode_positions(positions)
+        """``rice_encode`` of the gaps of sorted unique positions, the same bytes, without building the gaps."""
+        p = np.ascontiguousarray(positions, dtype=np.int64)
+        k, bits = _rice_plan(p)
+        out = np.empty((bits + 7) // 8 + 4, dtype=np.uint8)
+        used = int(_pack_rice_gaps(p, k, out))
+        return {"k": k}, out[:used].tobytes()
 
     def estimate(self, positions: np.ndarray, base: Any = None) -> int:
-        return rice_positions_bytes(positions)  # exact
+        return (_rice_plan(np.ascontiguousarray(positions, dtype=np.int64))[1] + 7) // 8  # exact
 
     def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
         return rice_decode(params, blob, n, numel)

@@ -1,6 +1,4 @@
-"""One changed tensor: its decoded change (``TensorChange``) and the section that codes it (positions, value
-symbols and, for a mixed section, kind flags: three streams back to back, their coders named in the header).
-"""
+"""One changed tensor: its decoded change (``TensorChange``) and its section (positions, values, kind flags)."""
 
 from __future__ import annotations
 
@@ -23,11 +21,8 @@ def needs_base(section: SectionHeader) -> bool:
 
 @dataclass
 class TensorChange:
-    """The changed elements of one tensor, decoded.
-
-    ``values`` are int64 order keys: a step (new key minus old key) where ``raw`` is False, the new key
-    where ``raw`` is True. ``raw`` is None when no value is raw.
-    """
+    """The changed elements of one tensor, decoded: ``values`` are int64 order-key steps, or the new key where
+    ``raw`` (None: no value is raw)."""
 
     name: str
     dtype: DType
@@ -52,17 +47,6 @@ class TensorChange:
         return np.where(self.raw, self.values, old_keys + self.values)
 
 
-def _symbols(change: TensorChange) -> np.ndarray:
-    """Steps zigzag to small unsigned numbers; raw values are stored as their bit patterns."""
-    if change.raw is None:
-        return zigzag(change.values)
-    raw_bits = from_key(change.values, change.dtype).astype(np.uint64)
-    return np.where(change.raw, raw_bits, zigzag(change.values))
-
-
-STREAMS = ("pos", "val", "tag")
-
-
 Base = torch.Tensor | np.ndarray | BaseBits  # a section's base: the tensor, its bits, or its bits with counts
 
 
@@ -82,16 +66,15 @@ def base_bits(base: Base | None, d: DType) -> BaseBits | None:
 
 
 def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None = None) -> tuple[SectionHeader, bytes]:
-    """One section header and its streams, concatenated; each stream's params record its length.
-
-    With ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it
-    (the ``ctx`` coder), when that is smaller; such a section then decodes only with the base at hand. Raw
-    (overwrite) sections never are: they must apply to whatever the receiver holds.
-    """
+    """One section header and its streams, concatenated; each stream's params record its length. With
+    ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it."""
     # An all-raw section is an idempotent overwrite that may be applied without its base: never ctx.
     held = base_bits(base, change.dtype) if change.mode != "raw" else None
     pos_params, pos_blob = streams.encode_positions(change.positions, held)
-    val_params, val_blob = streams.encode_symbols(_symbols(change))
+    symbols = zigzag(change.values)  # steps zigzag to small unsigned numbers; raw values are their bit patterns
+    if change.raw is not None:
+        symbols = np.where(change.raw, from_key(change.values, change.dtype).astype(np.uint64), symbols)
+    val_params, val_blob = streams.encode_symbols(symbols)
     pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
     blob = pos_blob + val_blob
     mode = change.mode
@@ -101,27 +84,17 @@ def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None =
         tag_params, tag_blob = streams.encode_symbols(change.raw.astype(np.uint64))
         tag_params["bytes"] = len(tag_blob)
         blob += tag_blob
-    header = SectionHeader(
-        name=change.name,
-        dtype=change.dtype.name,
-        shape=change.shape,
-        n=change.n,
-        mode=mode,  # type: ignore[arg-type]
-        pos=pos_params,
-        val=val_params,
-        tag=tag_params,
-    )
-    return header, blob
+    fields = (change.name, change.dtype.name, change.shape, change.n, mode, pos_params, val_params, tag_params)
+    return SectionHeader(*fields), blob  # type: ignore[arg-type]
 
 
 def split_streams(section: SectionHeader, blob: bytes | memoryview) -> dict[str, bytes]:
     """Cut a section's blob into its streams, checking the lengths the header gives."""
-    params = {"pos": section.pos, "val": section.val, "tag": section.tag}
     out, offset = {}, 0
-    for key in STREAMS:
-        if params[key] is None:
+    for key, params in (("pos", section.pos), ("val", section.val), ("tag", section.tag)):
+        if params is None:
             continue
-        size = params[key].get("bytes")  # type: ignore[union-attr]
+        size = params.get("bytes")
         if not isinstance(size, int) or isinstance(size, bool) or size < 0 or offset + size > len(blob):
             raise CorruptPatchError(f"section {section.name!r}: stream {key} runs past the section's bytes")
         out[key] = bytes(blob[offset : offset + size])
@@ -135,9 +108,7 @@ def decode_streams(
     section: SectionHeader, blob: bytes | memoryview, base: Base | None = None
 ) -> tuple[DType, np.ndarray, np.ndarray, np.ndarray | None]:
     """A section's dtype, positions, symbols (zigzagged steps or raw patterns) and, for a mixed section, its
-    kind flags (None otherwise), before any value pass; every failure is a :class:`CorruptPatchError`.
-    ``base``: the tensor the section applies to, needed (and then read once) when its positions are ``ctx``-coded.
-    """
+    kind flags; every failure is a :class:`CorruptPatchError`. ``base``: needed for ``ctx`` positions."""
     try:
         d = dtype_named(section.dtype)
     except PatchError as e:
@@ -170,11 +141,4 @@ def decode_change(section: SectionHeader, blob: bytes | memoryview, base: Base |
         if d.bits < 64 and raw.any() and int(symbols[raw].max()) >> d.bits:
             raise CorruptPatchError(f"section {section.name!r} has raw values wider than {d.name}")
         values = np.where(raw, to_key(symbols.astype(d.uint_numpy), d), values)
-    return TensorChange(
-        name=section.name,
-        dtype=d,
-        shape=section.shape,
-        positions=positions,
-        values=values,
-        raw=raw,
-    )
+    return TensorChange(section.name, d, section.shape, positions, values, raw)

@@ -1,9 +1,6 @@
-"""Join patches into one: squash a chain v -> v+1 -> ... -> v+k into v -> v+k without the base tensors, and
-``join_parts``, the one place a version's parts (a chain, or disjoint shards) become one patch.
-
-Steps compose by addition in order-key space, so two steps at one position merge into their sum (and
-vanish when they cancel); a raw value overrides what came before it, and steps after a raw value move
-that raw value. Positions touched by both kinds become a ``mixed`` section.
+"""Join patches into one: squash a chain v -> ... -> v+k into v -> v+k without the base tensors, and
+``join_parts``, where a version's parts (a chain, or disjoint shards) become one patch. Steps add in
+order-key space; a raw value overrides what came before it, and later steps move it (a ``mixed`` section).
 """
 
 from __future__ import annotations
@@ -35,12 +32,8 @@ def _merge_sorted(
     out_val: np.ndarray,
     out_raw: np.ndarray,
 ) -> int:
-    """Merge two sorted, unique position lists (``a`` then ``b``) into ``out``; return how many were kept.
-
-    One linear pass over both (a sort-based union costs O(n log n) and three sorts). An empty raw array
-    means "no raw values". b's raw value wins; otherwise b's step adds to a's value, keeping a's kind; a step
-    chain that cancels out is dropped (the element ends as it was).
-    """
+    """Merge sorted unique position lists ``a`` then ``b`` into ``out`` (an empty raw array: none raw); returns
+    how many were kept. b's raw value wins; else b's step adds to a's value, keeping a's kind (a 0 step: dropped)."""
     na, nb = a_pos.shape[0], b_pos.shape[0]
     a_has_raw, b_has_raw = a_raw.shape[0] > 0, b_raw.shape[0] > 0
     i = j = n = 0
@@ -71,26 +64,15 @@ def _merge(a: TensorChange, b: TensorChange) -> TensorChange:
         raise PatchError(f"tensor {a.name!r} changes layout inside the chain; squash cannot merge it")
     size = a.n + b.n
     positions, values, raw = np.empty(size, np.int64), np.empty(size, np.int64), np.empty(size, np.bool_)
-    n = _merge_sorted(
-        np.ascontiguousarray(a.positions, np.int64),
-        np.ascontiguousarray(a.values, np.int64),
-        np.zeros(0, np.bool_) if a.raw is None else np.ascontiguousarray(a.raw, np.bool_),
-        np.ascontiguousarray(b.positions, np.int64),
-        np.ascontiguousarray(b.values, np.int64),
-        np.zeros(0, np.bool_) if b.raw is None else np.ascontiguousarray(b.raw, np.bool_),
-        positions,
-        values,
-        raw,
-    )
+    n = _merge_sorted(*_columns(a), *_columns(b), positions, values, raw)
     raw = raw[:n]
-    return TensorChange(
-        name=a.name,
-        dtype=a.dtype,
-        shape=a.shape,
-        positions=positions[:n],
-        values=values[:n],
-        raw=raw if raw.any() else None,
-    )
+    return TensorChange(a.name, a.dtype, a.shape, positions[:n], values[:n], raw if raw.any() else None)
+
+
+def _columns(c: TensorChange) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_merge_sorted``'s view of a change: contiguous int64 positions and values, raw flags (empty: none)."""
+    raw = np.zeros(0, np.bool_) if c.raw is None else np.ascontiguousarray(c.raw, np.bool_)
+    return np.ascontiguousarray(c.positions, np.int64), np.ascontiguousarray(c.values, np.int64), raw
 
 
 def _after(bits: np.ndarray, change: TensorChange) -> np.ndarray:
@@ -104,16 +86,9 @@ def _after(bits: np.ndarray, change: TensorChange) -> np.ndarray:
 def squash(
     patches: Sequence[Patch], *, max_decoded_bytes: int | None = None, base: Mapping[str, torch.Tensor] | None = None
 ) -> Patch:
-    """One patch equivalent to applying ``patches`` in order; refuses a broken chain.
-
-    ``max_decoded_bytes``: for patches from elsewhere (``flipsync squash`` passes
-    ``DEFAULT_MAX_DECODED_BYTES``), refuse with CorruptPatchError, before decoding, a chain whose headers
-    declare more changes than that much decoded memory holds: no tensors bound the declared counts here.
-    None (a publisher squashing what it built itself): no cap.
-
-    ``base``: the view the first patch applies to, needed when a section's positions are coded against its
-    base (``ctx``); the tensors those sections touch are then followed through the chain (a copy of each).
-    """
+    """One patch equivalent to applying ``patches`` in order; refuses a broken chain. ``max_decoded_bytes``:
+    refuse (CorruptPatchError, before decoding) a chain declaring more changes than that much memory holds.
+    ``base``: the view the first patch applies to, needed for ``ctx`` sections (followed through the chain)."""
     if not patches:
         raise PatchError("squash needs at least one patch")
     if max_decoded_bytes is not None:
@@ -157,15 +132,9 @@ def join_parts(
     table: FingerprintTable | None = None,
     base: Mapping[str, torch.Tensor] | None = None,
 ) -> Patch:
-    """One patch from the parts of one version (e.g. one per trainer rank); CorruptPatchError if they are not.
-
-    One part is the patch. A chain (each part starts where the one before ends) is squashed, O(changed);
-    disjoint shards that all start from one view are merged side by side, ending at ``target`` (no shard names
-    the view of their union; the version's record does). ``table``: the receiver's tensors: every section must
-    name one of them with its dtype and shape, checked before anything is decoded (only real shapes bound what
-    a header's declared counts would allocate). ``base``: the view the first part applies to, needed to squash
-    parts coded against their base (``ctx``).
-    """
+    """One patch from the parts of one version (a chain, or shards of one view, which end at ``target``);
+    CorruptPatchError if they are not. ``table``: the receiver's tensors, whose layouts every section must
+    match before anything is decoded (only real shapes bound the declared counts). ``base``: as for `squash`."""
     if not parts:
         raise CorruptPatchError("a version needs at least one part")
     if table is not None:

@@ -1,7 +1,4 @@
-"""The coders a section's two streams (positions, values) may use, and the encoder's choice among them: the
-smallest candidate, with cheap size estimates to skip the hopeless ones (``ESTIMATE_MARGIN``).
-See docs/codec.md ("Coding: pick the smallest per tensor").
-"""
+"""The coders a section's streams (positions, values) may use; the encoder keeps the smallest."""
 
 from __future__ import annotations
 

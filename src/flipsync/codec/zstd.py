@@ -1,6 +1,5 @@
-"""The ``zstd`` coder: unsigned values in the narrowest little-endian width, byte-shuffled (all low bytes,
-then all next bytes, ...), then zstd. Cheaper than Rice when changes cluster in runs, and the side stream
-of the rANS coder's escapes. The decoder bounds what a crafted frame may expand to before it allocates.
+"""The ``zstd`` coder: unsigned values in the narrowest width, byte-shuffled, then zstd (cheaper than Rice when
+changes cluster in runs; the rANS coder's escapes). The decoder bounds what a crafted frame may expand to.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ import numba
 import numpy as np
 import zstandard
 
-from flipsync.codec.coders import Params, PositionCoder, SymbolCoder, get_int, position_gaps, positions_from_gaps
+from flipsync.codec.coders import Params, PositionCoder, SymbolCoder, get_int, position_gaps
 from flipsync.codec.intrinsics import clz64
 from flipsync.errors import CorruptPatchError
 
@@ -22,10 +21,7 @@ ZSTD_MAX_RATIO = 1 << 15  # zstd cannot expand input by more than this (RLE bloc
 def narrow(values: np.ndarray) -> np.ndarray:
     """Unsigned values in the narrowest little-endian unsigned dtype that holds them."""
     top = int(values.max()) if values.size else 0
-    for dt in ("<u1", "<u2", "<u4"):
-        if top < 1 << (8 * np.dtype(dt).itemsize):
-            return values.astype(dt)
-    return values.astype("<u8")
+    return values.astype(np.min_scalar_type(top).newbyteorder("<"))
 
 
 def shuffled_zstd(values: np.ndarray) -> tuple[Params, bytes]:
@@ -46,22 +42,16 @@ def unshuffled_zstd(params: Params, blob: bytes, n: int) -> np.ndarray:
 
 
 def zstd_exact(blob: bytes, size: int) -> bytes:
-    """Decompress exactly ``size`` bytes; refuse frames that declare or produce anything else.
-
-    The expected size comes from a header an attacker may craft, so it is checked against what the
-    input could possibly expand to before any buffer is allocated.
-    """
+    """Decompress exactly ``size`` bytes; refuse frames that declare or produce anything else. ``size`` comes
+    from a header an attacker may craft: it is checked against what the input could expand to first."""
     if size == 0:
         return b""
     if size > len(blob) * ZSTD_MAX_RATIO + (1 << 20):
         raise CorruptPatchError(f"a zstd stream of {len(blob)} bytes cannot hold {size} bytes")
     try:
         declared = zstandard.frame_content_size(blob)
-    except zstandard.ZstdError as e:
-        raise CorruptPatchError(f"a zstd stream is corrupt: {e}") from None
-    if declared != size:
-        raise CorruptPatchError(f"a zstd stream declares {declared} bytes, expected {size}")
-    try:
+        if declared != size:
+            raise CorruptPatchError(f"a zstd stream declares {declared} bytes, expected {size}")
         out = zstandard.ZstdDecompressor().decompress(blob, max_output_size=size)
     except zstandard.ZstdError as e:
         raise CorruptPatchError(f"a zstd stream is corrupt: {e}") from None
@@ -70,20 +60,16 @@ def zstd_exact(blob: bytes, size: int) -> bytes:
     return out
 
 
-# The size estimate compresses about 1/SAMPLE_SHARE of the values (at least SAMPLE_RUN), in runs of SAMPLE_RUN
-# spread evenly, and scales the result by the sample's share of the values' summed bit lengths (so that a
-# sample that caught more or fewer of the large values than its share still scales right). zstd finds about the
-# same statistics in runs of thousands of values as in the whole: on the streams of Adam-stepped BF16, FP8 and
-# FP4 views the estimates came within a few percent of the true sizes, mostly a little above (a smaller input
-# pays its tables over fewer bytes; see _FIXED_BYTES). Below SAMPLE_FROM values there is no estimate (a sample
-# would be most of them).
+# The size estimate compresses about 1/SAMPLE_SHARE of the values, in runs of SAMPLE_RUN spread evenly, and
+# scales the result by the sample's share of the values' summed bit lengths (a sample that caught more or fewer
+# of the large values than its share still scales right). On Adam-stepped BF16, FP8 and FP4 views the estimates
+# came within a few percent of the true sizes, mostly a little above.
 SAMPLE_RUN = 4096
 SAMPLE_SHARE = 8
 SAMPLE_FROM = 4 * SAMPLE_RUN  # = coders.ESTIMATE_FROM
 SAMPLE_MIN_BYTES = 256
-# What a compression pays whatever its input's length (frame and block headers, entropy tables): the sample
-# pays it once and so, about, does the whole, so it is not scaled up. Samples of a few thousand Adam steps'
-# gaps paid ~80-190 bytes more than their share of the whole; 64 takes most of that bias out and errs low.
+# What a compression pays whatever its input's length (headers, entropy tables): not scaled up. Samples of a few
+# thousand Adam steps' gaps paid ~80-190 bytes more than their share of the whole; 64 takes most of that out.
 _FIXED_BYTES = 64
 
 
@@ -95,10 +81,8 @@ def _weight(v: np.uint64) -> int:
 
 @numba.njit(nogil=True, cache=True)
 def _sample_planes(values: np.ndarray, gaps_of: bool) -> tuple[np.ndarray, float]:
-    """The byte planes (as ``shuffled_zstd`` lays them out) of runs of SAMPLE_RUN values spread evenly over
-    ``values``, or of the gaps within runs of SAMPLE_RUN + 1 sorted positions (``gaps_of``), in the sample's own
-    narrowest width; and the sample's share of all the values' summed ``_weight``. One compiled pass instead of
-    a dozen numpy temporaries (most of the estimate's time)."""
+    """The sample's byte planes (of gaps within runs of sorted positions, with ``gaps_of``) and its share of the
+    values' summed ``_weight``: one compiled pass instead of a dozen numpy temporaries (most of the time)."""
     n = values.shape[0]
     runs = max(1, n // (SAMPLE_RUN * SAMPLE_SHARE))
     stride = n // runs
@@ -132,7 +116,8 @@ def _sample_planes(values: np.ndarray, gaps_of: bool) -> tuple[np.ndarray, float
     return planes, part / whole
 
 
-def _sampled(values: np.ndarray, gaps_of: bool) -> int | None:
+def shuffled_zstd_estimate(values: np.ndarray, gaps_of: bool = False) -> int | None:
+    """About ``len(shuffled_zstd(values)[1])`` (``gaps_of``: of sorted positions' gaps) from a sample, or None."""
     n = int(values.shape[0])
     if n < SAMPLE_FROM:
         return None
@@ -145,20 +130,7 @@ def _sampled(values: np.ndarray, gaps_of: bool) -> int | None:
     return round((size - _FIXED_BYTES) / share) + _FIXED_BYTES if size >= SAMPLE_MIN_BYTES else None
 
 
-def shuffled_zstd_estimate(values: np.ndarray) -> int | None:
-    """About the length of ``shuffled_zstd(values)``'s bytes, from a sample; None for few values."""
-    return _sampled(values, False)
-
-
-def gaps_zstd_estimate(positions: np.ndarray) -> int | None:
-    """About the length of ``shuffled_zstd(position_gaps(positions))``'s bytes, from the gaps within a sample
-    of runs of the positions (no gaps array is built); None for few positions."""
-    return _sampled(np.asarray(positions, dtype=np.int64), True)
-
-
 class ZstdCoder(SymbolCoder):
-    """Symbols byte-shuffled and zstd-compressed."""
-
     codec_id: ClassVar[str] = "zstd"
 
     def encode(self, symbols: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
@@ -172,15 +144,23 @@ class ZstdCoder(SymbolCoder):
 
 
 class ZstdGapsCoder(PositionCoder):
-    """Position gaps byte-shuffled and zstd-compressed: cheap for runs of changes."""
-
     codec_id: ClassVar[str] = "zstd"
 
     def encode(self, positions: np.ndarray, base: Any = None) -> tuple[Params, bytes]:
         return shuffled_zstd(position_gaps(positions))
 
     def estimate(self, positions: np.ndarray, base: Any = None) -> int | None:
-        return gaps_zstd_estimate(positions)
+        return shuffled_zstd_estimate(np.asarray(positions, dtype=np.int64), gaps_of=True)
 
     def decode(self, params: Params, blob: bytes, n: int, numel: int, base: Any = None) -> np.ndarray:
-        return positions_from_gaps(unshuffled_zstd(params, blob, n), numel)
+        """The positions of untrusted gaps, refusing any at or past ``numel``."""
+        gaps = unshuffled_zstd(params, blob, n)
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        # Check the sum before the int64 cumsum so that crafted gaps cannot wrap around.
+        if int(gaps.max()) >= numel or float(gaps.astype(np.float64).sum()) + n > numel * 1.0001 + 1:
+            raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
+        positions = np.cumsum(gaps.astype(np.int64) + 1) - 1
+        if positions[-1] >= numel:
+            raise CorruptPatchError(f"positions run past the end of a tensor of {numel} elements")
+        return positions

@@ -10,6 +10,7 @@ Pure: no I/O, no torch.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
@@ -38,12 +39,7 @@ class CatchupPlan:
     def describe(self) -> str:
         if not self.steps:
             return f"already at v{self.goal}"
-        hops = ", ".join(
-            f"keyframe v{m.target_version}"
-            if m.kind is Kind.KEYFRAME
-            else f"{m.kind.value} v{m.base_version}->v{m.target_version}"
-            for m in self.steps
-        )
+        hops = ", ".join(f"keyframe v{m.target_version}" if m.kind is Kind.KEYFRAME else m.where for m in self.steps)
         return f"{'new replica' if self.start is None else f'v{self.start}'} -> v{self.goal}: {hops}"
 
 
@@ -58,8 +54,6 @@ def plan_catchup(
 
     Cost is (total bytes, number of downloads), compared lexicographically, so among equally large plans
     the one with fewer round trips wins. ``exclude`` removes edges (e.g. artifacts that failed verification).
-    Raises NotFoundError when the available artifacts cannot reach ``goal`` (a keyframe is missing), and
-    BoardError when ``start`` is past ``goal`` (the board moved backwards).
     """
     if start is not None and start > goal:
         raise BoardError(
@@ -92,8 +86,8 @@ def plan_catchup(
     # Dijkstra; nodes are version numbers plus the start (which may be None).
     dist: dict[int | None, tuple[int, int]] = {start: (0, 0)}
     prev: dict[int | None, tuple[int | None, Manifest]] = {}
-    counter = 0  # tie-breaker so the heap never compares None with int
-    heap: list[tuple[int, int, int, int | None]] = [(0, 0, counter, start)]
+    counter = itertools.count(1)  # tie-breaker so the heap never compares None with int
+    heap: list[tuple[int, int, int, int | None]] = [(0, 0, 0, start)]
     done: set[int | None] = set()
     while heap:
         cost, hops, _, node = heapq.heappop(heap)
@@ -111,8 +105,7 @@ def plan_catchup(
             if nxt not in dist or cand < dist[nxt]:
                 dist[nxt] = cand
                 prev[nxt] = (node, m)
-                counter += 1
-                heapq.heappush(heap, (cand[0], cand[1], counter, nxt))
+                heapq.heappush(heap, (cand[0], cand[1], next(counter), nxt))
 
     if goal not in done:
         where = "a new replica" if start is None else f"v{start}"

@@ -10,10 +10,9 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 from urllib.parse import urlsplit
 
-from flipsync.domain.manifest import Signature, SignedRecord, check_name, load_json, parse_time
+from flipsync.domain.manifest import Signature, SignedRecord, check_name, check_time, load_json, parse_time
 from flipsync.errors import IntegrityError
 
 MEMBER_SCHEMA = 1
@@ -26,29 +25,28 @@ MAX_RECORD_BYTES = 16 << 10
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
 _FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{1,128}")
-_FIELDS = frozenset(
-    {
-        "schema",
-        "replica",
-        "run",
-        "island",
-        "url",
-        "engine",
-        "served_format",
-        "model",
-        "version",
-        "view_fp",
-        "head",
-        "lag",
-        "state",
-        "serving",
-        "in_flight",
-        "heartbeat",
-        "ttl_s",
-        "started",
-        "seq",
-        "signature",
-    }
+# The JSON keys in the order ``to_dict`` writes them (``lag`` is derived: checked, not stored).
+_FIELDS = (
+    "schema",
+    "replica",
+    "run",
+    "island",
+    "url",
+    "engine",
+    "served_format",
+    "model",
+    "version",
+    "view_fp",
+    "head",
+    "lag",
+    "state",
+    "serving",
+    "in_flight",
+    "heartbeat",
+    "ttl_s",
+    "started",
+    "seq",
+    "signature",
 )
 
 
@@ -62,25 +60,6 @@ def _int(value: object, what: str, *, optional: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:  # a JSON true is not a count
         raise _fail(f"{what} must be a non-negative integer{' or null' if optional else ''}, got {value!r}")
     return value
-
-
-def _time(value: object, what: str) -> str:
-    if not isinstance(value, str):
-        raise _fail(f"{what} must be an ISO 8601 time string, got {type(value).__name__}")
-    try:
-        ts = parse_time(value)
-    except ValueError:
-        raise _fail(f"{what} must be an ISO 8601 time, got {value!r}") from None
-    if ts.tzinfo is None:
-        raise _fail(f"{what} must carry a time zone (UTC), got {value!r}")
-    return value
-
-
-def _name(value: object, what: str) -> str:
-    try:
-        return check_name(value, what)
-    except IntegrityError:
-        raise _fail(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting alphanumeric, got {value!r}") from None
 
 
 def check_url(value: object) -> str:
@@ -135,15 +114,16 @@ class MemberRecord(SignedRecord):
     seq: int = 0
     signature: Signature | None = None
     schema: int = MEMBER_SCHEMA
+    _json_keys = _FIELDS
 
     def __post_init__(self) -> None:
         if self.schema != MEMBER_SCHEMA or isinstance(self.schema, bool):
             raise _fail(f"schema {self.schema!r} is not supported (this flipsync reads {MEMBER_SCHEMA}); upgrade")
-        _name(self.replica, "replica")
-        _name(self.run, "run")
-        _name(self.island, "island")
+        check_name(self.replica, "replica", _fail)
+        check_name(self.run, "run", _fail)
+        check_name(self.island, "island", _fail)
         check_url(self.url)
-        _name(self.engine, "engine")
+        check_name(self.engine, "engine", _fail)
         if not isinstance(self.served_format, str) or not _FORMAT.fullmatch(self.served_format):
             raise _fail(f"served_format must be 1-64 characters of [A-Za-z0-9._+-], got {self.served_format!r}")
         check_model(self.model)
@@ -160,8 +140,8 @@ class MemberRecord(SignedRecord):
         if self.serving and self.version is None:
             raise _fail("a replica without a version cannot be serving")
         _int(self.in_flight, "in_flight")
-        _time(self.heartbeat, "heartbeat")
-        _time(self.started, "started")
+        check_time(self.heartbeat, "heartbeat", _fail)
+        check_time(self.started, "started", _fail)
         ttl = self.ttl_s
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (0 < ttl <= MAX_TTL_S):
             raise _fail(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl!r}")
@@ -174,9 +154,7 @@ class MemberRecord(SignedRecord):
     @property
     def lag(self) -> int | None:
         """HEAD as the sidecar last saw it, minus the version it holds (None when either is unknown)."""
-        if self.head is None or self.version is None:
-            return None
-        return max(0, self.head - self.version)
+        return lag_behind(self, self.head)
 
     @property
     def heartbeat_at(self) -> datetime:
@@ -188,76 +166,19 @@ class MemberRecord(SignedRecord):
 
     # -- JSON -----------------------------------------------------------------------------------------
 
-    def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "schema": self.schema,
-            "replica": self.replica,
-            "run": self.run,
-            "island": self.island,
-            "url": self.url,
-            "engine": self.engine,
-            "served_format": self.served_format,
-            "model": self.model,
-            "version": self.version,
-            "view_fp": self.view_fp,
-            "head": self.head,
-            "lag": self.lag,
-            "state": self.state,
-            "serving": self.serving,
-            "in_flight": self.in_flight,
-            "heartbeat": self.heartbeat,
-            "ttl_s": self.ttl_s,
-            "started": self.started,
-            "seq": self.seq,
-        }
-        if with_signature:
-            d["signature"] = self.signature.to_dict() if self.signature is not None else None
-        return d
-
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberRecord:
         """Parse and validate; every problem raises IntegrityError naming the field."""
         if len(text) > MAX_RECORD_BYTES:
             raise _fail(f"{len(text)} bytes, at most {MAX_RECORD_BYTES} allowed")
-        return cls.from_dict(load_json(text, _fail))
-
-    @classmethod
-    def from_dict(cls, d: object) -> MemberRecord:
-        if not isinstance(d, dict):
-            raise _fail(f"top level must be an object, got {type(d).__name__}")
-        unknown = set(d) - _FIELDS
-        if unknown:
-            raise _fail(f"unknown fields {sorted(unknown)}")
-        missing = _FIELDS - {"signature"} - set(d)
-        if missing:
-            raise _fail(f"missing fields {sorted(missing)}")
-        sig = d.get("signature")
+        d = load_json(text, _fail, _FIELDS, optional=("signature",))
+        lag, sig = d.pop("lag"), d.pop("signature", None)
         try:
-            record = cls(
-                schema=d["schema"],
-                replica=d["replica"],
-                run=d["run"],
-                island=d["island"],
-                url=d["url"],
-                engine=d["engine"],
-                served_format=d["served_format"],
-                model=d["model"],
-                version=d["version"],
-                view_fp=d["view_fp"],
-                head=d["head"],
-                state=d["state"],
-                serving=d["serving"],
-                in_flight=d["in_flight"],
-                heartbeat=d["heartbeat"],
-                ttl_s=d["ttl_s"],
-                started=d["started"],
-                seq=d["seq"],
-                signature=None if sig is None else _signature(sig),
-            )
+            record = cls(**d, signature=None if sig is None else _signature(sig))
         except TypeError as e:  # an unhashable value where a name belongs, and the like
             raise _fail(str(e)) from None
-        if d["lag"] != record.lag:
-            raise _fail(f"lag {d['lag']!r} is not head - version ({record.lag!r})")
+        if lag != record.lag:
+            raise _fail(f"lag {lag!r} is not head - version ({record.lag!r})")
         return record
 
 
@@ -313,18 +234,14 @@ class Want:
         return self.min_version is not None or self.exact_version is not None
 
     def describe(self) -> str:
-        bits = []
-        if self.exact_version is not None:
-            bits.append(f"exactly v{self.exact_version}")
-        if self.min_version is not None:
-            bits.append(f"at least v{self.min_version}")
-        if self.model is not None:
-            bits.append(f"model {self.model}")
-        if self.served_format is not None:
-            bits.append(f"format {self.served_format}")
-        if self.run is not None:
-            bits.append(f"run {self.run}")
-        return ", ".join(bits) or "any ready replica"
+        asks = (
+            ("exactly v", self.exact_version),
+            ("at least v", self.min_version),
+            ("model ", self.model),
+            ("format ", self.served_format),
+            ("run ", self.run),
+        )
+        return ", ".join(f"{what}{value}" for what, value in asks if value is not None) or "any ready replica"
 
 
 def serves(record: MemberRecord, want: Want) -> bool:

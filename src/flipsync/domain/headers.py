@@ -109,7 +109,26 @@ class PatchHeader:
         if {"base", "target", "digest"} & doc.keys():
             raise _fail("a header holds its ends and digest in binary, not in its rows")
         base, target, digest = _refs(bytes(refs))
-        return _parse_header(doc, base, target, digest)
+        if doc.keys() - {"sections", "served_format", "meta"}:
+            raise _fail(f"unknown fields {sorted(doc.keys() - {'sections', 'served_format', 'meta'})}")
+        sections_v = doc.get("sections")
+        if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
+            raise _fail("sections must be a list")
+        sections = tuple(_section(s, i) for i, s in enumerate(sections_v))
+        names = [s.name for s in sections]
+        if len(set(names)) != len(names):
+            raise _fail("a tensor appears in more than one section")
+        meta = _obj(doc.get("meta", {}), "meta")
+        if not all(isinstance(k, str) and isinstance(x, str) for k, x in meta.items()):
+            raise _fail("meta must map strings to strings")
+        return PatchHeader(
+            base=base,
+            target=target,
+            sections=sections,
+            served_format=_str(doc.get("served_format"), "served_format", optional=True),
+            meta=meta,
+            digest=digest,
+        )
 
     def describe(self) -> dict[str, Any]:
         """The header as one JSON-able document, for people (``flipsync inspect --header``)."""
@@ -249,27 +268,4 @@ def _section(v: Any, i: int) -> SectionHeader:
         pos=_codec_params(d.get("pos"), f"{what}.pos"),
         val=_codec_params(d.get("val"), f"{what}.val"),
         tag=_codec_params(d["tag"], f"{what}.tag") if d.get("tag") is not None else None,
-    )
-
-
-def _parse_header(d: dict[str, Any], base: ViewRef, target: ViewRef, digest: str | None) -> PatchHeader:
-    if d.keys() - {"sections", "served_format", "meta"}:
-        raise _fail(f"unknown fields {sorted(d.keys() - {'sections', 'served_format', 'meta'})}")
-    sections_v = d.get("sections")
-    if not isinstance(sections_v, list) or len(sections_v) > MAX_SECTIONS:
-        raise _fail("sections must be a list")
-    sections = tuple(_section(s, i) for i, s in enumerate(sections_v))
-    names = [s.name for s in sections]
-    if len(set(names)) != len(names):
-        raise _fail("a tensor appears in more than one section")
-    meta = _obj(d.get("meta", {}), "meta")
-    if not all(isinstance(k, str) and isinstance(x, str) for k, x in meta.items()):
-        raise _fail("meta must map strings to strings")
-    return PatchHeader(
-        base=base,
-        target=target,
-        sections=sections,
-        served_format=_str(d.get("served_format"), "served_format", optional=True),
-        meta=meta,
-        digest=digest,
     )

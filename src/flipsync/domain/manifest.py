@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -29,23 +29,22 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _B64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
-_FIELDS = frozenset(
-    {
-        "schema",
-        "run",
-        "version",
-        "kind",
-        "base_version",
-        "target_version",
-        "base_view_fp",
-        "target_view_fp",
-        "served_format",
-        "parts",
-        "created",
-        "publisher",
-        "meta",
-        "signature",
-    }
+# The JSON keys in the order ``to_dict`` writes them (a signed manifest's bytes are its canonical JSON).
+_FIELDS = (
+    "schema",
+    "run",
+    "version",
+    "kind",
+    "base_version",
+    "target_version",
+    "base_view_fp",
+    "target_view_fp",
+    "served_format",
+    "parts",
+    "created",
+    "publisher",
+    "meta",
+    "signature",
 )
 
 
@@ -61,10 +60,10 @@ def _fail(msg: str) -> IntegrityError:
     return IntegrityError(f"invalid manifest: {msg}")
 
 
-def check_name(value: object, what: str) -> str:
+def check_name(value: object, what: str, fail: Callable[[str], IntegrityError] = _fail) -> str:
     """Validate a run or publisher name: short, ASCII, safe as one path segment."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise _fail(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting alphanumeric, got {value!r}")
+        raise fail(f"{what} must be 1-128 characters of [A-Za-z0-9._-] starting alphanumeric, got {value!r}")
     return value
 
 
@@ -106,15 +105,17 @@ def _fp(value: object, what: str) -> str:
     return s
 
 
-def _created(value: object) -> str:
-    s = _str(value, "created")
+def check_time(value: object, what: str, fail: Callable[[str], IntegrityError] = _fail) -> str:
+    """An ISO 8601 time with a time zone (a manifest's ``created``, a member record's heartbeat)."""
+    if not isinstance(value, str):
+        raise fail(f"{what} must be an ISO 8601 time string, got {type(value).__name__}")
     try:
-        ts = datetime.fromisoformat(s.replace("Z", "+00:00"))
+        ts = parse_time(value)
     except ValueError:
-        raise _fail(f"created must be an ISO 8601 time, got {s!r}") from None
+        raise fail(f"{what} must be an ISO 8601 time, got {value!r}") from None
     if ts.tzinfo is None:
-        raise _fail(f"created must carry a time zone (UTC), got {s!r}")
-    return s
+        raise fail(f"{what} must carry a time zone (UTC), got {value!r}")
+    return value
 
 
 def utc_now_iso() -> str:
@@ -245,9 +246,13 @@ class SignedRecord:
     """What a manifest and a member record share: canonical JSON, the bytes a signature covers, a signed copy."""
 
     signature: Signature | None
+    _json_keys: tuple[str, ...]  # in order, the signature last
 
     def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
-        raise NotImplementedError
+        d = {k: getattr(self, k) for k in self._json_keys[:-1]}
+        if with_signature:
+            d["signature"] = self.signature.to_dict() if self.signature is not None else None
+        return d
 
     def to_json(self) -> str:
         """Canonical JSON: sorted keys, no insignificant whitespace, ASCII only."""
@@ -261,12 +266,24 @@ class SignedRecord:
         return replace(self, signature=signature)  # type: ignore[type-var]  # subclasses are dataclasses
 
 
-def load_json(text: str | bytes, fail: Callable[[str], IntegrityError]) -> object:
-    """Parse JSON strictly (no NaN or Infinity); ``fail`` makes the error that names the record."""
+def load_json(
+    text: str | bytes, fail: Callable[[str], IntegrityError], keys: Collection[str], optional: Collection[str]
+) -> dict[str, Any]:
+    """Parse a record's JSON strictly (no NaN or Infinity): an object with exactly ``keys``, less any of
+    ``optional``; ``fail`` makes the error that names the record."""
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        d = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:  # the last: nesting deeper than Python's stack
         raise fail(f"not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise fail(f"top level must be an object, got {type(d).__name__}")
+    unknown = set(d) - set(keys)
+    if unknown:
+        raise fail(f"unknown fields {sorted(unknown)}")
+    missing = set(keys) - set(optional) - set(d)
+    if missing:
+        raise fail(f"missing fields {sorted(missing)}")
+    return d
 
 
 @dataclass(frozen=True)
@@ -292,18 +309,14 @@ class Manifest(SignedRecord):
     signature: Signature | None = None
     schema: int = MANIFEST_SCHEMA
 
+    _json_keys = _FIELDS
+
     def __post_init__(self) -> None:
-        if isinstance(self.kind, str) and not isinstance(self.kind, Kind):
-            object.__setattr__(self, "kind", _kind(self.kind))
-        if not isinstance(self.kind, Kind):
-            raise _fail(f"kind must be one of {[k.value for k in Kind]}, got {self.kind!r}")
+        object.__setattr__(self, "kind", _kind(self.kind))
         if not isinstance(self.parts, tuple):
             object.__setattr__(self, "parts", tuple(self.parts))
         object.__setattr__(self, "meta", _meta(dict(self.meta)) if isinstance(self.meta, Mapping) else None)
-        self._validate()
-
-    def _validate(self) -> None:
-        if self.schema != MANIFEST_SCHEMA or isinstance(self.schema, bool):
+        if _int(self.schema, "schema") != MANIFEST_SCHEMA:
             raise _fail(
                 f"schema {self.schema!r} is not supported (this flipsync reads schema {MANIFEST_SCHEMA}); "
                 "upgrade flipsync"
@@ -320,7 +333,7 @@ class Manifest(SignedRecord):
         fmt = _str(self.served_format, "served_format")
         if not _FORMAT.fullmatch(fmt):
             raise _fail(f"served_format must be 1-64 characters of [A-Za-z0-9._+-], got {fmt!r}")
-        _created(self.created)
+        check_time(self.created, "created")
         if self.kind is Kind.KEYFRAME:
             if self.base_version is not None or self.base_view_fp is not None:
                 raise _fail("a keyframe has no base: base_version and base_view_fp must be null")
@@ -385,62 +398,21 @@ class Manifest(SignedRecord):
     # -- JSON -----------------------------------------------------------------------------------------
 
     def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "schema": self.schema,
-            "run": self.run,
-            "version": self.version,
-            "kind": self.kind.value,
-            "base_version": self.base_version,
-            "target_version": self.target_version,
-            "base_view_fp": self.base_view_fp,
-            "target_view_fp": self.target_view_fp,
-            "served_format": self.served_format,
-            "parts": [p.to_dict() for p in self.parts],
-            "created": self.created,
-            "publisher": self.publisher,
-            "meta": dict(self.meta),
-        }
-        if with_signature:
-            d["signature"] = self.signature.to_dict() if self.signature is not None else None
-        return d
+        d = super().to_dict(with_signature=with_signature)
+        return d | {"kind": self.kind.value, "parts": [p.to_dict() for p in self.parts], "meta": dict(self.meta)}
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
         """Parse and validate; every problem raises IntegrityError naming the field."""
-        return cls.from_dict(load_json(text, _fail))
-
-    @classmethod
-    def from_dict(cls, d: object) -> Manifest:
-        if not isinstance(d, dict):
-            raise _fail(f"top level must be an object, got {type(d).__name__}")
-        unknown = set(d) - _FIELDS
-        if unknown:
-            raise _fail(f"unknown fields {sorted(unknown)}")
-        missing = _FIELDS - {"signature", "meta"} - set(d)
-        if missing:
-            raise _fail(f"missing fields {sorted(missing)}")
-        parts = d["parts"]
+        d = load_json(text, _fail, _FIELDS, optional=("signature", "meta"))
+        parts = d.pop("parts")
         if not isinstance(parts, list):
             raise _fail(f"parts must be a list, got {type(parts).__name__}")
         if len(parts) > MAX_PARTS:
             raise _fail(f"{len(parts)} parts, at most {MAX_PARTS} allowed")
-        sig = d.get("signature")
-        return cls(
-            schema=_int(d["schema"], "schema"),
-            run=_str(d["run"], "run"),
-            version=_int(d["version"], "version"),
-            kind=_kind(d["kind"]),
-            base_version=None if d["base_version"] is None else _int(d["base_version"], "base_version"),
-            target_version=_int(d["target_version"], "target_version"),
-            base_view_fp=None if d["base_view_fp"] is None else _fp(d["base_view_fp"], "base_view_fp"),
-            target_view_fp=_fp(d["target_view_fp"], "target_view_fp"),
-            served_format=_str(d["served_format"], "served_format"),
-            parts=tuple(Part.from_dict(p) for p in parts),
-            created=_str(d["created"], "created"),
-            publisher=_str(d["publisher"], "publisher"),
-            meta=_meta(d.get("meta", {})),
-            signature=None if sig is None else Signature.from_dict(sig),
-        )
+        sig = d.pop("signature", None)
+        signature = None if sig is None else Signature.from_dict(sig)
+        return cls(**d, parts=tuple(Part.from_dict(p) for p in parts), signature=signature)
 
 
 def _kind(value: object) -> Kind:
@@ -456,8 +428,3 @@ def _reject_constant(name: str) -> Any:
 
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-
-
-def parts_from(entries: Sequence[tuple[str, int, str]]) -> tuple[Part, ...]:
-    """Build parts from (path, size, hash) triples."""
-    return tuple(Part(path=p, size=s, hash=h) for p, s, h in entries)

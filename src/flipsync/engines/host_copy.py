@@ -1,10 +1,7 @@
-"""A sidecar's host copy of the view an engine serves, for engines whose weights the sidecar cannot read.
-
-An SGLang server takes weights only through its update routes, and a vLLM engine's parameters live in its
-workers; a patch coded against its base (``ctx``) needs the base values where it is decoded. The *host copy*
-holds them: a safetensors file on local disk, memory-mapped writable (:class:`HostCopy`: the page cache
-holds what is read, nothing is loaded up front), or any mapping of CPU tensors. The engine writes a patch's
-new bits into it after the engine itself took them (O(changed)) and the old ones back on rollback.
+"""A sidecar's host copy of the view an engine serves, for engines whose weights it cannot read (SGLang's, those
+in vLLM's workers), so that patches coded against their base (``ctx``) decode: :class:`HostCopy`, a safetensors
+file memory-mapped writable, or any mapping of CPU tensors. The engine writes a patch's new bits into it after
+the engine took them (O(changed)), and the old ones back on rollback.
 """
 
 from __future__ import annotations
@@ -35,9 +32,8 @@ def _np_view_dtype(d: DType) -> np.dtype:
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
     """Write a safetensors file one tensor at a time (memory O(largest tensor)); atomic via rename."""
     path = Path(path)
-    meta = {}
-    for name, t in tensors.items():  # a lazy mapping reads each tensor here and once more below
-        meta[name] = (dtype_of(t), tuple(t.shape), t.numel())
+    # a lazy mapping reads each tensor here and once more below
+    meta = {name: (dtype_of(t), tuple(t.shape), t.numel()) for name, t in tensors.items()}
     names = sorted(meta, key=lambda n: (-meta[n][0].bits, n))
     header: dict[str, Any] = {}
     offset = 0

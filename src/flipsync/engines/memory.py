@@ -1,8 +1,5 @@
-"""`MemoryEngine`: an engine that is only its served view, a dict of tensors kept current by the codec.
-
-No model runs; stage and commit are `flipsync.codec.stage` / `commit` on the dict, with the fingerprint
-checked after every commit. Benchmarks run many replicas of it in one process, and tests use it wherever the
-sidecar's protocol matters and the inference does not.
+"""`MemoryEngine`: an engine that is only its served view, a dict of tensors kept current by the codec (no model
+runs), for benchmarks with many replicas in one process and tests of the sidecar's protocol.
 """
 
 from __future__ import annotations

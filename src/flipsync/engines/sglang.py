@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 __all__ = ["HostCopy", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
 
 
-# ------------------------------------------------------------------------------------------- engine
 @dataclass
 class SglangStaged(Staged):
     writes: list[StagedWrite]
@@ -84,9 +83,9 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self.base_url = base_url.rstrip("/")
         self._host_copy = host_copy
         self._timeout = timeout_s
-        self._load_format = load_format
-        self._flush_cache = flush_cache
-        self._abort = abort_all_requests
+        self._update_options = dict(
+            load_format=load_format, abort_all_requests=abort_all_requests, flush_cache=flush_cache
+        )
         self._keep = max(1, keep_updates)
         self._own_client = client is None
         self._client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
@@ -145,12 +144,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         return None if v is None else str(v)
 
     def _update_from_disk(self, directory: Path, weight_version: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model_path": str(directory),
-            "load_format": self._load_format,
-            "abort_all_requests": self._abort,
-            "flush_cache": self._flush_cache,
-        }
+        body: dict[str, Any] = {"model_path": str(directory), **self._update_options}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self._request("POST", "/update_weights_from_disk", body, timeout=self._timeout)
@@ -170,8 +164,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             raise ConfigError("the view does not have the tensors of the host copy")
         directory = self._new_dir("full")
         write_safetensors(view, directory / "model.safetensors")
-        version = self.weight_version
-        self._update_from_disk(directory, version)
+        self._update_from_disk(directory, self.weight_version)
         for name, t in view.items():
             self._host_copy[name] = t.detach().to("cpu")
         self._flush()
@@ -187,14 +180,10 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         update_dir = self._new_dir(f"update-{token}")
         undo_dir = self._new_dir(f"undo-{token}")
         try:
-            new: dict[str, torch.Tensor] = {}
-            old: dict[str, torch.Tensor] = {}
+            old = {w.name: self._host_copy[w.name].detach().clone() for w in writes}
+            new = {name: t.clone() for name, t in old.items()}
             for w in writes:
-                cur = self._host_copy[w.name]
-                old[w.name] = cur.detach().clone()
-                t = old[w.name].clone()
-                scatter(t, w.positions, w.new_bits)
-                new[w.name] = t
+                scatter(new[w.name], w.positions, w.new_bits)
             write_safetensors(new, update_dir / "model.safetensors")
             write_safetensors(old, undo_dir / "model.safetensors")
         except BaseException:
@@ -270,8 +259,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
     def close(self) -> None:
         if self._own_client:
             self._client.close()
-        if isinstance(self._host_copy, HostCopy):
-            self._host_copy.flush()
+        self._flush()
 
     # ------------------------------------------------------------------------------------ extras
     def _audit_update(self, staged: SglangStaged) -> list[str]:
@@ -287,8 +275,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         for name in names:
             t = self._host_copy[name][: self.audit_rows].detach().clone()
             w = expected[name]
-            rows = t.numel()
-            keep = w.positions < rows
+            keep = w.positions < t.numel()
             scatter(t, w.positions[keep], w.new_bits[keep])
             if not self._reads_back(name, t):
                 bad.append(name)

@@ -25,12 +25,9 @@ E4M3_MAX = 448.0
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True when ``t`` holds no NaN or inf: one fused min/max pass.
-
-    NaN propagates through min/max and an inf is the min or the max, so both ends are finite exactly
-    when every element is; ``isfinite(t).all()`` is an order of magnitude slower (a bool tensor, then a
-    reduction), which made the check the largest per-byte cost of publishing a served view.
-    """
+    """True when ``t`` holds no NaN or inf. NaN propagates through min/max and an inf is the min or the max,
+    so one fused min/max pass tells; ``isfinite(t).all()`` is an order of magnitude slower (the largest
+    per-byte cost of publishing a served view)."""
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)
@@ -38,11 +35,8 @@ def all_finite(t: torch.Tensor) -> bool:
 
 
 def check_master(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """Validate a floating master tensor and return it as float32 (exact upcast for bf16/fp16).
-
-    Raises FormatError for float64 (every cast from it rounds twice) and other float dtypes, and
-    NonFiniteError (naming the tensor) when it holds NaN or inf.
-    """
+    """A floating master tensor as float32 (exact upcast for bf16/fp16); FormatError for float64 (every cast
+    from it rounds twice) and other dtypes, NonFiniteError (naming the tensor) when it holds NaN or inf."""
     if tensor.dtype == torch.float64:
         raise FormatError(
             f"master tensor {name!r} is float64; served views need float32 masters because casting "
@@ -78,15 +72,13 @@ def cast_checked(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 
 def cast_master(name: str, master: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``cast_checked(name, check_master(name, master), dtype)`` with one finiteness pass instead of two.
-
-    The cast keeps NaN and inf, so a finite result means a finite master that did not overflow; only
-    otherwise do the two checks run, to raise their errors. ``out``: a tensor of the result's shape, dtype
-    and device to cast an fp32 master into (the same RNE conversion); a reused one spares the page faults
-    of a fresh allocation, which cost as much as the cast itself on the CPU.
+    """``cast_checked(name, check_master(name, master), dtype)`` with one finiteness pass instead of two (the
+    cast keeps NaN and inf: the checks run only on a non-finite result, to raise their errors). ``out``: a
+    tensor to cast an fp32 master into; a reused one spares the page faults of a fresh allocation, which cost
+    as much as the cast itself on the CPU.
     """
     if master.dtype in MASTER_DTYPES:
-        if out is not None and master.dtype == torch.float32 and _fits(out, master, dtype):
+        if out is not None and master.dtype == torch.float32 and fits_out(out, master, dtype):
             y = out.view(master.shape).copy_(master)
         else:
             y = master.float().to(dtype)
@@ -95,16 +87,14 @@ def cast_master(name: str, master: torch.Tensor, dtype: torch.dtype, out: torch.
     return cast_checked(name, check_master(name, master), dtype)
 
 
-def _fits(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
+def fits_out(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether ``out`` can take the ``dtype`` cast of ``master`` (dtype, device, contiguous, element count)."""
     return out.dtype == dtype and out.device == master.device and out.is_contiguous() and out.numel() == master.numel()
 
 
 def engine_input(name: str, master: torch.Tensor, *, from_fp32: bool) -> torch.Tensor:
-    """The fp32 tensor a quantized recipe starts from.
-
-    Default: `bf16(master)` upcast to fp32, as an engine receives it from an RL trainer.
-    `from_fp32=True`: the fp32 master itself.
-    """
+    """The fp32 tensor a quantized recipe starts from: `bf16(master)` upcast to fp32, as an engine receives
+    it from an RL trainer, or with `from_fp32=True` the fp32 master itself."""
     x = check_master(name, master)
     if from_fp32:
         return x
@@ -136,11 +126,8 @@ def require_2d(fmt: str, name: str, x: torch.Tensor) -> None:
 
 
 def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
-    """The default selection rule of the quantized formats.
-
-    Floating, non-empty 2-D tensors whose name ends in ``weight`` and contains none of ``embed``,
-    ``lm_head``, ``norm``. Engines keep the others in high precision.
-    """
+    """The quantized formats' default selection: floating, non-empty 2-D tensors whose name ends in ``weight``
+    and contains none of ``embed``, ``lm_head``, ``norm`` (engines keep the others in high precision)."""
     return (
         tensor.is_floating_point()
         and tensor.dim() == 2
@@ -151,11 +138,8 @@ def is_quantizable(name: str, tensor: torch.Tensor) -> bool:
 
 
 class ServedFormat(ABC):
-    """One served-format recipe.
-
-    Subclasses set the class attributes and implement `encode` (prepared fp32 input -> components)
-    and `dequantize` (components -> float32).
-    """
+    """One served-format recipe: subclasses set the class attributes and implement `encode` (prepared fp32
+    input -> components) and `dequantize` (components -> float32)."""
 
     #: The format's name (one of FORMAT_NAMES).
     name: ClassVar[str]

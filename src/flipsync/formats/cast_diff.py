@@ -1,23 +1,16 @@
-"""One fused pass for the element-wise served formats: cast an FP32 master and diff it against a served view.
+"""One fused pass for the served formats: cast (or quantize) an FP32 master and diff it against the previous view.
 
-The publisher used to cast each master (`cast_master`), then read the new view and the previous one again
-to find the changed elements. `CastDiffer.cast_diff` does both in one pass over the master and the
-previous view: it writes the new view (bf16 or fp16, round to nearest even, exactly torch's ``.to``) and
-emits the changed flat positions with the old and new bit patterns, the same arrays the codec's diff gives.
+`CastDiffer.cast_diff` writes the new bf16 / fp16 view (exactly torch's ``.to``) and emits the changed flat
+positions with their old and new bit patterns (the codec's diff arrays) in one pass over the master and the
+previous view; `CastDiffer.quantize_diff` does the same for the quantized families' payloads. The numba
+kernels (`flipsync.formats.cast_kernels`, `flipsync.formats.quantize_kernels`) run on chunks on a thread pool
+with the GIL released (inline on one thread); each worker appends its chunks' changes to one buffer, and the
+caller copies them all, in chunk order, into the result once. Any other device (CUDA) or master dtype takes
+the torch path: `cast_master`, then a compare on the tensors' device; both give the same bits.
 
-CPU: a numba kernel (`flipsync.formats.cast_kernels`) works on groups of 64 lanes: one vectorized loop
-rounds the masters, stores them and sets a bit of a 64-bit mask per lane that differs from the previous view;
-only the set bits (few at RL learning rates) are then visited, by trailing-zero count. The quantized families'
-kernels (`flipsync.formats.quantize_kernels`) encode a row into a code buffer and store and compare it the
-same way. Chunks run on a thread pool with the GIL released
-(inline on one thread); each worker appends its chunks' changes to one buffer, and the caller copies them
-all, in chunk order, into the result once.
-Any other device (CUDA) or master dtype takes the torch path: `cast_master`, then a compare on the
-tensors' device; both give the same bits.
-
-Masters that are not finite, or values that round beyond the format's range, are not handled here: the
-kernel flags them and the tensor goes through `cast_master`, which raises the formats module's error
-(`NonFiniteError` / `FormatError`) word for word.
+Masters that are not finite, or values that round beyond the format's range, are flagged by the kernel and
+go through `cast_master` (or the format's recipe), which raises its error (`NonFiniteError` / `FormatError`)
+word for word.
 """
 
 from __future__ import annotations
@@ -35,7 +28,7 @@ import torch
 
 from flipsync.codec import Changes
 from flipsync.errors import FormatError
-from flipsync.formats.base import cast_master
+from flipsync.formats.base import cast_master, fits_out
 from flipsync.formats.cast_kernels import BF16, FP16, GROUP, cast_diff_bits, cast_diff_f16
 from flipsync.formats.quantize_kernels import (
     E4M3_VALUES,
@@ -49,6 +42,7 @@ from flipsync.formats.quantize_kernels import (
     nv_rows,
     tensor_amax,
 )
+from flipsync.formats.registry import get_format
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +79,6 @@ def _hw_fp16() -> bool:
         logger.info("no native fp16 conversion for the one-pass cast: fp16 takes the integer recipe")
         return False
     return bool(np.array_equal(got, want))
-
-
-@dataclass
-class _Scratch:
-    pos: np.ndarray  # int64, chunk-relative
-    old: np.ndarray
-    new: np.ndarray
 
 
 @dataclass
@@ -171,7 +158,7 @@ class CastDiffer:
             )
         if torch_path or not self.kernel_covers(master, dtype, ref):
             return _torch_cast_diff(name, master, dtype, ref, out)
-        if out is None or not _fits(out, master, dtype) or _overlap(out, ref):
+        if out is None or not fits_out(out, master, dtype) or _overlap(out, ref):
             out = torch.empty(master.shape, dtype=dtype)
         try:
             changes = self._kernel(master, dtype, ref, out)
@@ -208,175 +195,77 @@ class CastDiffer:
             or x.numel() == 0
             or not x.is_contiguous()
             or tuple(ref.shape) != (x.shape[0], x.shape[1] // 2 if fmt in _FP4 else x.shape[1])
-            or ref.dtype
-            != (torch.uint8 if fmt in _FP4 else torch.int8 if fmt == "int8-channel" else torch.float8_e4m3fn)
+            or ref.dtype != get_format(fmt).payload_dtype
             or not ref.is_contiguous()
             or (fmt in _FP4 and x.shape[1] % 2 != 0)  # the recipe refuses it
         ):
             return None
-        if fmt == "fp8-block":
-            return self._fp8_block(name, x, ref, from_fp32=from_fp32)
-        if fmt in ("mxfp8", "mxfp4"):
-            return self._mx(fmt, name, x, ref, from_fp32=from_fp32)
-        if fmt == "int8-channel":
-            return self._int8(name, x, ref, from_fp32=from_fp32)
-        channel = fmt == "fp8-channel"
         rows, k = x.shape
-        inv = np.float32(0.0)
-        if not channel:
+        width = ref.shape[1]
+        payload = torch.empty((rows, width), dtype=ref.dtype)
+        step = max(1, min(rows, -(-CHUNK_ELEMENTS // k)))
+        extra: tuple[object, ...] = ()  # the kernel's arguments between its per-row output and round_bf16
+        if fmt in ("fp8-tensor", "fp8-channel", "int8-channel"):
+            scales = np.empty(rows, np.float32)  # per row; fp8-tensor's kernel leaves it alone
+            per_rows, parts = scales, {name: payload, name + "_scale": torch.from_numpy(scales).reshape(rows, 1)}
+            kernel = i8_rows if fmt == "int8-channel" else fp8_rows
+            if fmt == "fp8-tensor":
+                amax = tensor_amax(x, group_amax, from_fp32=from_fp32)
+                if amax is None:
+                    return None
+                scale = amax / 448.0
+                parts[name + "_scale"] = scale.reshape(1)
+                extra = (False, np.float32((1.0 / scale).item()))
+            elif fmt == "fp8-channel":
+                extra = (True, np.float32(0.0))
+        elif fmt == "fp8-block":  # one row of 128x128 tiles per task (their amax needs all 128 rows first)
+            per_rows = np.empty((-(-rows // TILE), -(-k // TILE)), np.float32)
+            kernel, step, parts = fp8_tile_rows, TILE, {name: payload, name + "_scale_inv": torch.from_numpy(per_rows)}
+        elif fmt == "nvfp4":
             amax = tensor_amax(x, group_amax, from_fp32=from_fp32)
             if amax is None:
                 return None
-            if fmt == "nvfp4":
-                return self._nvfp4(name, x, ref, amax, from_fp32=from_fp32)
-            scale = amax / 448.0
-            inv = np.float32((1.0 / scale).item())
-        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
+            s2 = amax / (6.0 * 448.0)
+            s2 = torch.where(amax == 0, torch.ones_like(s2), s2)
+            if not bool(s2 > 0):  # a subnormal amax whose global scale underflows: the recipe's own path decides
+                return None
+            scale = torch.empty((rows, -(-k // NV)), dtype=torch.uint8)
+            per_rows, kernel = scale.numpy(), nv_rows
+            extra = (np.float32(s2.item()), np.float32((6.0 * s2).item()), E4M3_VALUES)
+            parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
+        else:  # mxfp8 / mxfp4 (torchao FLOOR): blocks of 32 never span rows
+            scale = torch.empty((rows, -(-k // MX)), dtype=torch.uint8)
+            per_rows, kernel, parts = scale.numpy(), mx_rows, {name: payload, name + "_scale": scale}
+            extra = (2, True) if fmt == "mxfp4" else (8, False)
         src = x.detach().view(torch.int32).numpy().view(np.uint32)
         was = ref.detach().view(torch.uint8).numpy()
-        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
-        dst = q.view(torch.uint8).numpy()
-        scales = np.empty(rows, np.float32)
-
-        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return fp8_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], channel, inv, not from_fp32,
-                buf.pos, buf.old, buf.new,
-            )  # fmt: skip
-
-        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), k, limit, kernel)
-        if changes is None:
-            return None
-        scale_out = torch.from_numpy(scales).reshape(rows, 1) if channel else scale.reshape(1)
-        return {name: q, name + "_scale": scale_out}, changes
-
-    def _int8(
-        self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """int8-channel (compressed-tensors): rows in chunks, each row's scale from its own amax."""
-        rows, k = x.shape
-        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
-        src = x.detach().view(torch.int32).numpy().view(np.uint32)
-        was = ref.detach().view(torch.uint8).numpy()
-        q = torch.empty((rows, k), dtype=torch.int8)
-        dst = q.view(torch.uint8).numpy()
-        scales = np.empty(rows, np.float32)
-
-        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return i8_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], scales[r0:r1], not from_fp32, buf.pos, buf.old, buf.new
-            )
-
-        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), k, limit, kernel)
-        if changes is None:
-            return None
-        return {name: q, name + "_scale": torch.from_numpy(scales).reshape(rows, 1)}, changes
-
-    def _fp8_block(
-        self, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """fp8-block: one row of 128x128 tiles per task (their amax needs all 128 rows first)."""
-        rows, k = x.shape
-        nb, kb = -(-rows // TILE), -(-k // TILE)
-        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
-        src = x.detach().view(torch.int32).numpy().view(np.uint32)
-        was = ref.detach().view(torch.uint8).numpy()
-        q = torch.empty((rows, k), dtype=torch.float8_e4m3fn)
-        dst = q.view(torch.uint8).numpy()
-        sf = np.empty((nb, kb), np.float32)
-
-        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return fp8_tile_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], sf[r0 // TILE], not from_fp32, buf.pos, buf.old, buf.new
-            )
-
-        changes = self._over_rows(rows, TILE, k, limit, kernel)
-        if changes is None:
-            return None
-        return {name: q, name + "_scale_inv": torch.from_numpy(sf)}, changes
-
-    def _mx(
-        self, fmt: str, name: str, x: torch.Tensor, ref: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """mxfp8 / mxfp4 (torchao FLOOR): rows in chunks; blocks of 32 never span rows."""
-        rows, k = x.shape
-        fp4 = fmt == "mxfp4"
-        width = k // 2 if fp4 else k
-        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
-        src = x.detach().view(torch.int32).numpy().view(np.uint32)
-        was = ref.detach().view(torch.uint8).numpy()
-        payload = torch.empty((rows, width), dtype=torch.uint8 if fp4 else torch.float8_e4m3fn)
         dst = payload.view(torch.uint8).numpy()
-        scale = torch.empty((rows, -(-k // MX)), dtype=torch.uint8)
-        sc = scale.numpy()
+        tiles = fmt == "fp8-block"
 
-        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return mx_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], 2 if fp4 else 8, fp4, not from_fp32,
-                buf.pos, buf.old, buf.new,
-            )  # fmt: skip
+        def run(r0: int, r1: int, *buf: np.ndarray) -> tuple[int, int]:
+            out = per_rows[r0 // TILE] if tiles else per_rows[r0:r1]
+            return kernel(src[r0:r1], was[r0:r1], dst[r0:r1], out, *extra, not from_fp32, *buf)  # type: ignore[no-any-return]
 
-        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), width, limit, kernel)
-        if changes is None:
-            return None
-        return {name: payload, name + "_scale": scale}, changes
-
-    def _nvfp4(
-        self, name: str, x: torch.Tensor, ref: torch.Tensor, amax: torch.Tensor, *, from_fp32: bool
-    ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """nvfp4 (ModelOpt): the global scale from the tensor's (or group's) amax, then rows in chunks."""
-        rows, k = x.shape
-        width = k // 2
-        s2 = amax / (6.0 * 448.0)
-        s2 = torch.where(amax == 0, torch.ones_like(s2), s2)
-        if not bool(s2 > 0):  # a subnormal amax whose global scale underflows: the recipe's own path decides
-            return None
-        six_s2 = 6.0 * s2
-        limit = 0x7F800000 if from_fp32 else _BF16_LIMIT
-        src = x.detach().view(torch.int32).numpy().view(np.uint32)
-        was = ref.detach().view(torch.uint8).numpy()
-        payload = torch.empty((rows, width), dtype=torch.uint8)
-        dst = payload.numpy()
-        scale = torch.empty((rows, -(-k // NV)), dtype=torch.uint8)
-        sc = scale.numpy()
-        s2_32, six_32 = np.float32(s2.item()), np.float32(six_s2.item())
-
-        def kernel(r0: int, r1: int, buf: _Scratch) -> tuple[int, int]:
-            return nv_rows(  # type: ignore[no-any-return]
-                src[r0:r1], was[r0:r1], dst[r0:r1], sc[r0:r1], s2_32, six_32, E4M3_VALUES, not from_fp32,
-                buf.pos, buf.old, buf.new,
-            )  # fmt: skip
-
-        changes = self._over_rows(rows, max(1, min(rows, -(-CHUNK_ELEMENTS // k))), width, limit, kernel)
-        if changes is None:
-            return None
-        parts = {name: payload, name + "_scale": scale.view(torch.float8_e4m3fn), name + "_scale_2": s2.reshape(1)}
-        return parts, changes
-
-    def _over_rows(
-        self, rows: int, step: int, width: int, limit: int, kernel: Callable[[int, int, _Scratch], tuple[int, int]]
-    ) -> Changes | None:
-        """Runs ``kernel(r0, r1, scratch) -> (changes, top master bits)`` on chunks of ``step`` rows of ``width``
-        served elements on the pool; the changes of all rows, or None when a chunk held a master out of range."""
         tasks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
         try:
-            return self._gather(
+            changes = self._gather(
                 [(r0 * width, (r1 - r0) * width + 2) for r0, r1 in tasks],  # `emit_lanes`'s two spare slots
                 np.uint8,
-                limit,
-                lambda i, buf: kernel(*tasks[i], buf),
+                0x7F800000 if from_fp32 else _BF16_LIMIT,
+                lambda i, *buf: run(*tasks[i], *buf),
             )
         except _OutOfRange:
             return None
+        return parts, changes
 
     def _gather(
         self,
         tasks: list[tuple[int, int]],
         bits: type,
         limit: int,
-        kernel: Callable[[int, _Scratch], tuple[int, int]],
+        kernel: Callable[..., tuple[int, int]],
     ) -> Changes:
-        """Runs ``kernel(i, scratch) -> (changes, top master bits)`` for each task ``(first position, slots it
+        """Runs ``kernel(i, pos, old, new) -> (changes, top master bits)`` for each task ``(first position, slots it
         may write)`` on the pool (inline on one thread) and copies their changes, in task order, into the
         result (positions shifted by the task's first). Raises `_OutOfRange` when a task's top is ``limit`` or
         more, once every task has finished (none still writes into a spill)."""
@@ -390,7 +279,7 @@ class CastDiffer:
                 sp = held[me] = self._take(tasks[i][1], bits)
                 taken.append(sp)
             f = sp.fill
-            n, top = kernel(i, _Scratch(sp.pos[f:], sp.old[f:], sp.new[f:]))
+            n, top = kernel(i, sp.pos[f:], sp.old[f:], sp.new[f:])
             sp.fill = f + n
             return sp, f, n, top
 
@@ -454,12 +343,12 @@ class CastDiffer:
             return Changes(np.empty(0, np.int64), empty, empty)
         starts = range(0, numel, chunk)
 
-        def run(i: int, buf: _Scratch) -> tuple[int, int]:
+        def run(i: int, *buf: np.ndarray) -> tuple[int, int]:
             s = starts[i]
             e = min(s + chunk, numel)
             if hw:
-                return cast_diff_f16(src[s:e], was[s:e], dst[s:e], buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
-            return cast_diff_bits(src[s:e], was[s:e], dst[s:e], kind, buf.pos, buf.old, buf.new)  # type: ignore[no-any-return]
+                return cast_diff_f16(src[s:e], was[s:e], dst[s:e], *buf)  # type: ignore[no-any-return]
+            return cast_diff_bits(src[s:e], was[s:e], dst[s:e], kind, *buf)  # type: ignore[no-any-return]
 
         # `emit_lanes`'s two spare slots
         return self._gather([(s, min(chunk, numel - s) + 2) for s in starts], np.uint16, limit, run)
@@ -470,10 +359,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _fits(out: torch.Tensor, master: torch.Tensor, dtype: torch.dtype) -> bool:
-    return out.dtype == dtype and out.device.type == "cpu" and out.is_contiguous() and out.numel() == master.numel()
 
 
 def _torch_cast_diff(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -61,33 +61,29 @@ def fused_groups_auto(names: Iterable[str]) -> list[list[str]]:
     ]
 
 
-def _resolve_groups(
-    fused_groups: FusedGroups, masters: Mapping[str, torch.Tensor], selected: set[str]
-) -> list[list[str]]:
-    """Validate `fused_groups` and return the groups restricted to the tensors being quantized."""
+def check_fused_groups(fused_groups: FusedGroups, names: Collection[str]) -> list[list[str]]:
+    """`fused_groups` (``"auto"``: `fused_groups_auto`) as lists of names, each checked to be one of ``names``."""
     if fused_groups is None:
         return []
     if isinstance(fused_groups, str):
         if fused_groups != "auto":
             raise ConfigError(f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}")
-        groups = fused_groups_auto(masters)
-    else:
-        groups = []
-        seen: set[str] = set()
-        for group in fused_groups:
-            if isinstance(group, str):
-                raise ConfigError(
-                    f"fused_groups must be a list of name lists, but got the bare name {group!r}; "
-                    "wrap each group in a list"
-                )
-            for member in group:
-                if member not in masters:
-                    raise ConfigError(f"fused group member {member!r} is not a master tensor name")
-                if member in seen:
-                    raise ConfigError(f"tensor {member!r} appears in more than one fused group")
-                seen.add(member)
-            groups.append(list(group))
-    return [kept for group in groups if len(kept := [m for m in group if m in selected]) >= 2]
+        return fused_groups_auto(names)
+    groups = []
+    seen: set[str] = set()
+    for group in fused_groups:
+        if isinstance(group, str):
+            raise ConfigError(
+                f"fused_groups must be a list of name lists, but got the bare name {group!r}; wrap each group in a list"
+            )
+        for member in group:
+            if member not in names:
+                raise ConfigError(f"fused group member {member!r} is not a master tensor name")
+            if member in seen:
+                raise ConfigError(f"tensor {member!r} appears in more than one fused group")
+            seen.add(member)
+        groups.append(list(group))
+    return groups
 
 
 def served_view(
@@ -131,7 +127,10 @@ def served_view(
         and not (keep is not None and keep(name, tensor))
         and name not in kept_dtypes
     }
-    groups = _resolve_groups(fused_groups, masters, selected)
+    # restricted to the tensors being quantized
+    groups = [
+        g for group in check_fused_groups(fused_groups, masters) if len(g := [m for m in group if m in selected]) >= 2
+    ]
     group_of = {member: i for i, group in enumerate(groups) for member in group} if f.uses_group_amax else {}
     group_amax: dict[int, torch.Tensor] = {}
     prepared: dict[str, torch.Tensor] = {}
@@ -155,12 +154,9 @@ def served_view(
             ready = name in prepared
             x = prepared.pop(name) if ready else tensor
             got = quantize(f, name, x, amax, from_fp32) if quantize is not None else None
-            if got is not None:
-                parts = got
-            elif ready:
-                parts = f.encode(name, x, amax)
-            else:
-                parts = f.components(name, x, amax, from_fp32=from_fp32)
+            if got is None:
+                got = f.encode(name, x, amax) if ready else f.components(name, x, amax, from_fp32=from_fp32)
+            parts = got
         else:  # a plain cast: every float tensor of bf16/fp16 views, the kept ones of quantized views
             dtype = kept_dtypes.get(name) or (f.payload_dtype if name in selected else f.unquantized_dtype)
             buf = alloc(tuple(tensor.shape), dtype, tensor.device) if alloc is not None else None

@@ -27,9 +27,7 @@ _MODULE_WRAPPERS = ("DistributedDataParallel", "DataParallel", "DeepSpeedEngine"
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """The model a checkpoint would hold: DDP / DataParallel / DeepSpeed engines and ``torch.compile``
     wrappers removed (their ``state_dict()`` keys carry ``module.`` / ``_orig_mod.`` prefixes)."""
-    seen = 0
-    while seen < 16:  # wrappers nest (compile inside DDP); a cycle would be a bug elsewhere
-        seen += 1
+    for _ in range(16):  # wrappers nest (compile inside DDP); a cycle would be a bug elsewhere
         if type(model).__name__ in _MODULE_WRAPPERS and isinstance(getattr(model, "module", None), torch.nn.Module):
             model = model.module
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
@@ -52,21 +50,21 @@ def fsdp_version(args: TrainingArguments | None) -> int | None:
 
 def check_shardable(model: torch.nn.Module, args: TrainingArguments | None = None) -> None:
     """Refuse the sharded setups the publisher cannot read from a callback (FSDP1, DeepSpeed ZeRO-3)."""
+    fsdp1 = (
+        "its state_dict() is a collective whose result depends on the trainer's state-dict type. Train with FSDP2 "
+        "({how}), whose DTensor parameters the publisher shards natively, or publish the trainer's checkpoints "
+        "with `flipsync watch CKPT_DIR BOARD_URL`"
+    )
     if fsdp_version(args) == 1:
         raise ConfigError(
-            "FlipsyncCallback cannot publish a model trained with FSDP1 (fsdp_config version 1): its "
-            "state_dict() is a collective whose result depends on the trainer's state-dict type. Train with "
-            "FSDP2 (fsdp_config version 2, accelerate fsdp_version: 2), whose DTensor parameters the publisher "
-            "shards natively, or publish the trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
+            "FlipsyncCallback cannot publish a model trained with FSDP1 (fsdp_config version 1): "
+            + fsdp1.format(how="fsdp_config version 2, accelerate fsdp_version: 2")
         )
-    for sub in model.modules():
-        if type(sub).__name__ == "FullyShardedDataParallel":
-            raise ConfigError(
-                "FlipsyncCallback cannot publish an FSDP1 (FullyShardedDataParallel) model: its state_dict() is "
-                "a collective whose result depends on the trainer's state-dict type. Train with FSDP2 "
-                "(accelerate: fsdp_version: 2), whose DTensor parameters the publisher shards natively, or "
-                "publish the trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
-            )
+    if any(type(sub).__name__ == "FullyShardedDataParallel" for sub in model.modules()):
+        raise ConfigError(
+            "FlipsyncCallback cannot publish an FSDP1 (FullyShardedDataParallel) model: "
+            + fsdp1.format(how="accelerate: fsdp_version: 2")
+        )
     for p in model.parameters():
         if hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
             raise ConfigError(
@@ -127,7 +125,6 @@ class FlipsyncCallback(TrainerCallback):
         self.config = dataclasses.replace(config or PublisherConfig(), **options)
         self.publisher: Publisher | None = None
         self.published: Published | None = None
-        self.versions_before = 0  # versions published by earlier train() calls of this callback
 
     # -- Trainer events ------------------------------------------------------------------------------
 
@@ -191,7 +188,6 @@ class FlipsyncCallback(TrainerCallback):
         try:
             self.published = pub.flush(timeout_s)
         finally:
-            self.versions_before += pub.stats.versions
             pub.close(timeout_s)
 
     def _release(self) -> None:
@@ -199,7 +195,6 @@ class FlipsyncCallback(TrainerCallback):
         pub, self.publisher = self.publisher, None
         if pub is None:
             return
-        self.versions_before += pub.stats.versions
         self.published = pub.rounds.last
         try:
             pub.close()

@@ -60,9 +60,6 @@ class StepPublisher:
         self.last_step: int | None = None
         self._tensors: Mapping[str, torch.Tensor] = {}
 
-    def _current(self) -> Mapping[str, torch.Tensor]:
-        return self._tensors
-
     def publish(
         self, tensors: Mapping[str, torch.Tensor], step: int | None, meta: Mapping[str, str | int] | None = None
     ) -> Published:
@@ -75,7 +72,7 @@ class StepPublisher:
             if self.publisher is None:
                 first = int(step) if step is not None and step >= 0 else 0
                 self.publisher = Publisher(
-                    self._current,
+                    lambda: self._tensors,
                     self.store,
                     format=self.format,
                     run=self.run,
@@ -177,17 +174,17 @@ class HostReplica:
         """Catch up to ``version`` (applying every step in between) and say what changed."""
         held = self.follower.version
         if held is not None and version <= held:  # already there (a repeated sync): nothing moved
-            step = self.reader.catalog.version(held).meta.get("step")
-            return Catchup(held, step if isinstance(step, int) else held, {})
+            return Catchup(held, self._step(held), {})
         self._changed = None if held is None else {}
         self.follower.sync(self._apply, goal=version)
-        m = self.reader.catalog.version(version)
-        step = m.meta.get("step")
-        changed = None
-        if self._changed is not None:
-            changed = {n: torch.unique(torch.cat(ps)) for n, ps in self._changed.items()}
+        changed = None if self._changed is None else {n: torch.unique(torch.cat(p)) for n, p in self._changed.items()}
         self._changed = {}
-        return Catchup(version, step if isinstance(step, int) else version, changed)
+        return Catchup(version, self._step(version), changed)
+
+    def _step(self, version: int) -> int:
+        """The trainer step ``version`` holds (its number when the manifest names none)."""
+        step = self.reader.catalog.version(version).meta.get("step")
+        return step if isinstance(step, int) else version
 
     def _apply(self, step: Step) -> None:
         if isinstance(step, KeyframeStep):

@@ -184,11 +184,11 @@ class RolloutClient:
                 if not snap.members:
                     raise RolloutError("the fleet has no live replica to ask for its model name; pass model=")
                 self.model = snap.members[0].model
-                return self.model
-            models = await self.clients[self.islands[0]].models.list()
-            if not models.data:
-                raise RolloutError(f"{self.islands[0]} lists no model; pass model=")
-            self.model = models.data[0].id
+            else:
+                models = await self.clients[self.islands[0]].models.list()
+                if not models.data:
+                    raise RolloutError(f"{self.islands[0]} lists no model; pass model=")
+                self.model = models.data[0].id
         return self.model
 
     async def complete(
@@ -225,24 +225,14 @@ class RolloutClient:
                     self._snapshot_at = 0.0  # look again before the next try
             for url, headers in targets:
                 client = self._client(url)
+                if isinstance(prompt, str):
+                    create, given = client.completions.with_raw_response.create, {"prompt": prompt}
+                else:
+                    create, given = client.chat.completions.with_raw_response.create, {"messages": list(prompt)}
+                sent = {**extra_headers, **headers}
                 self._in_flight[url] = self._in_flight.get(url, 0) + 1
                 try:
-                    if isinstance(prompt, str):
-                        raw: Any = await client.completions.with_raw_response.create(
-                            model=model,
-                            prompt=prompt,
-                            extra_body=extra_body,
-                            extra_headers={**extra_headers, **headers},
-                            **params,
-                        )
-                    else:
-                        raw = await client.chat.completions.with_raw_response.create(
-                            model=model,
-                            messages=list(prompt),
-                            extra_body=extra_body,
-                            extra_headers={**extra_headers, **headers},
-                            **params,
-                        )
+                    raw = await create(model=model, extra_body=extra_body, extra_headers=sent, **given, **params)
                 except (openai.ConflictError, openai.InternalServerError) as e:
                     # 409: this replica does not hold the version asked for; 503: it has none verified yet.
                     self.stats.refused += 1

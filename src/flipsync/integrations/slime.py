@@ -50,14 +50,13 @@ def slime_checksum(algorithm: str, data: np.ndarray) -> str:
 def load_hf_dir(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face safetensors checkpoint (a directory, with or without an index)."""
     root = Path(path)
+    index = root / INDEX
     if root.is_file():
         files = [root]
+    elif index.exists():
+        files = [root / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     else:
-        index = root / INDEX
-        if index.exists():
-            files = [root / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        else:
-            files = sorted(root.glob("*.safetensors"))
+        files = sorted(root.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"{root} holds no safetensors checkpoint")
     out: dict[str, torch.Tensor] = {}
@@ -73,11 +72,9 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.uint8).numpy()
 
 
-def decode_delta(version_dir: Path, held: Mapping[str, torch.Tensor]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """The new bytes of every tensor a slime delta version changes, each checked against its checksum.
-
-    Nothing in ``held`` is modified; returns (name -> new bytes, the index's metadata).
-    """
+def decode_delta(version_dir: Path, held: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """The new bytes of every tensor a slime delta version changes, each checked against its checksum (nothing
+    in ``held`` is modified)."""
     index = json.loads((version_dir / INDEX).read_text())
     meta = index.get("metadata", {})
     encoding = meta.get("delta_encoding")
@@ -123,7 +120,7 @@ def decode_delta(version_dir: Path, held: Mapping[str, torch.Tensor]) -> tuple[d
     missing = sorted(set(weight_map) - set(new))
     if missing:
         raise IntegrityError(f"{version_dir.name}: the index names {missing[:3]} but no file holds them")
-    return new, meta
+    return new
 
 
 def _version_of(version_dir: Path, meta: Mapping[str, Any]) -> int | None:
@@ -207,8 +204,7 @@ class SlimePublisher:
                     f"{version_dir.name} applies to weight version {base_version}, the hook holds {self.version}: "
                     "out of order, nothing published"
                 )
-            new, _ = decode_delta(version_dir, self.held)
-            for name, data in new.items():  # every tensor checked: now apply them all
+            for name, data in decode_delta(version_dir, self.held).items():  # every tensor checked: now apply them all
                 _bytes_of(self.held[name])[:] = data
         else:
             self.held = load_hf_dir(version_dir)

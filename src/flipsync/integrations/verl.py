@@ -78,19 +78,8 @@ def delta_checksum(positions: torch.Tensor, values: torch.Tensor) -> int:
     return p ^ (v << 1)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _check_delta_dtypes(tensors: Mapping[str, torch.Tensor]) -> None:
-    bad = [(n, t.dtype) for n, t in tensors.items() if t.dtype not in DELTA_DTYPES]
-    if bad:
-        name, dtype = bad[0]
-        raise ConfigError(
-            f"wire_format=delta_flush cannot carry {name!r} ({dtype}, and {len(bad) - 1} more): verl's delta "
-            "wire marks unchanged values with NaN, so it holds bf16 / fp16 / fp32 tensors only. Use "
-            "wire_format=named_tensors for this served format"
-        )
+# One entry of a flush: name, tensor, flat positions (int32; None in a dense seed), values.
+_Piece = tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]
 
 
 def delta_flushes(
@@ -105,48 +94,45 @@ def delta_flushes(
     flat positions as int32 and the new values, in entries of at most `MAX_ENTRY_ELEMS`. A flush holds one
     dtype and about ``bucket_bytes``; nothing is yielded when nothing changed.
     """
-    _check_delta_dtypes(tensors)
-    dense = changed is None
-    pieces: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []  # name, tensor, pos, values
+    bad = [(n, t.dtype) for n, t in tensors.items() if t.dtype not in DELTA_DTYPES]
+    if bad:
+        raise ConfigError(
+            f"wire_format=delta_flush cannot carry {bad[0][0]!r} ({bad[0][1]}, and {len(bad) - 1} more): verl's "
+            "delta wire marks unchanged values with NaN, so it holds bf16 / fp16 / fp32 tensors only. Use "
+            "wire_format=named_tensors for this served format"
+        )
+    by_dtype: dict[torch.dtype, list[_Piece]] = {}
     for name, t in tensors.items():
         flat = t.reshape(-1)
-        if dense:
-            pieces.append((name, t, None, flat))
+        if changed is None:
+            by_dtype.setdefault(t.dtype, []).append((name, t, None, flat))
             continue
-        pos = changed.get(name) if changed is not None else None
+        pos = changed.get(name)
         if pos is None or not pos.numel():
             continue
         if flat.numel() >= 1 << 31:
             raise ConfigError(f"{name!r} has {flat.numel()} elements: verl's delta wire positions are int32")
         for s in range(0, pos.numel(), MAX_ENTRY_ELEMS):
             p = pos[s : s + MAX_ENTRY_ELEMS]
-            pieces.append((name, t, p.to(torch.int32), flat[p]))
-    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]]] = {}
-    for piece in pieces:
-        by_dtype.setdefault(piece[1].dtype, []).append(piece)
-    flushes: list[list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]]] = []
-    for group in by_dtype.values():
-        current: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+            by_dtype.setdefault(t.dtype, []).append((name, t, p.to(torch.int32), flat[p]))
+    flushes: list[list[_Piece]] = []
+    for group in by_dtype.values():  # every group holds a piece
+        flushes.append([])
         size = 0
         for piece in group:
             nbytes = piece[3].numel() * piece[3].element_size() + (4 * piece[2].numel() if piece[2] is not None else 0)
-            if current and size + nbytes > bucket_bytes:
-                flushes.append(current)
-                current, size = [], 0
-            current.append(piece)
+            if flushes[-1] and size + nbytes > bucket_bytes:
+                flushes.append([])
+                size = 0
+            flushes[-1].append(piece)
             size += nbytes
-        if current:
-            flushes.append(current)
     for i, flush in enumerate(flushes):
-        yield _flush(flush, dense, is_last=i == len(flushes) - 1, device=device), i == len(flushes) - 1
+        last = i == len(flushes) - 1
+        yield _flush(flush, changed is None, is_last=last, device=device), last
 
 
 def _flush(
-    pieces: list[tuple[str, torch.Tensor, torch.Tensor | None, torch.Tensor]],
-    dense: bool,
-    *,
-    is_last: bool,
-    device: str | torch.device,
+    pieces: list[_Piece], dense: bool, *, is_last: bool, device: str | torch.device
 ) -> list[tuple[str, torch.Tensor]]:
     params: list[dict[str, Any]] = []
     pos_off = val_off = 0
@@ -156,7 +142,7 @@ def _flush(
         params.append(
             {
                 "name": name,
-                "dtype": _dtype_name(t.dtype),
+                "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape),
                 "pos_start": pos_off,
                 "pos_end": pos_off + pos_bytes,

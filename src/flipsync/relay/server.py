@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from email.utils import format_datetime
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
@@ -113,7 +113,6 @@ class RelayCache:
         *,
         ttl: float,
         size_of: Callable[[T], int],
-        keep: bool = True,
     ) -> T:
         op = key[0]
         self.metrics.requests.labels(op=op).inc()
@@ -130,7 +129,7 @@ class RelayCache:
             self._drop(key)
         task = self._inflight.get(key)
         if task is None:
-            task = asyncio.create_task(self._fill(key, fetch, ttl=ttl, size_of=size_of, keep=keep))
+            task = asyncio.create_task(self._fill(key, fetch, ttl=ttl, size_of=size_of))
             self._inflight[key] = task
             task.add_done_callback(lambda t, k=key: self._done(k, t))  # type: ignore[misc]
         else:
@@ -146,7 +145,7 @@ class RelayCache:
             task.exception()  # retrieved: nobody may be left to await it
 
     async def _fill(
-        self, key: tuple[str, ...], fetch: Callable[[], T], *, ttl: float, size_of: Callable[[T], int], keep: bool
+        self, key: tuple[str, ...], fetch: Callable[[], T], *, ttl: float, size_of: Callable[[T], int]
     ) -> T:
         loop = asyncio.get_running_loop()
         self.metrics.upstream.labels(op=key[0]).inc()
@@ -163,7 +162,7 @@ class RelayCache:
         size = size_of(value)
         if key[0] == "get":
             self.metrics.upstream_bytes.inc(size)
-        if keep and ttl > 0 and size <= self.config.max_object_bytes:
+        if ttl > 0 and size <= self.config.max_object_bytes:  # larger objects are streamed through
             self._put(key, _Entry(value, None, size, time.monotonic() + ttl))
         return value
 
@@ -189,9 +188,8 @@ class RelayCache:
 
     async def get(self, path: str) -> tuple[bytes, ObjectInfo]:
         info = await self.head(path)
-        keep = info.size <= self.config.max_object_bytes
         data = await self._lookup(
-            ("get", path), lambda: self.store.get(path, size=info.size), ttl=self.ttl(path), size_of=len, keep=keep
+            ("get", path), lambda: self.store.get(path, size=info.size), ttl=self.ttl(path), size_of=len
         )
         return data, info
 
@@ -206,7 +204,6 @@ class RelayCache:
             lambda: self.store.get_range(path, start, end),
             ttl=0,
             size_of=len,
-            keep=False,
         )
 
     async def wait_exists(self, path: str, timeout_s: float) -> bool:
@@ -303,18 +300,21 @@ def _version_folder(path: str) -> str | None:
     return folder
 
 
-def _check_path(path: str, *, allow_empty: bool = False) -> str | None:
-    """Why a requested path is refused (None: fine). Paths are relative, '/'-separated, no dot segments."""
+def _check_path(path: str, *, allow_empty: bool = False) -> str:
+    """``path``, or a 400 saying why it is refused. Paths are relative, '/'-separated, no dot segments."""
+    why = None
     if not path:
-        return None if allow_empty else "empty path"
-    if path.startswith("/") or "\\" in path or "\x00" in path:
-        return "paths are relative and '/'-separated"
-    if any(seg in ("", ".", "..") for seg in path.split("/")):
-        return "empty, '.' and '..' segments are not allowed"
-    return None
+        why = None if allow_empty else "empty path"
+    elif path.startswith("/") or "\\" in path or "\x00" in path:
+        why = "paths are relative and '/'-separated"
+    elif any(seg in ("", ".", "..") for seg in path.split("/")):
+        why = "empty, '.' and '..' segments are not allowed"
+    if why is not None:
+        raise HTTPException(400, why)
+    return path
 
 
-def _info_headers(info: ObjectInfo, path: str, ttl: float) -> dict[str, str]:
+def _info_headers(info: ObjectInfo, ttl: float) -> dict[str, str]:
     h = {
         "Last-Modified": format_datetime(info.modified, usegmt=True) if info.modified.tzinfo else "",
         "Accept-Ranges": "bytes",
@@ -348,7 +348,8 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
 
     app = FastAPI(title="flipsync relay", lifespan=lifespan)
 
-    def failure(e: Exception) -> JSONResponse:
+    @app.exception_handler(FlipsyncError)
+    async def failure(_request: Request, e: FlipsyncError) -> JSONResponse:
         if isinstance(e, NotFoundError):
             return JSONResponse({"detail": str(e)}, status_code=404)
         # The board's store retried a transient failure already: the header tells the client not to again.
@@ -360,51 +361,34 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
 
     @app.api_route("/board/o/{path:path}", methods=["GET", "HEAD"])
     async def obj(request: Request, path: str) -> Response:
-        if (why := _check_path(path)) is not None:
-            return JSONResponse({"detail": why}, status_code=400)
-        try:
-            if request.method == "HEAD":
-                info = await cache.head(path)
-                headers = _info_headers(info, path, cache.ttl(path))
-                headers["Content-Length"] = str(info.size)
-                return Response(status_code=200, headers=headers)
-            rng = request.headers.get("range")
-            info = await cache.head(path)
-            headers = _info_headers(info, path, cache.ttl(path))
-            if rng:
-                span = _parse_range(rng, info.size)
-                if span is None:
-                    return Response(status_code=416, headers={"Content-Range": f"bytes */{info.size}"})
-                data = await cache.get_range(path, *span)
-                headers["Content-Range"] = f"bytes {span[0]}-{span[0] + len(data) - 1}/{info.size}"
-                cache.metrics.served_bytes.inc(len(data))
-                return Response(data, status_code=206, headers=headers, media_type="application/octet-stream")
-            data, _ = await cache.get(path)
+        info = await cache.head(_check_path(path))
+        headers = _info_headers(info, cache.ttl(path))
+        if request.method == "HEAD":
+            headers["Content-Length"] = str(info.size)
+            return Response(status_code=200, headers=headers)
+        if rng := request.headers.get("range"):
+            span = _parse_range(rng, info.size)
+            if span is None:
+                return Response(status_code=416, headers={"Content-Range": f"bytes */{info.size}"})
+            data = await cache.get_range(path, *span)
+            headers["Content-Range"] = f"bytes {span[0]}-{span[0] + len(data) - 1}/{info.size}"
             cache.metrics.served_bytes.inc(len(data))
-            return Response(data, status_code=200, headers=headers, media_type="application/octet-stream")
-        except FlipsyncError as e:
-            return failure(e)
+            return Response(data, status_code=206, headers=headers, media_type="application/octet-stream")
+        data, _ = await cache.get(path)
+        cache.metrics.served_bytes.inc(len(data))
+        return Response(data, status_code=200, headers=headers, media_type="application/octet-stream")
 
     @app.get("/board/wait/{path:path}")
     async def wait(path: str, timeout: float = 10.0) -> Response:
         """Answers ``{"exists": true}`` once the object exists, ``false`` when ``timeout`` seconds passed first."""
-        if (why := _check_path(path)) is not None:
-            return JSONResponse({"detail": why}, status_code=400)
+        _check_path(path)
         if not 0 <= timeout <= cache.config.max_wait_s:
             return JSONResponse({"detail": f"timeout must be within 0..{cache.config.max_wait_s:g} s"}, status_code=400)
-        try:
-            return JSONResponse({"exists": await cache.wait_exists(path, timeout)})
-        except FlipsyncError as e:
-            return failure(e)
+        return JSONResponse({"exists": await cache.wait_exists(path, timeout)})
 
     @app.get("/board/list")
     async def listing(prefix: str = "") -> Response:
-        if (why := _check_path(prefix, allow_empty=True)) is not None:
-            return JSONResponse({"detail": why}, status_code=400)
-        try:
-            objs = await cache.list(prefix)
-        except FlipsyncError as e:
-            return failure(e)
+        objs = await cache.list(_check_path(prefix, allow_empty=True))
         return JSONResponse(
             {
                 "objects": [
@@ -415,12 +399,7 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
 
     @app.get("/board/dirs")
     async def dirs(prefix: str = "") -> Response:
-        if (why := _check_path(prefix, allow_empty=True)) is not None:
-            return JSONResponse({"detail": why}, status_code=400)
-        try:
-            return JSONResponse({"dirs": await cache.list_dirs(prefix)})
-        except FlipsyncError as e:
-            return failure(e)
+        return JSONResponse({"dirs": await cache.list_dirs(_check_path(prefix, allow_empty=True))})
 
     @app.get("/relay/stats")
     async def stats() -> dict[str, Any]:

@@ -94,13 +94,10 @@ class RequestGate:
             self._open = False
             self._n.notify_all()
         try:
-            if mode is CommitMode.QUIESCE:
-                done = self._n.wait(lambda: self._in_flight == 0, drain_timeout_s)
-            else:
-                done = self._n.wait(lambda: self._pinned == 0, drain_timeout_s)
+            quiesce = mode is CommitMode.QUIESCE
+            pause.drained = self._n.wait(lambda: (self._in_flight if quiesce else self._pinned) == 0, drain_timeout_s)
             pause.drain_s = time.monotonic() - t0
-            pause.drained = done
-            if not done:
+            if not pause.drained:
                 log.warning(
                     "%d request(s) still in flight after %.1f s of draining; committing anyway "
                     "(they will report both versions)",

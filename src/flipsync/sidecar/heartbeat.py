@@ -90,7 +90,7 @@ class Heartbeat:
         self._model = config.model or getattr(replica.engine, "model_name", None)
         self._key: tuple[Any, ...] | None = None
         self._last_attempt = -1e18
-        self._lock = threading.Lock()  # one write at a time (the thread, leave, stop)
+        self._lock = threading.Lock()  # one write at a time (the thread, a drain's beat, stop)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,8 +113,7 @@ class Heartbeat:
         return self._model
 
     def _routing_key(self) -> tuple[Any, ...]:
-        r = self.replica
-        return (r.version, r.serving, self.gate.draining)
+        return (self.replica.version, self.replica.serving, self.gate.draining)
 
     def record(self) -> MemberRecord | None:
         """The record as it stands now (None while the model name is unknown: nothing could route to it)."""
@@ -179,10 +178,6 @@ class Heartbeat:
             if since >= cfg.interval_s or (self._routing_key() != self._key and since >= cfg.min_gap_s):
                 self.beat()
             self._stop.wait(min(0.05, cfg.min_gap_s))
-
-    def leave(self) -> None:
-        """Tell the fleet this replica is draining (the gate must already be draining)."""
-        self.beat()
 
     def stop(self, *, deregister: bool = True) -> None:
         """Stop the beats; with ``deregister``, delete the record (a replica that left on purpose)."""

@@ -27,20 +27,15 @@ class SidecarMetrics:
         self.failures = Counter(
             "flipsync_failures", "Failed reconcile passes, by kind of failure", ["kind"], registry=r
         )
-        self.fetch_seconds = Histogram(
-            "flipsync_fetch_seconds", "Waiting for an artifact's download", buckets=SECONDS_BUCKETS, registry=r
-        )
-        self.stage_seconds = Histogram(
-            "flipsync_stage_seconds", "Decoding a patch while serving", buckets=SECONDS_BUCKETS, registry=r
-        )
-        self.commit_seconds = Histogram(
-            "flipsync_commit_seconds", "The engine's write of a version", buckets=SECONDS_BUCKETS, registry=r
-        )
-        self.pause_seconds = Histogram(
-            "flipsync_pause_seconds",
-            "New requests held at the gate per update (drain + write + verify)",
-            buckets=SECONDS_BUCKETS,
-            registry=r,
+
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
+
+        self.fetch_seconds = seconds("flipsync_fetch_seconds", "Waiting for an artifact's download")
+        self.stage_seconds = seconds("flipsync_stage_seconds", "Decoding a patch while serving")
+        self.commit_seconds = seconds("flipsync_commit_seconds", "The engine's write of a version")
+        self.pause_seconds = seconds(
+            "flipsync_pause_seconds", "New requests held at the gate per update (drain + write + verify)"
         )
         self.requests = Counter("flipsync_proxy_requests", "Proxied requests by outcome", ["outcome"], registry=r)
         self.in_flight = Gauge("flipsync_proxy_in_flight", "Proxied requests in flight", registry=r)

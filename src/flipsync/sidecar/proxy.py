@@ -29,6 +29,9 @@ H_VERSION = "X-Flipsync-Weight-Version"
 H_START = "X-Flipsync-Weight-Version-Start"
 H_END = "X-Flipsync-Weight-Version-End"
 BODY_FIELD = "weight_version"
+# What the metrics count a refusal of a gated request as, by its status.
+_OUTCOMES = {400: "bad_request", 413: "bad_request", 409: "rejected_version", 503: "unavailable"}
+_OUTCOMES |= dict.fromkeys((502, 504), "upstream_error")
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy recomputes.
 _HOP = frozenset(
     {
@@ -73,9 +76,7 @@ class VersionConstraint:
         return self.exact_version is not None
 
     def satisfied_by(self, version: int) -> bool:
-        if self.exact_version is not None and version != self.exact_version:
-            return False
-        return self.min_version is None or version >= self.min_version
+        return self.exact_version in (None, version) and (self.min_version is None or version >= self.min_version)
 
     def describe(self) -> str:
         if self.exact_version is not None:
@@ -144,10 +145,7 @@ def _response_headers(headers: httpx.Headers) -> dict[str, str]:
 
 def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
     """Add ``weight_version`` to one SSE ``data:`` line holding a JSON object; anything else as it is."""
-    if not line.startswith(b"data:"):
-        return line
-    payload = line[5:].strip()
-    if not payload.startswith(b"{"):
+    if not line.startswith(b"data:") or not (payload := line[5:].strip()).startswith(b"{"):
         return line
     ending = b"\r\n" if line.endswith(b"\r\n") else b"\n" if line.endswith(b"\n") else b""
     try:
@@ -244,58 +242,59 @@ def create_proxy_app(
 
     # -- the proxy ----------------------------------------------------------------------------------------
 
-    def _url(request: Request, path: str) -> str:
-        q = request.url.query
-        return f"{upstream}/{path}" + (f"?{q}" if q else "")
+    def refuse(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> Response:
+        """An error answer of the gated proxy, counted under the outcome its status means."""
+        metrics.requests.labels(outcome=_OUTCOMES[status]).inc()
+        return _error(status, message, kind, headers, **extra)
+
+    async def send(
+        request: Request, path: str, content: bytes, error: Callable[..., Response] = _error
+    ) -> httpx.Response | Response:
+        """The upstream's streamed answer, or the ``error`` to answer instead when it cannot be reached."""
+        client, q = clients["upstream"], request.url.query
+        url = f"{upstream}/{path}" + (f"?{q}" if q else "")
+        req = client.build_request(request.method, url, headers=_forward_headers(request.headers), content=content)
+        try:
+            return await client.send(req, stream=True)
+        except httpx.TimeoutException as e:
+            return error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
+        except httpx.HTTPError as e:
+            return error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
 
     async def passthrough(request: Request, path: str) -> Response:
-        client = clients["upstream"]
-        req = client.build_request(
-            request.method, _url(request, path), headers=_forward_headers(request.headers), content=await request.body()
-        )
-        try:
-            resp = await client.send(req, stream=True)
-        except httpx.TimeoutException as e:
-            return _error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
-        except httpx.HTTPError as e:
-            return _error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
+        resp = await send(request, path, await request.body())
+        if isinstance(resp, Response):
+            return resp
         headers = _response_headers(resp.headers)
         if replica.version is not None:
             headers[H_VERSION] = str(replica.version)
-
         return _ClosingStream(resp.aiter_raw(), resp.aclose, status_code=resp.status_code, headers=headers)
 
     async def gated(request: Request, path: str) -> Response:
         raw = await request.body()
         if len(raw) > config.max_body_bytes:
-            metrics.requests.labels(outcome="bad_request").inc()
-            return _error(413, f"the body exceeds {config.max_body_bytes} bytes", "invalid_request_error")
+            return refuse(413, f"the body exceeds {config.max_body_bytes} bytes", "invalid_request_error")
+        body: Any = None
         try:
-            body: Any = None
             if raw and "json" in request.headers.get("content-type", "application/json"):
-                try:
-                    body = json.loads(raw)
-                except ValueError:
-                    body = None  # not ours to judge: the upstream answers malformed bodies
-                except RecursionError:  # json.loads recurses per bracket; no engine reads this either
-                    metrics.requests.labels(outcome="bad_request").inc()
-                    return _error(400, _TOO_DEEP_REQUEST, "invalid_request_error")
-            field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
+                body = json.loads(raw)
+        except ValueError:
+            pass  # not ours to judge: the upstream answers malformed bodies
+        except RecursionError:  # json.loads recurses per bracket; no engine reads this either
+            return refuse(400, _TOO_DEEP_REQUEST, "invalid_request_error")
+        field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
+        try:
             constraint = parse_constraint(field, request.headers)
-        except BadRequest as e:
-            metrics.requests.labels(outcome="bad_request").inc()
-            return _error(400, str(e), "invalid_request_error")
-        if field is not None:
-            try:
+            if field is not None:
                 raw = json.dumps(body).encode()
-            except RecursionError:
-                metrics.requests.labels(outcome="bad_request").inc()
-                return _error(400, _TOO_DEEP_REQUEST, "invalid_request_error")
+        except BadRequest as e:
+            return refuse(400, str(e), "invalid_request_error")
+        except RecursionError:
+            return refuse(400, _TOO_DEEP_REQUEST, "invalid_request_error")
 
         def refusal() -> Response | None:
             if gate.draining:
-                metrics.requests.labels(outcome="unavailable").inc()
-                return _error(
+                return refuse(
                     503,
                     "this replica is leaving the fleet (draining): send the request to another one",
                     "service_unavailable",
@@ -303,9 +302,8 @@ def create_proxy_app(
                 )
             current = replica.version
             if current is None or not replica.serving:
-                metrics.requests.labels(outcome="unavailable").inc()
                 why = replica.status()["error"]
-                return _error(
+                return refuse(
                     503,
                     "this replica holds no verified version right now"
                     + (f" ({why['kind']}: {why['message']})" if why else f" (state {replica.state.value})"),
@@ -313,8 +311,7 @@ def create_proxy_app(
                     {"Retry-After": retry_after},
                 )
             if not constraint.satisfied_by(current):
-                metrics.requests.labels(outcome="rejected_version").inc()
-                return _error(
+                return refuse(
                     409,
                     f"this replica serves v{current}; the request needs {constraint.describe()}",
                     "weight_version_unavailable",
@@ -331,8 +328,7 @@ def create_proxy_app(
         if (early := refusal()) is not None:
             return early
         if not await gate.enter(pinned=constraint.pinned, timeout=config.admit_timeout_s):
-            metrics.requests.labels(outcome="unavailable").inc()
-            return _error(
+            return refuse(
                 503, "an update is taking longer than expected", "service_unavailable", {"Retry-After": retry_after}
             )
         left = False
@@ -350,19 +346,10 @@ def create_proxy_app(
                 leave()
                 return late
             start = replica.version
-            client = clients["upstream"]
-            headers = _forward_headers(request.headers)
-            req = client.build_request(request.method, _url(request, path), headers=headers, content=raw)
-            try:
-                resp = await client.send(req, stream=True)
-            except httpx.TimeoutException as e:
-                metrics.requests.labels(outcome="upstream_error").inc()
+            resp = await send(request, path, raw, refuse)
+            if isinstance(resp, Response):
                 leave()
-                return _error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
-            except httpx.HTTPError as e:
-                metrics.requests.labels(outcome="upstream_error").inc()
-                leave()
-                return _error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
+                return resp
             out_headers = _response_headers(resp.headers)
             out_headers[H_START] = str(start)
             out_headers[H_VERSION] = str(start)
@@ -379,8 +366,7 @@ def create_proxy_app(
             try:
                 data = await resp.aread()
             except httpx.HTTPError as e:
-                metrics.requests.labels(outcome="upstream_error").inc()
-                return _error(502, f"the engine at {upstream} broke off its response: {e}", "upstream_unavailable")
+                return refuse(502, f"the engine at {upstream} broke off its response: {e}", "upstream_unavailable")
             finally:
                 await resp.aclose()
                 end = replica.version_upper_bound()
@@ -395,8 +381,7 @@ def create_proxy_app(
                 except ValueError:
                     pass  # not JSON after all: relay it as it is
                 except RecursionError:
-                    metrics.requests.labels(outcome="upstream_error").inc()
-                    return _error(502, _TOO_DEEP_RESPONSE.format(upstream=upstream), "upstream_invalid_response")
+                    return refuse(502, _TOO_DEEP_RESPONSE.format(upstream=upstream), "upstream_invalid_response")
             metrics.requests.labels(outcome="ok" if resp.status_code < 400 else "upstream_status").inc()
             return Response(data, status_code=resp.status_code, headers=out_headers)
         except BaseException:

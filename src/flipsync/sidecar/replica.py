@@ -74,14 +74,15 @@ class Replica:
             on_fault=self._after_engine_fault,
         )
         self._committing: int | None = None
-        self._head: int | None = None
-        self._state = State.IDLE
+        self.head: int | None = None  # HEAD when last polled
+        self.state = State.IDLE
         self._state_since = time.monotonic()
         self._engine_up = True
         self._need_audit = False
         self._adopt_pending = True  # the engine may outlive its sidecar: look at what it holds first
         self._adopted: dict[str, Any] | None = None
-        self._served_format: str | None = getattr(engine, "served_format", None)  # the held version's, once known
+        # the served format of the version held (its manifest's), or the engine's before any version
+        self.served_format: str | None = getattr(engine, "served_format", None)
         self._fetch_s = 0.0  # how long the step being applied was waited for
         self._error: Failure | None = None
         self._last_error: Failure | None = None
@@ -106,19 +107,6 @@ class Replica:
         return self.follower.view_fp
 
     @property
-    def head(self) -> int | None:
-        return self._head
-
-    @property
-    def state(self) -> State:
-        return self._state
-
-    @property
-    def served_format(self) -> str | None:
-        """The served format of the version held (its manifest's), or the engine's before any version."""
-        return self._served_format
-
-    @property
     def serving(self) -> bool:
         """True when requests may be sent to the engine: a verified version and a healthy engine."""
         return self.version is not None and self._engine_up and not self._need_audit
@@ -126,10 +114,7 @@ class Replica:
     def version_upper_bound(self) -> int | None:
         """The newest version a token generated now may come from: a commit under way counts already."""
         with self._n.lock:
-            version = self.version
-            if self._committing is not None and (version is None or self._committing > version):
-                return self._committing
-            return version
+            return max((v for v in (self.version, self._committing) if v is not None), default=None)
 
     def _at_least(self, min_version: int) -> bool:
         version = self.version
@@ -143,11 +128,11 @@ class Replica:
 
     def status(self) -> dict[str, Any]:
         with self._n.lock:
-            version, head = self.version, self._head
+            version, head = self.version, self.head
             return {
                 "run": self.reader.run,
-                "served_format": self._served_format,
-                "state": self._state.value,
+                "served_format": self.served_format,
+                "state": self.state.value,
                 "state_for_s": round(time.monotonic() - self._state_since, 3),
                 "version": version,
                 "view_fp": self.view_fp,
@@ -199,23 +184,19 @@ class Replica:
             ok = self.sync_once()
             failures = 0 if ok else failures + 1
             delay = cfg.poll_interval_s if ok else min(cfg.max_backoff_s, cfg.poll_interval_s * 2 ** min(failures, 20))
-            if not ok and self._refused():
+            if not ok and (error := self._error) is not None and error.kind == "board_refused":
                 delay = cfg.max_backoff_s  # waiting does not heal a refusal: poll slowly until someone fixes it
             delay *= 1 + cfg.jitter * (2 * self._rng.random() - 1)
             if not (ok and self.wait_for_next(delay)):
                 self._wakeup.wait(delay)
             self._wakeup.clear()
 
-    def _refused(self) -> bool:
-        with self._n.lock:
-            return self._error is not None and self._error.kind == "board_refused"
-
     def wait_for_next(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for the version after HEAD (True: waited, whatever the outcome), at the
         relay when the board is one, in slices of at most a second so that ``stop`` and ``wake`` are seen.
         A `FetchAhead` store also watches that version's folder every ``interval_s``, downloading its parts
         while the trainer is still uploading them. False when the store can do neither (the loop sleeps)."""
-        nxt = 0 if self._head is None else self._head + 1
+        nxt = 0 if self.head is None else self.head + 1
         ahead = self.reader.store if isinstance(self.reader.store, FetchAhead) else None
         folder = self.reader.catalog.layout.version_dir(nxt)
         slice_s = 1.0 if ahead is None else ahead.interval_s
@@ -254,8 +235,8 @@ class Replica:
 
     def _set_state(self, state: State) -> None:
         with self._n.lock:
-            if state is not self._state:
-                self._state, self._state_since = state, time.monotonic()
+            if state is not self.state:
+                self.state, self._state_since = state, time.monotonic()
         self.metrics.state.state(state.value)
 
     def _set_version(self, version: int | None, view_fp: str | None) -> None:
@@ -270,7 +251,7 @@ class Replica:
         self._update_lag()
 
     def _update_lag(self) -> None:
-        head, version = self._head, self.version
+        head, version = self.head, self.version
         if head is not None:
             self.metrics.lag.set(head - (version if version is not None else -1))
 
@@ -331,22 +312,18 @@ class Replica:
         if match is None:
             return
         self._label(match)
+        version, view_fp = match.target_version, match.target_view_fp
         with self._n.lock:
-            self._served_format = match.served_format
-            self._adopted = {"version": match.target_version, "view_fp": match.target_view_fp, "at": now_iso()}
-        self._set_version(match.target_version, match.target_view_fp)
-        log.info(
-            "adopted v%d: the %s engine already holds its view %s",
-            match.target_version,
-            self.engine.name,
-            match.target_view_fp[:16],
-        )
+            self.served_format = match.served_format
+            self._adopted = {"version": version, "view_fp": view_fp, "at": now_iso()}
+        self._set_version(version, view_fp)
+        log.info("adopted v%d: the %s engine already holds its view %s", version, self.engine.name, view_fp[:16])
 
     def _reconcile(self) -> None:
         self._set_state(State.FETCHING)
         head = self.reader.head()
         with self._n.lock:
-            self._head = head
+            self.head = head
         self.metrics.head.set(-1 if head is None else head)
         self._update_lag()
         if head is None:
@@ -385,7 +362,7 @@ class Replica:
 
     def _report(self, m: Manifest) -> None:
         with self._n.lock:
-            self._served_format = m.served_format
+            self.served_format = m.served_format
         self._set_version(m.target_version, m.target_view_fp)
 
     def _apply_patch(self, step: PatchStep, fetch_s: float) -> None:

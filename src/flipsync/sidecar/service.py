@@ -111,9 +111,7 @@ def check_decodable(reader: BoardReader, engine: Engine) -> None:
 
 def check_format(requested: str | None, board: str, run: str) -> str:
     """The served format to run the engine in: the board's; a different ``--format`` is refused."""
-    if requested is None:
-        return board
-    if get_format(requested).name != get_format(board).name:
+    if requested is not None and get_format(requested).name != get_format(board).name:
         raise ConfigError(
             f"--format {requested} does not match run {run!r}, whose manifests say it serves {board}: start the "
             f"sidecar with --format {board} (and a model/engine that serves {board}), or leave --format out to "
@@ -209,7 +207,7 @@ class Sidecar:
         up to ``timeout_s`` for the requests in flight, then delete the record. True if all of them finished."""
         self.gate.start_draining()
         if self.heartbeat is not None:
-            self.heartbeat.leave()
+            self.heartbeat.beat()  # the record says draining now
         n = self.gate.in_flight
         done = self.gate.wait_idle(timeout_s)
         if not done:

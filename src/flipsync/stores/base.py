@@ -10,17 +10,13 @@ import builtins
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from flipsync.errors import (
-    ConfigError,
-    NotFoundError,
-)
+from flipsync.errors import ConfigError, NotFoundError
 
 if TYPE_CHECKING:
     from obstore.store import ClientConfig, RetryConfig
 
-T = TypeVar("T")
 MiB = 1 << 20
 
 
@@ -64,14 +60,11 @@ class StoreOptions:
             raise ConfigError("max_retries must be >= 0 and the timeouts positive")
 
     def client_options(self, endpoint: str | None) -> ClientConfig:
-        allow_http = self.allow_http
-        if allow_http is None:
-            allow_http = bool(endpoint and endpoint.startswith("http://"))
         opts: dict[str, Any] = {
             "connect_timeout": timedelta(seconds=self.connect_timeout_s),
             "timeout": timedelta(seconds=self.request_timeout_s),
         }
-        if allow_http:
+        if self.allow_http or (self.allow_http is None and endpoint and endpoint.startswith("http://")):
             opts["allow_http"] = True
         return opts  # type: ignore[return-value]
 

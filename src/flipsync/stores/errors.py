@@ -12,24 +12,20 @@ from dataclasses import dataclass
 
 import obstore.exceptions as obx
 
-PERMISSION, CREDENTIALS, NO_BUCKET, BAD_REQUEST, NO_SPACE, UNSUPPORTED, BAD_PATH, MISSING = (
-    "permission",
-    "credentials",
-    "no_bucket",
-    "bad_request",
-    "no_space",
-    "unsupported",
-    "bad_path",
-    "missing",
-)
-THROTTLED, SERVER, TIMEOUT, CONNECTION, LOCAL_IO, UNKNOWN = (
-    "throttled",
-    "server",
-    "timeout",
-    "connection",
-    "local_io",
-    "unknown",
-)
+PERMISSION = "permission"
+CREDENTIALS = "credentials"
+NO_BUCKET = "no_bucket"
+BAD_REQUEST = "bad_request"
+NO_SPACE = "no_space"
+UNSUPPORTED = "unsupported"
+BAD_PATH = "bad_path"
+MISSING = "missing"
+THROTTLED = "throttled"
+SERVER = "server"
+TIMEOUT = "timeout"
+CONNECTION = "connection"
+LOCAL_IO = "local_io"
+UNKNOWN = "unknown"
 PERMANENT_KINDS = frozenset({PERMISSION, CREDENTIALS, NO_BUCKET, BAD_REQUEST, NO_SPACE, UNSUPPORTED, BAD_PATH, MISSING})
 
 # Store error codes (S3, Azure, GCS) that settle the kind whatever the status says.
@@ -199,18 +195,11 @@ def describe_failure(e: BaseException, *, creates: bool, local: bool) -> StoreFa
         # the object's, unless the store's code said otherwise above.
         return out(NO_BUCKET if creates and not local else MISSING, cause)
     if status is not None:
-        if status == 404:
-            return out(NO_BUCKET, cause)
-        if status in (408,):
-            return out(TIMEOUT, cause)
-        if status == 429:
-            return out(THROTTLED, cause)
-        if status == 501:
-            return out(UNSUPPORTED, cause)
-        if status >= 500:
-            return out(SERVER, cause)
-        if 300 <= status < 500:
-            return out(BAD_REQUEST, cause)
+        kind = {404: NO_BUCKET, 408: TIMEOUT, 429: THROTTLED, 501: UNSUPPORTED}.get(status)
+        if kind is None and status >= 300:
+            kind = SERVER if status >= 500 else BAD_REQUEST
+        if kind is not None:
+            return out(kind, cause)
     if "redirect without LOCATION" in text:  # object_store: "normally indicates an incorrectly configured region"
         return out(BAD_REQUEST, "the store answered with a bare redirect (usually a wrong region)")
     if err is not None and err in _PERMANENT_ERRNO and http_kind is None:  # a filesystem's, not a socket's

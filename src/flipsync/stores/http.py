@@ -5,12 +5,13 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import email.utils
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, urlparse
 
 import httpx
@@ -19,6 +20,7 @@ from flipsync.errors import ConfigError, NotFoundError, PermanentStoreError, Sto
 from flipsync.stores.base import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OBJECT_PREFIX = "/board/o/"
 WAIT_PREFIX = "/board/wait/"
@@ -31,15 +33,9 @@ _CLOUD_HOSTS = ("amazonaws.com", "r2.cloudflarestorage.com", ".blob.core.windows
 
 
 def _parse_time(text: str | None) -> datetime:
-    if text:
-        try:
-            return email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
-            pass
-        try:
-            return datetime.fromisoformat(text)
-        except ValueError:
-            pass
+    for parse in (email.utils.parsedate_to_datetime, datetime.fromisoformat):
+        with contextlib.suppress(TypeError, ValueError):
+            return parse(text or "")
     return datetime.fromtimestamp(0, UTC)
 
 
@@ -98,10 +94,10 @@ class HttpStore(Store):
         while True:
             problem: str
             try:
-                extra: dict[str, Any] = (
-                    {} if timeout_s is None else {"timeout": httpx.Timeout(timeout_s, connect=self._connect_s)}
+                timeout = (
+                    httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s, connect=self._connect_s)
                 )
-                r = self._client.request(method, target, params=params, headers=headers, **extra)
+                r = self._client.request(method, target, params=params, headers=headers, timeout=timeout)
             except httpx.HTTPError as e:
                 problem = f"{type(e).__name__}: {e}"
             else:
@@ -181,36 +177,28 @@ class HttpStore(Store):
             self._can_wait = False
             log.info("the relay at %s cannot wait for objects (an older version): polling instead", self.url)
             return None
-        try:
-            return bool(r.json()["exists"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise PermanentStoreError(
-                f"the relay at {self.url} answered a wait for {path!r} with garbage: {e}"
-            ) from None
+        return self._parse(r, f"a wait for {path!r}", lambda doc: bool(doc["exists"]))
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         r = self._request("GET", "/board/list", f"{prefix} (list)", params={"prefix": prefix.rstrip("/")})
-        try:
-            return [
+        return self._parse(
+            r,
+            f"a listing of {prefix!r}",
+            lambda doc: [
                 ObjectInfo(o["path"], int(o["size"]), _parse_time(o.get("modified")), o.get("etag"))
-                for o in r.json()["objects"]
-            ]
-        except (ValueError, KeyError, TypeError) as e:
-            raise PermanentStoreError(
-                f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}"
-            ) from None
+                for o in doc["objects"]
+            ],
+        )
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         r = self._request("GET", "/board/dirs", f"{prefix} (dirs)", params={"prefix": prefix.rstrip("/")})
+        return self._parse(r, f"a listing of {prefix!r}", lambda doc: _names(doc["dirs"]))
+
+    def _parse(self, r: httpx.Response, what: str, parse: Callable[[Any], T]) -> T:
         try:
-            dirs = r.json()["dirs"]
-            if not all(isinstance(d, str) for d in dirs):
-                raise TypeError("names must be strings")
-            return sorted(dirs)
+            return parse(r.json())
         except (ValueError, KeyError, TypeError) as e:
-            raise PermanentStoreError(
-                f"the relay at {self.url} answered a listing of {prefix!r} with garbage: {e}"
-            ) from None
+            raise PermanentStoreError(f"the relay at {self.url} answered {what} with garbage: {e}") from None
 
     def _read_only(self, op: str) -> StoreError:
         return PermanentStoreError(f"{op} on {self.url}: a relay is read-only; publish to the board itself")
@@ -232,6 +220,12 @@ class HttpStore(Store):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _names(dirs: Any) -> builtins.list[str]:
+    if not all(isinstance(d, str) for d in dirs):
+        raise TypeError("names must be strings")
+    return sorted(dirs)
 
 
 def _message(r: httpx.Response) -> str:

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import unquote, urlparse
 
 import obstore
@@ -27,27 +27,12 @@ from flipsync.errors import (
     StoreError,
     TransientStoreError,
 )
-from flipsync.stores.errors import (
-    BAD_PATH,
-    BAD_REQUEST,
-    CREDENTIALS,
-    LOCAL_IO,
-    MISSING,
-    NO_BUCKET,
-    NO_SPACE,
-    PERMISSION,
-    SERVER,
-    THROTTLED,
-    UNSUPPORTED,
-    StoreFailure,
-    asks_metadata_service,
-    describe_failure,
-)
+from flipsync.stores import errors as kinds
+from flipsync.stores.base import ObjectInfo, Store, StoreOptions
+from flipsync.stores.errors import StoreFailure, asks_metadata_service, describe_failure
 
 if TYPE_CHECKING:
     from obstore.store import ObjectStore
-
-from flipsync.stores.base import ObjectInfo, Store, StoreOptions
 
 log = logging.getLogger(__name__)
 
@@ -116,14 +101,9 @@ _CREDENTIAL_HINTS = {
     "account_key=...), or AZURE_STORAGE_USE_EMULATOR=true for Azurite",
 }
 _SCHEMES = {
-    "s3": "s3",
-    "s3a": "s3",
     "gs": "gs",
-    "az": "az",
-    "azure": "az",
-    "abfs": "az",
-    "abfss": "az",
-    "adl": "az",
+    **dict.fromkeys(("s3", "s3a"), "s3"),
+    **dict.fromkeys(("az", "azure", "abfs", "abfss", "adl"), "az"),
 }
 
 
@@ -133,6 +113,10 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _info(meta: Mapping[str, Any]) -> ObjectInfo:
+    return ObjectInfo(meta["path"], meta["size"], meta["last_modified"], meta.get("e_tag"))
 
 
 def _first_line(e: BaseException) -> str:
@@ -151,21 +135,16 @@ class ObstoreStore(Store):
         *,
         cloud: tuple[str, bool, str | None] | None = None,
     ) -> None:
-        self._inner = inner
+        self.inner = inner
         self._cloud = cloud  # (kind, explicit credentials given, endpoint): for messages that say what is missing
         self.url = url.rstrip("/") or url
         self.options = options or StoreOptions()
         self._pool: ThreadPoolExecutor | None = None
-        self._local_root: Path | None = None  # a local store's root, for fsync
-        if isinstance(inner, LocalStore):
-            self._local_root = Path(inner.prefix or "/")  # without a prefix, paths start at the filesystem root
+        # a local store's root, for fsync (without a prefix, paths start at the filesystem root)
+        self._local_root = Path(inner.prefix or "/") if isinstance(inner, LocalStore) else None
 
     def __repr__(self) -> str:
         return f"ObstoreStore({self.url!r})"
-
-    @property
-    def inner(self) -> ObjectStore:
-        return self._inner
 
     def _where(self, path: str) -> str:
         return f"{self.url}/{path}"
@@ -192,7 +171,7 @@ class ObstoreStore(Store):
                 raise ConfigError(f"bad store configuration for {self.url}: {_first_line(e)}") from e
             except (obx.BaseError, OSError, TimeoutError, NotImplementedError) as e:
                 failure = describe_failure(e, creates=op in ("put", "create"), local=self._local_root is not None)
-                if failure.kind == MISSING and op not in ("put", "create"):
+                if failure.kind == kinds.MISSING and op not in ("put", "create"):
                     raise NotFoundError(f"{self._where(path)} does not exist") from None
                 error: BaseException = e
             tries += 1 + failure.retried
@@ -233,7 +212,7 @@ class ObstoreStore(Store):
         kind = self._cloud[0] if self._cloud is not None else None
         container = "container" if kind == "az" else "bucket"
         advice = {
-            PERMISSION: (
+            kinds.PERMISSION: (
                 f"{self._local_root} is not {'writable' if write else 'readable'} by this process (its permissions, "
                 "an immutable file or folder, or a read-only mount): fix that, or use another board"
                 if local
@@ -241,29 +220,30 @@ class ObstoreStore(Store):
                 f"it): grant them {'write' if write else 'read'} access to the board's {container} and prefix, or "
                 "use other credentials"
             ),
-            CREDENTIALS: "the store rejected the credentials: check them"
+            kinds.CREDENTIALS: "the store rejected the credentials: check them"
             + (f" ({_CREDENTIAL_HINTS[kind]})" if kind else ""),
-            NO_BUCKET: f"the {container} of {self.url} does not exist: create it, or fix the board URL",
-            BAD_REQUEST: "the store refused the request as malformed: check the board URL, its region and the "
+            kinds.NO_BUCKET: f"the {container} of {self.url} does not exist: create it, or fix the board URL",
+            kinds.BAD_REQUEST: "the store refused the request as malformed: check the board URL, its region and the "
             "endpoint in the store options",
-            NO_SPACE: (
+            kinds.NO_SPACE: (
                 f"the filesystem holding {self._local_root} is full or over its quota: free space (e.g. "
                 "`flipsync board gc`), or use another board"
                 if local
                 else "the store's quota is used up: raise it or free space (e.g. `flipsync board gc`)"
             ),
-            UNSUPPORTED: "this store cannot do that operation",
-            BAD_PATH: "the object path cannot be used on this store: check the board URL and the run name",
-            MISSING: f"a folder of the board vanished while it was written: check that nothing removes {self.url}",
+            kinds.UNSUPPORTED: "this store cannot do that operation",
+            kinds.BAD_PATH: "the object path cannot be used on this store: check the board URL and the run name",
+            kinds.MISSING: "a folder of the board vanished while it was written: check that nothing removes "
+            f"{self.url}",
         }.get(f.kind, "waiting will not help: fix the cause")
         return f"{op} {where} was refused: {f.cause}; {advice}"
 
     def _gave_up(self, op: str, path: str, f: StoreFailure, tries: int, elapsed: float) -> str:
         o = self.options
-        if f.kind in (THROTTLED, SERVER):
-            what = "the store is throttling requests" if f.kind == THROTTLED else "the store is failing"
+        if f.kind in (kinds.THROTTLED, kinds.SERVER):
+            what = "the store is throttling requests" if f.kind == kinds.THROTTLED else "the store is failing"
             advice = f"{what}; try again later, or allow more retries (StoreOptions max_retries, retry_timeout_s)"
-        elif f.kind == LOCAL_IO:
+        elif f.kind == kinds.LOCAL_IO:
             advice = f"the filesystem holding {self._local_root} keeps failing: check it"
         elif self._cloud is not None:
             _, _, endpoint = self._cloud
@@ -283,14 +263,14 @@ class ObstoreStore(Store):
         if create_only:
             # Conditional puts are single requests (If-None-Match: *); the store decides atomically. A retried
             # create whose earlier try had landed after all reports ConflictError: read the object to tell.
-            self._call("create", path, lambda: obstore.put(self._inner, path, data, mode="create"))
+            self._call("create", path, lambda: obstore.put(self.inner, path, data, mode="create"))
             return
         o = self.options
         self._call(
             "put",
             path,
             lambda: obstore.put(
-                self._inner,
+                self.inner,
                 path,
                 data,
                 mode="overwrite",
@@ -302,7 +282,7 @@ class ObstoreStore(Store):
     def delete(self, paths: Sequence[str]) -> None:
         for path in paths:
             with contextlib.suppress(NotFoundError):
-                self._call("delete", path, lambda p=path: obstore.delete(self._inner, p))  # type: ignore[misc]
+                self._call("delete", path, lambda p=path: obstore.delete(self.inner, p))  # type: ignore[misc]
 
     def make_durable(self, paths: Sequence[str]) -> None:
         if self._local_root is None:
@@ -321,11 +301,7 @@ class ObstoreStore(Store):
     def get(self, path: str, *, size: int | None = None) -> bytes:
         chunk = self.options.range_chunk_bytes
         if size is None or size <= chunk or self.options.max_parallel_reads == 1:
-            return bytes(self._call("get", path, lambda: obstore.get(self._inner, path).bytes()))
-        return self._get_parallel(path, size)
-
-    def _get_parallel(self, path: str, size: int) -> bytes:
-        chunk = self.options.range_chunk_bytes
+            return bytes(self._call("get", path, lambda: obstore.get(self.inner, path).bytes()))
         out = bytearray(size)
         view = memoryview(out)
         ranges = [(s, min(s + chunk, size)) for s in range(0, size, chunk)]
@@ -343,26 +319,23 @@ class ObstoreStore(Store):
         return bytes(out)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
-        return bytes(self._call("get_range", path, lambda: obstore.get_range(self._inner, path, start=start, end=end)))
+        return bytes(self._call("get_range", path, lambda: obstore.get_range(self.inner, path, start=start, end=end)))
 
     def head(self, path: str) -> ObjectInfo:
-        meta = self._call("head", path, lambda: obstore.head(self._inner, path))
-        return ObjectInfo(meta["path"], meta["size"], meta["last_modified"], meta.get("e_tag"))
+        return _info(self._call("head", path, lambda: obstore.head(self.inner, path)))
 
     def list(self, prefix: str) -> list[ObjectInfo]:
         prefix = prefix.rstrip("/")
 
         def run() -> list[ObjectInfo]:
-            out: list[ObjectInfo] = []
-            for batch in obstore.list(self._inner, prefix + "/" if prefix else None, chunk_size=1000):
-                out.extend(ObjectInfo(m["path"], m["size"], m["last_modified"], m.get("e_tag")) for m in batch)
-            return out
+            batches = obstore.list(self.inner, prefix + "/" if prefix else None, chunk_size=1000)
+            return [_info(m) for batch in batches for m in batch]
 
         return self._call("list", prefix, run)
 
     def list_dirs(self, prefix: str) -> builtins.list[str]:
         prefix = prefix.rstrip("/")
-        res = self._call("list", prefix, lambda: obstore.list_with_delimiter(self._inner, prefix or None))
+        res = self._call("list", prefix, lambda: obstore.list_with_delimiter(self.inner, prefix or None))
         return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in res["common_prefixes"])
 
     def _executor(self) -> ThreadPoolExecutor:
@@ -451,7 +424,8 @@ def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None 
             "(or an R2 / S3 / Azure https URL)"
         )
     config = dict(opts.config)
-    if not opts.allow_metadata_credentials and not _has_explicit_credentials(kind, config):
+    explicit, endpoint = _has_explicit_credentials(kind, config), _endpoint(kind, config)
+    if not opts.allow_metadata_credentials and not explicit:
         raise ConfigError(
             f"no explicit credentials for {text!r} and metadata-service credentials are disabled: "
             "set them in the store options or the environment "
@@ -461,11 +435,9 @@ def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None 
         inner = obstore.store.from_url(
             text,
             config=config or None,  # type: ignore[arg-type]
-            client_options=opts.client_options(_endpoint(kind, config)),
+            client_options=opts.client_options(endpoint),
             retry_config=opts.retry_config(),
         )
     except (obx.BaseError, ValueError, TypeError) as e:
         raise ConfigError(f"cannot open {text!r}: {_first_line(e)}") from e
-    return ObstoreStore(
-        inner, text, opts, cloud=(kind, _has_explicit_credentials(kind, config), _endpoint(kind, config))
-    )
+    return ObstoreStore(inner, text, opts, cloud=(kind, explicit, endpoint))

@@ -1,10 +1,9 @@
 """`ViewFeed`: each step's served view, from the model's masters to an `Item` for the publisher's worker.
 
-The training thread gathers references to the masters (collectives may run there); the view is computed
-(cast or quantized, checked against the run's layout, staged where it is kept) on the calling thread, or,
-after an optimizer step, on a `ViewThread` while the next forward and backward run. ``settle()`` waits for
-such a view before the masters change again. The feed also owns the memory the views take: the stager's
-buffers and the account of bytes held.
+The training thread gathers references to the masters (collectives may run there); the view is computed,
+checked against the run's layout and staged on the calling thread, or, after an optimizer step, on a
+`ViewThread` while the next forward and backward run (``settle()`` waits for it). The feed also owns the
+memory the views take (the stager's buffers, the account of bytes held).
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from flipsync.trainer.pieces import (
 )
 from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item, MemoryAccount
-from flipsync.trainer.staging import Stager, StreamFence, cuda_devices, on_devices
+from flipsync.trainer.staging import StagedView, Stager, StreamFence, cuda_devices, on_devices
 from flipsync.trainer.view_thread import ViewThread
 
 
@@ -93,15 +92,19 @@ class ViewFeed:
 
     # -- full views ---------------------------------------------------------------------------------------
 
-    def first_view(self) -> LocalView:
-        """The served view at start-up, staged and held (the layout every later step must keep)."""
+    def _full_view(self) -> StagedView:
+        """The served view from the plan, staged and held: the layout every later step must keep."""
         staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
+        self.account.add(view_bytes(staged.view))
+        self.expected = {n: p.spec(n, self.group.rank) for n, p in staged.view.items()}
+        return staged
+
+    def first_view(self) -> LocalView:
+        """The served view at start-up."""
+        staged = self._full_view()
         staged.wait()
-        view = staged.view
-        self.account.add(view_bytes(view))
-        self.expected = {n: p.spec(n, self.group.rank) for n, p in view.items()}
-        self._ref = (view, object())
-        return view
+        self._ref = (staged.view, object())
+        return staged.view
 
     def token_of(self, view: LocalView) -> object:
         """The token for an item of ``view``: the next view's changes name it when it is the newest view."""
@@ -111,9 +114,7 @@ class ViewFeed:
     def snapshot(self, step: int) -> Item:
         """A new plan and full view after a layout change (single process): the item of a snapshot."""
         self.plan = self._make_plan()
-        staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
-        self.account.add(view_bytes(staged.view))
-        self.expected = {n: p.spec(n, 0) for n, p in staged.view.items()}
+        staged = self._full_view()
         item = Item(step, staged.view, staged.wait, snapshot=True)
         self._ref = (staged.view, item.token)
         return item

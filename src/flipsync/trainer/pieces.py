@@ -14,10 +14,10 @@ import torch
 from flipsync.codec import Changes
 from flipsync.codec.bits import dtype_of
 from flipsync.errors import ConfigError, PatchError
-from flipsync.formats import fused_groups_auto, get_format, served_view
+from flipsync.formats import get_format, served_view
 from flipsync.formats.base import ServedFormat, cast_master
 from flipsync.formats.cast_diff import CastDiffer
-from flipsync.formats.view import Alloc, Cast
+from flipsync.formats.view import Alloc, Cast, FusedGroups, check_fused_groups
 
 KeepFn = Callable[[str, torch.Tensor], bool]
 StateSource = torch.nn.Module | Callable[[], Mapping[str, torch.Tensor]]
@@ -57,7 +57,7 @@ def view_bytes(view: Mapping[str, Piece]) -> int:
 
 @dataclass(frozen=True)
 class PieceSpec:
-    """Where one piece lives: the layout every rank agrees on at the start."""
+    """Where one piece lives (the layout every rank agrees on at the start)."""
 
     name: str
     dtype: str
@@ -69,10 +69,8 @@ class PieceSpec:
 
 @dataclass(frozen=True)
 class FusedDiff:
-    """Changes found while a view was computed (`Fuse`), against the view of the item whose token is ``base``.
-
-    The worker uses them only when that view is the base it diffs against; otherwise it diffs as usual.
-    """
+    """Changes found while a view was computed (`Fuse`) against the view of the item whose token is ``base``;
+    the worker uses them only when that view is the base it diffs against."""
 
     base: object
     changes: dict[str, Changes]
@@ -80,11 +78,8 @@ class FusedDiff:
 
 @dataclass
 class Fuse:
-    """Plain casts that diff against a previous view as they run (`flipsync.formats.cast_diff`).
-
-    Pieces whose previous piece lies elsewhere (another offset, layout or device: a CUDA view kept in host
-    memory) are cast by `cast_master` and diffed later, as every piece was before.
-    """
+    """Casts and quantizations that diff against a previous view as they run (`flipsync.formats.cast_diff`);
+    pieces whose previous piece lies elsewhere (another offset, layout or device) are diffed later."""
 
     caster: CastDiffer
     ref: LocalView
@@ -111,7 +106,7 @@ class Fuse:
     def quantize(
         self, f: ServedFormat, name: str, x: torch.Tensor, group_amax: torch.Tensor | None, from_fp32: bool
     ) -> dict[str, torch.Tensor] | None:
-        """The `served_view` quantize hook (whole tensors): fp8-tensor / fp8-channel payloads diffed as made."""
+        """The `served_view` quantize hook (whole tensors): quantized payloads diffed as made."""
         prev = self.ref.get(name)
         if prev is None or prev.offset != 0:
             return None
@@ -127,7 +122,6 @@ class MasterInfo:
     """What one rank holds of one master, sent to every rank to plan who serves what."""
 
     kind: MasterKind
-    shape: tuple[int, ...]
     nbytes: int
 
 
@@ -191,12 +185,10 @@ def dedupe_tied(
     order: list[str] = []
     for name, t in state.items():
         key = _alias_key(t)
-        if key is None:
+        if key is None or key not in groups:
             order.append(name)
-            continue
-        if key not in groups:
-            order.append(name)
-        groups.setdefault(key, []).append(name)
+        if key is not None:
+            groups.setdefault(key, []).append(name)
     aliases: dict[str, str] = {}
     rename: dict[str, str] = {}
     for names in groups.values():
@@ -245,7 +237,7 @@ def master_infos(masters: Mapping[str, torch.Tensor], fmt: str, keep: KeepFn | N
         if _is_dtensor(t) and not _is_replicated(t):
             piece = _row_shard(t) is not None and _castable(f, name, t, keep)
             kind = "piece" if piece else "gather"
-        out[name] = MasterInfo(kind, tuple(t.shape), t.numel() * t.element_size())
+        out[name] = MasterInfo(kind, t.numel() * t.element_size())
     return out
 
 
@@ -282,12 +274,8 @@ class ViewPlan:
         return masters
 
     def gather(self, masters: Mapping[str, torch.Tensor]) -> Inputs:
-        """What this rank serves from, as tensor references (training thread: may run collectives).
-
-        Gathered DTensors are materialised here (``full_tensor()`` is a collective on the training group);
-        everything else is a reference to the live master, so the inputs are only valid until the masters
-        change again (the next optimizer step).
-        """
+        """What this rank serves from (training thread: ``full_tensor()`` of gathered DTensors is a collective);
+        references to the live masters, valid until they change again (the next optimizer step)."""
         whole: dict[str, torch.Tensor] = {}
         owned = set(self.owned)
         for name in self.gathered:  # every rank takes part, in the same order
@@ -384,28 +372,6 @@ def _units(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
     return [*groups, *([n] for n in names if n not in grouped)]
 
 
-def resolve_groups(
-    fmt: str, fused_groups: Literal["auto"] | Sequence[Sequence[str]] | None, names: Sequence[str]
-) -> list[list[str]]:
-    """Fused groups (lists of master names) that must be served by one rank; empty when scales are local."""
-    if not get_format(fmt).uses_group_amax or fused_groups is None:
-        return []
-    if isinstance(fused_groups, str):
-        if fused_groups != "auto":
-            raise ConfigError(f"fused_groups must be 'auto', None or a list of name lists, not {fused_groups!r}")
-        return fused_groups_auto(names)
-    known = set(names)
-    out = []
-    for group in fused_groups:
-        if isinstance(group, str):
-            raise ConfigError(f"fused_groups must be a list of name lists, but got the bare name {group!r}")
-        missing = [m for m in group if m not in known]
-        if missing:
-            raise ConfigError(f"fused group members {missing} are not tensors of the model")
-        out.append(list(group))
-    return out
-
-
 def plan_view(
     *,
     rank: int,
@@ -416,7 +382,7 @@ def plan_view(
     fmt: str,
     from_fp32: bool,
     keep: KeepFn | None,
-    fused_groups: Literal["auto"] | Sequence[Sequence[str]] | None,
+    fused_groups: FusedGroups,
     dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> ViewPlan:
     """Decide who serves what from every rank's `master_infos` (identical inputs give identical plans)."""
@@ -438,9 +404,10 @@ def plan_view(
             raise ConfigError(f"DTensor {name!r} is not held by every rank; the publisher spans the whole world")
     whole_names = [n for info in infos for n in info if kinds[n] != "piece"]
     whole_names = list(dict.fromkeys(whole_names))
-    # Row-shard members are cast, not quantized: served_view leaves them out of their group too.
-    groups = [[m for m in g if kinds[m] != "piece"] for g in resolve_groups(fmt, fused_groups, list(kinds))]
-    groups = [g for g in groups if len(g) >= 2]
+    # Fused groups (formats with a shared scale) must be served by one rank. Row-shard members are cast, not
+    # quantized: served_view leaves them out of their group too.
+    resolved = check_fused_groups(fused_groups, kinds) if get_format(fmt).uses_group_amax else []
+    groups = [g for group in resolved if len(g := [m for m in group if kinds[m] != "piece"]) >= 2]
     owners: dict[str, int] = {}
     load = [0] * world
     for unit in sorted(_units(whole_names, groups), key=lambda u: (-sum(sizes[m] for m in u), u[0])):

@@ -93,7 +93,8 @@ class PublishThread:
         uploader = self.rounds.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
         try:
             if self.group.size == 1:
-                self._solo_loop()
+                while (item := self.slot.take()) is not None:
+                    self.handle(item, item.step)
             else:
                 self._sharded_loop()
         except BaseException as e:
@@ -107,10 +108,6 @@ class PublishThread:
             code_pool.shutdown()
             uploader.shutdown()
             self.rounds.uploader = self.rounds.code_pool = None
-
-    def _solo_loop(self) -> None:
-        while (item := self.slot.take()) is not None:
-            self.handle(item, item.step)
 
     def _sharded_loop(self) -> None:
         while True:
@@ -173,12 +170,12 @@ class PublishThread:
                 self.slot.push_back(item)
             else:
                 self._release(item)
-            return None
+            return
         if skip.reason == "step":
             if item.error is None:  # the rank that failed raised it already
                 self.notice = BoardError(str(skip))
             log.warning("%s", skip)
-            return None
+            return
         self.store_failures += 1
         with self._lock:
             held, self.unpublished = self.unpublished, item
@@ -190,4 +187,3 @@ class PublishThread:
                 "published is visible; check the board's store, then resume the run (resume=True)"
             )
         log.warning("%s; the next step's publication will cover this one", skip)
-        return None

@@ -1,6 +1,5 @@
-"""`flipsync.trainer.Publisher`: publish a torch model's served view to a board after every optimizer step.
-This module assembles the publisher and drives its life (start, steps, flush, close); the parts live beside
-it (`config`, `startup`, `feed`, `worker`, `rounds`). See docs/trainer.md.
+"""`flipsync.trainer.Publisher`: assembles the parts beside it (`config`, `startup`, `feed`, `publish_thread`,
+`rounds`) and drives the publisher's life (start, steps, flush, close). See docs/trainer.md.
 """
 
 from __future__ import annotations
@@ -147,11 +146,19 @@ class Publisher:
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
         self.rounds.meta["layout"] = layout_fp
-        start = self.group.broadcast(
-            self._decide(table.view_fp(), layout_fp, resume, new_weights) if rank0 else None,
-            "how to start",
-        )
-        kind, head, message = start
+        start: Start | None = None
+        if self.board is not None:  # rank 0 decides from the board's HEAD
+            start = decide_start(
+                self.board.resume(),
+                run=self.run,
+                board_url=self.store.url,
+                view_fp=table.view_fp(),
+                layout=layout_fp,
+                served_format=format,
+                resume=resume,
+                new_weights=new_weights,
+            )
+        kind, head, message = self.group.broadcast(start, "how to start")
         self.started: str = kind  # "new", "adopt" (HEAD held this view), "takeover" (snapshot on HEAD)
         if kind in ("refuse", "refuse_model"):
             self.feed.release_view(view)
@@ -187,26 +194,11 @@ class Publisher:
         """Which pieces of which tensors this rank serves."""
         return self.feed.plan
 
-    def _decide(self, view_fp: str, layout: str, resume: bool, new_weights: bool) -> Start:
-        """Rank 0: how to start, from the board's HEAD (see `decide_start`)."""
-        assert self.board is not None
-        return decide_start(
-            self.board.resume(),
-            run=self.run,
-            board_url=self.store.url,
-            view_fp=view_fp,
-            layout=layout,
-            served_format=self.format,
-            resume=resume,
-            new_weights=new_weights,
-        )
-
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Publish after every ``optimizer.step()`` (post-step hook).
 
-        With ``background=True`` the hook only collects the masters; the served view is computed on a
-        background thread while the next forward and backward run, and a pre-step hook makes the next
-        ``optimizer.step()`` wait until it is done (see `flipsync.trainer.view_thread`). Nothing else may change
+        With ``background=True`` the served view is computed on a background thread while the next forward and
+        backward run; a pre-step hook makes the next ``optimizer.step()`` wait for it. Nothing else may change
         the parameters in place between two optimizer steps.
         """
         if self._hooks:
@@ -215,18 +207,18 @@ class Publisher:
             self.feed.defer()
         self._hooks = [
             optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self._before_optimizer_step()),
-            optimizer.register_step_post_hook(lambda _opt, _args, _kwargs: self._after_optimizer_step()),
+            optimizer.register_step_post_hook(
+                lambda _opt, _args, _kwargs: self.feed.after_optimizer_step(self._count_optimizer_step())
+            ),
         ]
 
     # -- per step ---------------------------------------------------------------------------------------
 
     def step(self, *, meta: Mapping[str, str | int] | None = None, step: int | None = None) -> None:
-        """Publish the model's weights as they are now (call after ``optimizer.step()``).
+        """Publish the model's weights as they are now (call after ``optimizer.step()``); the view is computed here.
 
-        Computes the served view in the calling thread; the diff, encoding and upload run in the background
-        (``background=True``). ``meta``: extra manifest metadata for this step's version. ``step``: the
-        trainer step these weights are (the version's ``meta.step``), for a loop that counts its own steps
-        (it must be greater than the last one); default the last step + 1.
+        ``meta``: extra manifest metadata for this version. ``step``: the trainer step these weights are (the
+        version's ``meta.step``, greater than the last one); default the last step + 1.
         """
         step_no = self._begin_step(step)
         self.feed.compute(self.feed.gather(step_no), step_no, dict(meta or {}))
@@ -246,9 +238,6 @@ class Publisher:
         self.feed.settle()
         self._raise_pending()  # e.g. the last step's weights were not finite: stop before changing them
 
-    def _after_optimizer_step(self) -> None:
-        self.feed.after_optimizer_step(self._count_optimizer_step())
-
     def _count_optimizer_step(self) -> int:
         self._check_open()
         self._raise_pending()
@@ -257,11 +246,8 @@ class Publisher:
         return self._step
 
     def snapshot(self) -> None:
-        """Publish the model's current weights as a full view at the next version.
-
-        For a model whose tensors changed shape, dtype or names (a patch cannot express that): the replicas
-        load the snapshot, and patches continue from it. Single-process only.
-        """
+        """Publish the current weights as a full view at the next version, for a model whose tensors changed
+        shape, dtype or names (a patch cannot express that). Single-process only."""
         self._check_open()
         if self.group.size > 1:
             raise ConfigError(
@@ -312,10 +298,8 @@ class Publisher:
                 raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Publish what is pending, stop the background thread and release the held views.
-
-        Raises the publisher's fatal error if no earlier call raised it.
-        """
+        """Publish what is pending, stop the background thread and release the held views; raises the
+        publisher's fatal error if no earlier call raised it."""
         if self._closed:
             return
         self._closed = True
@@ -334,11 +318,6 @@ class Publisher:
         finally:
             self._shutdown_resources()
 
-    def _close_code_pool(self) -> None:
-        if self.rounds.code_pool is not None:
-            self.rounds.code_pool.shutdown()
-            self.rounds.code_pool = None
-
     def _shutdown_resources(self) -> None:
         self.slot.close()
         self.slot.clear()
@@ -349,7 +328,9 @@ class Publisher:
             if not self.background:
                 self.rounds.hasher.close()
                 self.rounds.differ.close()
-                self._close_code_pool()
+                if self.rounds.code_pool is not None:
+                    self.rounds.code_pool.shutdown()
+                    self.rounds.code_pool = None
         self.feed.stager.clear()
         self.group.close()
 

@@ -6,6 +6,7 @@ See docs/trainer.md ("Sharded training").
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -87,9 +88,7 @@ def check_tiling(specs: list[Mapping[str, PieceSpec]]) -> dict[str, PieceSpec]:
     layout: dict[str, PieceSpec] = {}
     for name, pieces in by_name.items():
         first = pieces[0]
-        numel = 1
-        for dim in first.shape:
-            numel *= dim
+        numel = math.prod(first.shape)
         at = 0
         for p in sorted(pieces, key=lambda p: (p.offset, p.rank)):
             if (p.dtype, p.shape) != (first.dtype, first.shape):
@@ -285,21 +284,8 @@ class VersionRounds:
         t2 = time.perf_counter()
         result, spans_input, part_bytes = self._commit(stream, encoder, patch, version, target_fp, meta)
         timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
-        published = self._finish(
-            result,
-            item,
-            target_table,
-            self.specs,
-            Published(
-                version,
-                item.step,
-                item.step - self.base_step,
-                "patch",
-                part_bytes,
-                changed,
-                timings,
-            ),
-        )
+        published = Published(version, item.step, steps, "patch", part_bytes, changed, timings)
+        published = self._finish(result, item, target_table, self.specs, published)
         if self.spans is not None:
             self._publish_spans(version, spans_input)
         if result[1]:  # the board's cadence asks for a keyframe of the new HEAD
@@ -442,15 +428,15 @@ class VersionRounds:
         self.base, self.base_step, self.table, self.specs = item.view, item.step, table, layout
         self.base_token = item.token
         self.head, self.head_fp = published.version, table.view_fp()
-        self.last = published
+        self.last = p = published
         log.info(
             "rank %d: v%d = step %d (%d steps, %d bytes, %d changed values)",
             self.group.rank,
-            published.version,
-            published.step,
-            published.steps,
-            published.part_bytes,
-            published.changed,
+            p.version,
+            p.step,
+            p.steps,
+            p.part_bytes,
+            p.changed,
         )
         return published
 
@@ -461,7 +447,9 @@ class VersionRounds:
         if self.group.size == 1:
             return assemble(layout, [{n: (p.offset, p.tensor) for n, p in view.items()}])
         gathered = self.group.gather(to_wire(view), what)
-        return assemble(layout, [from_wire(layout, g) for g in gathered]) if gathered is not None else None
+        if gathered is None:
+            return None
+        return assemble(layout, [from_wire(layout, g) for g in gathered])
 
     def _snapshot(self, item: Item) -> Published:
         assert item.view is not None

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from flipsync.errors import BoardError
-from flipsync.trainer.pieces import FusedDiff, LocalView, view_bytes
+from flipsync.trainer.pieces import FusedDiff, LocalView
 
 
 class MemoryAccount:
@@ -50,10 +50,6 @@ class Item:
     def __post_init__(self) -> None:
         if self.first_step is None:
             self.first_step = self.step
-
-    @property
-    def nbytes(self) -> int:
-        return view_bytes(self.view) if self.view else 0
 
 
 class Slot:

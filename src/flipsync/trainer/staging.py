@@ -43,18 +43,12 @@ class StreamFence:
         self.devices = devices
         self._events: dict[torch.device, torch.cuda.Event] = {}
 
-    def add(self, device: torch.device, stream: torch.cuda.Stream) -> None:
-        """Mark the work issued so far on ``stream`` of ``device``."""
-        e = torch.cuda.Event()
-        e.record(stream)
-        self._events[device] = e
-
-    def record(self) -> StreamFence:
-        """Mark the work issued so far on the calling thread's current stream of every device."""
+    def record(self, streams: dict[torch.device, torch.cuda.Stream] | None = None) -> StreamFence:
+        """Mark the work issued so far on the calling thread's current stream of every device (or on ``streams``)."""
         for d in self.devices:
             with torch.cuda.device(d):
                 e = torch.cuda.Event()
-                e.record()
+                e.record(None if streams is None else streams[d])
                 self._events[d] = e
         return self
 
@@ -98,7 +92,6 @@ class Stager:
         if self.keep_on == "device":
             return StagedView(view, StreamFence(devices).record().synchronize)
         out: LocalView = dict(view)
-        copied = StreamFence([])
         for d in devices:
             with torch.cuda.device(d):
                 stream = self._streams.setdefault(d, torch.cuda.Stream())
@@ -111,8 +104,7 @@ class Stager:
                         buf.copy_(p.tensor, non_blocking=True)
                         p.tensor.record_stream(stream)  # the device copy may be freed before the copy ran
                         out[name] = Piece(buf, p.offset, p.shape)
-                    copied.add(d, stream)
-        return StagedView(out, copied.synchronize)
+        return StagedView(out, StreamFence(devices).record(self._streams).synchronize)
 
     @contextmanager
     def buffers(self) -> Iterator[Alloc]:

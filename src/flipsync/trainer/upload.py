@@ -31,13 +31,9 @@ def part_name(rank: int) -> str:
 
 
 class PartStream:
-    """Lays out and uploads one rank's part of one version.
-
-    ``add`` is called with the file's data area in file order (``PatchEncoder``'s stream, on a coding
-    thread); ``finish`` with the file's head and tail, once (on the publishing thread, after every section
-    was laid out). Uploads run on ``uploader`` (inline without one); each object is made durable before
-    the part is reported.
-    """
+    """Lays out and uploads one rank's part of one version: ``add`` takes the file's data area in file order
+    (``PatchEncoder``'s stream, on a coding thread), ``finish`` its head and tail, once. Uploads run on
+    ``uploader`` (inline without one); each object is made durable before the part is reported."""
 
     def __init__(
         self,
@@ -67,13 +63,10 @@ class PartStream:
     def add(self, data: bytes | memoryview) -> None:
         """The next bytes of the file's data area."""
         with self._lock:
-            self._add(data)
-
-    def _add(self, data: bytes | memoryview) -> None:
-        self._pending.append(data)
-        self._pending_bytes += len(data)
-        if self._pending_bytes >= self.chunk_bytes:
-            self._flush()
+            self._pending.append(data)
+            self._pending_bytes += len(data)
+            if self._pending_bytes >= self.chunk_bytes:
+                self._flush()
 
     def _flush(self) -> None:
         data = b"".join(self._pending)

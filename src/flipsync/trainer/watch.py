@@ -133,16 +133,12 @@ class CheckpointScanner:
         self._clock = clock
         self._seen: dict[Path, tuple[tuple[tuple[str, int, int], ...], float]] = {}
 
-    def candidates(self) -> list[Path]:
-        dirs = [self.root] if any(self.root.glob("*.safetensors")) else []
-        dirs += sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
-        return dirs
-
     def ready(self) -> list[CheckpointDir]:
         """Complete checkpoints whose files have not changed for ``settle_s``, oldest first."""
         now = self._clock()
         out = []
-        for d in self.candidates():
+        dirs = [self.root] if any(self.root.glob("*.safetensors")) else []
+        for d in dirs + sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             files = checkpoint_files(d)
             sig = _signature(files) if files is not None else None
             if sig is None:

@@ -177,11 +177,6 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
             value = served[master]
         return value.reshape(p.shape).to(p.dtype)
 
-    def _refresh_params(self, served_names: Iterable[str]) -> None:
-        """Recompute, whole, the parameters computed from the given served tensors (quantized formats)."""
-        for m in self._masters_of(served_names):
-            self._params[m].copy_(self._param_value(m, self._served))
-
     def _write_params(self, touched: Iterable[str], prepared: Mapping[str, ParamWrite], *, undo: bool) -> None:
         """Bring the parameters behind ``touched`` to the served tensors: the prepared element changes
         (or, undoing, their old values) where staging prepared them, a whole refresh elsewhere."""
@@ -248,7 +243,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
                 for name, src in view.items():
                     dst = self._served[name]
                     int_view(dst).copy_(int_view(src.detach().to(self.device).contiguous()))
-                self._refresh_params(list(self._refresh))
+                self._write_params(list(self._refresh), {}, undo=False)  # every parameter, recomputed whole
                 self._table = FingerprintTable.of(self._served)
                 self._index = ClassIndex()
             except Exception as e:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -33,6 +33,15 @@ MAX_PROMPTS = 64
 
 class BadRequest(Exception):
     pass
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    total = prompt_tokens + completion_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
+
+
+def _sse(doc: Any) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
@@ -68,14 +77,13 @@ class ChoiceText:
             end = cut
         elif final:
             end = len(self.text)
-        else:
-            hold = 0
-            for s in self.stops:
-                for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        hold = max(hold, k)
-                        break
-            end = len(self.text) - hold
+        else:  # hold back the longest tail that starts a stop string
+            n = len(self.text)
+            hold = max(
+                (k for s in self.stops for k in range(1, min(len(s) - 1, n) + 1) if self.text.endswith(s[:k])),
+                default=0,
+            )
+            end = n - hold
         out = self.text[self.emitted : end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return out
@@ -135,24 +143,19 @@ def _sampling(body: dict[str, Any], engine: TorchEngine, max_tokens_limit: int) 
     )
 
 
+def _token_ids(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
 def _prompts(body: dict[str, Any], engine: TorchEngine) -> list[list[int]]:
     p = body.get("prompt")
-    tok = engine.tokenizer
-    if isinstance(p, str):
-        return [tok.encode(p)]
-    if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        return [list(p)]
-    if isinstance(p, list) and 0 < len(p) <= MAX_PROMPTS:
-        out = []
-        for x in p:
-            if isinstance(x, str):
-                out.append(tok.encode(x))
-            elif isinstance(x, list) and x and all(isinstance(i, int) and not isinstance(i, bool) for i in x):
-                out.append(list(x))
-            else:
-                raise BadRequest("prompt must be a string, a list of strings, or token ids")
-        return out
-    raise BadRequest(f"prompt must be a non-empty string, token ids, or a list of at most {MAX_PROMPTS} of those")
+    if isinstance(p, str) or _token_ids(p):
+        p = [p]
+    elif not (isinstance(p, list) and 0 < len(p) <= MAX_PROMPTS):
+        raise BadRequest(f"prompt must be a non-empty string, token ids, or a list of at most {MAX_PROMPTS} of those")
+    if not all(isinstance(x, str) or _token_ids(x) for x in p):
+        raise BadRequest("prompt must be a string, a list of strings, or token ids")
+    return [engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]
 
 
 def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_tokens_limit: int = 4096) -> FastAPI:
@@ -192,8 +195,7 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
             for j in range(n):
                 # Distinct choices of one seeded request must differ, yet stay reproducible.
                 seed = None if params.seed is None else params.seed + pi * n + j
-                p = SamplingParams(params.max_tokens, params.temperature, params.top_p, seed, params.stop_token_ids)
-                jobs.append(Job(pi * n + j, prompt, p))
+                jobs.append(Job(pi * n + j, prompt, replace(params, seed=seed)))
         return jobs
 
     async def handle(request: Request, chat: bool) -> Response:
@@ -252,10 +254,9 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
             lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text.text}
-                choice["logprobs"] = lp if want_logprobs else None
             else:
                 choice["text"] = text.text
-                choice["logprobs"] = lp if want_logprobs else None
+            choice["logprobs"] = lp if want_logprobs else None
             choices.append(choice)
         return JSONResponse(
             {
@@ -264,11 +265,7 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
                 "created": int(time.time()),
                 "model": engine.model_name,
                 "choices": choices,
-                "usage": {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                },
+                "usage": _usage(prompt_tokens, completion_tokens),
             }
         )
 
@@ -284,8 +281,8 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
         cancelled = threading.Event()
-        created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": rid, "object": obj, "created": int(time.time()), "model": engine.model_name}
 
         def put(item: tuple[int, str, Any]) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
@@ -323,8 +320,7 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
             else:
                 choice["text"] = text or ""
             choice["logprobs"] = extra
-            doc = {"id": rid, "object": obj, "created": created, "model": engine.model_name, "choices": [choice]}
-            return b"data: " + json.dumps(doc).encode() + b"\n\n"
+            return _sse({**head, "choices": [choice]})
 
         futures = [loop.run_in_executor(pool, run, j) for j in jobs]
         pending = len(jobs)
@@ -346,23 +342,9 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
                     yield chunk(index, tail or ("" if not chat else None), finish, [])
                 else:
                     pending -= 1
-                    err = {"error": {"message": payload, "type": "engine_error", "code": 500}}
-                    yield b"data: " + json.dumps(err).encode() + b"\n\n"
+                    yield _sse({"error": {"message": payload, "type": "engine_error", "code": 500}})
             if include_usage:
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens,
-                }
-                doc = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": engine.model_name,
-                    "choices": [],
-                    "usage": usage,
-                }
-                yield b"data: " + json.dumps(doc).encode() + b"\n\n"
+                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
             yield b"data: [DONE]\n\n"
         finally:
             cancelled.set()  # a client that went away stops its sequences at the next token

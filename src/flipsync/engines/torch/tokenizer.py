@@ -41,9 +41,6 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder()
-
     def chat_prompt(self, messages: Sequence[Mapping[str, object]]) -> list[int]:
         """``<|bos|>`` then ``<|role|>content<|end|>`` per message, then ``<|assistant|>``."""
         ids = [self.bos_id]

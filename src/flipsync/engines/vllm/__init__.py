@@ -1,7 +1,5 @@
-"""The vLLM engine: the sidecar half (``engine``: ``rpc_transports``, ``tensor_specs``, ``launch``) and the half
-vLLM loads into every worker (``worker``: ``map_learning``, ``kernel_audit``, ``element_bits``), with what both
-agree on (``wire``), the block map to vLLM's fused parameters (``blockmap``), the worker's probe stand-ins
-(``scratch``) and the kernel-state audit's twins and probes (``kernels``). See docs/engines.md.
+"""The vLLM engine: the sidecar half (``engine``), the half vLLM loads into every worker (``worker``) and what
+both agree on (``wire``). See docs/engines.md.
 
 ``create_engine`` is what ``flipsync sidecar --engine vllm`` builds it with (`flipsync.engines.registry`).
 """

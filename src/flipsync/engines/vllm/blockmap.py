@@ -109,12 +109,9 @@ def exact_int_base(dtype: torch.dtype) -> int:
     """The largest power of two B such that the integers 1..B are exactly representable in ``dtype``."""
     if dtype == torch.bool:
         return 1
-    if dtype.is_floating_point:
-        finfo = torch.finfo(dtype)
-        nmant = round(-math.log2(finfo.eps))
-        return 1 << min(nmant + 1, 30)
-    iinfo = torch.iinfo(dtype)
-    return 1 << min(int(math.log2(iinfo.max)), 30)
+    if dtype.is_floating_point:  # the mantissa's bits and the implicit one
+        return 1 << min(round(-math.log2(torch.finfo(dtype).eps)) + 1, 30)
+    return 1 << min(int(math.log2(torch.iinfo(dtype).max)), 30)
 
 
 def probe_passes(numel: int, base: int) -> int:
@@ -133,7 +130,6 @@ def digit_probe(numel: int, shape: Sequence[int], dtype: torch.dtype, base: int,
 
 def group_key(name: str) -> str:
     """The module prefix a checkpoint tensor belongs to: its numbered layer (``model.layers.3``) if any."""
-    m = re.match(r"^(.*?\.\d+)\.", name)
-    if m:
+    if m := re.match(r"^(.*?\.\d+)\.", name):
         return m.group(1)
     return name.rpartition(".")[0] or name

@@ -36,16 +36,9 @@ def _np_int(bits: int) -> np.dtype:
     return np.dtype(np.uint8) if bits == 8 else np.dtype(f"<i{bits // 8}")
 
 
-# Checkpoint dtype -> engine parameter dtypes it converts into exactly (and back, for the values it came from).
-_WIDENS: dict[torch.dtype, tuple[torch.dtype, ...]] = {
-    torch.bfloat16: (torch.float32,),
-    torch.float16: (torch.float32,),
-}
-
-
 def widens(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether every value of ``src`` converts exactly into ``dst`` (BF16 or FP16 loaded into FP32)."""
-    return dst in _WIDENS.get(src, ())
+    """Whether every value of ``src`` converts exactly into ``dst`` and back (BF16 or FP16 loaded into FP32)."""
+    return src in (torch.bfloat16, torch.float16) and dst == torch.float32
 
 
 def read_as(t: torch.Tensor, positions: np.ndarray, ck: DType) -> np.ndarray:

@@ -1,35 +1,14 @@
-"""The ``vllm`` engine: keeps a vLLM engine's weights at a board version from a sidecar.
+"""The ``vllm`` engine: keeps a vLLM engine's weights at a board version from a sidecar. See docs/engines.md.
 
 The sidecar side (this module) speaks checkpoint coordinates; the worker side
 (:mod:`flipsync.engines.vllm.worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
-parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of three transports
-(:mod:`flipsync.engines.vllm.rpc_transports`; :mod:`flipsync.engines.vllm.launch` starts a ``vllm serve`` for
-the second, :mod:`flipsync.engines.vllm.tensor_specs` reads the served tensors' layouts):
-
-- :class:`LLMTransport`: an offline ``vllm.LLM`` in this process (``LLM(..., worker_extension_cls=EXTENSION_CLS)``).
-- :class:`HttpTransport`: ``vllm serve ... --worker-extension-cls flipsync.engines.vllm.worker.FlipsyncWorkerExtension``
-  with ``VLLM_SERVER_DEV_MODE=1`` (which mounts ``POST /collective_rpc``), on the same host.
-- :class:`LocalTransport`: :class:`~flipsync.engines.vllm.worker.WorkerCore` objects in this process (tests).
-
-At start-up every worker learns where each checkpoint element lives among its parameters (probe tensors
-pushed through vLLM's own weight loaders, see :mod:`flipsync.engines.vllm.worker`) and sends its map here.
-Then, per patch:
-
-- ``stage`` (while serving): decode each section, look its changed positions up in the maps (per worker:
-  parameter, flat index), read the old bits from one worker that holds them (O(changed) over the RPC),
-  compute the new bits and check the target fingerprints. Nothing is written.
-- ``commit``: one ``collective_rpc``; each worker scatters its writes in place (or into its host copy and
-  reloads the touched layers, for parameters the kernel repacks) and keeps the old bits. If any worker
-  fails, every worker is told to undo.
-- ``rollback``: the workers scatter the old bits back.
-- ``recompute_table``: each worker fingerprints the elements it holds, block by block, in checkpoint
-  coordinates; fingerprints are additive, so the blocks sum to each checkpoint tensor's fingerprint.
-  Replicated blocks (tensor-parallel copies) must agree.
-
-With a *host copy* (:mod:`flipsync.engines.host_copy`: a host copy of the served view, e.g. a memory-mapped
-safetensors file) the sidecar also decodes patches coded against their base (``ctx``), which it otherwise
-refuses: the base values live in the workers. Stage checks the host copy's old bits against the workers' at
-every changed element; commit and rollback write the host copy after the workers (O(changed)).
+parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of the transports of
+:mod:`flipsync.engines.vllm.rpc_transports`. At attach every worker sends its learned map here; ``stage``
+reads the old bits of the changed elements (O(changed)) and checks the target fingerprints without writing,
+``commit`` is one ``apply`` RPC (any failing worker makes every worker undo), ``recompute_table`` sums the
+workers' additive per-block fingerprints (replicated blocks must agree). With a *host copy*
+(:mod:`flipsync.engines.host_copy`) the sidecar also decodes patches coded against their base (``ctx``),
+checking it against the workers' old bits at every changed element.
 """
 
 from __future__ import annotations
@@ -79,7 +58,6 @@ log = logging.getLogger(__name__)
 __all__ = ["VllmEngine"]
 
 
-# --------------------------------------------------------------------------------------------- engine
 Placement = tuple[str, np.ndarray]  # parameter name, blocks
 
 
@@ -128,15 +106,10 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         """Attach to the workers: they learn their maps (and capture host copies of repacked parameters from
         ``source``, by default the checkpoint the engine was started from).
 
-        ``table`` is the fingerprint table of the view the engine holds; without it the table is recomputed
-        from the workers (O(size)). ``host_copy``: a host copy of the served view (CPU tensors of the specs'
-        names, shapes and dtypes), so that patches coded against their base decode here; it is fingerprinted
-        (O(size)) and used only if it holds what the workers serve, else from the next full load on.
-        ``audit``: how often the workers compare reloaded layers with a fresh load of the same tensors
-        (``every`` touched layer, a ``sample`` of them, ``off``; see :mod:`flipsync.engines.vllm.kernels`);
-        the reload-mode layers are compared with ``source`` at attach too, and a mismatch refuses patches until
-        a full load. ``repair``: a kind of layer whose reload by the engine differs from a fresh load takes the
-        fresh load's processed state (else such an update is refused).
+        ``table``: the fingerprints of the view held (default: recomputed from the workers, O(size)).
+        ``host_copy``: CPU tensors of the specs, used only while they hold what the workers serve. ``audit``
+        (``every``, ``sample``, ``off``) and ``repair``: the kernel-state audit (:mod:`flipsync.engines.vllm.kernels`);
+        reload-mode layers that differ from ``source`` at attach refuse patches until a full load.
         """
         if not specs:
             raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
@@ -173,23 +146,20 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 f"several vLLM workers answered as the same rank ({ranks}); data-parallel engines are not supported: "
                 "attach one VllmEngine per engine instance"
             )
-        self._maps: dict[str, dict[str, list[Placement]]] = {}
-        self.params: dict[str, dict[str, dict[str, Any]]] = {}
-        self.audit = audit
-        # per rank: the reload-mode layers compared with ``source`` at attach, what differed, and the time taken
-        self.attach_audit: dict[str, dict[str, Any]] = {}
-        self.last_audit: dict[str, Any] = {}  # the last commit's: layers audited per rank, seconds (slowest rank)
-        unheld: dict[str, str] = {}
-        for a in answers:
-            res = a["result"]
-            rank = str(a["rank"])
-            self.attach_audit[rank] = res.get("audit", {})
-            self._maps[rank] = {
+        results = {str(a["rank"]): a["result"] for a in answers}
+        self._maps: dict[str, dict[str, list[Placement]]] = {
+            rank: {
                 n: [(p, np.asarray(blocks, dtype=np.int64).reshape(-1, 6)) for p, blocks in places]
                 for n, places in res["maps"].items()
             }
-            self.params[rank] = res["params"]
-            unheld.update(res.get("unheld", {}))
+            for rank, res in results.items()
+        }
+        self.params: dict[str, dict[str, dict[str, Any]]] = {rank: res["params"] for rank, res in results.items()}
+        self.audit = audit
+        # per rank: the reload-mode layers compared with ``source`` at attach, what differed, and the time taken
+        self.attach_audit: dict[str, dict[str, Any]] = {rank: res.get("audit", {}) for rank, res in results.items()}
+        self.last_audit: dict[str, Any] = {}  # the last commit's: layers audited per rank, seconds (slowest rank)
+        unheld = {n: why for res in results.values() for n, why in res.get("unheld", {}).items()}
         self.unheld = self._coverage(unheld)
         self._table = table.copy() if table is not None else FingerprintTable()
         # Why the ranks hold no consistent view (None: they do); patches are refused until a full load.
@@ -403,18 +373,15 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
         targets: dict[str, TensorId] = {}
-        n_changed = 0
         for name, ch in changes.items():
             new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
             pos = ch.positions.astype(np.int64, copy=False)
-            fp = self._table[name].fp + fingerprint_delta(pos, old[name], new)
-            fp &= (1 << 64) - 1
+            fp = (self._table[name].fp + fingerprint_delta(pos, old[name], new)) & ((1 << 64) - 1)
             for rank, pname, hit, ppos in plans[name]:
                 per_rank.setdefault(rank, []).append([pname, b64(ppos), b64(new[hit])])
             if base is not None:
                 host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
-            n_changed += ch.n
         after = self._table.copy()
         after.update(targets)
         if after.view_fp() != patch.header.target.view:
@@ -422,14 +389,21 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 f"applying this patch would give view {after.view_fp()}, not its target view "
                 f"{patch.header.target.view}; the patch is corrupt or crafted (nothing was changed)"
             )
+        for name, (pos, old_bits, _) in host_copy_writes.items():  # the host copy must hold the workers' bits
+            if not np.array_equal(self._host_copy_bits(name, old_bits.dtype)[pos], old_bits):
+                self._host_copy_current = False
+                raise EngineError(
+                    f"the host copy's {name!r} differs from what the workers serve at the patch's changed elements; "
+                    "it is no longer used (resync from a keyframe to refresh it)"
+                )
         return VllmStaged(
             base_view=held,
             target_view=after.view_fp(),
             per_rank=per_rank,
             targets=targets,
-            n_changed=n_changed,
+            n_changed=sum(ch.n for ch in changes.values()),
             stage_s=time.perf_counter() - t0,
-            host_copy_writes=self._checked_against_host_copy(host_copy_writes),
+            host_copy_writes=host_copy_writes,
         )
 
     def commit(self, staged: VllmStaged) -> VllmUndo:
@@ -512,22 +486,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         self._transport.close()
 
     # ---------------------------------------------------------------------------------------- host_copy
-    def _checked_against_host_copy(
-        self, writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]
-    ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """``writes``, once the host copy's bits at every changed element are the workers' (O(changed))."""
-        if self._host_copy is None or not writes:
-            return writes
-        for name, (pos, old, _) in writes.items():
-            held = self._host_copy_bits(name, old.dtype)[pos]
-            if not np.array_equal(held, old):
-                self._host_copy_current = False
-                raise EngineError(
-                    f"the host copy's {name!r} differs from what the workers serve at the patch's changed elements; "
-                    "it is no longer used (resync from a keyframe to refresh it)"
-                )
-        return writes
-
     def _write_host_copy(
         self,
         writes: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -563,17 +521,19 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._host_copy.flush()
 
     # ---------------------------------------------------------------------------------------- extras
+    def _per_rank(self, op: str, modules: Sequence[str] | None) -> dict[str, Any]:
+        answers = self._call({"op": op, "modules": list(modules) if modules is not None else None}, 600.0)
+        return {str(a["rank"]): a["result"] for a in answers}
+
     def kernel_state(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, dict[str, list[Any]]]]:
         """Per rank and module: digests of the tensors as the kernels hold them and of the kernel outputs on
         identity probes (reload-mode layers). A fresh engine started from the same version gives the same."""
-        answers = self._call({"op": "kernels", "modules": list(modules) if modules is not None else None}, 600.0)
-        return {str(a["rank"]): a["result"] for a in answers}
+        return self._per_rank("kernels", modules)
 
     def audit_now(self, modules: Sequence[str] | None = None) -> dict[str, dict[str, list[str]]]:
         """Compare reload-mode layers (default: all) with fresh loads of what the workers hold, now; per rank,
         what differs (empty: nothing)."""
-        answers = self._call({"op": "audit", "modules": list(modules) if modules is not None else None}, 600.0)
-        return {str(a["rank"]): a["result"] for a in answers}
+        return self._per_rank("audit", modules)
 
     def modes(self) -> dict[str, str]:
         """Per vLLM parameter (rank 0): ``inplace`` or ``reload``, with the reason."""

@@ -1,8 +1,6 @@
-"""The worker's kernel-state audit: after a reload, which layers to compare with a twin and what a mismatch means.
-
-:class:`KernelAuditor` (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`) decides per kind of layer
-whether the engine's reload is faithful, repairs kinds that fall short and refuses updates that still differ;
-the twins and probes themselves are :mod:`flipsync.engines.vllm.kernels`.
+"""The worker's kernel-state audit (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`): per kind of
+layer, whether the engine's reload is faithful; repairs of kinds that fall short; refusals of updates that still
+differ. The twins and probes themselves are :mod:`flipsync.engines.vllm.kernels`.
 """
 
 from __future__ import annotations
@@ -54,19 +52,17 @@ class KernelAuditor:
 
         def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]: ...
 
-        def _module_reloads(self, module: str) -> bool: ...
+        def _reloading(self) -> list[str]: ...
 
     def _attach_audit(self) -> dict[str, Any]:
         """Compare the reload-mode layers, as the engine loaded them at start, with twins loaded from the host
         copies (``source``): equal means the engine serves ``source`` and the twins are fresh loads. A
         mismatch is reported (the sidecar then refuses patches until a full load), not raised."""
-        modules = sorted(m for m in self.feeds if self._module_reloads(m))
-        picked = self._pick(modules) if self.audit != AUDIT_OFF else []
+        picked = self._pick(self._reloading()) if self.audit != AUDIT_OFF else []
         t0 = time.perf_counter()
         bad: dict[str, list[str]] = {}
         for m in picked:
-            twin = self._twin(m)
-            found = self._compare(m, twin, self._rows())
+            found = self._compare(m, self._twin(m), None if self.audit == AUDIT_EVERY else SAMPLE_ROWS)
             if found:
                 bad[m] = found
                 log.warning(
@@ -82,9 +78,6 @@ class KernelAuditor:
     def _kind(self, mname: str) -> str:
         return self.hooks.kind(self.model.get_submodule(mname))
 
-    def _rows(self) -> int | None:
-        return None if self.audit == AUDIT_EVERY else SAMPLE_ROWS
-
     def _pick(self, modules: Sequence[str]) -> list[str]:
         """The layers an audit compares: all of them (``every``) or one of each kind, at random (``sample``)."""
         if self.audit == AUDIT_EVERY:
@@ -98,9 +91,8 @@ class KernelAuditor:
         """A fresh load of layer ``mname``: its checkpoint tensors (rebuilt from the held values) loaded into
         zeroed model-format scratch through the model's own loaders, then processed by the hooks' twin."""
         module = self.model.get_submodule(mname)
-        names = sorted(self.feeds.get(mname, ()))
         members = {p for p, info in self.params.items() if info.module == mname}
-        tensors = self._held_checkpoint(names)
+        tensors = self._held_checkpoint(self.feeds.get(mname, ()))
         with self._buffers_guard(), self._swapped(members) as scratch:
             for name, t in tensors:
                 self._load(name, t)
@@ -152,14 +144,10 @@ class KernelAuditor:
         rng_state = self._rng.getstate()
         self._rng.seed(self.rank * 1_000_003 + seed)
         try:
-            by_status: dict[str, list[str]] = {}
-            for m in modules:
-                by_status.setdefault(self.kinds.get(self._kind(m), _KIND_UNKNOWN), []).append(m)
-            must = by_status.get(_KIND_UNKNOWN, []) + by_status.get(_KIND_REPAIRED, [])
-            faithful = by_status.get(_KIND_FAITHFUL, [])
+            faithful = [m for m in modules if self.kinds.get(self._kind(m)) == _KIND_FAITHFUL]
             chosen = self._pick(faithful) if self.audit != AUDIT_OFF and faithful else []
             failures: list[str] = []
-            for m in sorted(set(must) | set(chosen)):
+            for m in sorted(set(modules) - set(faithful) | set(chosen)):
                 kind = self._kind(m)
                 status = self.kinds.get(kind, _KIND_UNKNOWN)
                 twin = self._twin(m)
@@ -208,12 +196,13 @@ class KernelAuditor:
         """Digests of every module's tensors as the kernels hold them, and of the kernel outputs on the full
         identity probes for reload-mode layers: what a fresh engine of the same version must also give."""
         wanted = set(modules) if modules is not None else None
+        reloading = set(self._reloading())
         out: dict[str, dict[str, list[Any]]] = {}
         for mname, module in self.model.named_modules():
             if wanted is not None and mname not in wanted:
                 continue
             rows: dict[str, list[Any]] = {n: digest(t) for n, t in module_tensors(module).items()}
-            if mname in self.feeds and self._module_reloads(mname):
+            if mname in reloading:
                 for label, t in self.hooks.probe(mname, module, None, 0).items():
                     rows[f"probe {label}"] = digest(t)
             if rows:
@@ -222,5 +211,5 @@ class KernelAuditor:
 
     def audit_now(self, modules: Iterable[str] | None = None) -> dict[str, list[str]]:
         """Compare the named reload-mode layers (default: all) with twins of the held values, full probes."""
-        names = sorted(modules) if modules is not None else sorted(m for m in self.feeds if self._module_reloads(m))
+        names = sorted(modules) if modules is not None else self._reloading()
         return {m: found for m in names if (found := self._compare(m, self._twin(m), None))}

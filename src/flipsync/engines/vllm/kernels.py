@@ -8,7 +8,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -135,10 +136,7 @@ def fresh(obj: Any, context: Callable[[], Any] | None = None) -> Any:
                 args[pname] = vars(obj)[pname]
             elif p.default is p.empty:
                 raise TypeError(f"no attribute {pname!r}")
-        if context is not None:
-            with context():
-                new = cls(**args)
-        else:
+        with context() if context is not None else nullcontext():
             new = cls(**args)
     except Exception:
         new = copy.copy(obj)
@@ -244,11 +242,11 @@ def vllm_kind(module: torch.nn.Module) -> str:
 
 def vllm_hooks(vllm_config: Any) -> KernelHooks:
     """Hooks for a vLLM worker: twins processed as at engine start (the model dtype as default dtype, the
-    vLLM config current), probes through the layer's quant method, opaque state carried over."""
-    from contextlib import contextmanager
+    vLLM config current), probes through the layer's quant method, and the live layer taking the twin's method
+    objects and the attributes its post-load step set (the GEMM closure holding a oneDNN handle, ...)."""
 
     @contextmanager
-    def first_load() -> Any:
+    def first_load() -> Iterator[None]:
         from vllm.config import set_current_vllm_config
         from vllm.utils.torch_utils import set_default_torch_dtype
 
@@ -312,12 +310,7 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
             y = y[0]
         return {"identity": y}
 
-    def transplant(live: torch.nn.Module, tw: torch.nn.Module) -> None:
-        """The live layer takes the twin's method objects and the attributes its post-load step set (the
-        GEMM closure holding a oneDNN handle, ...)."""
-        default_transplant(live, tw)
-
-    return KernelHooks(twin, probe, transplant, vllm_kind)
+    return KernelHooks(twin, probe, default_transplant, vllm_kind)
 
 
 def _linear_like(module: torch.nn.Module) -> bool:

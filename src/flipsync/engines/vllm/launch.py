@@ -5,7 +5,7 @@ worker extension, and its environment (the ``/collective_rpc`` route; the CPU bu
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from flipsync.engines.vllm.wire import EXTENSION_CLS
 from flipsync.errors import ConfigError
@@ -20,28 +20,23 @@ def serve_command(python: str, model_dir: str, port: int, *settings: str) -> lis
     return [*server, "--port", str(port), "--worker-extension-cls", EXTENSION_CLS, *settings]
 
 
-def cpu_thread_binding(tensor_parallel_size: int, cpus: Sequence[int] | None = None) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for vLLM's CPU build: this process's CPUs (or ``cpus``) split into one list
-    per tensor-parallel rank, ``"0|1"`` for two ranks on two CPUs. vLLM's default (``auto``) binds each rank to
-    a NUMA node and refuses to start several ranks on a machine with fewer nodes ("Not enough allowed NUMA
-    nodes")."""
-    ids = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if tensor_parallel_size < 1 or len(ids) < tensor_parallel_size:
+def cpu_env(tensor_parallel_size: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What vLLM's CPU build needs in its environment for ``tensor_parallel_size`` ranks on this machine, unless
+    ``env`` (default: this process's) already sets it: ``VLLM_CPU_OMP_THREADS_BIND``, this process's CPUs split
+    into one list per rank (``"0|1"`` for two ranks on two CPUs). vLLM's default (``auto``) binds each rank to a
+    NUMA node and refuses several ranks on a machine with fewer nodes ("Not enough allowed NUMA nodes"). Merge
+    it into the environment of ``vllm serve`` or into ``os.environ`` before building an offline ``LLM``."""
+    env = os.environ if env is None else env
+    if tensor_parallel_size <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    ids = sorted(os.sched_getaffinity(0))
+    if len(ids) < tensor_parallel_size:
         raise ConfigError(
             f"cannot bind {tensor_parallel_size} tensor-parallel ranks to {len(ids)} CPU(s) ({ids}); use fewer ranks"
         )
     per = len(ids) // tensor_parallel_size
-    return "|".join(",".join(str(c) for c in ids[r * per : (r + 1) * per]) for r in range(tensor_parallel_size))
-
-
-def cpu_env(tensor_parallel_size: int, env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """What vLLM's CPU build needs in its environment for ``tensor_parallel_size`` ranks on this machine: the
-    thread binding (`cpu_thread_binding`) unless ``env`` (default: this process's) already sets one. Merge it
-    into the environment of ``vllm serve`` or into ``os.environ`` before building an offline ``LLM``."""
-    env = os.environ if env is None else env
-    if tensor_parallel_size <= 1 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return {}
-    return {"VLLM_CPU_OMP_THREADS_BIND": cpu_thread_binding(tensor_parallel_size)}
+    binding = "|".join(",".join(str(c) for c in ids[r * per : (r + 1) * per]) for r in range(tensor_parallel_size))
+    return {"VLLM_CPU_OMP_THREADS_BIND": binding}
 
 
 def serve_env(tensor_parallel_size: int = 1, env: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -1,7 +1,5 @@
-"""How a worker learns its checkpoint-to-parameter map: probe tensors pushed through the model's own loaders.
-
-:class:`MapLearner` (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`) walks the module tree, swaps
-parameters for scratch and tripwires while probing, and decodes where each probe digit landed into blocks.
+"""How a worker learns its checkpoint-to-parameter map (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`):
+probe tensors pushed through the model's own loaders into scratch, while every other parameter is a tripwire.
 """
 
 from __future__ import annotations
@@ -20,6 +18,9 @@ from flipsync.engines.vllm.element_bits import read_as, widens, write_bits
 from flipsync.engines.vllm.scratch import ScratchFactory, tripwire
 from flipsync.engines.vllm.wire import WorkerOpError
 
+# Every parameter by its name in ``named_parameters``: (module name, module, attribute, tensor; None: dropped).
+LiveParams = dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]]
+
 
 class MapLearner:
     """The map-learning half of a worker core: module tree, scratch swaps and the probe passes."""
@@ -31,10 +32,10 @@ class MapLearner:
     _probe_shapes: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]]
 
     # ------------------------------------------------------------------------------ module tree
-    def _live_params(self) -> dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]]:
-        """Every parameter by its name in ``named_parameters`` (module name, module, attribute, tensor), and the
-        ones the engine dropped (None: the kernel holds them elsewhere) whose model format is known."""
-        out: dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]] = {}
+    def _live_params(self) -> LiveParams:
+        """Every parameter, and the ones the engine dropped (the kernel holds them elsewhere) whose model format
+        is known."""
+        out: LiveParams = {}
         seen: set[int] = set()
         for mname, mod in self.model.named_modules():
             for pname, p in mod._parameters.items():
@@ -131,9 +132,8 @@ class MapLearner:
                 base = min(exact_int_base(dtype), narrowest)
                 if base < 2:
                     raise WorkerOpError(f"cannot probe {name!r}: dtype {dname} holds no small integers exactly")
-                passes = probe_passes(numel, base)
                 found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # param -> (positions, index so far)
-                for k in range(passes):
+                for k in range(probe_passes(numel, base)):
                     loaded = self._load(name, digit_probe(numel, shape, dtype, base, k))
                     if k > 0:
                         candidates = list(found)
@@ -144,7 +144,7 @@ class MapLearner:
                     for pname in candidates:
                         flat = scratch[pname].detach().reshape(-1)
                         pos = torch.nonzero(flat != 0).squeeze(1)
-                        if k > 0 and (pname not in found or not torch.equal(pos, found[pname][0])):
+                        if k > 0 and not torch.equal(pos, found[pname][0]):
                             raise WorkerOpError(
                                 f"loading {name!r} into {pname!r} is not a pure relayout (the written elements "
                                 f"differ between probe passes); this parameter is not supported"

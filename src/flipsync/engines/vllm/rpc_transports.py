@@ -40,7 +40,17 @@ def parse_answer(raw: Any) -> dict[str, Any]:
     return answer
 
 
-class LLMTransport:
+class _InProcess:
+    """A transport whose workers live as long as this process: always healthy, nothing to close."""
+
+    def health(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class LLMTransport(_InProcess):
     """An offline ``vllm.LLM`` in this process, built with ``worker_extension_cls=EXTENSION_CLS``."""
 
     def __init__(self, llm: Any) -> None:
@@ -53,25 +63,14 @@ class LLMTransport:
             raise EngineUnavailableError(
                 f"vLLM workers did not answer {request.get('op')!r} in {timeout_s:.0f}s"
             ) from None
-        except AttributeError as e:
-            raise ConfigError(
-                f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
-                f"worker_extension_cls={EXTENSION_CLS!r}"
-            ) from None
         except Exception as e:
-            if RPC_METHOD in str(e):
+            if isinstance(e, AttributeError) or RPC_METHOD in str(e):
                 raise ConfigError(
                     f"the vLLM workers lack the flipsync extension ({e}); build the LLM with "
                     f"worker_extension_cls={EXTENSION_CLS!r}"
                 ) from None
             raise EngineUnavailableError(f"collective_rpc failed: {type(e).__name__}: {e}") from None
         return [parse_answer(r) for r in raw]
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass
 
 
 class HttpTransport:
@@ -118,7 +117,7 @@ class HttpTransport:
             self._client.close()
 
 
-class LocalTransport:
+class LocalTransport(_InProcess):
     """Worker cores in this process; requests go through JSON exactly as they would over the wire."""
 
     def __init__(self, cores: Sequence[WorkerCore]) -> None:
@@ -127,9 +126,3 @@ class LocalTransport:
     def call(self, request: Mapping[str, Any], timeout_s: float) -> list[dict[str, Any]]:
         wire = json.dumps(request)
         return [parse_answer(json.dumps(core.handle(json.loads(wire)))) for core in self.cores]
-
-    def health(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        pass

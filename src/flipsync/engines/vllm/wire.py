@@ -1,7 +1,5 @@
-"""What the sidecar half and the worker half of the vLLM engine agree on: the RPC method and protocol
-version, the parameter modes, the kernel-state audit's settings, and how arrays travel inside the JSON
-requests (base64 of little-endian bytes).
-
+"""What the sidecar half and the worker half of the vLLM engine agree on: the RPC method and protocol version,
+the parameter modes, the audit's settings, and arrays inside the JSON requests (base64 of little-endian bytes).
 No vLLM and no torch here: both halves import it.
 """
 

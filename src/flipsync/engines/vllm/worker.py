@@ -1,69 +1,31 @@
-"""The part of the ``vllm`` engine that runs inside vLLM's workers.
+"""The part of the ``vllm`` engine that runs inside vLLM's workers. See docs/engines.md ("vLLM").
 
-vLLM loads :class:`FlipsyncWorkerExtension` into every worker (``--worker-extension-cls
-flipsync.engines.vllm.worker.FlipsyncWorkerExtension``, or ``LLM(worker_extension_cls=...)``); the sidecar
-reaches it through ``collective_rpc("flipsync_call", args=(json,))``, in process (``LLM.collective_rpc``) or
-over HTTP (``POST /collective_rpc`` with ``VLLM_SERVER_DEV_MODE=1``). Requests and answers are JSON strings
-(the HTTP route passes string arguments only); arrays travel as base64 of their little-endian bytes.
+vLLM loads :class:`FlipsyncWorkerExtension` into every worker (``--worker-extension-cls``, or
+``LLM(worker_extension_cls=...)``); the sidecar reaches it through ``collective_rpc("flipsync_call",
+args=(json,))``. Requests and answers are JSON strings (the HTTP route passes string arguments only); arrays
+travel as base64 of their little-endian bytes. All engine-independent logic lives in :class:`WorkerCore`,
+which needs only a module with vLLM's ``load_weights`` contract (unit tests drive it with a small fake model).
 
-All engine-independent logic lives in :class:`WorkerCore`, which needs only a module with vLLM's
-``load_weights(Iterable[(checkpoint name, tensor)])`` contract; unit tests drive it with a small fake model.
-Beside it: ``wire`` (what both halves agree on), ``blockmap`` (the map's blocks and probe digits, pure) and
-``scratch`` (the stand-ins probing loads into, and the in-place policies); :class:`WorkerCore` takes its
-probing from ``map_learning``, its audit from ``kernel_audit`` and its element reads and writes from
-``element_bits``.
-
-The map from checkpoint coordinates to vLLM's parameters is *learned*, never written by hand: each
-checkpoint tensor is pushed through the model's own ``load_weights`` (stacked-parameter mapping, fused
-``qkv_proj`` / ``gate_up_proj``, tensor-parallel sharding, vocabulary padding) into zeroed scratch copies
-of the parameters, with values that encode the element index in base ``B`` digits (``B`` = the largest
-power of two whose integers 1..B the dtype holds exactly: 256 for BF16, 2048 for FP16, 16 for FP8 E4M3),
-one pass per digit. Reading back where each digit landed gives, per parameter, the checkpoint index of
-every element; the pairs are compressed into affine 2-D blocks (one block for a contiguous or row-sharded
-slice, one strided block for a column-sharded one). A last pass loads random values and checks that every
-mapped element holds the checkpoint's exact bits, so a loader that casts or transforms values is caught.
-The live parameters are never written while probing: the parameters of the probed layer are swapped for
-scratch tensors (rebuilt from vLLM's recorded model-format metadata where the kernel format differs), and
-every other parameter for a zero-stride "tripwire" that raises on any write.
-
-Two ways to apply the writes of a patch, decided per parameter at start-up:
-
-- ``inplace``: the kernel computes from the parameter as loaded (BF16/FP16 on CUDA, norms, embedding
-  lookups). Writes are scattered straight into the live parameter: O(changed).
-- ``reload``: the kernel computes from a repacked copy (vLLM's CPU backend packs every linear weight for
-  oneDNN and drops the parameter; Marlin, quantized kernels...). The worker keeps a host copy of the
-  parameter in model format, scatters into it (O(changed)), rebuilds the checkpoint tensors of each touched
-  layer from it and hands them to vLLM's layerwise reload (``model_runner.reload_weights``), which reprocesses
-  only those layers: O(size of the touched layers).
-
-Parameters the engine dropped after loading (set to None, their values kept in an opaque handle) are found
-through vLLM's recorded model-format metadata and go through the reload path. A checkpoint tensor loaded into
-a parameter of a wider dtype (BF16 or FP16 into FP32) is patched through that exact conversion; a narrowing
-one is refused (the engine could not report the checkpoint's bits).
-
-After every reload the worker audits the touched layers (:mod:`flipsync.engines.vllm.kernels`): a *twin* of
-the layer, loaded with the same checkpoint tensors through the same loaders and processed as at engine start,
-must equal the live layer bitwise (tensors, and the kernel's outputs on identity probes where it computes
-from an opaque copy). The first reload of each kind of layer is always audited: where the engine's update
-path leaves the layer differing from a fresh load (vLLM CPU's MoE skips its expert prepack), the layer takes
-the twin's processed state, and so does every later reload of that kind. Any other mismatch refuses the
-update (the writes are undone). ``audit``: ``every`` touched layer (default), ``sample`` (one per kind and
-update, a sample of probe rows) or ``off`` (only the first reload of each kind).
-
-Every apply keeps the old bits as an undo record (at most ``max_undo`` records per worker, oldest dropped).
+The checkpoint-to-parameter map is learned by pushing probe tensors through the model's own loaders
+(``map_learning``), never written by hand. Writes go ``inplace`` (the kernel computes from the parameter as
+loaded: O(changed)) or through ``reload`` (the kernel computes from a repacked copy: the worker scatters into
+its model-format host copy and hands the touched layers' checkpoint tensors to vLLM's layerwise reload).
+After every reload the touched layers are audited against a fresh load (``kernel_audit``); every apply keeps
+the old bits as an undo record (at most ``max_undo`` per worker).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import time
 import traceback
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -75,7 +37,7 @@ from flipsync.engines.vllm.blockmap import exact_int_base, group_key, iter_chunk
 from flipsync.engines.vllm.element_bits import read_as, read_bits, write_as, write_bits
 from flipsync.engines.vllm.kernel_audit import KernelAuditor
 from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, vllm_hooks
-from flipsync.engines.vllm.map_learning import MapLearner
+from flipsync.engines.vllm.map_learning import LiveParams, MapLearner
 from flipsync.engines.vllm.scratch import (
     Policy,
     ScratchFactory,
@@ -104,7 +66,6 @@ log = logging.getLogger(__name__)
 Reloader = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 
-# ------------------------------------------------------------------------------------------- worker
 @dataclass
 class ParamInfo:
     name: str
@@ -133,7 +94,6 @@ class WorkerCore(MapLearner, KernelAuditor):
         scratch: ScratchFactory = default_scratch,
         reloader: Reloader | None = None,
         default_source: Callable[[], Mapping[str, torch.Tensor] | None] | None = None,
-        open_source: Callable[[str], Mapping[str, torch.Tensor]] | None = None,
         hooks: KernelHooks = DEFAULT_HOOKS,
     ) -> None:
         self.model = model
@@ -142,7 +102,6 @@ class WorkerCore(MapLearner, KernelAuditor):
         self.scratch = scratch
         self.reloader = reloader
         self.default_source = default_source
-        self.open_source = open_source or _open_checkpoint
         self.hooks = hooks
         self.specs: dict[str, tuple[tuple[int, ...], str]] = {}
         self.maps: dict[str, list[tuple[str, np.ndarray]]] = {}
@@ -193,25 +152,18 @@ class WorkerCore(MapLearner, KernelAuditor):
                 why = "dropped after loading (None): the kernel holds the values elsewhere (an opaque handle)"
                 modes[full] = ParamInfo(full, mname, RELOAD, why, "", ())
                 continue
-            ok, why = True, ""
-            for omname, omod, opname in owners[id(p)]:
-                o_ok, o_why = self.policy(omname, omod, opname, p)
-                if not o_ok:
-                    ok, why = False, f"{omname}: {o_why}"
-                    break
-                why = o_why
-            modes[full] = ParamInfo(full, mname, INPLACE if ok else RELOAD, why, "", tuple(p.shape))
+            checks = [(om, *self.policy(om, omod, op, p)) for om, omod, op in owners[id(p)]]  # in place if all agree
+            refused = [f"{om}: {why}" for om, ok, why in checks if not ok]
+            mode, why = (RELOAD, refused[0]) if refused else (INPLACE, checks[-1][2])
+            modes[full] = ParamInfo(full, mname, mode, why, "", tuple(p.shape))
         narrowest = min(
             (exact_int_base(p.dtype) for _, _, _, p in live.values() if p is not None and p.dtype.is_floating_point),
             default=1 << 30,
         )
-        groups: dict[str, list[str]] = {}
         names: list[str] | set[str]  # the group's names here, the tensors fed into a parameter below
-        for name in sorted(self.specs):
-            groups.setdefault(group_key(name), []).append(name)
         maps: dict[str, list[tuple[str, np.ndarray]]] = {}
         unheld: dict[str, str] = {}
-        for key, names in groups.items():
+        for key, names in _grouped(sorted(self.specs)).items():
             members = {full for full in live if full.startswith(key + ".") or full == key}
             if not members:
                 log.warning("no parameter under %r; probing %s against the whole model", key, names)
@@ -243,15 +195,14 @@ class WorkerCore(MapLearner, KernelAuditor):
             self.params[pname] = info
             self.feeds.setdefault(info.module, set()).update(names)
         self.host = {}
-        reload_names = sorted({n for m, ns in self.feeds.items() for n in ns if self._module_reloads(m)})
-        if reload_names:
+        if reload_names := self._reload_names():
             src = source if source is not None else (self.default_source() if self.default_source else None)
             if src is None:
                 raise WorkerOpError(
                     f"{len(reload_names)} checkpoint tensors load into repacked parameters (reload mode) and "
                     "no source checkpoint was given to capture their values; pass 'source' (a checkpoint path)"
                 )
-            self._capture(reload_names, src)
+            self._capture(src)
         self.attached = True
         log.info(
             "flipsync: rank %d mapped %d checkpoint tensors onto %d parameters (%d in place, %d reload) in %.1fs",
@@ -266,37 +217,29 @@ class WorkerCore(MapLearner, KernelAuditor):
         out["audit"] = self._attach_audit()
         return out
 
-    def _module_reloads(self, module: str) -> bool:
-        return any(p.mode == RELOAD for p in self.params.values() if p.module == module)
+    def _reloading(self) -> list[str]:
+        """The modules with reload-mode parameters."""
+        return sorted({p.module for p in self.params.values() if p.mode == RELOAD})
+
+    def _reload_names(self) -> list[str]:
+        return sorted({n for m in self._reloading() for n in self.feeds[m]})
 
     def describe(self, unheld: Mapping[str, str] | None = None) -> dict:
         return {
             "rank": self.rank,
             "maps": {n: [[p, blocks.tolist()] for p, blocks in places] for n, places in self.maps.items()},
-            "params": {
-                p.name: {
-                    "module": p.module,
-                    "mode": p.mode,
-                    "reason": p.reason,
-                    "dtype": p.dtype,
-                    "shape": list(p.shape),
-                }
-                for p in self.params.values()
-            },
+            "params": {p.name: {k: v for k, v in asdict(p).items() if k != "name"} for p in self.params.values()},
             "unheld": dict(unheld or {}),
         }
 
-    def _capture(self, names: list[str], source: Mapping[str, torch.Tensor]) -> None:
-        """Host copies of reload-mode parameters, filled by loading ``names`` from ``source`` into scratch."""
+    def _capture(self, source: Mapping[str, torch.Tensor]) -> None:
+        """Host copies of reload-mode parameters, filled by loading their checkpoint tensors from ``source``
+        into scratch."""
         reload_params = {p for p, info in self.params.items() if info.mode == RELOAD}
-        shapes = self._probe_shapes
         for pname in reload_params:
-            shape, dtype, _device = shapes[pname]
+            shape, dtype, _device = self._probe_shapes[pname]
             self.host[pname] = torch.zeros(shape, dtype=dtype)
-        groups: dict[str, list[str]] = {}
-        for name in names:
-            groups.setdefault(group_key(name), []).append(name)
-        for _key, group in groups.items():
+        for group in _grouped(self._reload_names()).values():
             targets = {p for n in group for p, _ in self.maps.get(n, [])}
             with self._swapped(targets) as scratch:
                 for name in group:
@@ -319,16 +262,13 @@ class WorkerCore(MapLearner, KernelAuditor):
             )
 
     # ------------------------------------------------------------------------------- element access
-    def _target(
-        self, pname: str, live: Mapping[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]] | None = None
-    ) -> torch.Tensor:
+    def _target(self, pname: str, live: LiveParams) -> torch.Tensor:
         """Where parameter ``pname``'s checkpoint-format bits live: its host copy (reload) or itself (in place)."""
         info = self.params.get(pname)
         if info is None:
             raise WorkerOpError(f"parameter {pname!r} is not in this worker's map")
         if info.mode == RELOAD:
             return self.host[pname]
-        live = live if live is not None else self._live_params()
         t = live[pname][3]
         assert t is not None  # dropped parameters are reload-mode
         return t
@@ -336,19 +276,17 @@ class WorkerCore(MapLearner, KernelAuditor):
     def _ck(self, pname: str) -> DType:
         return dtype_named(self.params[pname].dtype)
 
-    def _positions_ok(self, pname: str, t: torch.Tensor, positions: np.ndarray) -> None:
-        if positions.size and (int(positions.min()) < 0 or int(positions.max()) >= t.numel()):
+    def _located(self, pname: str, pos_b64: str, live: LiveParams) -> tuple[torch.Tensor, np.ndarray, DType]:
+        """Parameter ``pname``'s target, the positions sent (checked to lie inside it) and its checkpoint dtype."""
+        t = self._target(pname, live)
+        pos = unb64(pos_b64, np.int64)
+        if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= t.numel()):
             raise WorkerOpError(f"positions outside parameter {pname!r} ({t.numel()} elements)")
+        return t, pos, self._ck(pname)
 
     def gather(self, reads: list[list[str]]) -> list[str]:
-        out = []
         live = self._live_params()
-        for pname, pos_b64 in reads:
-            t = self._target(pname, live)
-            pos = unb64(pos_b64, np.int64)
-            self._positions_ok(pname, t, pos)
-            out.append(b64(read_as(t, pos, self._ck(pname))))
-        return out
+        return [b64(read_as(*self._located(pname, pos_b64, live))) for pname, pos_b64 in reads]
 
     def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors ``names`` rebuilt from the held values (host copies, live parameters)."""
@@ -382,13 +320,10 @@ class WorkerCore(MapLearner, KernelAuditor):
         decoded = []
         live = self._live_params()
         for pname, pos_b64, bits_b64 in writes:
-            t = self._target(pname, live)
-            ck = self._ck(pname)
-            pos = unb64(pos_b64, np.int64)
+            t, pos, ck = self._located(pname, pos_b64, live)
             bits = unb64(bits_b64, uint_dtype(ck.bits))
             if bits.size != pos.size:
                 raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
-            self._positions_ok(pname, t, pos)
             decoded.append((pname, t, ck, pos, bits))
         entry = UndoEntry()
         t0 = time.perf_counter()
@@ -461,11 +396,9 @@ class WorkerCore(MapLearner, KernelAuditor):
         if self.reloader is None:
             raise WorkerOpError("this worker has no reload path to load a full view")
         self.reloader([(n, source[n]) for n in sorted(self.specs)])
-        reload_names = sorted({n for m, ns in self.feeds.items() for n in ns if self._module_reloads(m)})
-        if reload_names:
-            self._capture(reload_names, source)
+        self._capture(source)
         self.undo.clear()
-        self._check_reloaded(sorted(m for m in self.feeds if self._module_reloads(m)), 0)
+        self._check_reloaded(self._reloading(), 0)
 
     # ------------------------------------------------------------------------------- dispatch
     def handle(self, request: Mapping[str, Any]) -> dict:
@@ -477,7 +410,7 @@ class WorkerCore(MapLearner, KernelAuditor):
             if op == "attach":
                 self.max_undo = int(request.get("max_undo", DEFAULT_MAX_UNDO))
                 src_path = request.get("source")
-                src = self.open_source(src_path) if src_path else None
+                src = _open_checkpoint(src_path) if src_path else None
                 specs = {n: (tuple(s), d) for n, (s, d) in request["specs"].items()}
                 audit = str(request.get("audit", AUDIT_EVERY))
                 result = self.attach(specs, src, audit=audit, repair=bool(request.get("repair", True)))
@@ -494,7 +427,7 @@ class WorkerCore(MapLearner, KernelAuditor):
             elif op == "fingerprint":
                 result = self.fingerprints(request.get("names"))
             elif op == "load":
-                self.load(self.open_source(str(request["source"])))
+                self.load(_open_checkpoint(str(request["source"])))
                 result = True
             elif op == "describe":
                 result = self.describe()
@@ -514,6 +447,14 @@ class WorkerCore(MapLearner, KernelAuditor):
                 "error": f"{type(e).__name__}: {e}",
                 "trace": traceback.format_exc(limit=6) if not isinstance(e, WorkerOpError) else "",
             }
+
+
+def _grouped(names: Iterable[str]) -> dict[str, list[str]]:
+    """``names`` by the module prefix they belong to (`group_key`), in order."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(group_key(name), []).append(name)
+    return groups
 
 
 def _open_checkpoint(path: str) -> Mapping[str, torch.Tensor]:
@@ -551,7 +492,5 @@ class FlipsyncWorkerExtension:
         runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
 
     def _flipsync_default_source(self) -> Mapping[str, torch.Tensor] | None:
-        import os
-
         path = self.vllm_config.model_config.model  # type: ignore[attr-defined]
         return _open_checkpoint(path) if os.path.isdir(path) else None
