@@ -70,7 +70,11 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
             (f"127.0.0.1-{sp}", "test", f"http://127.0.0.1:{sp}")
         ]
         trainer.step()
-        r = httpx.post(  # held by the gateway until the sidecar holds v1: a loaded machine takes seconds
+        status = f"http://127.0.0.1:{sp}/flipsync/status"
+        # the first patch a fresh checkout stages compiles the codec's kernels (14 s seen on a loaded CI box):
+        # wait for it here, so that the gateway's 10 s hold below only covers the heartbeat and the refresh
+        assert wait_until(lambda: httpx.get(status, timeout=5).json()["version"] == 1, timeout=120, interval=0.2)
+        r = httpx.post(  # held by the gateway until its view of the members says v1
             f"{gateway}/v1/completions",
             json={"prompt": "hi", "max_tokens": 3, "weight_version": {"min_version": 1}},
             timeout=60,
@@ -84,7 +88,6 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
 
         worker = threading.Thread(target=long_request)
         worker.start()
-        status = f"http://127.0.0.1:{sp}/flipsync/status"
         assert wait_until(lambda: httpx.get(status, timeout=5).json()["requests_in_flight"] == 1, timeout=30)
         side.send_signal(signal.SIGTERM)
         t = time.monotonic()
