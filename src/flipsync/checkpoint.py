@@ -18,10 +18,8 @@ DEFAULT_SHARD_BYTES = 5 << 30
 
 
 class Checkpoint(Mapping[str, torch.Tensor]):
-    """A lazy, read-only mapping of tensor name to tensor over one or more safetensors files.
-
-    Tensors are read when asked for, so diffing two large checkpoints holds about one tensor at a time.
-    """
+    """A lazy, read-only mapping of tensor name to tensor over one or more safetensors files: tensors are read
+    when asked for, so diffing two large checkpoints holds about one tensor at a time."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -79,10 +77,8 @@ def save_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     metadata: Mapping[str, str] | None = None,
 ) -> None:
-    """Write ``tensors`` to ``path``: a single file if it ends in .safetensors, else a sharded directory.
-
-    Files are written under a temporary name and renamed, so a crash never leaves a half-written file.
-    """
+    """Write ``tensors`` to ``path``: a single file if it ends in .safetensors, else a sharded directory; each
+    file under a temporary name, then renamed, so a crash never leaves a half-written file."""
     out = Path(path)
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     meta = dict(metadata or {})

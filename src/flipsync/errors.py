@@ -40,11 +40,7 @@ class BoardError(FlipsyncError):
 
 
 class StoreError(BoardError):
-    """The object store failed (unreachable, timed out, refused).
-
-    The store layer raises one of its two subclasses, and callers decide by type: a `PermanentStoreError`
-    fails at once, a `TransientStoreError` was already retried within the store's bounds. A plain StoreError
-    (a wrapper's own failure) is treated as transient."""
+    """The object store failed; callers decide by subclass (a plain StoreError, a wrapper's own, is transient)."""
 
 
 class PermanentStoreError(StoreError):
@@ -70,9 +66,8 @@ class IntegrityError(BoardError):
 
 
 class UnusableArtifactError(IntegrityError):
-    """A board artifact passed its hash checks but cannot be used: its patch is corrupt, does not match its
-    manifest, or a keyframe does not hold the view its manifest names. A reader routes around it (a span,
-    a keyframe) or waits for the publisher to publish a way past it."""
+    """A board artifact passed its hash checks but cannot be used (a corrupt patch, one that does not match its
+    manifest, a keyframe of another view); a reader routes around it or waits for a way past it."""
 
     def __init__(self, message: str, *, edge: tuple[str, int | None, int], kind: str) -> None:
         super().__init__(message)

@@ -1,6 +1,6 @@
 """Run an ASGI app with uvicorn: on a thread of its own (the torch engine's server beside the proxy, tests),
 or on the main thread until a signal (the ``sidecar`` and ``relay`` commands); parse their ``--listen`` and
-``key=value`` options."""
+``key=value`` options; the OpenAI-style error body the proxy and the gateway answer with."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 import uvicorn
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from flipsync.errors import ConfigError
@@ -20,10 +22,18 @@ from flipsync.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+def error_response(
+    status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any
+) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
+    )
+
+
 def parse_listen(text: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[::1]:8000`` for IPv6); port 0 picks a free one."""
     host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ConfigError(f"listen address {text!r} is not HOST:PORT")
     host = host.strip("[]") or "127.0.0.1"
     return host, int(port)
@@ -59,12 +69,9 @@ def exit_on_signals() -> Iterator[None]:
 
 
 def serve_until_signal(app: ASGIApp, host: str, port: int, *, before_exit: Callable[[], None] | None = None) -> None:
-    """Serve ``app`` on this (main) thread until SIGINT / SIGTERM, then return normally.
-
-    uvicorn shuts down gracefully on a signal and then re-raises it; with our handler in place that becomes
-    a clean SystemExit(0), so the caller's cleanup runs and the process exits with status 0. With
-    ``before_exit`` (a sidecar's drain), the first signal runs it on a thread while the server keeps serving
-    the requests in flight, and the server stops once it returns; a second signal stops it at once.
+    """Serve ``app`` on this (main) thread until SIGINT / SIGTERM (uvicorn's re-raised signal becomes our clean
+    SystemExit(0)). With ``before_exit`` (a sidecar's drain), the first signal runs it on a thread while the
+    server keeps serving the requests in flight, and the server stops once it returns; a second stops it at once.
     """
     with exit_on_signals():
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
@@ -98,18 +105,10 @@ class _LeavingServer(uvicorn.Server):
 class ServerThread:
     """A uvicorn server bound to ``host:port`` (0: any free port), served from a daemon thread."""
 
-    def __init__(
-        self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *, log_level: str = "warning", grace_s: float = 3.0
-    ) -> None:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level=log_level,
-            access_log=False,
-            lifespan="on",
-            timeout_graceful_shutdown=max(1, round(grace_s)),
+            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{host}:{port}", daemon=True)

@@ -295,6 +295,12 @@ CLI_ROWS = [
         ("'localhost' is not HOST:PORT",),
     ),
     CliRow(
+        "a listen port written with a non-ASCII digit",
+        lambda e: ["sidecar", "--board", e("board"), "--listen", "127.0.0.1:\u00b2"],
+        2,
+        ("'127.0.0.1:\u00b2' is not HOST:PORT",),
+    ),
+    CliRow(
         "wrong served format at the sidecar: --format fp8-block for a bf16 run",
         # --wait-timeout bounds the test should the check regress (the sidecar would otherwise serve on).
         lambda e: ["sidecar", "--board", e("board"), "--run", "r1", "--format", "fp8-block", "--wait-timeout", "5"],

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.proxy import VersionConstraint, parse_constraint
+from flipsync.sidecar.proxy import BadRequest, VersionConstraint, parse_constraint
 from tests.sidecar.sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
 
 
@@ -260,6 +260,10 @@ def test_parse_constraint() -> None:
             parse_constraint(bad, {})
     with pytest.raises(Exception, match="conflicting"):
         parse_constraint({"exact_version": 1}, {"x-flipsync-exact-version": "2"})
+    # digits outside ASCII ("²" is a digit to str.isdigit, not to int) are a bad request, not a server error
+    for header in ("\u00b2", "\u0663", "-1", "1.5", ""):
+        with pytest.raises(BadRequest, match="non-negative integer"):
+            parse_constraint(None, {"x-flipsync-min-version": header})
     assert httpx  # the module is used by fixtures through the client
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,15 @@ def test_runs_are_named_and_never_mix(tmp_path: Path) -> None:
     assert a.run != new_run_name()  # a fresh unique name by default
     with pytest.raises(ConflictError, match="already exists"):
         Publisher(model, store, run=a.run, config=PublisherConfig(background=False))
+    # refused in either mode, it leaves no thread behind (the background worker's pools were made at start)
+    before = set(threading.enumerate())
+    for background in (False, True):
+        with pytest.raises(ConflictError, match="already exists"):
+            Publisher(model, store, run=a.run, config=PublisherConfig(background=background))
+    deadline = time.monotonic() + 5  # pool threads exit soon after their shutdown
+    while (left := [t.name for t in threading.enumerate() if t not in before]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left
     # resume=True with the same weights continues the run without a new version
     opt = adam(model)
     with Publisher(model, store, run=a.run, resume=True, optimizer=opt, config=PublisherConfig(background=False)) as b:

@@ -1,7 +1,5 @@
-"""Fetch ahead: `FetchAhead`, a reader's store that downloads a version's objects while the trainer is still
-publishing them, so the transfer overlaps the trainer's work instead of following it. Safe because attempt
-folders are written once and every part is still checked against the signed manifest. See docs/board.md.
-"""
+"""`FetchAhead`: a reader's store that downloads a version's objects while the trainer is still publishing them.
+Why that is safe: docs/board.md ("Fetching ahead")."""
 
 from __future__ import annotations
 
@@ -92,9 +90,7 @@ class FetchAhead(StoreWrapper):
         return self.inner.get(path, size=size)
 
     def wait_exists(self, path: str, timeout_s: float) -> bool | None:
-        if isinstance(self.inner, WaitingStore):
-            return self.inner.wait_exists(path, timeout_s)
-        return None
+        return self.inner.wait_exists(path, timeout_s) if isinstance(self.inner, WaitingStore) else None
 
     def close(self) -> None:
         with self._lock:

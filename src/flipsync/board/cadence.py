@@ -1,7 +1,4 @@
-"""When to write a keyframe and which squashed spans to publish: pure policy, no I/O. Keyframes bound what a
-replica that is behind pays; aligned power-of-two spans keep any catch-up to O(log k) downloads.
-See docs/board.md ("Cadence").
-"""
+"""When to write a keyframe and which squashed spans to publish: pure policy, no I/O. See docs/board.md#cadence."""
 
 from __future__ import annotations
 
@@ -24,18 +21,10 @@ class KeyframePolicy:
 
 
 def should_write_keyframe(
-    *,
-    chain_bytes: int,
-    keyframe_bytes: int | None,
-    versions_since: int,
-    policy: KeyframePolicy | None = None,
+    *, chain_bytes: int, keyframe_bytes: int | None, versions_since: int, policy: KeyframePolicy | None = None
 ) -> bool:
-    """Whether the version just published should also get a keyframe.
-
-    ``chain_bytes``: total bytes of the patches published since the newest keyframe; ``keyframe_bytes``:
-    the size of that keyframe (None when the run has none yet: then always); ``versions_since``: how many
-    versions were published after it.
-    """
+    """Whether the version just published should also get a keyframe, given the bytes of the patches since
+    the newest keyframe, that keyframe's size (None: the run has none yet, so always) and the versions since."""
     p = policy or KeyframePolicy()
     if keyframe_bytes is None:
         return True
@@ -57,11 +46,8 @@ class SpanPolicy:
 
 
 def spans_to_publish(version: int, *, origin: int = 0, policy: SpanPolicy | None = None) -> list[tuple[int, int]]:
-    """The (base, target) spans to squash right after ``version`` is published, smallest first.
-
-    ``origin`` is the first version of the lineage (the snapshot the patch chain starts from): spans are
-    aligned relative to it and never start before it.
-    """
+    """The (base, target) spans to squash right after ``version`` is published, smallest first, aligned to
+    ``origin`` (the snapshot the patch chain starts from) and never starting before it."""
     p = policy or SpanPolicy()
     offset = version - origin
     out: list[tuple[int, int]] = []

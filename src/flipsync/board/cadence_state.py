@@ -1,8 +1,5 @@
-"""The keyframe and span cadence's bookkeeping: where the run's newest keyframe is and what was published since.
-
-`flipsync.board.cadence` holds the policies (pure functions of a few numbers); `CadenceTracker` keeps those
-numbers current for a `BoardWriter`: read back from the board when the writer resumes (a bounded walk from
-HEAD to the newest keyframe), then moved forward by every snapshot, patch and keyframe the writer publishes.
+"""`CadenceTracker` keeps the numbers the cadence policies (`flipsync.board.cadence`) look at current for a
+`BoardWriter`: read back from the board on resume, then moved forward by every artifact the writer publishes.
 """
 
 from __future__ import annotations
@@ -64,9 +61,8 @@ class CadenceTracker:
         keyframes = set(self.catalog.list_keyframes())
         chain = 0
         since = 0
-        limit = self.keyframe_policy.max_interval
         hi = head.version
-        while since <= limit and hi >= 0:
+        while since <= self.keyframe_policy.max_interval and hi >= 0:
             lo = max(0, hi - (SCAN_BATCH - 1))
             batch = self.catalog.read_versions(range(lo, hi + 1))
             for v in range(hi, lo - 1, -1):

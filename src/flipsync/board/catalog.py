@@ -1,8 +1,6 @@
-"""Reading a run's board: manifests (validated, signature-checked, cached), listings, HEAD discovery and
-verified part downloads. The publisher, the reader, retention and the CLI all read through a Catalog.
-
-Readers trust only immutable manifests: the ``latest.json`` hint is a starting point for HEAD discovery and
-nothing more. Manifests are cached by path, since they never change once written.
+"""Reading a run's board: manifests (validated, signature-checked, cached by path: they never change once
+written), listings, HEAD discovery and verified part downloads. Every board reader reads through a Catalog.
+Only immutable manifests are trusted: the ``latest.json`` hint is where HEAD discovery starts, nothing more.
 """
 
 from __future__ import annotations
@@ -37,14 +35,7 @@ def content_hash(data: bytes | bytearray | memoryview) -> str:
 class Catalog:
     """Read access to one run on a board."""
 
-    def __init__(
-        self,
-        store: Store,
-        run: str,
-        *,
-        verifier: Verifier | None = None,
-        max_parallel: int = 8,
-    ) -> None:
+    def __init__(self, store: Store, run: str, *, verifier: Verifier | None = None, max_parallel: int = 8) -> None:
         self.store = store
         self.layout = RunLayout(run)
         self.run = run
@@ -96,8 +87,7 @@ class Catalog:
         return self._read_manifest(self.layout.span_manifest(base, target), lambda _m: (Kind.SPAN.value, base, target))
 
     def read_many(self, reads: Sequence[Callable[[], Manifest]], problems: list[str] | None = None) -> list[Manifest]:
-        """Read manifests in parallel, in order; missing ones (retention) are skipped, unusable ones skipped
-        and noted in ``problems``."""
+        """Read manifests in parallel, in order, skipping missing (retention) and unusable ones (in ``problems``)."""
         if not reads:
             return []
 
@@ -145,8 +135,7 @@ class Catalog:
         return sorted(v for n in names if (v := parse_version_name(n)) is not None)
 
     def list_spans(self) -> list[tuple[int, int]]:
-        names = self.store.list_dirs(self.layout.spans_dir)
-        return sorted(s for n in names if (s := parse_span_name(n)) is not None)
+        return sorted(s for n in self.store.list_dirs(self.layout.spans_dir) if (s := parse_span_name(n)) is not None)
 
     def has_version(self, v: int) -> bool:
         return self.store.exists(self.layout.version_manifest(v))
@@ -154,8 +143,7 @@ class Catalog:
     def read_hint(self) -> int | None:
         """The ``latest.json`` hint, or None when it is missing or unreadable (it is only a hint)."""
         try:
-            d = json.loads(self.store.get(self.layout.latest))
-            v = d["version"]
+            v = json.loads(self.store.get(self.layout.latest))["version"]
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
         except NotFoundError:
             return None
@@ -164,12 +152,9 @@ class Catalog:
             return None
 
     def discover_head(self, known: int | None = None) -> int | None:
-        """The newest version whose manifest exists (None: nothing published yet).
-
-        Starts from the larger of ``known`` and the hint, when that manifest exists, otherwise from a
-        listing; then finds the first missing version after it by galloping and bisection. Versions are
-        contiguous because each is created only on top of the one before.
-        """
+        """The newest version whose manifest exists (None: nothing published yet): from the larger of ``known``
+        and the hint (or a listing, when that manifest is gone), gallop and bisect to the first missing version.
+        Versions are contiguous: each is created only on top of the one before."""
         start = known
         hint = self.read_hint()
         if hint is not None and (start is None or hint > start) and self.has_version(hint):
@@ -197,7 +182,7 @@ class Catalog:
 
     def _fetch_object(self, artifact_dir: str, rel: str, size: int) -> bytes:
         """Download one object of a part and check its size."""
-        path = self.layout.part_path(artifact_dir, rel)
+        path = f"{artifact_dir}/{rel}"
         where = f"{self.store.url}/{path}"
         try:
             if size > _CHECK_SIZE_FIRST_BYTES:
@@ -228,7 +213,7 @@ class Catalog:
             data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
             actual = content_hash(data)
             if actual != p.hash:
-                where = f"{self.store.url}/{self.layout.part_path(artifact_dir, p.path)}"
+                where = f"{self.store.url}/{artifact_dir}/{p.path}"
                 raise IntegrityError(
                     f"part {where} is corrupt: BLAKE3 {actual[:16]}..., manifest says {p.hash[:16]}..."
                 )

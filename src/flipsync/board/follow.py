@@ -1,6 +1,5 @@
-"""The one follow-and-replan loop: `Follower` holds one replica's position on a board and advances it only over
-steps the caller applied, replanning around missing or damaged artifacts. The sidecar's replica composes it
-with an engine; tests and benchmarks use it with a plain dict of tensors. See docs/board.md ("Catch-up").
+"""The one follow-and-replan loop: `Follower` advances one replica's position only over steps the caller
+applied, replanning around missing or damaged artifacts. See docs/board.md ("Catch-up").
 """
 
 from __future__ import annotations
@@ -15,11 +14,6 @@ from flipsync.domain.manifest import Manifest
 from flipsync.errors import BoardError, IntegrityError, NotFoundError, UnusableArtifactError
 
 log = logging.getLogger(__name__)
-
-# Called with the new position (version, view fingerprint) each time it changes.
-OnMove = Callable[[int | None, str | None], None]
-# Called with each downloaded, checked artifact and the seconds spent waiting for it, before ``apply``.
-OnFetch = Callable[[Manifest, float], None]
 
 
 class Replan(Exception):
@@ -37,8 +31,8 @@ class Follower:
         version: int | None = None,
         view_fp: str | None = None,
         max_replans: int = 3,
-        on_move: OnMove | None = None,
-        on_fetch: OnFetch | None = None,
+        on_move: Callable[[int | None, str | None], None] | None = None,  # the new (version, view fp), on each change
+        on_fetch: Callable[[Manifest, float], None] | None = None,  # each checked download, seconds waited for it
     ) -> None:
         self.reader = reader
         self.version = version
@@ -59,11 +53,8 @@ class Follower:
             self._on_move(version, view_fp)
 
     def sync(self, apply: Callable[[Step], None], *, goal: int | None = None) -> int | None:
-        """Catch up to ``goal`` (default HEAD): call ``apply`` on each verified step, in order.
-
-        Returns the version now held. On error the position stays on the last version whose ``apply``
-        returned (``self.version``), and the error is raised.
-        """
+        """Catch up to ``goal`` (default HEAD), calling ``apply`` on each verified step in order; return the
+        version now held. An error is raised with the position on the last version whose ``apply`` returned."""
         target = goal if goal is not None else self.reader.head()
         if target is None or self.version == target:
             return self.version
@@ -83,7 +74,10 @@ class Follower:
                 if cause is None:
                     raise
                 # Routing around a damaged artifact left no way: report the damage itself.
-                raise _no_way_past(cause, target, e) from e
+                msg = f"{cause}; and no other way to v{target} yet (waiting for a keyframe or span past it): {e}"
+                if isinstance(cause, UnusableArtifactError):
+                    raise UnusableArtifactError(msg, edge=cause.edge, kind=cause.kind) from e
+                raise IntegrityError(msg) from e
             try:
                 failure = self._follow(plan, apply)
             except Replan:
@@ -97,7 +91,7 @@ class Follower:
             else:
                 transient.add(m.edge)
             self.reader.catalog.forget(m)
-            log.warning("excluding %s v%s->v%d and planning again: %s", m.kind.value, m.base_version, m.version, err)
+            log.warning("excluding %s and planning again: %s", m.where, err)
             if attempt == self.max_replans:
                 raise err
         raise BoardError(
@@ -142,10 +136,3 @@ class Follower:
                 self.view_fp[:16],
             )
             self.move_to(None, None)
-
-
-def _no_way_past(cause: IntegrityError, target: int, e: NotFoundError) -> IntegrityError:
-    msg = f"{cause}; and no other way to v{target} yet (waiting for a keyframe or span past it): {e}"
-    if isinstance(cause, UnusableArtifactError):
-        return UnusableArtifactError(msg, edge=cause.edge, kind=cause.kind)
-    return IntegrityError(msg)

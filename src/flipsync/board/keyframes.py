@@ -1,11 +1,5 @@
-"""Keyframes: a full served view written as a plain, engine-loadable safetensors checkpoint.
-
-A keyframe folder holds ``model-00001-of-0000N.safetensors`` shards (each at most ``max_shard_bytes`` of
-tensor data, except a single larger tensor which gets a shard of its own) and an HF-style
-``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map": {name: shard}}``), so
-an engine can load the folder as a checkpoint. The board records every file as a part of the keyframe's
-manifest, with its hash, like any other artifact.
-"""
+"""Keyframes: a full served view as a plain HF-style sharded safetensors checkpoint an engine can load (shards of
+at most ``max_shard_bytes``, a larger tensor alone); every file is a part. See docs/board.md#layout."""
 
 from __future__ import annotations
 
@@ -53,11 +47,10 @@ def iter_keyframe_files(
     if not tensors:
         raise ConfigError("a keyframe needs at least one tensor")
     groups = plan_shards(tensors, max_shard_bytes)
-    n = len(groups)
     weight_map: dict[str, str] = {}
     total = 0
     for i, names in enumerate(groups, start=1):
-        name = shard_name(i, n)
+        name = shard_name(i, len(groups))
         shard: dict[str, torch.Tensor] = {}
         storages: set[int] = set()
         for key in names:

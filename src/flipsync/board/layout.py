@@ -1,6 +1,5 @@
-"""Where things live on a board: every path the board reads or writes is built here (runs, versions, per-attempt
-part folders, keyframes, spans, the HEAD hint, member records). See docs/board.md ("Layout").
-"""
+"""Where things live on a board: the folders of runs, versions, keyframes and spans (and which a manifest lives
+in), fresh attempt ids, the HEAD hint and member records. See docs/board.md ("Layout")."""
 
 from __future__ import annotations
 
@@ -86,6 +85,3 @@ class RunLayout:
             assert m.base_version is not None
             return self.span_dir(m.base_version, m.target_version)
         raise BoardError(f"a {m.kind.value} manifest lives in the versions folder")
-
-    def part_path(self, artifact_dir: str, part: str) -> str:
-        return f"{artifact_dir}/{part}"

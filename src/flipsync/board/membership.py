@@ -1,7 +1,5 @@
-"""Fleet membership on the board: `MemberWriter` keeps one replica's record under
-``runs/<run>/members/<replica>.json``, and `MemberReader` lists the live records and says why it refuses the
-others. The board stays the only source of truth. See docs/board.md and docs/fleet.md.
-"""
+"""Fleet membership on the board: `MemberWriter` keeps one replica's record, `MemberReader` lists the live ones
+and says why it refuses the others. See docs/fleet.md#membership."""
 
 from __future__ import annotations
 
@@ -72,11 +70,8 @@ class _Seen:
 
 @dataclass
 class MemberReader:
-    """Reads the board's member records, verifying signatures with ``verifier`` (a signed board).
-
-    ``runs``: the runs to read (None: every run on the board, listed at each scan). ``max_skew_s``: how far
-    in the future a heartbeat may be (clocks disagree a little). ``max_ttl_s`` caps the TTL a record claims.
-    """
+    """Reads the member records of ``runs`` (None: every run on the board, listed at each scan), verifying
+    signatures with ``verifier``; a heartbeat may be ``max_skew_s`` in the future, ``max_ttl_s`` caps TTLs."""
 
     store: Store
     runs: tuple[str, ...] | None = None
@@ -138,8 +133,10 @@ class MemberReader:
                 record = self._check(obj.path, run, self.store.get(obj.path))
             except NotFoundError:
                 return None, None  # deleted between the listing and the read: a replica that left
+            except _Refused as e:
+                error = Rejected(obj.path, e.reason, str(e))
             except IntegrityError as e:
-                error = Rejected(obj.path, _reason(e), str(e))
+                error = Rejected(obj.path, "bad_signature" if "bad signature" in str(e) else "malformed", str(e))
             except FlipsyncError as e:
                 # Not cached: the next scan tries again.
                 return None, Rejected(obj.path, "unreadable", str(e))
@@ -175,9 +172,3 @@ class _Refused(IntegrityError):
 
 def _listing(obj: ObjectInfo) -> tuple[int, str, str | None]:
     return (obj.size, obj.modified.isoformat(), obj.etag)
-
-
-def _reason(e: IntegrityError) -> str:
-    if isinstance(e, _Refused):
-        return e.reason
-    return "bad_signature" if "bad signature" in str(e) else "malformed"

@@ -1,6 +1,5 @@
-"""Following a board through a regional copy that the cloud replicates asynchronously (late, in any order).
-`MirrorStore` waits for late objects or reads them from the origin, so a replica never applies part of a
-version; `MirrorStats` / `MirrorCollector` measure the replication lag. See docs/integrations/mirrors.md.
+"""Following a board through a regional copy the cloud replicates late and in any order: `MirrorStore` waits
+for late objects or reads them from the origin, and measures the replication lag. See docs/integrations/mirrors.md.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from flipsync.board.layout import LATEST, MANIFEST
-from flipsync.domain.manifest import Manifest, parse_time
+from flipsync.domain.manifest import Manifest
 from flipsync.errors import ConfigError, IntegrityError, NotFoundError, TransientStoreError
 from flipsync.stores import ObjectInfo, Store, StoreWrapper
 
@@ -29,13 +28,9 @@ _VERSION_MANIFEST = re.compile(rf"^(?P<run>(?:.*/)?runs/[^/]+)/versions/(?P<v>\d
 
 @dataclass(frozen=True)
 class MirrorPolicy:
-    """How a reader treats objects the mirror does not have yet.
-
-    ``wait_s``: how long one read waits for a missing object to appear on the mirror (0: not at all).
-    ``poll_s``: how often it looks meanwhile. ``fallback``: after ``wait_s``, read the object from the origin
-    board (needs an origin); without it the read fails with ``TransientStoreError`` and the replica stays on its last
-    whole version until the mirror has the object.
-    """
+    """How a reader treats objects the mirror does not have yet: one read waits up to ``wait_s`` for a missing
+    object to appear (looking every ``poll_s``), then with ``fallback`` reads it from the origin board; else it
+    fails with ``TransientStoreError`` and the replica stays on its last whole version."""
 
     wait_s: float = 30.0
     poll_s: float = 0.2
@@ -62,9 +57,7 @@ class MirrorStats:
 
 
 class MirrorStore(StoreWrapper):
-    """A read-only Store over a mirror of a board, waiting for late objects or reading them from the origin
-    (see the module doc). ``mirror`` and ``origin`` are Stores rooted at the same board; ``close()`` closes
-    both."""
+    """A read-only Store over a mirror of a board; ``mirror`` and ``origin`` are rooted at the same board."""
 
     def __init__(
         self,
@@ -78,7 +71,7 @@ class MirrorStore(StoreWrapper):
         self.origin = origin
         self.policy = policy or MirrorPolicy()
         if self.policy.fallback and origin is None:
-            self.policy = MirrorPolicy(self.policy.wait_s, self.policy.poll_s, fallback=False)
+            self.policy = replace(self.policy, fallback=False)
         self._clock = clock
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -229,7 +222,7 @@ class MirrorStore(StoreWrapper):
         if seen is None:
             return  # there at the first look, read from the origin, or sampled already
         try:
-            created = parse_time(Manifest.from_json(data).created).timestamp()
+            created = Manifest.from_json(data).created_at.timestamp()
         except (IntegrityError, ValueError):
             return  # the catalog reports an unusable manifest itself
         lag = max(0.0, seen - created)

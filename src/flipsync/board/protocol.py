@@ -1,7 +1,5 @@
-"""The publish protocol's mechanics for one artifact: `ArtifactWriter` makes its parts durable in a fresh
-attempt folder, then creates its manifest create-only, resolving conflicts and ambiguous creates safely.
-`flipsync.board.writer` decides what to publish and when. See docs/board.md ("Publish protocol").
-"""
+"""`ArtifactWriter` publishes one artifact: its parts made durable in a fresh attempt folder, then its manifest
+created create-only, conflicts and ambiguous creates resolved safely. See docs/board.md ("Publish protocol")."""
 
 from __future__ import annotations
 
@@ -72,11 +70,9 @@ class ArtifactWriter:
         *,
         existing: Callable[[], Manifest] | None = None,
     ) -> Manifest:
-        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only.
-
-        Without ``existing`` it is a version's manifest and fences: whoever created it first wins, the others
-        are fenced off (ConflictError). With it, the artifact (an extra keyframe, a span) is idempotent: if one
-        with the same end views is already there, ``existing()`` reads it and it is returned.
+        """Create the manifest of durable ``parts`` (relative to ``folder``), create-only. Without ``existing``
+        it is a version's and fences (the first creator wins, the others get ConflictError); with it, the
+        artifact is idempotent: one with the same end views already there is read by ``existing()`` and returned.
         """
         if not parts:
             raise BoardError(f"nothing to publish for {kind.value} v{version}: no parts")
@@ -107,15 +103,8 @@ class ArtifactWriter:
             if (other.base_view_fp, other.target_view_fp) != (m.base_view_fp, m.target_view_fp):
                 raise
             return other
-        log.info(
-            "published %s v%d (%d parts, %d bytes) to %s/%s",
-            kind.value,
-            version,
-            len(parts),
-            m.total_size,
-            self.store.url,
-            folder,
-        )
+        where = f"{self.store.url}/{folder}"
+        log.info("published %s v%d (%d parts, %d bytes) to %s", kind.value, version, len(parts), m.total_size, where)
         return m
 
     def _create_manifest(self, path: str, payload: bytes, written: list[str], *, version: int, fence: bool) -> None:

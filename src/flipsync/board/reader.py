@@ -1,8 +1,5 @@
-"""Reading side: discover HEAD, plan the cheapest catch-up, fetch and verify, hand over verified steps.
-
-``BoardReader`` plans and fetches (a HEAD that moved backwards, a board nobody can verify, a damaged
-artifact each raise a clear error); ``board.follow.Follower`` drives one replica's catch-up with it.
-"""
+"""`BoardReader`: discover HEAD, plan the cheapest catch-up, fetch and verify, hand over verified steps (a HEAD
+that moved backwards, a board nobody can verify, a damaged artifact each raise a clear error)."""
 
 from __future__ import annotations
 
@@ -72,20 +69,11 @@ Step = PatchStep | KeyframeStep
 class BoardReader:
     """Read one run of a board: HEAD, catch-up plans, verified downloads."""
 
-    def __init__(
-        self,
-        store: Store,
-        run: str,
-        *,
-        verifier: Verifier | None = None,
-        prefetch: int = 2,
-        max_parallel: int = 8,
-    ) -> None:
+    def __init__(self, store: Store, run: str, *, verifier: Verifier | None = None, max_parallel: int = 8) -> None:
         self.store = store
         self.catalog = Catalog(store, run, verifier=verifier, max_parallel=max_parallel)
         self.run = run
-        self.prefetch_depth = max(1, prefetch)
-        self.max_parallel = max_parallel
+        self.prefetch_depth = 2  # downloads kept ahead of the step being applied
         self._max_head: int | None = None
 
     # -- HEAD -----------------------------------------------------------------------------------------
@@ -115,7 +103,7 @@ class BoardReader:
         """Version manifests from ``head`` down to the newest snapshot (or ``floor``), in parallel batches."""
         out: list[Manifest] = []
         hi = head
-        batch = 4 * self.max_parallel
+        batch = 4 * self.catalog.max_parallel
         while hi >= floor:
             lo = max(floor, hi - batch + 1)
             ms = list(self.catalog.read_versions(range(lo, hi + 1), problems).values())
@@ -188,9 +176,7 @@ class BoardReader:
         return KeyframeStep(m, tensors)
 
     def prefetch(self, plan: CatchupPlan) -> Iterator[tuple[Manifest, Future[Step]]]:
-        """Yield (manifest, future) in plan order, keeping up to ``prefetch`` downloads ahead."""
-        if not plan.steps:
-            return
+        """Yield (manifest, future) in plan order, keeping up to ``prefetch_depth`` downloads ahead."""
         pool = ThreadPoolExecutor(self.prefetch_depth, thread_name_prefix="flipsync-fetch")
         pending: deque[tuple[Manifest, Future[Step]]] = deque()
         todo = iter(plan.steps)
@@ -207,9 +193,9 @@ class BoardReader:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def steps(self, plan: CatchupPlan, *, local_view_fp: str | None = None) -> Iterator[Step]:
+    def steps(self, plan: CatchupPlan) -> Iterator[Step]:
         """Verified steps of a plan, in order; each patch's base view is checked against the previous."""
-        current = local_view_fp
+        current: str | None = None
         for m, fut in self.prefetch(plan):
             step = fut.result()
             check_continuity(m, current)
@@ -218,9 +204,9 @@ class BoardReader:
 
     # -- keyframes ------------------------------------------------------------------------------------
 
-    def newest_keyframe(self, at_or_below: int | None = None) -> Manifest:
-        """The newest keyframe (extra keyframe or snapshot version) at or below a version (default HEAD)."""
-        head = self.head() if at_or_below is None else at_or_below
+    def newest_keyframe(self) -> Manifest:
+        """The newest keyframe (extra keyframe or snapshot version) at or below HEAD."""
+        head = self.head()
         if head is None:
             raise NotFoundError(f"run {self.run!r} on {self.store.url} has no published version yet")
         candidates = [m for m in self.artifacts(None, head) if m.kind is Kind.KEYFRAME]
@@ -248,7 +234,7 @@ class BoardReader:
         if m.kind is not Kind.KEYFRAME:
             raise BoardError(f"{m.kind.value} v{m.version} is not a keyframe")
         folder = self.catalog.artifact_dir(m)
-        attempt = m.parts[0].path.rsplit("/", 1)[0] if "/" in m.parts[0].path else ""
+        attempt = m.parts[0].path.rpartition("/")[0]
         return f"{self.store.url}/{folder}/{attempt}".rstrip("/")
 
 
@@ -258,9 +244,8 @@ def check_continuity(m: Manifest, current_fp: str | None) -> None:
         return
     if m.base_view_fp != current_fp:
         raise IntegrityError(
-            f"{m.kind.value} v{m.base_version}->v{m.target_version} "
-            f"starts from view {str(m.base_view_fp)[:16]}, "
-            f"but the replica holds view {current_fp[:16]}: the board's chain does not line up"
+            f"{m.where} starts from view {str(m.base_view_fp)[:16]}, but the replica holds view {current_fp[:16]}: "
+            "the board's chain does not line up"
         )
 
 

@@ -75,29 +75,21 @@ def _window_start(cat: Catalog, head: int, policy: RetentionPolicy, now: datetim
     if policy.keep_seconds is None:
         return start
     oldest = now - timedelta(seconds=policy.keep_seconds)
-    v = start - 1
-    while v >= 0:
+    for v in range(start - 1, -1, -1):
         try:
             m = cat.version(v)
         except NotFoundError:
             break
         except IntegrityError:
-            v -= 1  # unreadable: keep it and look further down
-            continue
+            continue  # unreadable: keep it and look further down
         if m.created_at < oldest:
             break
         start = v
-        v -= 1
     return start
 
 
 def collect_garbage(
-    store: Store,
-    run: str,
-    policy: RetentionPolicy | None = None,
-    *,
-    dry_run: bool = False,
-    now: datetime | None = None,
+    store: Store, run: str, policy: RetentionPolicy | None = None, *, dry_run: bool = False, now: datetime | None = None
 ) -> GcReport:
     """Apply the retention policy to one run; return what was (or, with ``dry_run``, would be) deleted."""
     policy = policy or RetentionPolicy()
@@ -119,8 +111,7 @@ def collect_garbage(
     stale_members: list[ObjectInfo] = []
     root = cat.layout.root + "/"
     for obj in store.list(cat.layout.root):
-        rel = obj.path[len(root) :] if obj.path.startswith(root) else obj.path
-        bits = rel.split("/")
+        bits = obj.path.removeprefix(root).split("/")
         if len(bits) >= 3 and bits[0] in ("versions", "keyframes", "spans"):
             groups[bits[0], bits[1]].append(obj)
         elif len(bits) == 2 and bits[0] == MEMBERS and obj.modified < members_gone:
@@ -130,7 +121,8 @@ def collect_garbage(
 
     doomed: list[tuple[tuple[int, int], str, list[ObjectInfo]]] = []
     for (area, name), objs in groups.items():
-        span = parse_span_name(name) if area == "spans" else _as_span(parse_version_name(name))
+        v = parse_version_name(name)  # a version or keyframe folder sits among the spans as (v, v)
+        span = parse_span_name(name) if area == "spans" else None if v is None else (v, v)
         if span is None:
             continue
         if span[0] < cutoff:
@@ -188,11 +180,6 @@ def _orphans(
     stale = [o for o in objs if o.path not in referenced and o.modified < grace]
     _delete(cat.store, report, stale)
     return len(stale)
-
-
-def _as_span(v: int | None) -> tuple[int, int] | None:
-    """A version folder's place among the span folders: (v, v)."""
-    return None if v is None else (v, v)
 
 
 def _read(cat: Catalog, area: str, span: tuple[int, int]) -> Manifest:

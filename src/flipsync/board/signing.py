@@ -1,11 +1,5 @@
-"""Ed25519 signatures on manifests and fleet member records.
-
-A publisher signs the canonical JSON of a manifest (everything but the signature field). Since the manifest
-carries the BLAKE3 hash of every part, the signature covers the parts too. A reader configured with one or
-more public keys refuses unsigned manifests, manifests signed by an unknown key and tampered ones. A sidecar
-signs its member record the same way (``sign_payload`` / ``verify_payload`` over the record's canonical JSON).
-Keys are PEM files: PKCS#8 for the private key (mode 0600), SubjectPublicKeyInfo for the public one.
-"""
+"""Ed25519 signatures over the canonical JSON (less the signature) of manifests and fleet member records; keys
+are PEM files (SubjectPublicKeyInfo for the public one). See docs/board.md#signatures."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""A store wrapper that limits read bandwidth, so a loopback board behaves like a WAN link.
-
-Token bucket: every byte read costs a token; tokens refill at ``bytes_per_s``, with a burst of at most
-``burst_s`` seconds of traffic. Callers sleep until their bytes are covered, so concurrent readers share
-the link as they would share a real one. Writes are not limited (the trainer's side of the link is its
-own datacenter). Used by ``flipsync demo --bandwidth`` and the cross-region benchmark.
+"""A store wrapper that limits read bandwidth with a token bucket, so a loopback board behaves like a WAN link
+(``flipsync demo --bandwidth``, the cross-region benchmark). Readers sleep until their bytes are covered, so
+concurrent ones share the link; writes are not limited (the trainer's side of the link is its own datacenter).
 """
 
 from __future__ import annotations
@@ -32,9 +29,9 @@ def parse_bandwidth(text: str) -> float:
 
 
 class TokenBucket:
-    def __init__(self, bytes_per_s: float, burst_s: float = 0.05) -> None:
+    def __init__(self, bytes_per_s: float) -> None:
         self.rate = bytes_per_s
-        self.capacity = max(1.0, bytes_per_s * burst_s)
+        self.capacity = max(1.0, bytes_per_s * 0.05)  # a burst of at most 50 ms of traffic
         self._tokens = self.capacity
         self._last = time.monotonic()
         self._lock = threading.Lock()
@@ -57,9 +54,9 @@ class TokenBucket:
 class ThrottledStore(StoreWrapper):
     """Wraps a Store; reads pay the bucket. Writes and metadata calls (head, list) pass through unlimited."""
 
-    def __init__(self, inner: Store, bytes_per_s: float, *, bucket: TokenBucket | None = None) -> None:
+    def __init__(self, inner: Store, bytes_per_s: float) -> None:
         super().__init__(inner)
-        self.bucket = bucket or TokenBucket(bytes_per_s)
+        self.bucket = TokenBucket(bytes_per_s)
         self.bytes_read = 0
 
     def get(self, path: str, *, size: int | None = None) -> bytes:

@@ -1,7 +1,5 @@
-"""`BoardWriter`: the publish protocol on top of `flipsync.board.protocol`. It decides what is published
-(versions, keyframes, spans), fences off a publisher whose base is not HEAD so HEAD only moves forward, and
-leaves a usable board after a crash at any step. Meant for one thread. See docs/board.md ("Publish protocol").
-"""
+"""`BoardWriter` decides what is published (versions, keyframes, spans) and fences off a publisher whose base is
+not HEAD, so HEAD only moves forward; one thread. See docs/board.md ("Publish protocol")."""
 
 from __future__ import annotations
 
@@ -28,11 +26,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def default_publisher_id() -> str:
-    host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:80] or "host"
-    return f"{host}-{os.getpid()}"
-
-
 class BoardWriter:
     """Publishes one run's versions, keyframes and spans to a board."""
 
@@ -52,7 +45,8 @@ class BoardWriter:
         self.catalog = Catalog(store, run)
         self.layout = self.catalog.layout
         self.run = run
-        self.publisher_id = check_name(publisher_id or default_publisher_id(), "publisher id")
+        host = "".join(c if c.isalnum() or c in "._-" else "-" for c in socket.gethostname())[:80] or "host"
+        self.publisher_id = check_name(publisher_id or f"{host}-{os.getpid()}", "publisher id")
         self.keyframe_policy = keyframe_policy or KeyframePolicy()
         self.span_policy = span_policy or SpanPolicy()
         self.max_shard_bytes = max_shard_bytes
@@ -74,21 +68,14 @@ class BoardWriter:
         return self._cadence.state
 
     def resume(self) -> Manifest | None:
-        """Read the board's HEAD and the keyframe cadence state; return the HEAD manifest (None: empty run).
-
-        A restarted trainer calls this, compares ``head.target_view_fp`` with its own view and either
-        continues with patches on top of it or publishes a snapshot.
-        """
-        known = self._head.version if self._head is not None else None
-        v = self.catalog.discover_head(known)
+        """Read the board's HEAD and the keyframe cadence state; return the HEAD manifest (None: empty run)."""
+        v = self.catalog.discover_head(self._head.version if self._head is not None else None)
         self._resumed = True
-        head = self.catalog.version(v) if v is not None else None
-        self._head = head
-        self._cadence.resume(head)
-        if head is None:
-            return None
-        log.info("publisher %s resumed run %s at v%d", self.publisher_id, self.run, head.version)
-        return head
+        self._head = self.catalog.version(v) if v is not None else None
+        self._cadence.resume(self._head)
+        if v is not None:
+            log.info("publisher %s resumed run %s at v%d", self.publisher_id, self.run, v)
+        return self._head
 
     def _ensure_resumed(self) -> None:
         if not self._resumed:
@@ -101,10 +88,8 @@ class BoardWriter:
     def spans_due(self, version: int | None = None) -> list[tuple[int, int]]:
         """The (base, target) spans the policy asks to squash after ``version`` (default: HEAD)."""
         if version is None:
-            if self._head is None:
-                return []
-            version = self._head.version
-        return self._cadence.spans_due(version)
+            version = self._head.version if self._head is not None else None
+        return [] if version is None else self._cadence.spans_due(version)
 
     # -- publishing ------------------------------------------------------------------------------------
 
@@ -119,11 +104,8 @@ class BoardWriter:
         served_format: str,
         meta: Meta | None = None,
     ) -> Manifest:
-        """Publish version ``target_version`` as a patch on top of HEAD; return its manifest.
-
-        Raises ConflictError if this publisher is fenced off: its base is not the board's HEAD (another
-        trainer published first, or this one restarted from an older state).
-        """
+        """Publish version ``target_version`` as a patch on top of HEAD; return its manifest. ConflictError:
+        this publisher is fenced off (its base is not the board's HEAD)."""
         self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         if self.catalog.has_version(target_version):
             # Cheap early fence: do not upload parts for a version that already exists.
@@ -133,7 +115,7 @@ class BoardWriter:
         files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
         uploaded = self._artifacts.upload(self.layout.version_dir(target_version), files)
         return self._commit_patch(
-            uploaded, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
+            uploaded, (base_version, base_view_fp), target_version, target_view_fp, served_format, meta
         )
 
     def commit_uploaded_patch(
@@ -147,14 +129,9 @@ class BoardWriter:
         served_format: str,
         meta: Meta | None = None,
     ) -> Manifest:
-        """Publish version ``target_version`` as a patch whose parts other processes already uploaded.
-
-        The second half of ``publish_patch``, for sharded training: every rank puts its part under
-        ``layout.version_dir(target_version)/<attempt>/`` (an attempt id shared by the ranks, from
-        ``new_attempt_id()``), makes it durable and reports its ``Part``; one process commits them all here,
-        with ``publish_patch``'s fences. Every part must be on the board with its recorded size (one listing;
-        the hashes are the uploaders' word, checked by every reader), else nothing is created.
-        """
+        """``publish_patch`` for parts other processes already uploaded under ``layout.version_dir(target_version)``
+        and made durable (sharded training, docs/board.md), with its fences. Every part must be on the board with
+        its recorded size (one listing; readers check the hashes), else nothing is created."""
         self._check_patch_on_head(base_version, target_version, base_view_fp, served_format)
         folder = self.layout.version_dir(target_version)
         on_board = {o.path: o.size for o in self.store.list(folder)}
@@ -174,7 +151,7 @@ class BoardWriter:
                     f"the board, not the {expected} bytes reported for it"
                 )
         return self._commit_patch(
-            parts, base_version, target_version, base_view_fp, target_view_fp, served_format, meta
+            parts, (base_version, base_view_fp), target_version, target_view_fp, served_format, meta
         )
 
     def _check_patch_on_head(
@@ -208,25 +185,12 @@ class BoardWriter:
             )
 
     def _commit_patch(
-        self,
-        parts: Sequence[Part],
-        base_version: int,
-        target_version: int,
-        base_view_fp: str,
-        target_view_fp: str,
-        served_format: str,
-        meta: Meta | None,
+        self, parts: Sequence[Part], base: tuple[int, str], version: int, view_fp: str, fmt: str, meta: Meta | None
     ) -> Manifest:
         """Create a checked patch version's manifest; HEAD moves to it, lengthening the chain since the keyframe."""
+        meta = {**(meta or {}), "origin": self._cadence.lineage_origin}
         m = self._artifacts.commit(
-            self.layout.version_dir(target_version),
-            parts,
-            Kind.PATCH,
-            target_version,
-            (base_version, base_view_fp),
-            target_view_fp,
-            served_format,
-            {**(meta or {}), "origin": self._cadence.lineage_origin},
+            self.layout.version_dir(version), parts, Kind.PATCH, version, base, view_fp, fmt, meta
         )
         self._advance(m)
         self._cadence.patch_published(m)
@@ -241,10 +205,7 @@ class BoardWriter:
         served_format: str,
         meta: Meta | None = None,
     ) -> Manifest:
-        """Publish version ``version`` as a full view (the first version of a run, or a takeover/rebase).
-
-        ``version`` must be HEAD + 1 (0 on an empty run). Patches after it build on this view.
-        """
+        """Publish ``version`` = HEAD + 1 (0 on an empty run) as a full view: a run's first version, or a takeover."""
         self._ensure_resumed()
         head = self._head
         expected = 0 if head is None else head.version + 1
@@ -254,30 +215,16 @@ class BoardWriter:
             raise ConflictError(
                 f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
-        m = self._commit_keyframe(
-            self.layout.version_dir(version),
-            tensors,
-            version,
-            view_fp,
-            served_format,
-            {**(meta or {}), "origin": version},
-        )
+        meta = {**(meta or {}), "origin": version}
+        m = self._commit_keyframe(self.layout.version_dir(version), tensors, version, view_fp, served_format, meta)
         self._advance(m)
         self._cadence.snapshot_published(m)
         return m
 
     def publish_keyframe(
-        self,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        version: int,
-        view_fp: str,
-        served_format: str,
+        self, tensors: Mapping[str, torch.Tensor], *, version: int, view_fp: str, served_format: str
     ) -> Manifest:
-        """Publish an extra keyframe of an already published version (the cadence asks for one).
-
-        Idempotent: if a keyframe of this version with the same view exists, it is returned.
-        """
+        """Publish an extra keyframe of an already published version; idempotent (an existing one is returned)."""
         self._ensure_resumed()
         vm = self.catalog.version(version)
         if vm.target_view_fp != view_fp or vm.served_format != served_format:
@@ -287,14 +234,9 @@ class BoardWriter:
             )
         if vm.kind is Kind.KEYFRAME:
             return vm  # the version is a snapshot: it is its own keyframe
+        folder = self.layout.keyframe_dir(version)
         m = self._commit_keyframe(
-            self.layout.keyframe_dir(version),
-            tensors,
-            version,
-            view_fp,
-            served_format,
-            {},
-            existing=lambda: self.catalog.keyframe(version),
+            folder, tensors, version, view_fp, served_format, {}, existing=lambda: self.catalog.keyframe(version)
         )
         self._cadence.keyframe_published(m, self._head.version if self._head is not None else m.version)
         return m
@@ -310,10 +252,7 @@ class BoardWriter:
         served_format: str,
         meta: Meta | None = None,
     ) -> Manifest:
-        """Publish a squashed patch from ``base_version`` to ``target_version`` (both already published).
-
-        Idempotent: if the span exists with the same end views, it is returned.
-        """
+        """Publish a squashed patch between two published versions; idempotent (an existing one is returned)."""
         for v, fp, end in ((base_version, base_view_fp, "base"), (target_version, target_view_fp, "target")):
             vm = self.catalog.version(v)
             if vm.target_view_fp != fp:
@@ -348,18 +287,11 @@ class BoardWriter:
         *,
         existing: Callable[[], Manifest] | None = None,
     ) -> Manifest:
-        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (``existing``: see
-        ``ArtifactWriter.commit``)."""
+        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (``existing``: see ``commit``)."""
+        parts = self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes))
+        meta = {**meta, "tensors": len(tensors)}
         return self._artifacts.commit(
-            folder,
-            self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes)),
-            Kind.KEYFRAME,
-            version,
-            None,
-            view_fp,
-            served_format,
-            {**meta, "tensors": len(tensors)},
-            existing=existing,
+            folder, parts, Kind.KEYFRAME, version, None, view_fp, served_format, meta, existing=existing
         )
 
     def _advance(self, m: Manifest) -> None:

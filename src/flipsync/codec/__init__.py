@@ -1,9 +1,6 @@
-"""The codec, the only owner of a patch: bitwise diff, near-entropy coding, the patch file, joining and
-squashing patches, all-or-nothing in-place apply. Other library packages import this module and its two
-vocabulary modules, ``flipsync.codec.bits`` (integer views, order keys, dtypes) and
-``flipsync.codec.fingerprint`` (view fingerprints and content digests), never its other submodules.
-docs/codec.md describes the coders and the container.
-"""
+"""The codec, the only owner of a patch (docs/codec.md): bitwise diff, near-entropy coding, the patch file,
+joining and squashing patches, all-or-nothing in-place apply. Other library packages import this module and its
+vocabulary modules ``bits`` (integer views, order keys, dtypes) and ``fingerprint``, never its other submodules."""
 
 from flipsync.codec.apply import StagedWrite, UndoRecord, apply_patch, commit, scatter, stage
 from flipsync.codec.class_index import ClassIndex

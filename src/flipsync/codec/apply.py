@@ -1,6 +1,5 @@
-"""Apply a patch in place, all or nothing: check, stage, then commit with an undo record, so a patch is never
-half-applied. Everything but the optional digest check is O(changed). See docs/codec.md ("Apply: all or nothing").
-"""
+"""Apply a patch in place, all or nothing (docs/codec.md, "Apply: all or nothing"): check, stage, then commit
+with an undo record. Everything but the optional digest check is O(changed)."""
 
 from __future__ import annotations
 
@@ -130,8 +129,7 @@ def _stage_kernel(
     apply the zigzagged step or raw pattern through the order key (bits.to_key/from_key, truncated to
     ``width``), and accumulate the fingerprint delta. Returns (index of the first raw value wider than
     ``width``, or -1; fingerprint delta mod 2**64). Three tight loops per block rather than one fused loop: a
-    bare gather loop keeps many cache misses in flight, and the others vectorise (one fused loop was 4x slower).
-    """
+    bare gather loop keeps many cache misses in flight, and the others vectorise (one fused loop was 4x slower)."""
     one = np.uint64(1)
     zero = np.uint64(0)
     half = one << np.uint64(width - 1)
@@ -175,18 +173,6 @@ def _stage_kernel(
     return -1, acc
 
 
-def _check_layout(tensors: MutableMapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> None:
-    if name not in tensors:
-        raise BaseMismatchError(f"the patch changes tensor {name!r}, which the target tensors do not have")
-    t = tensors[name]
-    if dtype_of(t).name != dtype or tuple(t.shape) != shape:
-        raise BaseMismatchError(
-            f"tensor {name!r} is {tuple(t.shape)} {dtype_of(t).name}, the patch expects {shape} {dtype}"
-        )
-    if not t.is_contiguous():
-        raise PatchError(f"tensor {name!r} is not contiguous; patches are applied to contiguous storage")
-
-
 def stage(
     tensors: MutableMapping[str, torch.Tensor],
     patch: Patch,
@@ -201,7 +187,15 @@ def stage(
     if not check and not patch.header.idempotent:
         raise PatchError("only overwrite-mode patches can be applied without checking their base")
     for s in patch.sections:  # layout first: the most actionable message
-        _check_layout(tensors, s.name, s.dtype, s.shape)
+        if s.name not in tensors:
+            raise BaseMismatchError(f"the patch changes tensor {s.name!r}, which the target tensors do not have")
+        t = tensors[s.name]
+        if dtype_of(t).name != s.dtype or tuple(t.shape) != s.shape:
+            raise BaseMismatchError(
+                f"tensor {s.name!r} is {tuple(t.shape)} {dtype_of(t).name}, the patch expects {s.shape} {s.dtype}"
+            )
+        if not t.is_contiguous():
+            raise PatchError(f"tensor {s.name!r} is not contiguous; patches are applied to contiguous storage")
     if check and table.view_fp() != patch.header.base.view:  # reads only the fingerprint table
         version = patch.header.base.version
         raise BaseMismatchError(

@@ -1,6 +1,5 @@
-"""MSB-first bit packing (numba): the bit writer the coders share, and the fixed-width value coder ``bits``.
-The unpackers read untrusted bytes: a malformed stream returns a negative status, never reads past the buffer.
-"""
+"""MSB-first bit packing (numba): the coders' bit writer, and the fixed-width value coder ``bits``. Unpackers
+read untrusted bytes: a malformed stream returns a negative status, never reads past the buffer."""
 
 from __future__ import annotations
 

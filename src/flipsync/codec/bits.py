@@ -1,7 +1,5 @@
-"""Integer views of tensors and the order-preserving key of a bit pattern: the codec never looks at
-floating-point values (+0/-0, NaN payloads are distinct patterns), and stores a change as the difference of
-order keys, +/-1 for a value that moved by one ulp.
-"""
+"""Integer views of tensors and the order-preserving key of a bit pattern: the codec never looks at float values
+(+0/-0, NaN payloads are distinct patterns) and stores a change as a difference of keys (+/-1: one ulp)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The element classes ``ctx`` conditions on (the exponent bits, for floats), and the receiver's class index:
-per tensor and class, a Fenwick tree of counts over blocks, so that sparse ``ctx`` sections read only their blocks.
-"""
+"""The element classes ``ctx`` conditions on (floats: the exponent bits), and the receiver's class index: per
+tensor and class, a Fenwick tree of counts over blocks, so that sparse ``ctx`` sections read only their blocks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The patch file: a plain safetensors file of uint8 tensors, specified in docs/codec.md ("The patch file"):
-one tensor per section of at least ``OWN_TENSOR_BYTES``, then ``HEADER_TENSOR`` with the header and the small
-sections (a table entry per tiny tensor would outweigh its changes), their values and positions grouped.
-"""
+"""The patch file (docs/codec.md, "The patch file"): a safetensors file of uint8 tensors, one per section of at
+least ``OWN_TENSOR_BYTES``, then ``HEADER_TENSOR`` with the header and the small sections (a table entry per tiny
+tensor would outweigh its changes), their values and positions grouped."""
 
 from __future__ import annotations
 
@@ -189,7 +188,7 @@ def _group_positions(
     gaps = [position_gaps(p) for p in found]
     members = list(range(len(picked)))
     for _ in range(4):  # drop members whose gaps the shared k codes worse than their own stream did
-        k = best_rice_k(np.concatenate([gaps[j] for j in members]))
+        k = best_rice_k(np.concatenate([gaps[j] for j in members]))[0]
         keep = [j for j in members if rice_bits(gaps[j], k) <= 8 * (own[j] + GROUPED_ROW_SAVING)]
         if len(keep) < 2:
             return None
@@ -262,7 +261,7 @@ def _ungroup_positions(
     gaps = np.diff(local, prepend=-1) - 1
     gaps[los] = local[los]
     gaps = gaps.astype(np.uint64)
-    ks = [best_rice_k(gaps[lo:hi]) for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
+    ks = [best_rice_k(gaps[lo:hi])[0] for lo, hi in zip(los.tolist(), his.tolist(), strict=True)]
     # Rice bits of c gaps with parameter k: c (k + 1) + the sum of gap >> k, at most (sum of gaps) >> k, which
     # k (near log2 of the mean) keeps below ~6c: bounded by the decoded count, never by a declared tensor size
     sums = np.add.reduceat(gaps, los).tolist()

@@ -1,13 +1,6 @@
-"""The ``ctx`` position coder: changed positions coded against the base tensor both sides hold.
-
-The elements are split into classes by the base value's exponent bits (``class_index.class_rule``), and per
-class the ranks of its changed elements among the class's elements are coded: about sum over classes of
-log2 C(N_c, k_c) bits. The stream (one MSB-first bit stream): a table of the used classes (the gap to the
-previous used class id, Elias-gamma; k_c - 1 in ``nbits`` bits; the step from the previous class's Rice
-parameter, zigzagged, Elias-gamma), then per class the gaps between the ranks of its changed elements,
-Rice-coded. The decoder turns ranks into positions by a countdown pass over the base (chunked for a large base,
-or block by block with a ``ClassIndex``); docs/codec.md ("Positions conditioned on the base") has the design.
-"""
+"""The ``ctx`` position coder: per class of the base value (``class_index.class_rule``), the ranks of the changed
+elements among the class's elements, about sum over classes of log2 C(N_c, k_c) bits. The stream layout and the
+decoder's passes: docs/codec.md ("Positions conditioned on the base")."""
 
 from __future__ import annotations
 
@@ -43,8 +36,6 @@ from flipsync.codec.rice import best_rice_k, rice_bits
 from flipsync.errors import CorruptPatchError
 
 _K_BITS = 6  # a class's Rice parameter, 0..62
-_DENSE = 0.12  # from this share of changed elements the branch-free pass is faster (measured: 1.5-21% changed)
-_PLACE_UPTO = 1.0  # changes per index block up to which reading only their blocks beats a pass (measured: 1.2)
 
 
 def conditional_position_bits(base: np.ndarray, positions: np.ndarray, d: DType) -> float:
@@ -82,12 +73,13 @@ class ContextCoder(PositionCoder):
         chunk: int = 1 << 20,
         parallel_from: int = 1 << 22,
         workers: int | None = None,
-        dense_from: float = _DENSE,
-        place_upto: float = _PLACE_UPTO,
+        dense_from: float = 0.12,
+        place_upto: float = 1.0,
     ) -> None:
         """``chunk``: elements per chunk of a pass over a base of at least ``parallel_from`` elements, on
         ``workers`` threads (default: every core, from 4); a pass with ``dense_from`` of its elements changed
-        runs branch-free; up to ``place_upto`` changes per index block are placed by the class index."""
+        runs branch-free (faster from there: measured 1.5-21% changed); up to ``place_upto`` changes per index
+        block are placed by the class index (reading only their blocks beats a pass there: measured 1.2)."""
         self.chunk = max(1, chunk)
         self.parallel_from = parallel_from
         self.workers = workers
@@ -108,7 +100,7 @@ class ContextCoder(PositionCoder):
         starts = np.cumsum(k_of) - k_of
         gaps = np.empty(cls.size, dtype=np.uint64)
         group_gaps(cls, rank, (np.cumsum(per_class) - per_class).astype(np.int64), gaps)
-        rice_k = np.array([best_rice_k(gaps[s : s + k]) for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
+        rice_k = np.array([best_rice_k(gaps[s : s + k])[0] for s, k in zip(starts, k_of, strict=True)], dtype=np.int64)
         cbits = max(1, rule.n_classes.bit_length())
         nbits = max(1, int(k_of.max() - 1).bit_length())
         size = used.size * (2 * cbits + 1 + nbits + 2 * _K_BITS + 3)  # at most, with the gamma codes
@@ -135,18 +127,13 @@ class ContextCoder(PositionCoder):
         status = decode_ranks(data, n_used, nbits, rule.n_classes, numel, first, end, ranks)
         out = np.empty(n, dtype=np.int64)
         if status == OK:
-            status = self._positions(bits, rule, first, end, ranks, out, self._tree(base, bits, n))
+            tree = None  # the base's class index where it may pay (few changes per block, or a chunked decode)
+            if base.index is not None and (n * MIN_BLOCK <= self.place_upto * numel or self._chunks(numel) != 1):
+                tree = base.index.tree(base.name, bits, base.dtype, base.fp)
+            status = self._positions(bits, rule, first, end, ranks, out, tree)
         if status != OK:
             raise CorruptPatchError("ctx position stream is truncated, corrupt, or not coded against this base")
         return out
-
-    def _tree(self, base: BaseBits, bits: np.ndarray, n: int) -> ClassTree | None:
-        """The base's class index where it may pay (few changes per block, or a chunked decode), built if need be."""
-        if base.index is None:
-            return None
-        if n * MIN_BLOCK > self.place_upto * bits.size and self._chunks(bits.size) == 1:
-            return None
-        return base.index.tree(base.name, bits, base.dtype, base.fp)
 
     def _chunks(self, numel: int, block: int = 1) -> int:
         """How many chunks a pass over ``numel`` elements runs in; 1: one pass on this thread."""

@@ -1,6 +1,5 @@
-"""Find the elements whose bit patterns differ between two tensors. CPU: a numba kernel XORs 64-bit words and
-skips equal ones, chunks on every core (dense chunks: a branch-free compaction). CUDA: chunked torch ops.
-"""
+"""Find the elements whose bit patterns differ between two tensors. CPU: a numba kernel XORs 64-bit words, in
+chunks on every core (dense chunks: a branch-free compaction). CUDA: chunked torch ops."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 import torch
+from numba.cpython.unsafe.numbers import trailing_zeros
 
 from flipsync.codec.bits import dtype_of, int_view
 from flipsync.errors import PatchError
@@ -20,13 +20,6 @@ from flipsync.errors import PatchError
 CHUNK_BYTES = 8 << 20  # per task: small enough to balance the cores, large enough to amortise dispatch
 MIN_CHUNK_BYTES = 1 << 20
 _CUDA_CHUNK = 1 << 26
-
-
-# Lowest-set-bit index by de Bruijn multiplication: bit i of an isolated bit t maps to slot (t * M) >> 58.
-_DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
-_BIT_INDEX = np.zeros(64, dtype=np.int64)
-for _i in range(64):
-    _BIT_INDEX[((1 << _i) * 0x03F79D71B4CB0A89 % (1 << 64)) >> 58] = _i
 
 DENSE_FRACTION = 0.08  # above this, numpy's vectorised compare-and-compact beats the sparse kernel
 _PROBE_WORDS = 4096  # words scanned to estimate a chunk's density
@@ -38,15 +31,13 @@ def _changed_lanes(
     b: np.ndarray,
     lane_bits: int,
     out: np.ndarray,
-    bit_index: np.ndarray,
     old: np.ndarray,
     new: np.ndarray,
     values: bool,
 ) -> int:
     """Write the lane indices (relative to a[0]) of differing lanes of uint64 words a, b into out; with
     ``values``, also their old and new patterns (already in registers: spares the caller a gather per change).
-    In a differing word every lane is folded onto its lowest bit (SWAR), and only the set bits are visited.
-    """
+    In a differing word every lane is folded onto its lowest bit (SWAR), and only the set bits are visited."""
     lanes = 64 // lane_bits
     low = np.uint64(0)
     for i in range(lanes):
@@ -66,8 +57,7 @@ def _changed_lanes(
             x &= low
             base = w * lanes
             while x != 0:
-                bit = x & (~x + np.uint64(1))
-                at = bit_index[(bit * _DEBRUIJN) >> np.uint64(58)]  # the lane's lowest bit
+                at = np.int64(trailing_zeros(x))  # the lane's lowest bit
                 out[n] = base + (at >> lane_shift)
                 if values:
                     old[n] = (a[w] >> np.uint64(at)) & lane_mask
@@ -119,34 +109,11 @@ def _dense_lanes(a: np.ndarray, b: np.ndarray, out: np.ndarray, old: np.ndarray,
 
 @numba.njit(nogil=True, cache=True)
 def _widen(rel: np.ndarray, first: int) -> np.ndarray:
-    """Chunk-relative int32 indices -> absolute int64 positions, in one pass."""
+    """Chunk-relative int32 indices -> absolute int64 positions, in one pass (faster than numpy's add)."""
     out = np.empty(rel.shape[0], dtype=np.int64)
     for i in range(rel.shape[0]):
         out[i] = rel[i] + first
     return out
-
-
-def _chunk_changes(
-    a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
-) -> _Found:
-    """Changed elements in bytes [start, stop) (8-aligned); a probe of the first words picks the kernel."""
-    words_a = a8[start:stop].view(np.uint64)
-    words_b = b8[start:stop].view(np.uint64)
-    count = (stop - start) // esize
-    pos, old, new = (b[:count] for b in buf)
-    lane_bits, lanes, first = esize * 8, 8 // esize, start // esize
-    probe = min(_PROBE_WORDS, words_a.shape[0])
-    n = _changed_lanes(words_a[:probe], words_b[:probe], lane_bits, pos, _BIT_INDEX, old, new, values)
-    if n > DENSE_FRACTION * probe * lanes:
-        dt = _uint_np(esize)
-        k = _dense_lanes(a8[start:stop].view(dt), b8[start:stop].view(dt), pos, old, new, values)
-    else:
-        m = _changed_lanes(words_a[probe:], words_b[probe:], lane_bits, pos[n:], _BIT_INDEX, old[n:], new[n:], values)
-        pos[n : n + m] += probe * lanes  # numbered from the probe's end
-        k = n + m
-    if not values:
-        return _widen(pos[:k], first), None, None
-    return _widen(pos[:k], first), old[:k].copy(), new[:k].copy()
 
 
 class DiffEngine:
@@ -251,15 +218,29 @@ def _nothing(esize: int, values: bool) -> _Found:
 def _span_changes(
     a8: np.ndarray, b8: np.ndarray, start: int, stop: int, esize: int, buf: _Scratch, values: bool
 ) -> _Found:
-    """Changed elements in bytes [start, stop): whole words by the kernel, a short tail by numpy."""
+    """Changed elements in bytes [start, stop): whole words by the kernel a probe picks, a short tail by numpy."""
     body = stop - (stop - start) % 8
-    head = _chunk_changes(a8, b8, start, body, esize, buf, values) if body > start else _nothing(esize, values)
-    if body == stop:
-        return head
     dt = _uint_np(esize)
-    va, vb = a8[body:stop].view(dt), b8[body:stop].view(dt)
-    rel = np.flatnonzero(va != vb)
-    return _joined([head, (rel + body // esize, va[rel], vb[rel]) if values else (rel + body // esize, None, None)])
+    parts: list[_Found] = []
+    if body > start:
+        words_a, words_b = a8[start:body].view(np.uint64), b8[start:body].view(np.uint64)
+        pos, old, new = (b[: (body - start) // esize] for b in buf)
+        lanes = 8 // esize
+        probe = min(_PROBE_WORDS, words_a.shape[0])
+        n = _changed_lanes(words_a[:probe], words_b[:probe], esize * 8, pos, old, new, values)
+        if n > DENSE_FRACTION * probe * lanes:
+            k = _dense_lanes(a8[start:body].view(dt), b8[start:body].view(dt), pos, old, new, values)
+        else:
+            m = _changed_lanes(words_a[probe:], words_b[probe:], esize * 8, pos[n:], old[n:], new[n:], values)
+            pos[n : n + m] += probe * lanes  # numbered from the probe's end
+            k = n + m
+        found = _widen(pos[:k], start // esize)
+        parts.append((found, old[:k].copy(), new[:k].copy()) if values else (found, None, None))
+    if body < stop:
+        va, vb = a8[body:stop].view(dt), b8[body:stop].view(dt)
+        rel = np.flatnonzero(va != vb)
+        parts.append((rel + body // esize, va[rel], vb[rel]) if values else (rel + body // esize, None, None))
+    return _joined(parts) if parts else _nothing(esize, values)
 
 
 def _uint_np(esize: int) -> np.dtype:

@@ -1,6 +1,5 @@
-"""Proof that a replica holds exactly the target bytes: content digests (xxh3-128), fingerprints that a patch
-updates in O(changed), and the view fingerprint (docs/codec.md, "Verification: digests and fingerprints").
-"""
+"""Proof that a replica holds exactly the target bytes (docs/codec.md, "Verification"): content digests
+(xxh3-128), fingerprints that a patch updates in O(changed), and the view fingerprint."""
 
 from __future__ import annotations
 
@@ -139,9 +138,6 @@ class TensorId:
     shape: tuple[int, ...]
     fp: int
 
-    def line(self, name: str) -> str:
-        return f"{name}\t{self.dtype}\t{','.join(map(str, self.shape))}\t{fp_hex(self.fp)}\n"
-
 
 class FingerprintTable(dict[str, TensorId]):
     """Fingerprints of every tensor of a view; updated in O(changed) as patches are applied."""
@@ -157,7 +153,8 @@ class FingerprintTable(dict[str, TensorId]):
         """The view fingerprint: xxh3-128 over the sorted (name, dtype, shape, fingerprint) lines."""
         h = xxhash.xxh3_128()
         for name in sorted(self):
-            h.update(self[name].line(name).encode())
+            t = self[name]
+            h.update(f"{name}\t{t.dtype}\t{','.join(map(str, t.shape))}\t{fp_hex(t.fp)}\n".encode())
         return h.hexdigest()
 
     def copy(self) -> FingerprintTable:

@@ -1,4 +1,5 @@
-"""CPU instructions numba has no builtin for, as numba intrinsics: count leading zeros, and prefetch hints."""
+"""CPU instructions numba has no builtin for, as numba intrinsics: count leading zeros, a 64x64 -> 128-bit
+multiply's high half, and prefetch hints."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def clz64(typingctx: Any, x: Any) -> Any:
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
+
+    return sig, codegen
+
+
+@intrinsic
+def mulhi64(typingctx: Any, a: Any, b: Any) -> Any:
+    """The high 64 bits of the 128-bit product of two uint64 (one ``mul`` on x86-64; numba has no int128)."""
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        wide = ir.IntType(128)
+        prod = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
+        return builder.trunc(builder.lshr(prod, ir.Constant(wide, 64)), ir.IntType(64))
 
     return sig, codegen
 

@@ -39,11 +39,9 @@ class Patch:
         self.header = header
         self._blobs = blobs
         self._sections = {s.name: s for s in header.sections}
-        # The sections it read from the header tensor's small sections: written back there, although a grouped
-        # stream, given back to its section in a simpler code, may have grown past OWN_TENSOR_BYTES.
+        # Read from a file: its small sections are written back small (a grouped stream given back to its section
+        # in a simpler code may have grown past OWN_TENSOR_BYTES), the file itself as it is (signed, recorded).
         self._small = small
-        # The file it was read from: written back as it is (the file is the patch its signature and the
-        # board's records name).
         self._raw = raw
 
     @classmethod
@@ -135,11 +133,6 @@ class Patch:
     def nbytes(self) -> int:
         return sum(len(v) for v in self._blobs.values())
 
-    @property
-    def decoded_nbytes(self) -> int:
-        """What decoding every section allocates, from the header's declared counts (nothing is decoded)."""
-        return self.header.n_changed * DECODED_BYTES_PER_CHANGE
-
     def to_bytes(self) -> bytes:
         """The patch file (for a patch read from a file: that file)."""
         if self._raw is not None:
@@ -180,9 +173,9 @@ def _base_tensor(base: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 def check_decoded_size(patches: Iterable[Patch], max_bytes: int = DEFAULT_MAX_DECODED_BYTES) -> None:
     """Refuse, before anything is decoded, patches whose declared changes would take more than ``max_bytes``."""
     patches = list(patches)
-    total = sum(p.decoded_nbytes for p in patches)
+    n = sum(p.header.n_changed for p in patches)  # declared counts: nothing is decoded
+    total = n * DECODED_BYTES_PER_CHANGE
     if total > max_bytes:
-        n = sum(p.header.n_changed for p in patches)
         raise CorruptPatchError(
             f"the patch{'es' if len(patches) > 1 else ''} declare{'' if len(patches) > 1 else 's'} {n:,} changed "
             f"values, {total / (1 << 30):,.1f} GiB once decoded, more than the limit of "

@@ -1,6 +1,5 @@
-"""The ``ans`` value coder: order-0 rANS (compiled with numba) with a stored frequency table; larger symbols
-escape to a zstd side stream. Long streams interleave four states (decoding ~2-3 ns per value).
-"""
+"""The ``ans`` value coder: order-0 rANS (numba) with a stored frequency table, larger symbols escaping to a zstd
+side stream; long streams interleave four states (decoding ~2-3 ns per value)."""
 
 from __future__ import annotations
 
@@ -10,13 +9,10 @@ from typing import Any, ClassVar
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.extending import intrinsic
 
 from flipsync.codec.bitpack import FixedWidthCoder, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
-from flipsync.codec.intrinsics import clz64
+from flipsync.codec.intrinsics import clz64, mulhi64
 from flipsync.codec.rice import rice_bits, rice_decode, rice_encode
 from flipsync.codec.zstd import shuffled_zstd, shuffled_zstd_estimate, unshuffled_zstd
 from flipsync.errors import CorruptPatchError
@@ -66,19 +62,6 @@ def _cumulative(freq: np.ndarray) -> np.ndarray:
         cum[s] = c
         c += np.uint64(freq[s])
     return cum
-
-
-@intrinsic
-def mulhi64(typingctx, a, b):
-    """The high 64 bits of the 128-bit product of two uint64 (one ``mul`` on x86-64; numba has no int128)."""
-    sig = types.uint64(types.uint64, types.uint64)
-
-    def codegen(context, builder, signature, args):
-        wide = ir.IntType(128)
-        prod = builder.mul(builder.zext(args[0], wide), builder.zext(args[1], wide))
-        return builder.trunc(builder.lshr(prod, ir.Constant(wide, 64)), ir.IntType(64))
-
-    return sig, codegen
 
 
 @numba.njit(nogil=True, cache=True)

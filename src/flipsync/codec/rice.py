@@ -1,6 +1,5 @@
-"""The Rice position coder: changed positions as gaps, each a Golomb-Rice code with the best parameter k
-(within ~1% of log2 C(numel, n) for scattered changes). Bits are MSB-first (see ``bitpack``).
-"""
+"""The Rice position coder: the gaps between changed positions, Golomb-Rice coded (MSB-first) with the best k
+(within ~1% of log2 C(numel, n) for scattered changes)."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def rice_decode_runs(
     """Decode runs of Rice-coded gaps from one bit stream through a 64-bit bit buffer: run u is ``counts[u]``
     codes with parameter ``ks[u]``, written to ``out`` one after another. With ``numel >= 0`` each run's gaps
     become positions (from -1 in every run), one at or past ``numel`` an OVERFLOW; else the raw gaps are stored.
-    Returns the bits read, or TRUNCATED / OVERFLOW. Invariant: ``buf`` holds ``nbuf`` unread bits MSB-aligned.
-    """
+    Returns the bits read, or TRUNCATED / OVERFLOW. Invariant: ``buf`` holds ``nbuf`` unread bits MSB-aligned."""
     nbytes = data.shape[0]
     bp = start_bit >> 3
     buf = np.uint64(0)
@@ -150,22 +148,17 @@ def _cheapest_k(gaps: np.ndarray, k0: int, k1: int) -> tuple[int, int]:
     return best_k, best
 
 
-def _rice_choice(gaps: np.ndarray) -> tuple[int, int]:
-    mean = float(gaps.mean()) if gaps.size else 0.0
-    candidates = _candidates(mean)
+def best_rice_k(gaps: np.ndarray) -> tuple[int, int]:
+    """(k, bits) of the Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
+    candidates = _candidates(float(gaps.mean()) if gaps.size else 0.0)
     k, bits = _cheapest_k(gaps, candidates.start, candidates.stop)
     return int(k), int(bits)
-
-
-def best_rice_k(gaps: np.ndarray) -> int:
-    """The Rice parameter that codes ``gaps`` in the fewest bits (searched around the mean's guess)."""
-    return _rice_choice(gaps)[0]
 
 
 def rice_encode(gaps: np.ndarray) -> tuple[Params, bytes]:
     """Golomb-Rice code of non-negative gaps with the cheapest parameter k."""
     g = np.ascontiguousarray(gaps, dtype=np.uint64)
-    k, bits = _rice_choice(g)
+    k, bits = best_rice_k(g)
     out = np.empty((bits + 7) // 8, dtype=np.uint8)
     used = pack_codes(g, k, True, out)
     return {"k": k}, out[:used].tobytes()

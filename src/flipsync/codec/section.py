@@ -42,9 +42,7 @@ class TensorChange:
         return "raw" if self.raw.all() else "mixed"
 
     def new_keys(self, old_keys: np.ndarray) -> np.ndarray:
-        if self.raw is None:
-            return old_keys + self.values
-        return np.where(self.raw, self.values, old_keys + self.values)
+        return old_keys + self.values if self.raw is None else np.where(self.raw, self.values, old_keys + self.values)
 
 
 Base = torch.Tensor | np.ndarray | BaseBits  # a section's base: the tensor, its bits, or its bits with counts

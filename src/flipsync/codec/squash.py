@@ -1,7 +1,5 @@
-"""Join patches into one: squash a chain v -> ... -> v+k into v -> v+k without the base tensors, and
-``join_parts``, where a version's parts (a chain, or disjoint shards) become one patch. Steps add in
-order-key space; a raw value overrides what came before it, and later steps move it (a ``mixed`` section).
-"""
+"""Join patches into one: squash a chain v -> ... -> v+k without the base tensors (steps add in order-key space;
+a raw value overrides what came before it, and later steps move it), and ``join_parts`` for a version's parts."""
 
 from __future__ import annotations
 
@@ -138,8 +136,14 @@ def join_parts(
     if not parts:
         raise CorruptPatchError("a version needs at least one part")
     if table is not None:
-        for part in parts:
-            _check_layout(part, table)
+        for s in (s for part in parts for s in part.header.sections):
+            tid = table.get(s.name)
+            if tid is None or tid.dtype != s.dtype or tuple(tid.shape) != tuple(s.shape):
+                have = "no such tensor" if tid is None else f"{tid.dtype} {list(tid.shape)}"
+                raise CorruptPatchError(
+                    f"a part changes tensor {s.name!r} as {s.dtype} {list(s.shape)}, but the receiver holds {have} "
+                    "(a patch never changes layout: this one is for another model, or crafted)"
+                )
     if len(parts) == 1:
         return parts[0]
     if all(a.header.target.view == b.header.base.view for a, b in itertools.pairwise(parts)):
@@ -159,14 +163,3 @@ def join_parts(
         return Patch.merge_disjoint(parts, base=first, target=target, served_format=parts[0].header.served_format)
     except PatchError as e:
         raise CorruptPatchError(str(e)) from None
-
-
-def _check_layout(patch: Patch, table: FingerprintTable) -> None:
-    for s in patch.header.sections:
-        tid = table.get(s.name)
-        if tid is None or tid.dtype != s.dtype or tuple(tid.shape) != tuple(s.shape):
-            have = "no such tensor" if tid is None else f"{tid.dtype} {list(tid.shape)}"
-            raise CorruptPatchError(
-                f"a part changes tensor {s.name!r} as {s.dtype} {list(s.shape)}, but the receiver holds {have} "
-                "(a patch never changes layout: this one is for another model, or crafted)"
-            )

@@ -1,6 +1,5 @@
-"""The ``zstd`` coder: unsigned values in the narrowest width, byte-shuffled, then zstd (cheaper than Rice when
-changes cluster in runs; the rANS coder's escapes). The decoder bounds what a crafted frame may expand to.
-"""
+"""The ``zstd`` coder: byte-shuffled narrow values, then zstd (cheaper than Rice when changes cluster in runs;
+the rANS coder's escapes). The decoder bounds what a crafted frame may expand to."""
 
 from __future__ import annotations
 
@@ -18,15 +17,9 @@ ZSTD_LEVEL = 3
 ZSTD_MAX_RATIO = 1 << 15  # zstd cannot expand input by more than this (RLE blocks of 128 KiB)
 
 
-def narrow(values: np.ndarray) -> np.ndarray:
-    """Unsigned values in the narrowest little-endian unsigned dtype that holds them."""
-    top = int(values.max()) if values.size else 0
-    return values.astype(np.min_scalar_type(top).newbyteorder("<"))
-
-
 def shuffled_zstd(values: np.ndarray) -> tuple[Params, bytes]:
-    """Byte-shuffle then zstd: the byte planes compress separately."""
-    v = narrow(values)
+    """The values in their narrowest unsigned width, byte-shuffled (the planes compress separately), then zstd."""
+    v = values.astype(np.min_scalar_type(int(values.max()) if values.size else 0).newbyteorder("<"))
     width = v.dtype.itemsize
     planes = v.view(np.uint8).reshape(-1, width).T.copy()
     blob = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(planes.tobytes())

@@ -1,11 +1,5 @@
-"""Catch-up planning: the cheapest way, in downloaded bytes, from a replica's version to a goal version.
-
-The board offers three kinds of edges over the version numbers: a published patch ``v-1 -> v``, a squashed
-span ``a -> b`` and a keyframe ``* -> k`` (a full view, usable from any state, including a brand-new replica
-that holds nothing). The plan is a shortest path over that DAG, by bytes and then by number of downloads.
-
-Pure: no I/O, no torch.
-"""
+"""Catch-up planning, pure: the cheapest way, in downloaded bytes, from a replica's version to a goal version (a
+shortest path over patches, spans and keyframes). See docs/board.md#catch-up."""
 
 from __future__ import annotations
 
@@ -44,17 +38,10 @@ class CatchupPlan:
 
 
 def plan_catchup(
-    start: int | None,
-    goal: int,
-    artifacts: Iterable[Manifest],
-    *,
-    exclude: Collection[Edge] = (),
+    start: int | None, goal: int, artifacts: Iterable[Manifest], *, exclude: Collection[Edge] = ()
 ) -> CatchupPlan:
-    """Plan the cheapest path from ``start`` (None: a replica with no weights) to ``goal``.
-
-    Cost is (total bytes, number of downloads), compared lexicographically, so among equally large plans
-    the one with fewer round trips wins. ``exclude`` removes edges (e.g. artifacts that failed verification).
-    """
+    """Plan the cheapest path from ``start`` (None: a replica with no weights) to ``goal``, by (bytes, downloads):
+    among equally large plans the one with fewer round trips wins. ``exclude``: edges not to take."""
     if start is not None and start > goal:
         raise BoardError(
             f"the replica is at v{start} but the board's HEAD is v{goal}: HEAD moved backwards "

@@ -1,7 +1,5 @@
-"""Fleet membership: the `MemberRecord` a replica keeps on the board, and the routing rules (liveness,
-readiness, admission) read from those records and the board's HEAD, so a gateway and any client route alike.
-Pure, no I/O; ``from_json`` validates strictly. See docs/fleet.md.
-"""
+"""Fleet membership: the `MemberRecord` a replica keeps on the board, and the routing rules read from it, so a
+gateway and any client route alike. Pure, no I/O. See docs/fleet.md#readiness-rules."""
 
 from __future__ import annotations
 
@@ -88,12 +86,9 @@ def check_model(value: object) -> str:
 
 @dataclass(frozen=True)
 class MemberRecord(SignedRecord):
-    """What one replica says about itself; written by its sidecar, read by gateways and clients.
-
-    ``version`` is the verified version the engine holds (None: none yet), ``head`` the newest version the
-    sidecar saw, ``lag`` their difference. ``heartbeat`` is when the record was written and ``ttl_s`` how
-    long it stays valid; ``started`` when this sidecar life began and ``seq`` the record's count in it.
-    """
+    """What one replica's sidecar says about it: ``version`` the verified version the engine holds, ``head`` the
+    newest the sidecar saw; the record was written at ``heartbeat`` and stays valid ``ttl_s``; ``started`` is
+    when this sidecar life began, ``seq`` the record's count in it."""
 
     replica: str
     run: str
@@ -208,9 +203,7 @@ def liveness(
 
 def lag_behind(record: MemberRecord, head: int | None) -> int | None:
     """How many versions ``record``'s replica is behind ``head`` (the board's HEAD), None when unknown."""
-    if head is None or record.version is None:
-        return None
-    return max(0, head - record.version)
+    return None if head is None or record.version is None else max(0, head - record.version)
 
 
 def is_ready(record: MemberRecord, head: int | None, max_lag: int) -> bool:
@@ -268,17 +261,13 @@ def admits(record: MemberRecord, want: Want, head: int | None, max_lag: int) -> 
     ready."""
     if not serves(record, want) or not record.serving or record.draining:
         return False
-    if want.constrained:
-        return satisfies(record.version, want)
-    return is_ready(record, head, max_lag)
+    return satisfies(record.version, want) if want.constrained else is_ready(record, head, max_lag)
 
 
 def floor_version(want: Want, head: int | None, max_lag: int) -> int | None:
     """The ``min_version`` a gateway asks a replica to enforce for an unconstrained request (HEAD - max_lag),
     so that the replica, which knows the version it holds, refuses when its record was out of date."""
-    if want.constrained or head is None:
-        return None
-    return max(0, head - max_lag)
+    return None if want.constrained or head is None else max(0, head - max_lag)
 
 
 def rank(

@@ -1,7 +1,5 @@
-"""The vocabulary of a patch: what a patch says about itself (base and target versions and view fingerprints,
-one section per changed tensor), independent of how its bytes are stored. Pure: no I/O, no torch;
-``from_packed`` validates every field, since headers arrive over the network. See docs/codec.md ("The patch file").
-"""
+"""The vocabulary of a patch: what it says about itself, independent of how its bytes are stored. Pure;
+``from_packed`` validates every field (headers arrive over the network). See docs/codec.md ("The patch file")."""
 
 from __future__ import annotations
 
@@ -33,12 +31,8 @@ class ViewRef:
 
 @dataclass(frozen=True)
 class SectionHeader:
-    """One changed tensor.
-
-    ``mode``: ``step`` values are order-key differences (new minus old, mostly +/-1); ``raw`` values are the
-    new bit patterns (idempotent overwrite); ``mixed`` tags each value with its kind (squash output).
-    ``pos`` / ``val`` / ``tag``: each stream's codec id and parameters, its length in ``bytes``.
-    """
+    """One changed tensor; ``mode`` (step / raw / mixed): docs/codec.md. ``pos`` / ``val`` / ``tag``: each stream's
+    codec id and parameters, its length in ``bytes``."""
 
     name: str
     dtype: str
@@ -75,9 +69,8 @@ class PatchHeader:
         return all(s.mode == "raw" for s in self.sections)
 
     def refs_bytes(self) -> bytes:
-        """The header's fixed fields in binary: a flags byte (which optional fields follow), the
-        base and target view fingerprints and the digest as raw bytes after their length in hex digits, then the
-        board versions (LEB128) where given. Hex would cost twice the bytes and compresses poorly."""
+        """The fixed fields in binary (hex would cost twice the bytes and compresses poorly): a flags byte, the
+        view fingerprints and digest as raw bytes after their length in hex digits, the versions (LEB128) if any."""
         present = (self.base.version is not None, self.target.version is not None, self.digest is not None)
         out = bytearray([sum(1 << i for i, p in enumerate(present) if p)])
         for text in (self.base.view, self.target.view, *([self.digest] if self.digest is not None else [])):
@@ -88,9 +81,8 @@ class PatchHeader:
         return bytes(out)
 
     def to_packed(self) -> str:
-        """The header's rows (JSON; the fixed fields go in ``refs_bytes``): served format, meta and
-        one row per section, each stream's params a bare codec id where that is all they hold; ``n`` is null
-        where it is 0 (the container derives it)."""
+        """The rest as JSON: served format, meta and one row per section (params that are only a codec id as
+        that id; ``n`` null where it is 0, the container derives it)."""
         doc: dict[str, Any] = {"sections": [_packed_row(s) for s in self.sections]}
         if self.served_format is not None:
             doc["served_format"] = self.served_format
@@ -121,14 +113,8 @@ class PatchHeader:
         meta = _obj(doc.get("meta", {}), "meta")
         if not all(isinstance(k, str) and isinstance(x, str) for k, x in meta.items()):
             raise _fail("meta must map strings to strings")
-        return PatchHeader(
-            base=base,
-            target=target,
-            sections=sections,
-            served_format=_str(doc.get("served_format"), "served_format", optional=True),
-            meta=meta,
-            digest=digest,
-        )
+        served_format = _str(doc.get("served_format"), "served_format", optional=True)
+        return PatchHeader(base, target, sections, served_format, meta, digest)
 
     def describe(self) -> dict[str, Any]:
         """The header as one JSON-able document, for people (``flipsync inspect --header``)."""
@@ -221,9 +207,7 @@ def _str(v: Any, what: str, *, optional: bool = False, limit: int = MAX_NAME) ->
     return v
 
 
-def _int(v: Any, what: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool = False) -> Any:
-    if v is None and optional:
-        return None
+def _int(v: Any, what: str, *, lo: int = 0, hi: int = 1 << 62) -> Any:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise _fail(f"{what} must be an integer in [{lo}, {hi}]")
     return v

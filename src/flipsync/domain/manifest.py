@@ -1,7 +1,5 @@
-"""The manifest: what one artifact on the board (a version, a keyframe, a squashed span) says about itself, the
-only thing readers trust. Pure: no I/O, no torch; ``from_json`` validates every field strictly, because
-manifests arrive from a store that may be corrupted or tampered with. See docs/board.md ("Manifests").
-"""
+"""The manifest: what one board artifact says about itself, the only thing readers trust. Pure; ``from_json``
+validates every field strictly (stores may be corrupted or tampered with). See docs/board.md#manifests."""
 
 from __future__ import annotations
 
@@ -9,7 +7,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Self
@@ -29,23 +27,6 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _PATH_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 _B64 = re.compile(r"[A-Za-z0-9+/]+={0,2}")
-# The JSON keys in the order ``to_dict`` writes them (a signed manifest's bytes are its canonical JSON).
-_FIELDS = (
-    "schema",
-    "run",
-    "version",
-    "kind",
-    "base_version",
-    "target_version",
-    "base_view_fp",
-    "target_view_fp",
-    "served_format",
-    "parts",
-    "created",
-    "publisher",
-    "meta",
-    "signature",
-)
 
 
 class Kind(StrEnum):
@@ -71,8 +52,7 @@ def check_part_path(value: object) -> str:
     """A part path is relative to the manifest's folder and may not leave it."""
     if not isinstance(value, str) or not value or len(value) > MAX_PATH:
         raise _fail(f"part path must be a non-empty string of at most {MAX_PATH} characters, got {value!r}")
-    segments = value.split("/")
-    for seg in segments:
+    for seg in value.split("/"):
         if seg in ("", ".", "..") or not _PATH_SEGMENT.fullmatch(seg):
             raise _fail(
                 f"part path {value!r} escapes its version folder or has an unsafe segment {seg!r} "
@@ -135,18 +115,12 @@ class Chunk:
     path: str
     size: int
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "size": self.size}
-
 
 @dataclass(frozen=True)
 class Part:
-    """One file of an artifact, relative to the artifact's folder.
-
-    A file streamed out while it was being written (a trainer rank's patch part, uploaded as its sections
-    were coded) is stored as several objects: ``path`` holds its first bytes and ``chunks`` the rest, in
-    order. ``size`` and ``hash`` are always the whole file's.
-    """
+    """One file of an artifact, relative to the artifact's folder. A file streamed out while it was written (a
+    trainer rank's patch part) is several objects: ``path`` holds its first bytes, ``chunks`` the rest in order;
+    ``size`` and ``hash`` are the whole file's."""
 
     path: str
     size: int
@@ -180,7 +154,7 @@ class Part:
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "size": self.size, "hash": self.hash}
         if self.chunks:  # absent, not empty, so a one-object part reads as it always did (and signs the same)
-            d["chunks"] = [c.to_dict() for c in self.chunks]
+            d["chunks"] = [asdict(c) for c in self.chunks]
         return d
 
     @classmethod
@@ -217,9 +191,6 @@ class Signature:
         if not v or len(v) > 1024 or not _B64.fullmatch(v):
             raise _fail("signature value must be base64")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"alg": self.alg, "key_id": self.key_id, "value": self.value}
-
     @classmethod
     def from_dict(cls, d: object) -> Signature:
         if not isinstance(d, dict) or set(d) != {"alg", "key_id", "value"}:
@@ -251,7 +222,7 @@ class SignedRecord:
     def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self._json_keys[:-1]}
         if with_signature:
-            d["signature"] = self.signature.to_dict() if self.signature is not None else None
+            d["signature"] = asdict(self.signature) if self.signature is not None else None
         return d
 
     def to_json(self) -> str:
@@ -288,11 +259,8 @@ def load_json(
 
 @dataclass(frozen=True)
 class Manifest(SignedRecord):
-    """What one artifact on the board holds.
-
-    ``version`` is the folder the manifest lives in and always equals ``target_version``. Keyframes have no
-    base; patches and spans go from ``base_version`` to ``target_version`` (base < target).
-    """
+    """What one artifact on the board holds. ``version`` (its folder) always equals ``target_version``;
+    keyframes have no base, patches and spans go from ``base_version`` up to ``target_version``."""
 
     run: str
     version: int
@@ -309,20 +277,16 @@ class Manifest(SignedRecord):
     signature: Signature | None = None
     schema: int = MANIFEST_SCHEMA
 
-    _json_keys = _FIELDS
-
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", _kind(self.kind))
         if not isinstance(self.parts, tuple):
             object.__setattr__(self, "parts", tuple(self.parts))
-        object.__setattr__(self, "meta", _meta(dict(self.meta)) if isinstance(self.meta, Mapping) else None)
         if _int(self.schema, "schema") != MANIFEST_SCHEMA:
             raise _fail(
                 f"schema {self.schema!r} is not supported (this flipsync reads schema {MANIFEST_SCHEMA}); "
                 "upgrade flipsync"
             )
-        if self.meta is None:
-            raise _fail("meta must be an object")
+        object.__setattr__(self, "meta", _meta(dict(self.meta) if isinstance(self.meta, Mapping) else self.meta))
         check_name(self.run, "run")
         check_name(self.publisher, "publisher")
         _int(self.version, "version")
@@ -413,6 +377,11 @@ class Manifest(SignedRecord):
         sig = d.pop("signature", None)
         signature = None if sig is None else Signature.from_dict(sig)
         return cls(**d, parts=tuple(Part.from_dict(p) for p in parts), signature=signature)
+
+
+# The JSON keys in the order ``to_dict`` writes them: the schema, then the fields as declared (the signature last).
+_FIELDS = ("schema", *(f.name for f in fields(Manifest) if f.name != "schema"))
+Manifest._json_keys = _FIELDS
 
 
 def _kind(value: object) -> Kind:

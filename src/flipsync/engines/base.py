@@ -1,7 +1,5 @@
-"""The Engine port: what the sidecar needs from an inference engine to keep it at a board version. The sidecar
-owns the protocol, the engine owns the weights, in checkpoint names and coordinates; an update is
-``stage`` (while serving), ``commit`` (all or nothing) and, on a later failure, ``rollback``.
-See docs/sidecar.md ("The Engine port and the torch engine").
+"""The Engine port: what the sidecar needs from an inference engine to keep it at a board version (the sidecar
+owns the protocol, the engine the weights). See docs/sidecar.md ("The Engine port and the torch engine").
 """
 
 from __future__ import annotations
@@ -36,8 +34,7 @@ UndoT = TypeVar("UndoT", bound=Undo)
 class Engine(ABC, Generic[StagedT, UndoT]):
     """An inference engine whose served weights a sidecar keeps bitwise at a board version.
 
-    ``StagedT`` / ``UndoT``: the engine's own `Staged` and `Undo` types. The optional capabilities
-    (``adoptable``, ``label_version``) have defaults here, so the sidecar calls them on any engine.
+    ``StagedT`` / ``UndoT``: the engine's own `Staged` and `Undo` types; optional capabilities have defaults here.
     """
 
     name: ClassVar[str]

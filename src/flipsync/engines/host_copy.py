@@ -1,7 +1,5 @@
-"""A sidecar's host copy of the view an engine serves, for engines whose weights it cannot read (SGLang's, those
-in vLLM's workers), so that patches coded against their base (``ctx``) decode: :class:`HostCopy`, a safetensors
-file memory-mapped writable, or any mapping of CPU tensors. The engine writes a patch's new bits into it after
-the engine took them (O(changed)), and the old ones back on rollback.
+"""A sidecar's host copy of the view an engine serves, for engines whose weights it cannot read (SGLang's, vLLM's
+workers'), so that ``ctx``-coded patches decode. See docs/engines.md#patches-coded-against-their-base-the-host-copy.
 """
 
 from __future__ import annotations
@@ -17,16 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flipsync.codec.bits import DType, dtype_named, dtype_of
+from flipsync.codec.bits import dtype_named, dtype_of
 from flipsync.errors import ConfigError
 
-__all__ = ["HostCopy", "write_safetensors"]
+__all__ = ["HostCopy", "flush", "write_safetensors"]
 
 _ALIGN = 8
-
-
-def _np_view_dtype(d: DType) -> np.dtype:
-    return np.dtype(np.uint8) if d.bits == 8 else np.dtype(f"<i{d.bits // 8}")
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike[str]) -> None:
@@ -73,8 +67,8 @@ class HostCopy(MutableMapping[str, torch.Tensor]):
         for name, entry in header.items():
             d = dtype_named(entry["dtype"])
             start, end = entry["data_offsets"]
-            raw = self._mm[start:end].view(_np_view_dtype(d))
-            self._tensors[name] = torch.from_numpy(raw).view(d.torch_dtype).reshape(entry["shape"])
+            raw = torch.from_numpy(self._mm[start:end])
+            self._tensors[name] = raw.view(d.torch_dtype).reshape(entry["shape"])
 
     @classmethod
     def create(cls, path: str | os.PathLike[str], view: Mapping[str, torch.Tensor]) -> HostCopy:
@@ -104,6 +98,12 @@ class HostCopy(MutableMapping[str, torch.Tensor]):
 
     def flush(self) -> None:
         self._mm.flush()
+
+
+def flush(view: Mapping[str, torch.Tensor]) -> None:
+    """Write a `HostCopy`'s pages to its file (any other mapping of CPU tensors has nothing to flush)."""
+    if isinstance(view, HostCopy):
+        view.flush()
 
 
 def default_host_copy(model_dir: str) -> Path:

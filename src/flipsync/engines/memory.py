@@ -36,11 +36,8 @@ class MemoryUndo(Undo):
 
 
 class MemoryEngine(Engine[MemoryStaged, MemoryUndo]):
-    """An engine that is only its served view: a dict of tensors kept current by codec stage/commit.
-
-    ``table``: the view's fingerprints when the caller has them (16 replicas need not hash v0 16 times).
-    ``served_format``: refuse patches made for another format (None: take any).
-    """
+    """An engine that is only its served view. ``table``: the view's fingerprints when the caller has them (16
+    replicas need not hash v0 16 times). ``served_format``: refuse patches of another format (None: take any)."""
 
     name: ClassVar[str] = "memory"
 

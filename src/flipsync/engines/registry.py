@@ -1,8 +1,5 @@
-"""The engines a sidecar can drive, in one place: a kind names the module whose ``create_engine`` builds it.
-
-A new engine is a module beside the others with ``create_engine(options: EngineOptions) -> Engine`` and one
-line in `ENGINES`. The torch engine is the exception: the sidecar serves it in process (``start_torch_engine``).
-"""
+"""The engines a sidecar can drive: a kind names the module whose ``create_engine(EngineOptions) -> Engine``
+builds it; a new engine is such a module and one line in `ENGINES` (torch is served in process)."""
 
 from __future__ import annotations
 

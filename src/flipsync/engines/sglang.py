@@ -1,7 +1,5 @@
-"""The ``sglang`` engine: keeps an SGLang server's weights at a board version through its HTTP update routes,
-which replace whole tensors. Patches are staged against a local host copy, pushed as a small update
-checkpoint, and audited through ``/get_weights_by_name``. See docs/engines.md ("SGLang").
-"""
+"""The ``sglang`` engine: keeps an SGLang server's weights at a board version through its HTTP update routes.
+See docs/engines.md#how-a-patch-reaches-sglang."""
 
 from __future__ import annotations
 
@@ -11,9 +9,8 @@ import random
 import secrets
 import shutil
 import tempfile
-import time
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -25,13 +22,16 @@ from flipsync.codec import commit as codec_commit
 from flipsync.codec import stage as codec_stage
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.host_copy import HostCopy, open_host_copy, write_safetensors
+from flipsync.engines.host_copy import flush, open_host_copy, write_safetensors
 from flipsync.engines.registry import EngineOptions
 from flipsync.errors import ConfigError, EngineError, EngineUnavailableError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HostCopy", "SglangEngine", "SglangStaged", "SglangUndo", "write_safetensors"]
+# What every /update_weights_from_disk asks besides the directory: requests in flight go on, the KV cache is dropped.
+_UPDATE_OPTIONS = {"load_format": None, "abort_all_requests": False, "flush_cache": True}
+
+__all__ = ["SglangEngine", "SglangStaged", "SglangUndo"]
 
 
 @dataclass
@@ -42,17 +42,14 @@ class SglangStaged(Staged):
     target_view: str
     weight_version: str
     n_changed: int
-    stage_s: float = 0.0
 
 
 @dataclass
 class SglangUndo(Undo):
     record: UndoRecord
     undo_dir: Path
-    update_dir: Path
     weight_version_before: str | None
-    commit_s: float = 0.0
-    done: bool = field(default=False)
+    done: bool = False
 
 
 class SglangEngine(Engine[SglangStaged, SglangUndo]):
@@ -65,12 +62,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         base_url: str,
         host_copy: MutableMapping[str, torch.Tensor],
         *,
-        table: FingerprintTable | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 600.0,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
         keep_updates: int = 2,
         client: httpx.Client | None = None,
         audit: str = "every",
@@ -83,20 +76,18 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self.base_url = base_url.rstrip("/")
         self._host_copy = host_copy
         self._timeout = timeout_s
-        self._update_options = dict(
-            load_format=load_format, abort_all_requests=abort_all_requests, flush_cache=flush_cache
-        )
         self._keep = max(1, keep_updates)
         self._own_client = client is None
         self._client = client or httpx.Client(timeout=httpx.Timeout(30.0, connect=5.0))
         self._staging = Path(staging_dir or tempfile.mkdtemp(prefix="flipsync-sglang-"))
         self._staging.mkdir(parents=True, exist_ok=True)
         self._live_dirs: list[Path] = []  # update/undo dirs SGLang may still point at
-        self._table = table.copy() if table is not None else FingerprintTable.of(host_copy)
+        self._table = FingerprintTable.of(host_copy)
         self._index = ClassIndex()  # of the host copy, kept current with it: sparse ctx sections read only their blocks
-        if set(self._table) != set(host_copy):
-            raise ConfigError("the fingerprint table does not describe the host copy's tensors")
-        self.weight_version = self._get_weight_version()
+        data = self._request("GET", "/get_weight_version")
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise EngineError(f"SGLang answered /get_weight_version without a weight_version: {data!r}")
+        self.weight_version: str | None = None if data["weight_version"] is None else str(data["weight_version"])
         self.audit, self.audit_rows = audit, max(1, audit_rows)
         self._rng = random.Random(0)
         self.auditable: set[str] = set()
@@ -136,15 +127,8 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             raise EngineError(f"SGLang refused {route} (HTTP {resp.status_code}): {msg}")
         return data
 
-    def _get_weight_version(self) -> str | None:
-        data = self._request("GET", "/get_weight_version")
-        if not isinstance(data, dict) or "weight_version" not in data:
-            raise EngineError(f"SGLang answered /get_weight_version without a weight_version: {data!r}")
-        v = data["weight_version"]
-        return None if v is None else str(v)
-
     def _update_from_disk(self, directory: Path, weight_version: str | None) -> dict[str, Any]:
-        body: dict[str, Any] = {"model_path": str(directory), **self._update_options}
+        body: dict[str, Any] = {"model_path": str(directory), **_UPDATE_OPTIONS}
         if weight_version is not None:
             body["weight_version"] = weight_version
         return self._request("POST", "/update_weights_from_disk", body, timeout=self._timeout)
@@ -167,13 +151,12 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         self._update_from_disk(directory, self.weight_version)
         for name, t in view.items():
             self._host_copy[name] = t.detach().to("cpu")
-        self._flush()
+        flush(self._host_copy)
         self._table = FingerprintTable.of(self._host_copy)
         self._index = ClassIndex()
         self._retire(directory)
 
     def stage(self, patch: Patch) -> SglangStaged:
-        t0 = time.perf_counter()
         # base check, decode, target fingerprints
         writes = codec_stage(self._host_copy, patch, self._table, index=self._index)
         token = secrets.token_hex(6)
@@ -201,7 +184,6 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             target_view=after.view_fp(),
             weight_version=version,
             n_changed=sum(int(w.positions.numel()) for w in writes),
-            stage_s=time.perf_counter() - t0,
         )
 
     @property
@@ -211,7 +193,6 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         return False
 
     def commit(self, staged: SglangStaged) -> SglangUndo:
-        t0 = time.perf_counter()
         before = self.weight_version
         try:
             self._update_from_disk(staged.update_dir, staged.weight_version)
@@ -230,10 +211,10 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
                 f"{self.audit_rows} rows, /get_weights_by_name); the update was undone"
             )
         record = codec_commit(self._host_copy, staged.writes, self._table, index=self._index)
-        self._flush()
+        flush(self._host_copy)
         self.weight_version = staged.weight_version
         self._retire(staged.update_dir, staged.undo_dir)
-        return SglangUndo(record, staged.undo_dir, staged.update_dir, before, time.perf_counter() - t0)
+        return SglangUndo(record, staged.undo_dir, before)
 
     def rollback(self, undo: SglangUndo) -> None:
         if undo.done:
@@ -242,7 +223,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
             raise EngineError(f"the undo checkpoint {undo.undo_dir} is gone (only the last {self._keep} are kept)")
         self._update_from_disk(undo.undo_dir, undo.weight_version_before)
         undo.record.rollback(self._host_copy, self._table)
-        self._flush()
+        flush(self._host_copy)
         self.weight_version = undo.weight_version_before
         undo.done = True
 
@@ -259,7 +240,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
     def close(self) -> None:
         if self._own_client:
             self._client.close()
-        self._flush()
+        flush(self._host_copy)
 
     # ------------------------------------------------------------------------------------ extras
     def _audit_update(self, staged: SglangStaged) -> list[str]:
@@ -316,10 +297,6 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
                 f"{why}, and reloading the previous values failed too ({e}); audit the server or resync it "
                 "from a keyframe"
             ) from None
-
-    def _flush(self) -> None:
-        if isinstance(self._host_copy, HostCopy):
-            self._host_copy.flush()
 
 
 def create_engine(options: EngineOptions) -> SglangEngine:

@@ -1,7 +1,4 @@
-"""The HTTP pieces of forwarding a request to a replica: the gateway's headers, the hop-by-hop ones it drops,
-a request as read from the client, the signal that another replica should be tried, and small helpers for
-reading replica answers and writing OpenAI-style errors.
-"""
+"""The HTTP pieces of forwarding a request to a replica: headers, the client's request, the retry signal, errors."""
 
 from __future__ import annotations
 

@@ -1,31 +1,7 @@
 """The gateway: one OpenAI-compatible front door for a whole fleet, routing every request by policy version.
 
-Each ``POST`` (``/v1/completions``, ``/v1/chat/completions``, streaming or not, any other model call) goes to
-one live replica of the pool:
-
-- a request with a version constraint (``weight_version: {"min_version": N}`` / ``{"exact_version": N}`` in
-  the body, or the ``X-Flipsync-Min-Version`` / ``-Exact-Version`` headers, read exactly as a sidecar reads
-  them) goes to a replica whose version satisfies it; one without goes to a *ready* replica (a verified
-  version within ``max_lag`` of the board's HEAD), and the gateway adds ``X-Flipsync-Min-Version: HEAD -
-  max_lag`` so that the replica itself, which knows what it holds, refuses if its record was out of date;
-- only replicas of the model, served format and run asked for: the OpenAI ``model`` field (``NAME``, or
-  ``NAME@FORMAT`` for one served format), the ``X-Flipsync-Format`` and ``X-Flipsync-Run`` headers;
-- least requests in flight first (this gateway's own count, then the record's);
-- a 409 or 503 from the replica, a 502 (its engine unreachable), a refused or broken connection before
-  the response: the next replica (a replica that refused a connection is skipped until it writes a newer
-  heartbeat). When no replica can serve it, the request is held, for at most ``hold_s``, until one can; then
-  a constrained request is answered 409 and an unconstrained one 503, both with ``Retry-After``.
-
-Responses are relayed as the replica sent them (its version stamps untouched), with ``X-Flipsync-Replica``
-(who served it), ``X-Flipsync-Fleet-Head`` (the HEAD the route was chosen against) and
-``X-Flipsync-Attempts``. A stream cut by a replica that dies after its first byte ends with an ``error``
-event: tokens already sent cannot be taken back (a drained replica never cuts one).
-
-Control: ``GET /flipsync/fleet`` (members, versions, readiness), ``GET /flipsync/health``,
-``GET /flipsync/wait?min_version=N``, ``GET /v1/models`` (the fleet's models), ``GET /metrics``.
-
-The gateway keeps no state beyond the pool's last snapshot and its own in-flight counts, so several can
-run behind one load balancer.
+It keeps no state beyond the pool's last snapshot and its own in-flight counts, so several can run behind one
+load balancer. Routing, retries, holds and headers: see docs/fleet.md#the-gateway.
 """
 
 from __future__ import annotations
@@ -54,7 +30,6 @@ from flipsync.fleet.forwarding import (
     H_RUN,
     ForwardRequest,
     Retry,
-    error_response,
     header_value,
     is_engine_unreachable,
     netloc,
@@ -65,6 +40,7 @@ from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
 from flipsync.fleet.routing import FleetView, GatewayConfig
 from flipsync.fleet.transport import AsyncioBackend
+from flipsync.serving import error_response
 from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, BadRequest, parse_constraint
 
 

@@ -1,7 +1,5 @@
-"""The Pool port (where a fleet's replicas are found) and its implementations: `BoardPool` (member records on
-the board) and `StaticPool` (a fixed list of sidecar URLs). Each returns a point-in-time `FleetSnapshot`.
-See docs/fleet.md.
-"""
+"""The Pool port (where a fleet's replicas are found, as a point-in-time `FleetSnapshot`), `BoardPool` and
+`StaticPool`. See docs/fleet.md#the-pool-port."""
 
 from __future__ import annotations
 
@@ -105,11 +103,10 @@ class Pool(ABC):
 
 
 class BoardPool(Pool):
-    """The replicas whose member records are live on the board (see ``flipsync.board.membership``).
+    """The replicas whose member records are live on the board (docs/fleet.md#membership).
 
-    ``runs``: the runs to read (None: every run with records). ``member_verifier``: the trusted member keys
-    of a signed board (records not signed by one of them are refused). ``verifier``: the publisher's keys,
-    so that HEAD is read from signed manifests only.
+    ``runs``: None reads every run with records. ``member_verifier`` / ``verifier``: the trusted member keys
+    (unsigned records refused) and the publisher's keys (HEAD read from signed manifests only).
     """
 
     def __init__(
@@ -155,8 +152,7 @@ class BoardPool(Pool):
 class StaticPool(Pool):
     """A fixed list of sidecar proxies (``http://HOST:PORT``), each asked for its status at every discovery.
 
-    Nothing here is signed: the sidecars' own answers are the records, and HEAD is the newest HEAD any of them
-    reports. A sidecar that does not answer is left out of the snapshot.
+    Unsigned: the sidecars' answers are the records, HEAD the newest any reports; a silent one is left out.
     """
 
     def __init__(

@@ -1,7 +1,5 @@
-"""The gateway's routing state: its settings and its view of the fleet (the pool's last snapshot, refreshed
-on a thread, with this gateway's in-flight counts and the replicas that refused a connection), from which
-it picks the replicas that may serve a request, best first.
-"""
+"""The gateway's routing state: its settings and its view of the fleet, from which it picks the replicas that may
+serve a request, best first (docs/fleet.md#the-gateway)."""
 
 from __future__ import annotations
 

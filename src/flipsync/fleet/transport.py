@@ -1,9 +1,7 @@
 """The gateway's connections to replicas: an httpcore network backend on plain asyncio streams.
 
-httpcore's default backend wraps asyncio in anyio's streams, which cost about a third of the client-side
-CPU of a proxied request on loopback (measured: 0.65-0.84 ms against 0.41-0.65 ms per request through the
-same connection pool); this backend is what the gateway's pool connects with. Timeouts map to httpcore's
-exceptions, so the pool and the gateway see the same errors as with the default backend.
+Why not httpcore's default (anyio) backend: see docs/fleet.md#measured. Timeouts map to httpcore's exceptions,
+so the gateway sees the same errors as with the default backend.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Served views: FP32 master tensors -> the exact checkpoint-format bytes an inference engine holds.
-
-One module per format family (`floats`, `fp8`, `mx`, `nvfp4`), each a pinned recipe in torch ops
-that gives the same bytes on CPU and CUDA; `view` applies a format to a whole state dict with
-fused-group scale sharing. docs/formats.md documents every recipe.
-"""
+"""Served views: FP32 master tensors -> the exact checkpoint-format bytes an inference engine holds. One module
+per format family, each a pinned recipe in torch ops (docs/formats.md); `view` applies one to a state dict."""
 
 from flipsync.formats.base import ServedFormat, is_quantizable
 from flipsync.formats.registry import FORMAT_NAMES, get_format

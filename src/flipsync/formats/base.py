@@ -1,9 +1,5 @@
-"""The `ServedFormat` contract and the helpers every recipe shares.
-
-A served format maps one master tensor to the checkpoint-format components an inference engine holds
-for it (payload plus scales), by a pinned recipe written in torch ops only, so that the same bytes
-come out on CPU and CUDA. See docs/formats.md for every recipe.
-"""
+"""The `ServedFormat` contract (a master tensor -> the payload and scales an engine holds, by a pinned recipe in
+torch ops, the same bytes on CPU and CUDA: docs/formats.md) and the helpers every recipe shares."""
 
 from __future__ import annotations
 
@@ -25,9 +21,8 @@ E4M3_MAX = 448.0
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """True when ``t`` holds no NaN or inf. NaN propagates through min/max and an inf is the min or the max,
-    so one fused min/max pass tells; ``isfinite(t).all()`` is an order of magnitude slower (the largest
-    per-byte cost of publishing a served view)."""
+    """True when ``t`` holds no NaN or inf: NaN propagates through min/max and an inf is the min or the max, so
+    one fused min/max pass tells (``isfinite(t).all()`` is ten times slower: the largest cost of a served view)."""
     if t.numel() == 0:
         return True
     lo, hi = torch.aminmax(t)
@@ -73,10 +68,8 @@ def cast_checked(name: str, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
 
 def cast_master(name: str, master: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """``cast_checked(name, check_master(name, master), dtype)`` with one finiteness pass instead of two (the
-    cast keeps NaN and inf: the checks run only on a non-finite result, to raise their errors). ``out``: a
-    tensor to cast an fp32 master into; a reused one spares the page faults of a fresh allocation, which cost
-    as much as the cast itself on the CPU.
-    """
+    checks run only on a non-finite result, to raise their errors). ``out``: a tensor to cast an fp32 master
+    into; a reused one spares the page faults of a fresh allocation, which cost as much as the cast on the CPU."""
     if master.dtype in MASTER_DTYPES:
         if out is not None and master.dtype == torch.float32 and fits_out(out, master, dtype):
             y = out.view(master.shape).copy_(master)
@@ -96,9 +89,7 @@ def engine_input(name: str, master: torch.Tensor, *, from_fp32: bool) -> torch.T
     """The fp32 tensor a quantized recipe starts from: `bf16(master)` upcast to fp32, as an engine receives
     it from an RL trainer, or with `from_fp32=True` the fp32 master itself."""
     x = check_master(name, master)
-    if from_fp32:
-        return x
-    return cast_checked(name, x, torch.bfloat16).float()
+    return x if from_fp32 else cast_checked(name, x, torch.bfloat16).float()
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
@@ -110,11 +101,8 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 def pad_last_dim(x: torch.Tensor, multiple: int) -> torch.Tensor:
     """Zero-pad the last dim of `x` up to a multiple of `multiple` (zeros never change an amax)."""
-    k = x.shape[-1]
-    pad = (-k) % multiple
-    if pad == 0:
-        return x
-    return torch.nn.functional.pad(x, (0, pad))
+    pad = -x.shape[-1] % multiple
+    return torch.nn.functional.pad(x, (0, pad)) if pad else x
 
 
 def require_2d(fmt: str, name: str, x: torch.Tensor) -> None:
@@ -156,9 +144,7 @@ class ServedFormat(ABC):
 
     def selects(self, name: str, tensor: torch.Tensor) -> bool:
         """True when `served_view` runs this format's recipe on `tensor` (before `keep`)."""
-        if not self.quantized:
-            return tensor.is_floating_point()
-        return is_quantizable(name, tensor)
+        return is_quantizable(name, tensor) if self.quantized else tensor.is_floating_point()
 
     def component_names(self, name: str) -> tuple[str, ...]:
         """Names of the checkpoint components of master `name` (payload first)."""
@@ -168,10 +154,6 @@ class ServedFormat(ABC):
         """Validate `master` and return the fp32 tensor the recipe starts from (see `engine_input`)."""
         return engine_input(name, master, from_fp32=from_fp32)
 
-    def amax(self, name: str, master: torch.Tensor, *, from_fp32: bool = False) -> torch.Tensor:
-        """This tensor's contribution to a fused group's amax (0-dim fp32)."""
-        return tensor_amax(self.prepare(name, master, from_fp32=from_fp32))
-
     def quantize(
         self,
         name: str,
@@ -180,11 +162,8 @@ class ServedFormat(ABC):
         group_amax: torch.Tensor | float | None = None,
         from_fp32: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Master tensor `x` -> its checkpoint components, keyed by checkpoint name.
-
-        `group_amax`: the max |input| over the tensor's fused group (formats with a shared per-tensor
-        scale only; others ignore it). `from_fp32`: quantize the fp32 master instead of bf16(master).
-        """
+        """Master tensor `x` -> its checkpoint components, keyed by checkpoint name. `group_amax`: the max |input|
+        over its fused group (formats with a shared per-tensor scale only). `from_fp32`: start from the fp32 master."""
         prepared = self.prepare(name, x, from_fp32=from_fp32)
         amax = None
         if self.uses_group_amax and group_amax is not None:
@@ -197,19 +176,14 @@ class ServedFormat(ABC):
                 )
         return self.encode(name, prepared, amax)
 
-    def components(
-        self, name: str, master: torch.Tensor, group_amax: torch.Tensor | None, *, from_fp32: bool = False
-    ) -> dict[str, torch.Tensor]:
-        """`prepare` then `encode` (what `served_view` runs per selected tensor outside a fused group)."""
-        return self.encode(name, self.prepare(name, master, from_fp32=from_fp32), group_amax)
-
     @abstractmethod
     def encode(self, name: str, x: torch.Tensor, group_amax: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Prepared fp32 `x` -> components. `group_amax` is None or a 0-dim fp32 tensor >= amax(x)."""
 
-    @abstractmethod
     def dequantize(self, name: str, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """Components of master `name` (as returned by `quantize`) -> float32 values the engine uses."""
+        """Components of master `name` (as returned by `quantize`) -> float32 values the engine uses; by
+        default the payload times its one scale (a per-tensor or per-row multiplier)."""
+        return components[name].float() * components[name + self.scale_suffixes[0]].float()
 
     def __repr__(self) -> str:
         return f"<ServedFormat {self.name}>"

@@ -1,16 +1,7 @@
-"""One fused pass for the served formats: cast (or quantize) an FP32 master and diff it against the previous view.
-
-`CastDiffer.cast_diff` writes the new bf16 / fp16 view (exactly torch's ``.to``) and emits the changed flat
-positions with their old and new bit patterns (the codec's diff arrays) in one pass over the master and the
-previous view; `CastDiffer.quantize_diff` does the same for the quantized families' payloads. The numba
-kernels (`flipsync.formats.cast_kernels`, `flipsync.formats.quantize_kernels`) run on chunks on a thread pool
-with the GIL released (inline on one thread); each worker appends its chunks' changes to one buffer, and the
-caller copies them all, in chunk order, into the result once. Any other device (CUDA) or master dtype takes
-the torch path: `cast_master`, then a compare on the tensors' device; both give the same bits.
-
-Masters that are not finite, or values that round beyond the format's range, are flagged by the kernel and
-go through `cast_master` (or the format's recipe), which raises its error (`NonFiniteError` / `FormatError`)
-word for word.
+"""One fused pass for the served formats: cast (or quantize) an FP32 master and diff it against the previous
+view (docs/formats.md, "The one-pass cast"). The numba kernels run on chunks on a thread pool, GIL released;
+other devices and master dtypes take the torch path (same bits). Masters the kernel flags (non-finite, out of
+range) go through `cast_master` or the format's recipe, which raises its error word for word.
 """
 
 from __future__ import annotations
@@ -32,22 +23,21 @@ from flipsync.formats.base import cast_master, fits_out
 from flipsync.formats.cast_kernels import BF16, FP16, GROUP, cast_diff_bits, cast_diff_f16
 from flipsync.formats.quantize_kernels import (
     E4M3_VALUES,
+    FP8_CHANNEL,
+    FP8_TENSOR,
+    INT8_CHANNEL,
     MX,
     NV,
     TILE,
-    fp8_rows,
     fp8_tile_rows,
-    i8_rows,
     mx_rows,
     nv_rows,
+    rows8,
     tensor_amax,
 )
 from flipsync.formats.registry import get_format
 
 logger = logging.getLogger(__name__)
-
-#: Served dtypes the CPU kernel computes (an element-wise RNE cast of an FP32 master).
-FUSED_DTYPES = (torch.bfloat16, torch.float16)
 
 CHUNK_ELEMENTS = 1 << 21  # per task: 8 MiB of masters, enough to amortise the hand-over to the pool
 MIN_CHUNK_ELEMENTS = 1 << 18
@@ -83,9 +73,8 @@ def _hw_fp16() -> bool:
 
 @dataclass
 class _Spill:
-    """A worker's change buffers for one call: its chunks append their changes (``fill`` is the next free
-    slot) and leave them there until the caller copies every chunk's out, in order, into the result: one
-    copy into fresh memory, instead of a copy per chunk and a concatenation of those."""
+    """A worker's change buffers for one call: its chunks append there (``fill``: the next free slot) until the
+    caller copies them all, in order, into the result (one copy, not a copy per chunk and a concatenation)."""
 
     pos: np.ndarray  # int64, chunk-relative
     old: np.ndarray
@@ -126,7 +115,7 @@ class CastDiffer:
     def kernel_covers(master: torch.Tensor, dtype: torch.dtype, ref: torch.Tensor) -> bool:
         """True when the CPU kernel runs (else `cast_diff` takes the torch path, with the same result)."""
         return (
-            dtype in FUSED_DTYPES
+            dtype in (torch.bfloat16, torch.float16)
             and master.dtype == torch.float32
             and master.device.type == "cpu"
             and ref.device.type == "cpu"
@@ -145,12 +134,8 @@ class CastDiffer:
         torch_path: bool = False,
     ) -> tuple[torch.Tensor, Changes]:
         """``cast_master(name, master, dtype)`` and its changes against ``ref`` (the previous view of it).
-
-        ``out``: where the view is written (a contiguous tensor of the result's shape and dtype on the
-        master's device, not ``ref``'s memory), else a new tensor. ``torch_path`` forces the path that CUDA
-        tensors take. Raises what `cast_master` raises; `FormatError` when ``ref`` is not of the same
-        shape and dtype.
-        """
+        ``out``: where the view is written, if it fits and does not overlap ``ref``. ``torch_path`` forces the
+        path CUDA tensors take. Raises what `cast_master` raises; `FormatError` for a ``ref`` of another layout."""
         if tuple(ref.shape) != tuple(master.shape) or ref.dtype != dtype:
             raise FormatError(
                 f"the previous view of {name!r} is {tuple(ref.shape)} {ref.dtype}, not the "
@@ -177,15 +162,10 @@ class CastDiffer:
         *,
         from_fp32: bool,
     ) -> tuple[dict[str, torch.Tensor], Changes] | None:
-        """fp8-tensor / fp8-channel / fp8-block / mxfp8 / mxfp4 / nvfp4 / int8-channel: ``x``'s components
-        (payload, scales) and the payload's changes against ``ref`` (its previous payload), or None when this
-        pass does not cover the tensor (another format, not a contiguous 2-D fp32 CPU master, ``ref`` of another
-        layout): quantize it as usual.
-
-        ``x`` is the master, or the recipe's prepared input (bf16(master) as fp32: rounding it again is
-        exact). Masters the recipe refuses (non-finite, bf16 overflow) return None too, so that the
-        format's own path raises its error. The scale component is left to the ordinary diff.
-        """
+        """A quantized format's components of ``x`` and the payload's changes against ``ref`` (its previous
+        payload), or None where this pass does not cover the tensor (not a contiguous 2-D fp32 CPU master, a
+        ``ref`` of another layout, a master the recipe refuses: its own path then raises its error). ``x``: the
+        master, or the recipe's prepared input (rounding bf16(master) again is exact)."""
         if (
             fmt not in _QUANTIZED
             or x.dtype != torch.float32
@@ -208,16 +188,14 @@ class CastDiffer:
         if fmt in ("fp8-tensor", "fp8-channel", "int8-channel"):
             scales = np.empty(rows, np.float32)  # per row; fp8-tensor's kernel leaves it alone
             per_rows, parts = scales, {name: payload, name + "_scale": torch.from_numpy(scales).reshape(rows, 1)}
-            kernel = i8_rows if fmt == "int8-channel" else fp8_rows
+            kernel, extra = rows8, (INT8_CHANNEL if fmt == "int8-channel" else FP8_CHANNEL, np.float32(0.0))
             if fmt == "fp8-tensor":
                 amax = tensor_amax(x, group_amax, from_fp32=from_fp32)
                 if amax is None:
                     return None
                 scale = amax / 448.0
                 parts[name + "_scale"] = scale.reshape(1)
-                extra = (False, np.float32((1.0 / scale).item()))
-            elif fmt == "fp8-channel":
-                extra = (True, np.float32(0.0))
+                extra = (FP8_TENSOR, np.float32((1.0 / scale).item()))
         elif fmt == "fp8-block":  # one row of 128x128 tiles per task (their amax needs all 128 rows first)
             per_rows = np.empty((-(-rows // TILE), -(-k // TILE)), np.float32)
             kernel, step, parts = fp8_tile_rows, TILE, {name: payload, name + "_scale_inv": torch.from_numpy(per_rows)}
@@ -265,10 +243,9 @@ class CastDiffer:
         limit: int,
         kernel: Callable[..., tuple[int, int]],
     ) -> Changes:
-        """Runs ``kernel(i, pos, old, new) -> (changes, top master bits)`` for each task ``(first position, slots it
-        may write)`` on the pool (inline on one thread) and copies their changes, in task order, into the
-        result (positions shifted by the task's first). Raises `_OutOfRange` when a task's top is ``limit`` or
-        more, once every task has finished (none still writes into a spill)."""
+        """Runs ``kernel(i, pos, old, new) -> (changes, top master bits)`` for each task ``(first position, slots)``
+        on the pool and copies their changes, in task order, into the result. `_OutOfRange` when a task's top is
+        ``limit`` or more, raised once every task has finished (none still writes into a spill)."""
         held: dict[int, _Spill] = {}  # this call's spill per worker thread
         taken: list[_Spill] = []
 
@@ -309,8 +286,7 @@ class CastDiffer:
             self._give(bits, taken)
 
     def _take(self, slots: int, bits: type) -> _Spill:
-        """A spill with room for ``slots``: a spare one, else a new one of twice that (later chunks of the
-        call append to it; few changes per chunk then leave room for many)."""
+        """A spill with room for ``slots``: a spare one, else a new one of twice that (for the call's later chunks)."""
         with self._lock:
             spares = self._spares.get(bits, [])
             for k, sp in enumerate(spares):

@@ -1,7 +1,5 @@
-"""The plain casts' numba kernels (bf16 / fp16 views of FP32 masters): round to nearest even, store, and
-emit the lanes that differ from the previous view, 64 at a time. `flipsync.formats.cast_diff.CastDiffer`
-runs them on chunks; the quantized formats' kernels (`flipsync.formats.quantize_kernels`) reuse the rounding
-and the emitter."""
+"""The plain casts' numba kernels (bf16 / fp16 views of FP32 masters): round to nearest even, store, and emit
+the lanes that differ from the previous view, 64 at a time; the quantized formats' kernels reuse both parts."""
 
 from __future__ import annotations
 
@@ -26,10 +24,8 @@ _Q = np.uint64
 # lanes per vector of the block loop; truncated back at each step, LLVM keeps it in 32-bit lanes.
 @numba.njit(nogil=True, cache=True, inline="always")
 def round16(u: np.uint32, kind: int) -> np.uint32:
-    """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs).
-
-    Branch-free (every case computed, then selected) so that the block loop vectorizes.
-    """
+    """fp32 bits ``u`` -> bf16 / fp16 bits, round to nearest even (finite, in-range inputs); branch-free (every
+    case computed, then selected) so that the block loop vectorizes."""
     if kind == BF16:  # c10's round_to_nearest_even
         return _U(_U(_U(u + _U(0x7FFF)) + _U(_U(u >> _U(16)) & _U(1))) >> _U(16))
     sign = _U(_U(u >> _U(16)) & _U(0x8000))
@@ -84,13 +80,10 @@ def emit_lanes(
 def cast_diff_bits(
     src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray
 ) -> tuple[int, np.uint32]:
-    """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``.
-
-    Groups of 64 lanes: one loop casts, stores, tracks max |master| and sets a bit per lane that differs
-    (LLVM vectorizes it: vector compares into mask registers), then only the set bits are visited.
-    ``pos`` gets chunk-relative positions and needs ``len(src) + 2`` slots (see `emit_lanes`).
-    Returns (changes written to pos/old/new, max |master| bits: the caller checks the range).
-    """
+    """Cast fp32 bits ``src`` into 16-bit ``out`` and emit every lane that differs from ``ref``: per group of 64
+    lanes one loop (vectorized) casts, stores, tracks max |master| and sets a bit per differing lane, then only
+    the set bits are visited. ``pos`` (chunk-relative) needs ``len(src) + 2`` slots (see `emit_lanes`).
+    Returns (changes written to pos/old/new, max |master| bits: the caller checks the range)."""
     n = 0
     top = _U(0)
     size = src.shape[0]

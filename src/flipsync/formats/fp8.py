@@ -1,9 +1,6 @@
-"""FP8 E4M3 served views: per-tensor (vLLM dynamic), per-channel (compressed-tensors) and 128x128
-blocks (DeepGEMM).
-
-All scales are dequantization multipliers (w ~= q * scale), float32. Every recipe clamps to +/-448
-before the cast, so the bytes do not depend on whether the torch version saturates e4m3 casts.
-"""
+"""FP8 E4M3 served views: per-tensor (vLLM dynamic), per-channel (compressed-tensors), 128x128 blocks (DeepGEMM).
+Scales are float32 multipliers (w ~= q * scale). Every recipe clamps to +/-448 before the cast, so the bytes do
+not depend on whether the torch version saturates e4m3 casts."""
 
 from __future__ import annotations
 
@@ -27,9 +24,7 @@ BLOCK_AMAX_FLOOR = 1e-4
 class Fp8TensorFormat(ServedFormat):
     """vLLM `scaled_fp8_quant(weight, scale=None)` (dynamic per-tensor), emulated in torch ops.
 
-    scale = amax / 448; inv = 1 / scale; q = e4m3(fmax(-448, fmin(x * inv, 448))) with NaN-ignoring
-    fmin/fmax like CUDA's fminf/fmaxf. An all-zero tensor gives scale 0, inv = inf, 0 * inf = NaN,
-    and therefore every byte 0x7E, as the CUDA kernel does.
+    The recipe, and why an all-zero tensor gives every byte 0x7E: docs/formats.md ("fp8-tensor").
     """
 
     name: ClassVar[str] = "fp8-tensor"
@@ -46,15 +41,11 @@ class Fp8TensorFormat(ServedFormat):
         q = torch.fmax(-limit, torch.fmin(x * inv, limit)).to(E4M3)
         return {name: q, name + "_scale": scale.reshape(1)}
 
-    def dequantize(self, name: str, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return components[name].float() * components[name + "_scale"].float()
-
 
 class Fp8ChannelFormat(ServedFormat):
     """compressed-tensors FP8 CHANNEL strategy (symmetric, static weights), float32 scales.
 
-    scale[n] = amax(|x[n, :]|) / 448, a zero scale replaced by float32 eps (2**-23);
-    q = e4m3(clamp(x / scale, -448, 448)) — a true division, not a reciprocal multiply.
+    A true division, not a reciprocal multiply: docs/formats.md ("fp8-channel").
     """
 
     name: ClassVar[str] = "fp8-channel"
@@ -68,15 +59,11 @@ class Fp8ChannelFormat(ServedFormat):
         q = torch.clamp(x / scale, -E4M3_MAX, E4M3_MAX).to(E4M3)
         return {name: q, name + "_scale": scale}
 
-    def dequantize(self, name: str, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return components[name].float() * components[name + "_scale"].float()
-
 
 class Fp8BlockFormat(ServedFormat):
     """DeepGEMM / vLLM `per_block_cast_to_fp8(x, use_ue8m0=False)`: 128x128 tiles, DeepSeek-V3 layout.
 
-    Zero-pad to multiples of 128; amax per tile floored at 1e-4; sf = amax / 448;
-    q = e4m3(x * (1 / sf)); crop. `weight_scale_inv` holds sf (a multiplier, despite its name).
+    `weight_scale_inv` holds sf (a multiplier, despite its name); the recipe: docs/formats.md ("fp8-block").
     """
 
     name: ClassVar[str] = "fp8-block"

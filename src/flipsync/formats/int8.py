@@ -1,11 +1,8 @@
-"""INT8 served views: symmetric per-channel INT8, the compressed-tensors W8A8 weight layout.
-
-The scale is a dequantization multiplier (w ~= q * scale), float32, one per output row.
-"""
+"""INT8 served views: symmetric per-channel INT8, the compressed-tensors W8A8 weight layout (a float32
+multiplier per output row: w ~= q * scale)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import ClassVar
 
 import torch
@@ -23,8 +20,7 @@ INT8_ZERO_SCALE = torch.finfo(torch.float32).eps
 class Int8ChannelFormat(ServedFormat):
     """compressed-tensors INT8 CHANNEL strategy (symmetric, static weights), float32 scales.
 
-    scale[n] = amax(|x[n, :]|) / 127.5, a zero scale replaced by float32 eps (2**-23);
-    q = int8(round_half_even(clamp(x / scale, -128, 127))) — a true division, clamped before rounding.
+    A true division, clamped before rounding: docs/formats.md ("int8-channel").
     """
 
     name: ClassVar[str] = "int8-channel"
@@ -37,6 +33,3 @@ class Int8ChannelFormat(ServedFormat):
         scale = torch.where(scale == 0, torch.full_like(scale, INT8_ZERO_SCALE), scale)
         q = torch.round(torch.clamp(x / scale, INT8_MIN, INT8_MAX)).to(torch.int8)
         return {name: q, name + "_scale": scale}
-
-    def dequantize(self, name: str, components: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return components[name].float() * components[name + "_scale"].float()

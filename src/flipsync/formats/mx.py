@@ -1,10 +1,6 @@
-"""OCP Microscaling (MX v1.0) served views, torchao FLOOR scale mode: mxfp8 (e4m3) and mxfp4 (e2m1).
-
-Also home of the FP4 E2M1 encoder and nibble packing shared with nvfp4.
-
-Layout for a master [N, K]: blocks of 32 consecutive elements along K (a partial last block is
-allowed); `weight_scale` uint8 [N, ceil(K/32)] holds E8M0 bytes (value 2**(b - 127)).
-"""
+"""OCP Microscaling (MX v1.0) served views, torchao FLOOR scale mode: mxfp8 (e4m3) and mxfp4 (e2m1), and the
+FP4 E2M1 encoder and nibble packing nvfp4 shares. For a master [N, K]: blocks of 32 along K (the last may be
+partial); `weight_scale` uint8 [N, ceil(K/32)] holds E8M0 bytes (value 2**(b - 127))."""
 
 from __future__ import annotations
 
@@ -27,18 +23,11 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
 
 
-# --- E2M1 (FP4) -----------------------------------------------------------------------------------
-
-
 def e2m1_encode(y: torch.Tensor, *, negative_zero: bool) -> torch.Tensor:
-    """fp32 -> e2m1 codes (uint8 in 0..15): round to nearest, ties to even, saturating at +/-6.
-
-    The magnitude index counts the rounding thresholds |y| passes; strict `>` at thresholds whose
-    lower neighbour has an even code (0.25, 1.25, 2.5, 5) and `>=` where the upper one is even
-    (0.75, 1.75, 3.5) is exactly RNE. The sign bit is `signbit(y)` when `negative_zero` (torchao /
-    OCP: -0.0 and tiny negatives encode as 0x8) or `y < 0` (ModelOpt: -0.0 encodes as 0x0).
-    A NaN gets magnitude 0 (no threshold is passed).
-    """
+    """fp32 -> e2m1 codes (uint8 in 0..15): round to nearest, ties to even, saturating at +/-6. The magnitude
+    counts the thresholds |y| passes: strict `>` where the lower neighbour's code is even (0.25, 1.25, 2.5, 5),
+    `>=` where the upper one's is (0.75, 1.75, 3.5), which is exactly RNE; a NaN passes none. The sign bit is
+    `signbit(y)` with `negative_zero` (torchao / OCP: -0.0 -> 0x8), else `y < 0` (ModelOpt: -0.0 -> 0x0)."""
     a = y.abs()
     idx = (a > 0.25).to(torch.uint8)
     idx += a >= 0.75
@@ -76,16 +65,10 @@ def require_even_last_dim(fmt: str, name: str, x: torch.Tensor) -> None:
         )
 
 
-# --- E8M0 scales (torchao FLOOR) ------------------------------------------------------------------
-
-
 def e8m0_floor(amax: torch.Tensor, emax_elem: int) -> torch.Tensor:
-    """Biased E8M0 scale byte by the OCP FLOOR rule, as torchao computes it (uint8).
-
-    e = (exponent field of amax) - 127 - emax_elem, clamped to [-127, 127]; byte = e + 127.
-    The exponent field is read from the fp32 bits, so an fp32-subnormal or zero amax counts as
-    2**-127 and gives byte 0 (torchao's all-zero-block byte). amax must be finite and >= 0.
-    """
+    """Biased E8M0 scale byte by the OCP FLOOR rule, as torchao computes it (uint8): e = (exponent field of amax)
+    - 127 - emax_elem, clamped to [-127, 127]; byte = e + 127. From the fp32 bits, so an fp32-subnormal or zero
+    amax counts as 2**-127 and gives byte 0 (torchao's all-zero-block byte). amax must be finite and >= 0."""
     field = torch.bitwise_right_shift(amax.contiguous().view(torch.int32), F32_MANTISSA_BITS) & 0xFF
     unbiased = torch.clamp(field - E8M0_BIAS - emax_elem, min=-E8M0_BIAS, max=E8M0_BIAS)
     return (unbiased + E8M0_BIAS).to(torch.uint8)
@@ -104,8 +87,7 @@ def _mx_blocks(x: torch.Tensor, emax_elem: int) -> tuple[torch.Tensor, torch.Ten
     blocks = pad_last_dim(x, MX_BLOCK).view(n, -1, MX_BLOCK)
     scale = e8m0_floor(blocks.abs().amax(dim=-1), emax_elem)
     # torchao: divide by the fp32 value of the scale clamped to the smallest normal (exact: a power of 2).
-    power = torch.bitwise_left_shift(scale.to(torch.int32), F32_MANTISSA_BITS).view(torch.float32)
-    divisor = torch.clamp(power, min=F32_MIN_NORMAL)
+    divisor = torch.clamp(e8m0_value(scale), min=F32_MIN_NORMAL)
     return (blocks / divisor.unsqueeze(-1)).view(n, -1), scale
 
 

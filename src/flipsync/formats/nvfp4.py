@@ -1,9 +1,6 @@
-"""NVFP4 served view in NVIDIA ModelOpt checkpoint form (`modelopt_fp4`).
-
-For a master [N, K] (K even): `weight` uint8 [N, K/2] (two e2m1 codes per byte, even element in the
-low nibble), `weight_scale` float8_e4m3fn [N, ceil(K/16)] (block scales), `weight_scale_2` float32 [1]
-(global multiplier). Dequantization: w = e2m1(code) * float(weight_scale) * weight_scale_2.
-"""
+"""NVFP4 served view in NVIDIA ModelOpt checkpoint form (`modelopt_fp4`). For a master [N, K] (K even): `weight`
+uint8 [N, K/2] (two e2m1 codes per byte, even element low), `weight_scale` float8_e4m3fn [N, ceil(K/16)] (block
+scales), `weight_scale_2` float32 [1] (global); w = e2m1(code) * float(weight_scale) * weight_scale_2."""
 
 from __future__ import annotations
 
@@ -30,12 +27,7 @@ ZERO_TENSOR_SCALE_2 = 1.0
 
 
 class NvFp4Format(ServedFormat):
-    """ModelOpt `NVFP4QTensor.quantize` (dynamic weight path), block 16.
-
-    s2 = amax / (6 * 448) over the tensor or its fused group (1.0 when that amax is 0);
-    bs = block_amax / (6 * s2); bs[bs == 0] = 1; bs8 = e4m3(max(bs, 2**-9));
-    y = x / (float(bs8) * s2); code = e2m1 RNE saturating, sign = (y < 0) so -0.0 -> 0x0.
-    """
+    """ModelOpt `NVFP4QTensor.quantize` (dynamic weight path), block 16; the recipe: docs/formats.md ("nvfp4")."""
 
     name: ClassVar[str] = "nvfp4"
     payload_dtype: ClassVar[torch.dtype] = torch.uint8

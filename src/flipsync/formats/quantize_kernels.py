@@ -1,6 +1,5 @@
-"""The quantized formats' numba kernels (fp8-tensor / fp8-channel / fp8-block, int8-channel, mxfp8 / mxfp4,
-nvfp4): encode rows of FP32 masters into codes and scales, store the codes and emit the bytes that differ
-from the previous payload. `flipsync.formats.cast_diff.CastDiffer.quantize_diff` runs them on chunks."""
+"""The quantized formats' numba kernels: encode rows of FP32 masters into codes and scales, store the codes and
+emit the bytes that differ from the previous payload (`CastDiffer.quantize_diff` runs them on chunks)."""
 
 from __future__ import annotations
 
@@ -92,23 +91,29 @@ def _abs_max_bits(src: np.ndarray) -> np.uint32:
     return top
 
 
+FP8_TENSOR, FP8_CHANNEL, INT8_CHANNEL = 0, 1, 2  # the recipes `rows8` runs
+_I8_HALF_RANGE = np.float32(127.5)  # compressed-tensors' symmetric int8 divisor: (127 - (-128)) / 2
+_I8_MIN, _I8_MAX = np.float32(-128.0), np.float32(127.0)
+
+
 @numba.njit(nogil=True, cache=True, error_model="numpy")
-def fp8_rows(
+def rows8(
     src: np.ndarray,
     ref: np.ndarray,
     out: np.ndarray,
     scales: np.ndarray,
-    channel: bool,
+    recipe: int,
     inv: np.float32,
     round_bf16: bool,
     pos: np.ndarray,
     old: np.ndarray,
     new: np.ndarray,
 ) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> e4m3 ``out``, and the changes against ``ref`` (positions from the
-    first row). ``channel``: compressed-tensors (row scale amax/448 into ``scales``, a zero one 2**-23,
-    ``clamp(x / scale)``); else vLLM per-tensor (``fmax(-448, fmin(x * inv, 448))``, NaN-ignoring: 0 * inf
-    gives 448). ``round_bf16``: the input is bf16(master). Returns (changes, max |master| bits)."""
+    """Rows of fp32 bits ``src`` [R, K] -> e4m3 or int8 bytes ``out``, and the changes against ``ref`` (positions
+    from the first row). FP8_TENSOR: vLLM per-tensor (``fmax(-448, fmin(x * inv, 448))``, NaN-ignoring: 0 * inf
+    gives 448); FP8_CHANNEL / INT8_CHANNEL: compressed-tensors (row scale amax/448 or amax/127.5 into ``scales``,
+    a zero one 2**-23; ``clamp(x / scale)``, int8 then ``rint``, half to even). ``round_bf16``: the input is
+    bf16(master). Returns (changes, max |master| bits)."""
     rows, k = src.shape
     vals = np.empty(k, np.float32)
     bits = vals.view(np.uint32)
@@ -117,58 +122,26 @@ def fp8_rows(
     top = _U(0)
     for r in range(rows):
         top = _load_row(src[r], bits, round_bf16, top)
-        if channel:
-            amax = viewer(_abs_max_bits(bits), np.float32)
-            scale = np.float32(amax / _E4M3_MAX)
-            if scale == 0:
-                scale = _EPS32
-            scales[r] = scale
-            for j in range(k):
-                vals[j] = min(max(np.float32(vals[j] / scale), -_E4M3_MAX), _E4M3_MAX)
-        else:
+        if recipe == FP8_TENSOR:
             for j in range(k):
                 y = np.float32(vals[j] * inv)
                 vals[j] = _E4M3_MAX if y != y else min(max(y, -_E4M3_MAX), _E4M3_MAX)
-        for j in range(k):
-            codes[j] = _e4m3(bits[j])
-        n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
-    return n, top
-
-
-_I8_HALF_RANGE = np.float32(127.5)  # compressed-tensors' symmetric int8 divisor: (127 - (-128)) / 2
-_I8_MIN, _I8_MAX = np.float32(-128.0), np.float32(127.0)
-
-
-@numba.njit(nogil=True, cache=True, error_model="numpy")
-def i8_rows(
-    src: np.ndarray,
-    ref: np.ndarray,
-    out: np.ndarray,
-    scales: np.ndarray,
-    round_bf16: bool,
-    pos: np.ndarray,
-    old: np.ndarray,
-    new: np.ndarray,
-) -> tuple[int, np.uint32]:
-    """Rows of fp32 bits ``src`` [R, K] -> int8 codes (as bytes) in ``out`` and the changes against ``ref``:
-    compressed-tensors symmetric int8 (row scale amax/127.5 into ``scales``, a zero one 2**-23,
-    ``rint(clamp(x / scale, -128, 127))``, round half to even). Returns (changes, max |master| bits)."""
-    rows, k = src.shape
-    vals = np.empty(k, np.float32)
-    bits = vals.view(np.uint32)
-    codes = np.empty(k, np.uint8)
-    n = 0
-    top = _U(0)
-    for r in range(rows):
-        top = _load_row(src[r], bits, round_bf16, top)
-        amax = viewer(_abs_max_bits(bits), np.float32)
-        scale = np.float32(amax / _I8_HALF_RANGE)
-        if scale == 0:
-            scale = _EPS32
-        scales[r] = scale
-        for j in range(k):
-            y = np.rint(min(max(np.float32(vals[j] / scale), _I8_MIN), _I8_MAX))
-            codes[j] = np.uint8(np.int32(y) & 0xFF)
+        else:
+            amax = viewer(_abs_max_bits(bits), np.float32)
+            scale = np.float32(amax / (_I8_HALF_RANGE if recipe == INT8_CHANNEL else _E4M3_MAX))
+            if scale == 0:
+                scale = _EPS32
+            scales[r] = scale
+            if recipe == INT8_CHANNEL:
+                for j in range(k):
+                    y = np.rint(min(max(np.float32(vals[j] / scale), _I8_MIN), _I8_MAX))
+                    codes[j] = np.uint8(np.int32(y) & 0xFF)
+            else:
+                for j in range(k):
+                    vals[j] = min(max(np.float32(vals[j] / scale), -_E4M3_MAX), _E4M3_MAX)
+        if recipe != INT8_CHANNEL:
+            for j in range(k):
+                codes[j] = _e4m3(bits[j])
         n = _store_diff(codes, out[r], ref[r], r * k, pos, old, new, n)
     return n, top
 

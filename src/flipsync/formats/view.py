@@ -23,33 +23,19 @@ Quantize = Callable[[ServedFormat, str, torch.Tensor, torch.Tensor | None, bool]
 FusedGroups = Literal["auto"] | Sequence[Sequence[str]] | None
 
 # Fused shards an engine loads into one parameter (qkv_proj, gate_up_proj / w13), in engine order.
-_FUSED_PATTERNS: tuple[tuple[str, re.Pattern[str], tuple[str, ...]], ...] = (
-    (
-        "qkv",
-        re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>q_proj|k_proj|v_proj)\.weight$"),
-        ("q_proj", "k_proj", "v_proj"),
-    ),
-    (
-        "gate_up",
-        re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>gate_proj|up_proj)\.weight$"),
-        ("gate_proj", "up_proj"),
-    ),
-    ("w13", re.compile(r"^(?P<prefix>(?:.*\.)?)(?P<role>w1|w3)\.weight$"), ("w1", "w3")),
-)
-_ROLES = {kind: roles for kind, _pattern, roles in _FUSED_PATTERNS}
+_ROLES = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj"), "w13": ("w1", "w3")}
+_FUSED_PATTERNS = {
+    kind: re.compile(rf"^(?P<prefix>(?:.*\.)?)(?P<role>{'|'.join(roles)})\.weight$") for kind, roles in _ROLES.items()
+}
 
 
 def fused_groups_auto(names: Iterable[str]) -> list[list[str]]:
-    """Fused groups found from Hugging Face parameter names.
-
-    ``<p>.q_proj.weight``/``<p>.k_proj.weight``/``<p>.v_proj.weight`` of one prefix form a group, as
-    do ``<p>.gate_proj.weight``/``<p>.up_proj.weight`` and ``<p>.w1.weight``/``<p>.w3.weight`` (this
-    covers MoE experts, ``...experts.<i>.gate_proj``). Groups keep engine order (q, k, v; gate, up),
-    appear in order of their first member, and have at least two members.
-    """
+    """Fused groups found from Hugging Face parameter names: ``<p>.q_proj/k_proj/v_proj.weight``,
+    ``<p>.gate_proj/up_proj.weight`` and ``<p>.w1/w3.weight`` of one prefix (MoE experts included). Groups keep
+    engine order (q, k, v; gate, up), come in order of their first member, and have at least two members."""
     found: dict[tuple[str, str], dict[str, str]] = {}
     for name in names:
-        for kind, pattern, _roles in _FUSED_PATTERNS:
+        for kind, pattern in _FUSED_PATTERNS.items():
             match = pattern.match(name)
             if match:
                 found.setdefault((kind, match["prefix"]), {})[match["role"]] = name
@@ -98,25 +84,11 @@ def served_view(
     quantize: Quantize | None = None,
     dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint-format tensors an engine holds for `masters` under format `fmt`.
-
-    Quantized formats quantize floating non-empty 2-D tensors named ``*weight`` without ``embed``,
-    ``lm_head`` or ``norm`` in the name, unless ``keep(name, tensor)`` returns True; their input is
-    ``bf16(master)`` (or the fp32 master with ``from_fp32=True``). Other floating tensors are served
-    as bf16 (fp16 under the fp16 format); non-floating tensors are returned as they are (not copied).
-    Members of a fused group (``"auto"``: `fused_groups_auto`; or explicit lists of names) share one
-    per-tensor fp8 scale / nvfp4 global scale; other formats ignore groups. Members the format does
-    not quantize are left out of their group. ``alloc``: where plain casts of fp32 masters write their
-    result (a publisher passes reused buffers); by default every output is newly allocated. ``cast``: what
-    computes those plain casts instead of `cast_master` (it must give the same bits and errors); ``quantize``
-    likewise for the quantized tensors, given the master or (fused-group members) the prepared input.
-    ``dtypes``: tensors served in another dtype than the format gives them, by a plain cast (``float32``: the
-    master's own bits, checked finite), as released checkpoints and their engines keep norms, biases and router
-    weights in FP32 beside BF16 or quantized weights; such tensors are never quantized.
-
-    Output keys: the master's name for the payload plus the format's scale names (e.g.
-    ``X.weight_scale``), in master order. Each output lives on its master's device.
-    """
+    """The checkpoint-format tensors an engine holds for `masters` under format `fmt`, by name (payload, then
+    scales), in master order, each on its master's device; what is quantized: docs/formats.md ("Common rules").
+    ``alloc``: where plain casts of fp32 masters write (reused buffers); ``cast`` / ``quantize``: what computes
+    them instead of `cast_master` / the recipe (same bits and errors). ``dtypes``: tensors served by a plain
+    cast to another dtype, never quantized."""
     f = get_format(fmt)
     kept_dtypes = _check_dtypes(dtypes, masters)
     selected = {
@@ -155,7 +127,7 @@ def served_view(
             x = prepared.pop(name) if ready else tensor
             got = quantize(f, name, x, amax, from_fp32) if quantize is not None else None
             if got is None:
-                got = f.encode(name, x, amax) if ready else f.components(name, x, amax, from_fp32=from_fp32)
+                got = f.encode(name, x if ready else f.prepare(name, x, from_fp32=from_fp32), amax)
             parts = got
         else:  # a plain cast: every float tensor of bf16/fp16 views, the kept ones of quantized views
             dtype = kept_dtypes.get(name) or (f.payload_dtype if name in selected else f.unquantized_dtype)
@@ -218,10 +190,8 @@ def checkpoint_dtypes(
 
 
 def dequantize_view(served: Mapping[str, torch.Tensor], fmt: str | ServedFormat) -> dict[str, torch.Tensor]:
-    """Float32 values an engine computes from `served` (the output of `served_view`), by master name.
-
-    For analysis tools and tests. Non-floating tensors are returned as they are.
-    """
+    """Float32 values an engine computes from `served` (the output of `served_view`), by master name, for
+    analysis tools and tests; non-floating tensors are returned as they are."""
     f = get_format(fmt)
     payloads: set[str] = set()
     consumed: set[str] = set()

@@ -37,64 +37,43 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def fsdp_version(args: TrainingArguments | None) -> int | None:
-    """The FSDP version a Trainer was configured with (its arguments, or accelerate's environment); None
-    without FSDP. Transformers and accelerate default to FSDP2 when no version is given."""
+def check_shardable(model: torch.nn.Module, args: TrainingArguments | None = None) -> None:
+    """Refuse the sharded setups the publisher cannot read from a callback (FSDP1, DeepSpeed ZeRO-3).
+
+    FSDP1 comes from the Trainer's arguments, accelerate's environment or the model's modules; transformers
+    and accelerate default to FSDP2 when no version is given."""
+    version: int | None = None
     if args is not None and getattr(args, "fsdp", None):
         config = getattr(args, "fsdp_config", None) or {}
-        return int(config.get("version", config.get("fsdp_version", 2)))
-    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):
-        return int(os.environ.get("FSDP_VERSION", "2") or 2)
-    return None
-
-
-def check_shardable(model: torch.nn.Module, args: TrainingArguments | None = None) -> None:
-    """Refuse the sharded setups the publisher cannot read from a callback (FSDP1, DeepSpeed ZeRO-3)."""
-    fsdp1 = (
-        "its state_dict() is a collective whose result depends on the trainer's state-dict type. Train with FSDP2 "
-        "({how}), whose DTensor parameters the publisher shards natively, or publish the trainer's checkpoints "
-        "with `flipsync watch CKPT_DIR BOARD_URL`"
-    )
-    if fsdp_version(args) == 1:
+        version = int(config.get("version", config.get("fsdp_version", 2)))
+    elif os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes"):
+        version = int(os.environ.get("FSDP_VERSION", "2") or 2)
+    if version == 1 or any(type(sub).__name__ == "FullyShardedDataParallel" for sub in model.modules()):
         raise ConfigError(
-            "FlipsyncCallback cannot publish a model trained with FSDP1 (fsdp_config version 1): "
-            + fsdp1.format(how="fsdp_config version 2, accelerate fsdp_version: 2")
+            "FlipsyncCallback cannot publish an FSDP1 model (fsdp_config version 1, or FullyShardedDataParallel "
+            "modules): its state_dict() is a collective whose result depends on the trainer's state-dict type. "
+            "Train with FSDP2 (fsdp_config version 2, accelerate fsdp_version: 2), whose DTensor parameters the "
+            "publisher shards natively, or publish the trainer's checkpoints with "
+            "`flipsync watch CKPT_DIR BOARD_URL`"
         )
-    if any(type(sub).__name__ == "FullyShardedDataParallel" for sub in model.modules()):
+    if any(hasattr(p, "ds_id") or hasattr(p, "ds_tensor") for p in model.parameters()):
         raise ConfigError(
-            "FlipsyncCallback cannot publish an FSDP1 (FullyShardedDataParallel) model: "
-            + fsdp1.format(how="accelerate: fsdp_version: 2")
+            "FlipsyncCallback cannot publish a DeepSpeed ZeRO-3 model: its parameters are partitioned "
+            "between ranks and gathered only inside DeepSpeed. Use ZeRO stage 1 or 2, FSDP2, or publish the "
+            "trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
         )
-    for p in model.parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "ds_tensor"):
-            raise ConfigError(
-                "FlipsyncCallback cannot publish a DeepSpeed ZeRO-3 model: its parameters are partitioned "
-                "between ranks and gathered only inside DeepSpeed. Use ZeRO stage 1 or 2, FSDP2, or publish the "
-                "trainer's checkpoints with `flipsync watch CKPT_DIR BOARD_URL`"
-            )
 
 
 class FlipsyncCallback(TrainerCallback):
     """Publishes the model's served view to a board after every optimizer step of a ``Trainer``.
 
-    ``board``: a URL or path (``s3://bucket/board``, ``file://``, ...) or a ``flipsync.board.Store``.
-    ``format``: the served format (``bf16``, ``fp8-block``, ``nvfp4``, ...). ``run``: the run's name on the
-    board (default: a new unique one, the same on every rank). ``resume``: continue an existing run (see
-    ``Publisher``). ``step_meta``: record the Trainer's ``global_step`` in each version's manifest
-    (``meta.hf_global_step``). ``background=False`` publishes inside ``on_step_end`` (the step waits for
-    the upload, and no step is ever squashed: exactly one version per optimizer step). ``config`` is the
-    publisher's `PublisherConfig`; any other keyword sets one of its fields (``background``, ``keep``,
-    ``spans``, ``keyframe_policy``, ``timeout_s``, ``signer``, ``store_options``, ...).
-
-    After training, ``published`` holds the last version (`Published`: version, step, bytes, ...) and
-    ``run`` the run's name. A second ``train()`` on the same trainer continues the same run (resume).
-    If training stops with an exception, Hugging Face does not call ``on_train_end``: call ``close()``.
-
-    A board that refuses writes for good (permission, credentials, no bucket, no space:
-    ``PermanentStoreError``) stops the publisher at its first refused version: ``train()`` raises it from
-    the next ``on_step_end``, or from ``on_train_end`` when training ended first, within seconds, and the
-    callback has closed its publisher. The model and optimizer keep their state as of the last step that
-    ran, and every version that landed stays on the board: fix the board and train on (the run resumes).
+    ``board``: a URL, path or ``Store``; ``format``: the served format; ``run``: the run's name (default: a
+    new one, the same on every rank); ``resume``: continue an existing run; ``step_meta``: record
+    ``meta.hf_global_step``. ``config`` is the `PublisherConfig`; other keywords set its fields
+    (``background=False``: publish inside ``on_step_end``, exactly one version per optimizer step).
+    ``published`` holds the last version. If training raises, Hugging Face does not call ``on_train_end``:
+    call ``close()``. A board that refuses writes for good stops the publisher, and ``train()`` raises its
+    ``PermanentStoreError`` from the next event (docs/integrations/hf.md).
     """
 
     def __init__(
@@ -143,12 +122,7 @@ class FlipsyncCallback(TrainerCallback):
         model = unwrap_model(model)
         check_shardable(model, args)
         self.publisher = Publisher(
-            model,
-            self.board,
-            format=self.format,
-            run=self.run,
-            resume=self.resume,
-            config=self.config,
+            model, self.board, format=self.format, run=self.run, resume=self.resume, config=self.config
         )
         if self.run is None:
             self.run = self.publisher.run
@@ -162,8 +136,13 @@ class FlipsyncCallback(TrainerCallback):
         try:
             self.publisher.step(meta=meta)
         except FlipsyncError:
-            if self.publisher.error is not None:
-                self._release()  # stopped for good (e.g. a board that refuses writes): free it, then raise
+            if self.publisher.error is not None:  # stopped for good (e.g. a board that refuses writes): free it
+                pub, self.publisher = self.publisher, None
+                self.published = pub.rounds.last
+                try:
+                    pub.close()  # it does not raise the error it stopped with again
+                except FlipsyncError as e:  # a second failure while closing: the first one is what the user sees
+                    log.warning("closing the stopped flipsync publisher: %s", e)
             raise
 
     def on_train_end(
@@ -175,9 +154,8 @@ class FlipsyncCallback(TrainerCallback):
 
     def flush(self, timeout_s: float | None = None) -> Published | None:
         """Wait until every step so far is on the board; the last `Published` (None before any)."""
-        if self.publisher is None:
-            return self.published
-        self.published = self.publisher.flush(timeout_s)
+        if self.publisher is not None:
+            self.published = self.publisher.flush(timeout_s)
         return self.published
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -189,14 +167,3 @@ class FlipsyncCallback(TrainerCallback):
             self.published = pub.flush(timeout_s)
         finally:
             pub.close(timeout_s)
-
-    def _release(self) -> None:
-        """Close a publisher that stopped with an error already raised (close() does not raise it again)."""
-        pub, self.publisher = self.publisher, None
-        if pub is None:
-            return
-        self.published = pub.rounds.last
-        try:
-            pub.close()
-        except FlipsyncError as e:  # a second failure while closing: the first one is what the user sees
-            log.warning("closing the stopped flipsync publisher: %s", e)

@@ -1,7 +1,5 @@
-"""Named tensors in, named tensors out, the two ends other RL stacks hand weights through: `StepPublisher`
-publishes one set of whole named tensors per sync, `HostReplica` follows a run and says what each catch-up
-changed. See docs/integrations/verl.md and docs/integrations/slime.md.
-"""
+"""Named tensors in and out, for other RL stacks: `StepPublisher` publishes one set of whole named tensors
+per sync, `HostReplica` follows a run and says what each catch-up changed (docs/integrations/verl.md, slime.md)."""
 
 from __future__ import annotations
 
@@ -28,12 +26,10 @@ log = logging.getLogger(__name__)
 class StepPublisher:
     """Publishes whole sets of named tensors as consecutive versions of one run, each at the caller's step.
 
-    ``publish(tensors, step)``: the first call starts the run (a snapshot at ``step``, or adopts / takes
-    over HEAD with ``resume=True``), later calls publish a patch. A step that does not move forward (None,
-    or not above the last one: a stack that syncs the same step twice) is published as the last step + 1,
-    with the caller's number kept in ``meta[step_key]``. Each call returns once the version is on the board.
-    The tensors are read while ``publish`` runs and not kept. Single process: the caller gathers the set
-    on one rank (verl's actor rank 0, slime's rank 0) and calls this there.
+    The first ``publish`` starts the run (or adopts / takes over HEAD with ``resume=True``), later ones
+    publish a patch; each returns once the version is on the board. A step that does not move forward (None,
+    or a step synced twice) is published as the last step + 1, the caller's number kept in ``meta[step_key]``.
+    Single process: the caller gathers the tensors on one rank and calls this there; they are not kept.
     """
 
     def __init__(
@@ -119,7 +115,7 @@ class Catchup:
 
 
 class HostReplica:
-    """A host copy of one run's served view, kept current from the board (see the module doc)."""
+    """A host copy of one run's served view, kept current from the board."""
 
     def __init__(
         self,
@@ -141,15 +137,9 @@ class HostReplica:
         self.index = ClassIndex()
         self._changed: dict[str, list[torch.Tensor]] | None = None
 
-    @property
-    def version(self) -> int | None:
-        return self.follower.version
-
     def version_for_step(self, step: int | None, timeout_s: float) -> int:
-        """The newest version once HEAD holds trainer step ``step`` or a later one (HEAD as it is for None).
-
-        Raises BoardError after ``timeout_s`` without one.
-        """
+        """The newest version once HEAD holds trainer step ``step`` or a later one (HEAD as it is for None);
+        BoardError after ``timeout_s`` without one."""
         deadline = time.monotonic() + timeout_s
         while True:
             head = self.reader.head()

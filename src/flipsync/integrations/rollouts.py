@@ -1,7 +1,5 @@
-"""`RolloutClient`: rollouts from the islands in your own async loop with the standard ``openai`` client,
-sending version constraints, reading back each completion's version and dropping stale rollouts.
-See docs/integrations/rollouts.md.
-"""
+"""`RolloutClient`: rollouts from the islands in your own async loop with the ``openai`` client, version
+constraints sent, each completion's version read back, stale rollouts dropped. See docs/integrations/rollouts.md."""
 
 from __future__ import annotations
 
@@ -66,16 +64,15 @@ class RolloutStats:
 
 
 class RolloutClient:
-    """Samples completions from island proxies with ``openai.AsyncOpenAI``; see the module doc.
+    """Samples completions from island proxies with ``openai.AsyncOpenAI``.
 
-    ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``); or one URL: a gateway's
-    (``http://HOST:PORT/v1``) or a board's (``s3://``, ``gs://``, ``az://``, ``file://``, a path; an http(s) URL
-    is taken for a gateway), or a `Pool`. ``model``: the model name sent
-    (default: the first one the first island lists). ``max_staleness``: how many versions a rollout's start
-    may be behind the trainer's version. ``patience_s``: how long one request keeps trying islands that
-    refuse it before `RolloutError`. ``client_options`` go to ``AsyncOpenAI`` (``timeout``, headers, ...).
-    With a board or pool: ``max_lag`` (default ``max_staleness``) is how far behind HEAD a replica may be for
-    requests without a constraint, and the replicas are looked up again every ``refresh_s``.
+    ``islands``: the proxies' OpenAI base URLs (``http://HOST:PORT/v1``); or one URL: a gateway's (any
+    http(s) URL) or a board's (``s3://``, ``file://``, a path, ...), or a `Pool`. ``model``: the model name
+    sent (default: the first one the first island lists). ``max_staleness``: how many versions a rollout's
+    start may be behind the trainer's. ``patience_s``: how long one request keeps trying refusing islands
+    before `RolloutError`. ``client_options`` go to ``AsyncOpenAI``. With a board or pool: ``max_lag``
+    (default ``max_staleness``) bounds how far behind HEAD a replica may serve unconstrained requests, and
+    the replicas are looked up again every ``refresh_s``.
     """
 
     def __init__(
@@ -96,23 +93,19 @@ class RolloutClient:
             raise ConfigError("the rollout client needs the openai package: pip install 'flipsync[rollouts]'") from e
         if max_staleness < 0 or not patience_s > 0:
             raise ConfigError(f"max_staleness must be >= 0 and patience_s > 0, got {max_staleness}, {patience_s}")
-        self.pool: Pool | None = None
-        if isinstance(islands, Pool):
-            self.pool = islands
-            islands = []
-        elif isinstance(islands, str):
+        if isinstance(islands, str):
             if islands.startswith(("http://", "https://")):  # a gateway (or one proxy)
                 islands = [islands]
             else:  # a board: its member records name the replicas
                 from flipsync.stores import open_store
 
-                self.pool = BoardPool(open_store(islands))
-                islands = []
-        elif not islands:
+                islands = BoardPool(open_store(islands))
+        self.pool = islands if isinstance(islands, Pool) else None
+        if not isinstance(islands, Pool) and not islands:
             raise ConfigError("give at least one island proxy URL (http://HOST:PORT/v1), a gateway's or a board's URL")
-        self._make_client = lambda url: AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, **client_options)
-        self.islands = [u.rstrip("/") for u in islands]
         # Retries are ours: a refusing island is skipped for the next, and the wait honours Retry-After.
+        self._make_client = lambda url: AsyncOpenAI(base_url=url, api_key=api_key, max_retries=0, **client_options)
+        self.islands = [] if isinstance(islands, Pool) else [u.rstrip("/") for u in islands]
         self.clients = {u: self._make_client(u) for u in self.islands}
         self.model = model
         self.max_staleness = max_staleness
@@ -148,9 +141,9 @@ class RolloutClient:
             self.stats.per_island.setdefault(url, 0)
         return self.clients[url]
 
-    async def _fleet(self, *, fresh: bool = False) -> FleetSnapshot:
+    async def _fleet(self) -> FleetSnapshot:
         assert self.pool is not None
-        if fresh or self._snapshot is None or time.monotonic() - self._snapshot_at >= self.refresh_s:
+        if self._snapshot is None or time.monotonic() - self._snapshot_at >= self.refresh_s:
             try:
                 self._snapshot = await asyncio.to_thread(self.pool.discover_replicas)
                 self._snapshot_at = time.monotonic()
@@ -164,16 +157,12 @@ class RolloutClient:
         """(base URL, extra headers) to try, in order: every island round-robin, or the fleet's replicas that
         may serve ``want``, least loaded first (unconstrained: ready ones, asked for HEAD - max_lag at least)."""
         if self.pool is None:
-            start = next(self._next)
-            n = len(self.islands)
-            return [(self.islands[(start + i) % n], {}) for i in range(n)]
+            k = next(self._next)
+            return [(u, {}) for u in self.islands[k:] + self.islands[:k]]
         snap = await self._fleet()
         ready: list[MemberRecord] = [r for r in snap.members if admits(r, want, snap.head(r), self.max_lag)]
-        out = []
-        for r in rank(ready, self._in_flight, self._rng):
-            floor = floor_version(want, snap.head(r), self.max_lag)
-            out.append((r.url.rstrip("/") + "/v1", {H_MIN: str(floor)} if floor is not None else {}))
-        return out
+        ranked = [(r, floor_version(want, snap.head(r), self.max_lag)) for r in rank(ready, self._in_flight, self._rng)]
+        return [(r.url.rstrip("/") + "/v1", {H_MIN: str(floor)} if floor is not None else {}) for r, floor in ranked]
 
     # -- one request ----------------------------------------------------------------------------------
 
@@ -185,7 +174,7 @@ class RolloutClient:
                     raise RolloutError("the fleet has no live replica to ask for its model name; pass model=")
                 self.model = snap.members[0].model
             else:
-                models = await self.clients[self.islands[0]].models.list()
+                models = await self._client(self.islands[0]).models.list()
                 if not models.data:
                     raise RolloutError(f"{self.islands[0]} lists no model; pass model=")
                 self.model = models.data[0].id
@@ -206,8 +195,9 @@ class RolloutClient:
         constraint = {
             k: v for k, v in (("min_version", min_version), ("exact_version", exact_version)) if v is not None
         }
-        extra_body = {**params.pop("extra_body", {}), **({BODY_FIELD: constraint} if constraint else {})}
+        body = {**params.pop("extra_body", {}), **({BODY_FIELD: constraint} if constraint else {})}
         extra_headers = dict(params.pop("extra_headers", None) or {})
+        given = {"prompt": prompt} if isinstance(prompt, str) else {"messages": list(prompt)}
         model = await self._model()
         name, _, fmt = model.partition("@")  # NAME@FORMAT: one served format (a gateway reads it too)
         want = Want(min_version=min_version, exact_version=exact_version, model=name, served_format=fmt or None)
@@ -221,18 +211,16 @@ class RolloutClient:
             if not targets:
                 last = f"no live replica of the fleet serves {want.describe()}"
                 wait_s = 0.5
-                if self.pool is not None:
-                    self._snapshot_at = 0.0  # look again before the next try
+                self._snapshot_at = 0.0  # a fleet: look again before the next try
             for url, headers in targets:
                 client = self._client(url)
-                if isinstance(prompt, str):
-                    create, given = client.completions.with_raw_response.create, {"prompt": prompt}
-                else:
-                    create, given = client.chat.completions.with_raw_response.create, {"messages": list(prompt)}
+                api = client.completions if isinstance(prompt, str) else client.chat.completions
                 sent = {**extra_headers, **headers}
                 self._in_flight[url] = self._in_flight.get(url, 0) + 1
                 try:
-                    raw = await create(model=model, extra_body=extra_body, extra_headers=sent, **given, **params)
+                    raw = await api.with_raw_response.create(
+                        model=model, extra_body=body, extra_headers=sent, **given, **params
+                    )
                 except (openai.ConflictError, openai.InternalServerError) as e:
                     # 409: this replica does not hold the version asked for; 503: it has none verified yet.
                     self.stats.refused += 1
@@ -242,8 +230,7 @@ class RolloutClient:
                 except openai.APIConnectionError as e:
                     last = f"{url}: {e}"
                     wait_s = max(wait_s, 1.0)
-                    if self.pool is not None:
-                        self._snapshot_at = 0.0  # a replica went away: look at the fleet again
+                    self._snapshot_at = 0.0  # a replica went away: look at the fleet again
                     continue
                 finally:
                     self._in_flight[url] -= 1
@@ -306,10 +293,7 @@ class RolloutClient:
                 self.stats.dropped += 1
                 batch.dropped.append(r)
                 log.debug(
-                    "dropping a rollout of v%d at trainer v%d (max staleness %d)",
-                    r.version_start,
-                    now,
-                    self.max_staleness,
+                    "dropping a v%d rollout at trainer v%d (max staleness %d)", r.version_start, now, self.max_staleness
                 )
         return batch
 
@@ -323,8 +307,5 @@ def _retry_after(response: Any) -> float:
 
 def _message(e: Any) -> str:
     body = getattr(e, "body", None)
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-    return str(e)
+    err = body.get("error", body) if isinstance(body, dict) else None
+    return str(err["message"]) if isinstance(err, dict) and "message" in err else str(e)

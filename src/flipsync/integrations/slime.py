@@ -1,7 +1,5 @@
-"""slime / miles (Megatron RL): `SlimePublisher`, a post-write hook that publishes every disk weight sync
-(delta or full) to a flipsync board, checking slime's checksums before anything is applied.
-See docs/integrations/slime.md.
-"""
+"""slime / miles: `SlimePublisher`, a post-write hook that publishes every disk weight sync (delta or full) to
+a board, checking slime's checksums before anything is applied. See docs/integrations/slime.md."""
 
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ log = logging.getLogger(__name__)
 
 INDEX = "model.safetensors.index.json"
 _VERSION_DIR = re.compile(r"weight_v(\d+)$")
-ENCODINGS = ("xor", "overwrite")
 
 
 def slime_checksum(algorithm: str, data: np.ndarray) -> str:
@@ -78,7 +75,7 @@ def decode_delta(version_dir: Path, held: Mapping[str, torch.Tensor]) -> dict[st
     index = json.loads((version_dir / INDEX).read_text())
     meta = index.get("metadata", {})
     encoding = meta.get("delta_encoding")
-    if encoding not in ENCODINGS:
+    if encoding not in ("xor", "overwrite"):
         raise ConfigError(f"{version_dir}: unknown delta_encoding {encoding!r} (xor or overwrite)")
     if meta.get("compression_format", "zstd") != "zstd":
         raise ConfigError(f"{version_dir}: unknown compression_format {meta.get('compression_format')!r}")
@@ -123,28 +120,9 @@ def decode_delta(version_dir: Path, held: Mapping[str, torch.Tensor]) -> dict[st
     return new
 
 
-def _version_of(version_dir: Path, meta: Mapping[str, Any]) -> int | None:
-    if "version" in meta:
-        return int(meta["version"])
-    m = _VERSION_DIR.search(version_dir.name)
-    return int(m.group(1)) if m else None
-
-
-def _rank0() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
 class SlimePublisher:
-    """A slime / miles ``--custom-update-weight-post-write-path`` hook that publishes each sync (module doc).
-
-    Make one in a module of your own and name it on slime's command line::
-
-        # my_hooks.py
-        from flipsync.integrations.slime import SlimePublisher
-        publish = SlimePublisher("s3://bucket/board", run="glm-rl-0412", format="bf16")
-
-        --custom-update-weight-post-write-path my_hooks.publish
+    """A slime / miles ``--custom-update-weight-post-write-path`` hook that publishes each sync: make one in a
+    module of your own and name it on slime's command line (docs/integrations/slime.md).
 
     ``base``: the checkpoint the delta stream starts from (default: slime's ``args.hf_checkpoint``).
     Other arguments as `flipsync.trainer.Publisher`. Only rank 0 reads and publishes (slime calls the hook
@@ -172,7 +150,8 @@ class SlimePublisher:
         self.published: Published | None = None
 
     def __call__(self, args: Any, version_dir: str, rollout_engines: Sequence[Any] = ()) -> None:
-        if not _rank0():
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
             return
         self.publish_dir(Path(version_dir), getattr(args, "hf_checkpoint", None))
 
@@ -191,7 +170,8 @@ class SlimePublisher:
             log.info("flipsync: the slime delta stream starts from %s", base)
             return self._publish(0, {"source": Path(base).name})
         meta = json.loads(index.read_text()).get("metadata", {}) if index.exists() else {}
-        version = _version_of(version_dir, meta)
+        m = _VERSION_DIR.search(version_dir.name)
+        version = int(meta["version"]) if "version" in meta else int(m.group(1)) if m else None
         if "delta_encoding" in meta:
             if self.held is None:
                 raise ConfigError(

@@ -1,7 +1,5 @@
 """flipsync as a verl checkpoint engine (``checkpoint_engine.backend=flipsync``): the actor publishes each weight
-sync to a board and the rollout workers follow it, so trainer and rollout ranks need no network path to
-each other. See docs/integrations/verl.md.
-"""
+sync to a board and the rollout workers follow it, with no network path between them (docs/integrations/verl.md)."""
 
 from __future__ import annotations
 
@@ -168,42 +166,15 @@ def _flush(
     return named
 
 
-def named_tensors(
-    tensors: Mapping[str, torch.Tensor], changed: Mapping[str, torch.Tensor] | None, device: str | torch.device
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor (``changed`` None) or for the changed ones only, whole."""
-    for name, t in tensors.items():
-        if changed is None or name in changed:
-            yield name, t.to(device)
-
-
 # -- the checkpoint engine ---------------------------------------------------------------------------------
-
-
-def _publisher_config(options: Mapping[str, Any] | None, store_options: StoreOptions | None) -> PublisherConfig:
-    fields = {f.name for f in dataclasses.fields(PublisherConfig)}
-    given = dict(options or {})
-    unknown = sorted(set(given) - fields)
-    if unknown:
-        raise ConfigError(f"flipsync checkpoint engine: unknown publisher option(s) {', '.join(unknown)}")
-    if store_options is not None:
-        given["store_options"] = store_options
-    return PublisherConfig(**given)
 
 
 @CheckpointEngineRegistry.register(BACKEND)
 class FlipsyncCheckpointEngine(CheckpointEngine):
-    """verl checkpoint engine over a flipsync board (see the module doc).
+    """verl checkpoint engine over a flipsync board.
 
     verl builds it on every actor rank (``is_master`` on rank 0) and every rollout worker, with
-    ``bucket_size`` (bytes, from ``update_weights_bucket_megabytes``) and the ``engine_kwargs.flipsync``
-    options: ``board`` (URL or path, required), ``run`` (required: both sides must agree), ``format``
-    (served format, ``bf16``), ``wire_format`` (``named_tensors`` or ``delta_flush``), ``changed_only``
-    (named_tensors after the first sync: only the changed tensors, default True), ``sidecar`` (URL of a
-    flipsync sidecar that updates the engine itself), ``resume`` / ``new_weights`` (continue an existing
-    run, see `flipsync.trainer.Publisher`), ``timeout_s`` (how long a rollout worker waits for a version,
-    600), ``device`` (where yielded tensors go: ``cuda`` when there is one), ``publisher`` (a mapping of
-    `PublisherConfig` fields) and ``store_options`` (a mapping of `StoreOptions` fields).
+    ``bucket_size`` (bytes) and the ``engine_kwargs.flipsync`` options (docs/integrations/verl.md lists them).
     """
 
     wire_format = "named_tensors"
@@ -253,7 +224,12 @@ class FlipsyncCheckpointEngine(CheckpointEngine):
         self.timeout_s = float(timeout_s)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.store_options = StoreOptions(**dict(store_options)) if store_options else None
-        self.config = _publisher_config(publisher, self.store_options)
+        unknown = sorted(set(publisher or {}) - {f.name for f in dataclasses.fields(PublisherConfig)})
+        if unknown:
+            raise ConfigError(f"flipsync checkpoint engine: unknown publisher option(s) {', '.join(unknown)}")
+        self.config = PublisherConfig(**(publisher or {}))
+        if self.store_options is not None:
+            self.config = dataclasses.replace(self.config, store_options=self.store_options)
         self._trainer: StepPublisher | None = None
         self._replica: HostReplica | None = None
         self.last_version: int | None = None  # the version the last send or receive ended on
@@ -339,7 +315,9 @@ class FlipsyncCheckpointEngine(CheckpointEngine):
         if self.wire_format == "delta_flush":
             yield from delta_flushes(replica.tensors, changed, self.bucket_size, self.device)
         else:
-            yield from named_tensors(replica.tensors, changed, self.device)
+            for name, t in replica.tensors.items():
+                if changed is None or name in changed:  # every tensor, or the changed ones only, whole
+                    yield name, t.to(self.device)
 
     def _wait_sidecar(self, version: int) -> None:
         """Block until the sidecar at ``self.sidecar`` serves ``version`` or newer (its long poll)."""

@@ -91,7 +91,7 @@ class RelayCache:
         self._inflight: dict[tuple[str, ...], asyncio.Task[Any]] = {}
         self._watches: dict[str, tuple[asyncio.Task[bool], list[int]]] = {}  # path -> (poller, [waiters])
         self._ahead: set[asyncio.Task[Any]] = set()  # fetches started ahead (referenced until done)
-        self._bytes = 0
+        self.cached_bytes = 0  # bytes held in the cache
         self._pool = ThreadPoolExecutor(self.config.upstream_concurrency, thread_name_prefix="flipsync-relay")
         self.stats = {"upstream": 0, "hits": 0, "coalesced": 0, "requests": 0}
 
@@ -102,17 +102,8 @@ class RelayCache:
         """How long an object may be served from the cache: the HEAD hint briefly, everything else forever."""
         return self.config.hint_ttl_s if path.rsplit("/", 1)[-1] == LATEST else math.inf
 
-    @property
-    def cached_bytes(self) -> int:
-        return self._bytes
-
     async def _lookup(
-        self,
-        key: tuple[str, ...],
-        fetch: Callable[[], T],
-        *,
-        ttl: float,
-        size_of: Callable[[T], int],
+        self, key: tuple[str, ...], fetch: Callable[[], T], *, ttl: float, size_of: Callable[[T], int]
     ) -> T:
         op = key[0]
         self.metrics.requests.labels(op=op).inc()
@@ -169,15 +160,15 @@ class RelayCache:
     def _put(self, key: tuple[str, ...], entry: _Entry) -> None:
         self._drop(key)
         self._entries[key] = entry
-        self._bytes += entry.size
-        while self._bytes > self.config.max_cache_bytes and len(self._entries) > 1:
+        self.cached_bytes += entry.size
+        while self.cached_bytes > self.config.max_cache_bytes and len(self._entries) > 1:
             self._drop(next(iter(self._entries)))
-        self.metrics.cache_bytes.set(self._bytes)
+        self.metrics.cache_bytes.set(self.cached_bytes)
 
     def _drop(self, key: tuple[str, ...]) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
-            self._bytes -= old.size
+            self.cached_bytes -= old.size
 
     # -- operations -----------------------------------------------------------------------------------
 
@@ -200,10 +191,7 @@ class RelayCache:
             data, _ = await self.get(path)
             return data[start:end]
         return await self._lookup(
-            ("range", path, str(start), str(end)),
-            lambda: self.store.get_range(path, start, end),
-            ttl=0,
-            size_of=len,
+            ("range", path, str(start), str(end)), lambda: self.store.get_range(path, start, end), ttl=0, size_of=len
         )
 
     async def wait_exists(self, path: str, timeout_s: float) -> bool:
@@ -389,13 +377,8 @@ def create_relay_app(cache: RelayCache) -> FastAPI:
     @app.get("/board/list")
     async def listing(prefix: str = "") -> Response:
         objs = await cache.list(_check_path(prefix, allow_empty=True))
-        return JSONResponse(
-            {
-                "objects": [
-                    {"path": o.path, "size": o.size, "modified": o.modified.isoformat(), "etag": o.etag} for o in objs
-                ]
-            }
-        )
+        rows = [{"path": o.path, "size": o.size, "modified": o.modified.isoformat(), "etag": o.etag} for o in objs]
+        return JSONResponse({"objects": rows})
 
     @app.get("/board/dirs")
     async def dirs(prefix: str = "") -> Response:

@@ -1,9 +1,6 @@
-"""Writing one verified board step into the engine: stage while serving, then commit under the closed
-request gate, check the fingerprint of the view the engine now holds, roll back (or drop the version) when
-it is not the manifest's.
-
-The replica decides what to apply and keeps the books (its version, state, metrics); a ``EngineUpdater`` only
-drives the engine through the port for one step, and says what went wrong in terms the replica acts on.
+"""Writing one verified board step into the engine: stage while serving, commit under the closed request gate,
+check the view the engine then holds. The replica decides what to apply and keeps the books; `EngineUpdater`
+only drives the engine, and says what went wrong in terms the replica acts on.
 """
 
 from __future__ import annotations
@@ -32,16 +29,6 @@ from flipsync.errors import (
 from flipsync.sidecar.gate import CommitMode, Pause, RequestGate
 
 T = TypeVar("T")
-
-
-def engine_call(engine: Engine, what: str, fn: Callable[[], T]) -> T:
-    """Call the engine; an error that is not a flipsync error becomes an EngineError naming the call."""
-    try:
-        return fn()
-    except FlipsyncError:
-        raise
-    except Exception as e:
-        raise EngineError(f"the {engine.name} engine failed in {what}: {type(e).__name__}: {e}") from e
 
 
 def join_step(
@@ -82,7 +69,13 @@ class EngineUpdater:
         self._on_fault = on_fault
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        return engine_call(self.engine, what, fn)
+        """Call the engine; an error that is not a flipsync error becomes an EngineError naming the call."""
+        try:
+            return fn()
+        except FlipsyncError:
+            raise
+        except Exception as e:
+            raise EngineError(f"the {self.engine.name} engine failed in {what}: {type(e).__name__}: {e}") from e
 
     def _write(self, what: str, fn: Callable[[], T]) -> T:
         try:

@@ -8,7 +8,6 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,6 @@ from flipsync.board.membership import MemberWriter
 from flipsync.domain.fleet import MemberRecord, check_model, check_url, replica_id_for
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.errors import ConfigError, FlipsyncError
-from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -29,12 +27,9 @@ DEFAULT_TTL_S = 15.0
 
 @dataclass(frozen=True)
 class MembershipConfig:
-    """How a sidecar appears in the fleet.
+    """How a sidecar appears in the fleet; the record's fields and defaults: docs/fleet.md#membership.
 
-    ``public_url``: where gateways and clients reach its proxy. ``replica_id``: its key on the board (default:
-    host and port of ``public_url``, so a restart at the same address replaces its own record).
-    ``model``: the OpenAI model name it serves (default: the engine's, else the upstream's first
-    ``/v1/models`` entry). ``ttl_s`` should be a few ``interval_s``, so one lost write does not expire it.
+    ``replica_id`` / ``model``: None takes the defaults there. ``ttl_s`` should be a few ``interval_s``.
     """
 
     public_url: str
@@ -70,19 +65,16 @@ class Heartbeat:
         self,
         writer: MemberWriter,
         replica: Replica,
-        gate: RequestGate,
         config: MembershipConfig,
         *,
         upstream_url: str | None = None,
-        clock: Callable[[], str] = utc_now_iso,
     ) -> None:
         self.writer = writer
         self.replica = replica
-        self.gate = gate
+        self.gate = replica.gate
         self.config = config
         self.upstream_url = upstream_url
-        self.clock = clock
-        self.started = clock()
+        self.started = utc_now_iso()
         self.seq = 0
         self.writes = 0
         self.failures = 0
@@ -136,7 +128,7 @@ class Heartbeat:
             state="draining" if self.gate.draining else st["state"],
             serving=bool(st["serving"]) and version is not None,
             in_flight=self.gate.in_flight,
-            heartbeat=self.clock(),
+            heartbeat=utc_now_iso(),
             ttl_s=self.config.ttl_s,
             started=self.started,
             seq=self.seq,

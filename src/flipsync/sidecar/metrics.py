@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
 
-STATES = ("idle", "fetching", "staging", "committing", "error")
+from flipsync.sidecar.records import State
+
 # From sub-millisecond scatters of tiny patches to full reloads of large models.
 SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -20,7 +21,7 @@ class SidecarMetrics:
             "flipsync_head_version", "Newest version on the board when last polled (-1: none)", registry=r
         )
         self.lag = Gauge("flipsync_lag_versions", "HEAD minus the version held", registry=r)
-        self.state = Enum("flipsync_state", "Reconcile loop state", states=list(STATES), registry=r)
+        self.state = Enum("flipsync_state", "Reconcile loop state", states=[s.value for s in State], registry=r)
         self.engine_up = Gauge("flipsync_engine_up", "1 when the engine reports healthy", registry=r)
         self.fetched_bytes = Counter("flipsync_fetched_bytes", "Bytes of artifacts downloaded and verified", registry=r)
         self.updates = Counter("flipsync_updates", "Versions applied, by artifact kind", ["kind"], registry=r)

@@ -1,7 +1,5 @@
-"""The version-aware, OpenAI-compatible proxy in front of one engine, and the sidecar's control API: requests
-may ask for a version, are admitted only between commits, and come back stamped with the versions that
-produced them. See docs/sidecar.md ("The proxy").
-"""
+"""The version-aware, OpenAI-compatible proxy in front of one engine, and the sidecar's control API.
+See docs/sidecar.md#the-proxy."""
 
 from __future__ import annotations
 
@@ -19,6 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from flipsync.serving import error_response
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -85,7 +84,7 @@ class VersionConstraint:
 
 
 def _version_value(v: Any, where: str) -> int:
-    if isinstance(v, str) and v.strip().isdigit():
+    if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
         v = int(v.strip())
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise BadRequest(f"{where} must be a non-negative integer version")
@@ -115,21 +114,16 @@ def parse_constraint(field: Any, headers: Any) -> VersionConstraint:
 _TOO_DEEP_REQUEST = (
     "the JSON body nests arrays/objects too deeply to parse (about 1000 levels or more); send a flatter body"
 )
+_BAD_JSON = "upstream_invalid_response"
 _TOO_DEEP_RESPONSE = (
     "the engine at {upstream} answered JSON nested too deeply to parse (about 1000 levels or more); "
     "check the engine and the request that produced it"
 )
 
 
-def _too_deep_event() -> dict[str, Any]:
-    message = "the engine sent an event whose JSON nests too deeply to parse; check the engine"
-    return {"error": {"message": message, "type": "upstream_invalid_response"}}
-
-
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
-    )
+def _sse_error(message: str, kind: str) -> bytes:
+    """An error event in a stream whose status line has gone out (as engines report one)."""
+    return b"data: " + json.dumps({"error": {"message": message, "type": kind}}).encode() + b"\n\n"
 
 
 def _forward_headers(headers: Any) -> dict[str, str]:
@@ -157,7 +151,7 @@ def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
     except ValueError:
         return line
     except RecursionError:  # the status line has gone out: say so in the stream, as for a broken-off engine
-        return b"data: " + json.dumps(_too_deep_event()).encode() + b"\n\n"
+        return _sse_error("the engine sent an event whose JSON nests too deeply to parse; check the engine", _BAD_JSON)
 
 
 class _ClosingStream(StreamingResponse):
@@ -175,9 +169,7 @@ class _ClosingStream(StreamingResponse):
             await self._on_close()
 
 
-def create_proxy_app(
-    replica: Replica, config: ProxyConfig, *, transport: httpx.AsyncBaseTransport | None = None
-) -> FastAPI:
+def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
     """The sidecar's HTTP face: version-aware proxy to ``config.upstream_url`` plus control and metrics."""
     metrics = replica.metrics
     gate = replica.gate
@@ -188,7 +180,6 @@ def create_proxy_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         clients["upstream"] = httpx.AsyncClient(
-            transport=transport,
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
         )
@@ -225,7 +216,9 @@ def create_proxy_app(
     @app.get("/flipsync/wait")
     async def wait(min_version: int, timeout_s: float = 30.0) -> Response:
         if min_version < 0 or not timeout_s >= 0:
-            return _error(400, "min_version must be >= 0 and timeout_s a non-negative number", "invalid_request_error")
+            return error_response(
+                400, "min_version must be >= 0 and timeout_s a non-negative number", "invalid_request_error"
+            )
         ok = await replica.wait_version_async(min_version, min(timeout_s, config.max_wait_s))
         body = {"satisfied": ok, "version": replica.version, "head": replica.head, "min_version": min_version}
         return JSONResponse(body, status_code=200 if ok else 408, headers=None if ok else {"Retry-After": retry_after})
@@ -245,10 +238,10 @@ def create_proxy_app(
     def refuse(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> Response:
         """An error answer of the gated proxy, counted under the outcome its status means."""
         metrics.requests.labels(outcome=_OUTCOMES[status]).inc()
-        return _error(status, message, kind, headers, **extra)
+        return error_response(status, message, kind, headers, **extra)
 
     async def send(
-        request: Request, path: str, content: bytes, error: Callable[..., Response] = _error
+        request: Request, path: str, content: bytes, error: Callable[..., Response] = error_response
     ) -> httpx.Response | Response:
         """The upstream's streamed answer, or the ``error`` to answer instead when it cannot be reached."""
         client, q = clients["upstream"], request.url.query
@@ -381,7 +374,7 @@ def create_proxy_app(
                 except ValueError:
                     pass  # not JSON after all: relay it as it is
                 except RecursionError:
-                    return refuse(502, _TOO_DEEP_RESPONSE.format(upstream=upstream), "upstream_invalid_response")
+                    return refuse(502, _TOO_DEEP_RESPONSE.format(upstream=upstream), _BAD_JSON)
             metrics.requests.labels(outcome="ok" if resp.status_code < 400 else "upstream_status").inc()
             return Response(data, status_code=resp.status_code, headers=out_headers)
         except BaseException:
@@ -402,8 +395,7 @@ def create_proxy_app(
             if buf:
                 yield _stamp_event(buf, {"start": start, "end": replica.version_upper_bound()})
         except httpx.HTTPError as e:  # the status line has gone out: report in the stream, as engines do
-            err = {"error": {"message": f"the engine broke off the stream: {e}", "type": "upstream_unavailable"}}
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield _sse_error(f"the engine broke off the stream: {e}", "upstream_unavailable")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def proxy(request: Request, path: str) -> Response:

@@ -20,11 +20,9 @@ from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, Step
 from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine
 from flipsync.errors import EngineUnavailableError, FlipsyncError
-from flipsync.sidecar.adopt import find_held_version
 from flipsync.sidecar.engine_update import EngineUpdater, WeightsChangedError
-from flipsync.sidecar.gate import CommitMode, Pause, RequestGate
+from flipsync.sidecar.gate import CommitMode, Notifier, Pause, RequestGate
 from flipsync.sidecar.metrics import SidecarMetrics
-from flipsync.sidecar.notify import Notifier
 from flipsync.sidecar.records import Failure, State, Update, classify, now_iso
 
 __all__ = ["Failure", "Replica", "ReplicaConfig", "State", "Update", "classify"]
@@ -307,7 +305,7 @@ class Replica:
 
     def _adopt(self, head: int) -> None:
         """Report the version an engine already holds (it outlived its sidecar), if the board has it."""
-        match = find_held_version(self.reader, self.engine, head, self.config.adopt_search)
+        match = self._held_version(head)
         self._adopt_pending = False
         if match is None:
             return
@@ -318,6 +316,53 @@ class Replica:
             self._adopted = {"version": version, "view_fp": view_fp, "at": now_iso()}
         self._set_version(version, view_fp)
         log.info("adopted v%d: the %s engine already holds its view %s", version, self.engine.name, view_fp[:16])
+
+    def _held_version(self, head: int) -> Manifest | None:
+        """The manifest of the newest of the ``adopt_search`` versions up to ``head`` whose view the engine holds.
+
+        None (logged) when adoption is off or nothing matches: the caller then loads a keyframe (see
+        docs/sidecar.md#adopt-on-boot). Raises ``EngineUnavailableError`` when the engine does not answer.
+        """
+        engine, reader, search = self.engine, self.reader, self.config.adopt_search
+        name = engine.name
+        if search <= 0 or not engine.adoptable:
+            log.info("not adopting what the %s engine holds (disabled for it); loading a keyframe", name)
+            return None
+        try:
+            held_table = self.committer.call("recompute_table", engine.recompute_table)
+        except EngineUnavailableError:
+            raise
+        except FlipsyncError as e:  # e.g. tensor-parallel replicas disagree: a commit reached some ranks only
+            log.warning("cannot read back a consistent view from the %s engine (%s); loading a keyframe", name, e)
+            return None
+        held = held_table.view_fp()
+        tracked = engine.table.view_fp()
+        if held != tracked:  # patches are staged against ``table``: it must describe the weights
+            log.warning(
+                "the %s engine's fingerprint table (%s) does not describe its weights (%s); loading a keyframe",
+                name,
+                tracked[:16],
+                held[:16],
+            )
+            return None
+        lowest = max(head - search + 1, min(reader.catalog.list_versions(), default=0))
+        match: Manifest | None = None
+        hi = head
+        while match is None and hi >= lowest:  # newest first, in small batches: usually it is HEAD or close
+            lo = max(lowest, hi - 7)
+            found = reader.catalog.read_versions(range(lo, hi + 1))
+            match = max((m for m in found.values() if m.target_view_fp == held), key=lambda m: m.version, default=None)
+            hi = lo - 1
+        if match is None:  # the usual case for an engine started from its base weights: info, not a warning
+            log.info(
+                "the %s engine holds view %s, which is none of v%d..v%d on the board (other weights, or a commit "
+                "cut short); loading a keyframe",
+                name,
+                held[:16],
+                lowest,
+                head,
+            )
+        return match
 
     def _reconcile(self) -> None:
         self._set_state(State.FETCHING)

@@ -1,9 +1,5 @@
-"""Assembly of one sidecar: board reader, engine, reconcile loop, request gate, metrics and proxy.
-
-``Sidecar`` wires the pieces for any engine and upstream URL; ``start_torch_engine`` builds the in-process
-torch engine and serves its OpenAI-compatible API on a loopback port for the proxy to forward to.
-A sidecar that joins a fleet (``join``) keeps its member record on the board; ``drain``
-is how it leaves (SIGTERM).
+"""Assembly of one sidecar (`Sidecar`: board reader, engine, reconcile loop, request gate, metrics, proxy, and
+its member record once it joins a fleet), and ``start_torch_engine``, the in-process torch engine's server.
 """
 
 from __future__ import annotations
@@ -65,14 +61,10 @@ def no_version_yet(store: Store, run: str) -> str:
     )
 
 
-def wait_for_format(
-    reader: BoardReader, *, poll_s: float, timeout_s: float | None = None, warn_every_s: float = 60.0
-) -> str:
-    """The served format of the run's HEAD, polling until the run has a first version.
-
-    A sidecar may start before its trainer, so an empty or missing run is waited for, not refused; it says
-    why every ``warn_every_s`` (naming the runs that exist when the run is not one of them), and gives up
-    with a ConfigError after ``timeout_s`` (None: never).
+def wait_for_format(reader: BoardReader, *, poll_s: float, timeout_s: float | None = None) -> str:
+    """The served format of the run's HEAD, polling until the run has a first version: a sidecar may start before
+    its trainer, so an empty or missing run is waited for, not refused. It says why every minute (naming the runs
+    that exist when the run is not one of them), and gives up with a ConfigError after ``timeout_s`` (None: never).
     """
     start = time.monotonic()
     next_warning = start
@@ -89,7 +81,7 @@ def wait_for_format(
                 no_version_yet(reader.store, reader.run),
                 now - start,
             )
-            next_warning = now + warn_every_s
+            next_warning = now + 60.0
         time.sleep(poll_s)
     return fmt
 
@@ -197,7 +189,7 @@ class Sidecar:
             raise ConfigError("this sidecar has joined a fleet already")
         writer = MemberWriter(store if store is not None else self.store, self.reader.run, signer=signer)
         self.heartbeat = Heartbeat(
-            writer, self.replica, self.gate, membership, upstream_url=self.proxy_config.upstream_url
+            writer, self.replica, membership, upstream_url=self.proxy_config.upstream_url
         ).start()
         log.info("joined the fleet as %s (%s) at %s", membership.replica, membership.island, membership.public_url)
         return self.heartbeat

@@ -25,12 +25,8 @@ __all__ = [
 
 
 def open_store(url: str | os.PathLike[str] | Store, options: StoreOptions | None = None) -> Store:
-    """The store a board URL names: a relay (``http://HOST:PORT``) through `HttpStore`; a path, ``file://``,
-    ``memory://``, ``s3://``, ``gs://``, ``az://`` or a cloud https URL through obstore (`open_object_store`);
-    a `Store` as it is."""
+    """The store a board URL names: a relay (``http://HOST:PORT``) through `HttpStore`, anything else through
+    obstore (`open_object_store`); a `Store` as it is."""
     if isinstance(url, Store):
         return url
-    text = str(url)
-    if is_relay_url(text):
-        return HttpStore(text)
-    return open_object_store(text, options)
+    return HttpStore(str(url)) if is_relay_url(str(url)) else open_object_store(url, options)

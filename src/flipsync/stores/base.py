@@ -1,8 +1,4 @@
-"""The Store port: the few object-store operations the board needs, and how to reach a store (`StoreOptions`).
-
-Implementations sit beside it: `object_store` (obstore: file, memory, S3, GCS, Azure) and `http` (a relay);
-`flipsync.stores.open_store` picks one from a URL. Failures are classified in `errors` (docs/board.md).
-"""
+"""The Store port: the few object-store operations the board needs, and how to reach a store (`StoreOptions`)."""
 
 from __future__ import annotations
 
@@ -22,16 +18,8 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """How to reach a store and how hard to try.
-
-    ``config`` is passed to the backend (``endpoint``, ``region``, ``access_key_id``, ...; obstore also reads
-    the usual environment variables such as ``AWS_ENDPOINT_URL`` or ``AZURE_STORAGE_ACCOUNT_NAME``).
-    Only transient failures are retried (timeouts, throttling, 5xx, dropped connections; see
-    `flipsync.stores.errors`): each request at most ``max_retries`` times, with a backoff from
-    ``init_backoff_s`` doubling up to ``max_backoff_s``, and no retry starts after ``retry_timeout_s``.
-    Permanent failures (permission, credentials, no bucket, malformed requests, no space) are never retried.
-    Every request is at most one multipart chunk or one range, so ``request_timeout_s`` bounds each.
-    """
+    """How to reach a store and how hard to try. ``config`` goes to the backend (``endpoint``, ``region``, ...).
+    ``request_timeout_s`` bounds one request (one multipart chunk or one range). See docs/board.md ("Failures")."""
 
     config: Mapping[str, str] = field(default_factory=dict)
     allow_http: bool | None = None  # None: allow when the endpoint is http://

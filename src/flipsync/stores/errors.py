@@ -30,71 +30,23 @@ PERMANENT_KINDS = frozenset({PERMISSION, CREDENTIALS, NO_BUCKET, BAD_REQUEST, NO
 
 # Store error codes (S3, Azure, GCS) that settle the kind whatever the status says.
 _CODES: dict[str, str] = {
-    **dict.fromkeys(
-        (
-            "InvalidAccessKeyId",
-            "SignatureDoesNotMatch",
-            "ExpiredToken",
-            "InvalidToken",
-            "TokenRefreshRequired",
-            "RequestTimeTooSkewed",
-            "AuthenticationFailed",
-            "AuthorizationFailure",
-            "InvalidAuthenticationInfo",
-            "NoAuthenticationInformation",
-            "AccountIsDisabled",
-            "InvalidSecurity",
-        ),
-        CREDENTIALS,
-    ),
-    **dict.fromkeys(
-        (
-            "AccessDenied",
-            "AllAccessDisabled",
-            "AuthorizationPermissionMismatch",
-            "AuthorizationResourceTypeMismatch",
-            "AuthorizationSourceIPMismatch",
-            "InsufficientAccountPermissions",
-            "forbidden",
-        ),
-        PERMISSION,
-    ),
-    **dict.fromkeys(("NoSuchBucket", "ContainerNotFound", "ContainerBeingDeleted", "ResourceNotFound"), NO_BUCKET),
-    **dict.fromkeys(
-        (
-            "SlowDown",
-            "Throttling",
-            "ThrottlingException",
-            "RequestLimitExceeded",
-            "RequestThrottled",
-            "TooManyRequests",
-            "TooManyRequestsException",
-            "ServerBusy",
-            "rateLimitExceeded",
-            "userRateLimitExceeded",
-        ),
-        THROTTLED,
-    ),
-    **dict.fromkeys(
-        ("InternalError", "ServiceUnavailable", "OperationTimedOut", "backendError", "InternalServerError"), SERVER
-    ),
-    "RequestTimeout": TIMEOUT,
-    **dict.fromkeys(
-        (
-            "AuthorizationHeaderMalformed",
-            "InvalidBucketName",
-            "InvalidArgument",
-            "InvalidRequest",
-            "InvalidURI",
-            "PermanentRedirect",
-            "IllegalLocationConstraintException",
-            "InvalidResourceName",
-            "InvalidUri",
-            "UnsupportedHeader",
-        ),
-        BAD_REQUEST,
-    ),
-    "QuotaExceeded": NO_SPACE,
+    code: kind
+    for kind, codes in {
+        CREDENTIALS: "InvalidAccessKeyId SignatureDoesNotMatch ExpiredToken InvalidToken TokenRefreshRequired "
+        "RequestTimeTooSkewed AuthenticationFailed AuthorizationFailure InvalidAuthenticationInfo "
+        "NoAuthenticationInformation AccountIsDisabled InvalidSecurity",
+        PERMISSION: "AccessDenied AllAccessDisabled AuthorizationPermissionMismatch AuthorizationResourceTypeMismatch "
+        "AuthorizationSourceIPMismatch InsufficientAccountPermissions forbidden",
+        NO_BUCKET: "NoSuchBucket ContainerNotFound ContainerBeingDeleted ResourceNotFound",
+        THROTTLED: "SlowDown Throttling ThrottlingException RequestLimitExceeded RequestThrottled TooManyRequests "
+        "TooManyRequestsException ServerBusy rateLimitExceeded userRateLimitExceeded",
+        SERVER: "InternalError ServiceUnavailable OperationTimedOut backendError InternalServerError",
+        TIMEOUT: "RequestTimeout",
+        BAD_REQUEST: "AuthorizationHeaderMalformed InvalidBucketName InvalidArgument InvalidRequest InvalidURI "
+        "PermanentRedirect IllegalLocationConstraintException InvalidResourceName InvalidUri UnsupportedHeader",
+        NO_SPACE: "QuotaExceeded",
+    }.items()
+    for code in codes.split()
 }
 _PERMANENT_ERRNO: dict[int, str] = {
     **dict.fromkeys((errno.EACCES, errno.EPERM, errno.EROFS), PERMISSION),
@@ -126,9 +78,6 @@ class StoreFailure:
     kind: str
     cause: str  # what the store said, short: "HTTP 403 AccessDenied: Access Denied", "No space left on device"
     retried: int  # retries obstore already made of the failing request (0 for local stores)
-    status: int | None = None
-    code: str | None = None
-    errno: int | None = None
 
     @property
     def permanent(self) -> bool:
@@ -137,9 +86,7 @@ class StoreFailure:
 
 def _first(pattern: re.Pattern[str], text: str) -> str | None:
     m = pattern.search(text)
-    if m is None:
-        return None
-    return next((g for g in m.groups() if g is not None), None)
+    return None if m is None else next((g for g in m.groups() if g is not None), None)
 
 
 def _int(text: str | None) -> int | None:
@@ -166,7 +113,7 @@ def describe_failure(e: BaseException, *, creates: bool, local: bool) -> StoreFa
     message = _first(_MESSAGE, text)
 
     def out(kind: str, cause: str) -> StoreFailure:
-        return StoreFailure(kind, cause, retried, status, code, err)
+        return StoreFailure(kind, cause, retried)
 
     if status is not None or code is not None:
         cause = " ".join(str(x) for x in (f"HTTP {status}" if status else None, code) if x)

@@ -52,7 +52,6 @@ class HttpStore(Store):
         retry_timeout_s: float = 30.0,
         init_backoff_s: float = 0.1,
         max_backoff_s: float = 2.0,
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -67,7 +66,6 @@ class HttpStore(Store):
         self._client = httpx.Client(
             base_url=self.url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
-            transport=transport,
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
         )
 
@@ -88,15 +86,13 @@ class HttpStore(Store):
     ) -> httpx.Response:
         """One request, retried on transient failures of the relay itself within ``max_retries`` and
         ``retry_timeout_s`` (a failure of the relay's board was retried by the relay: raised at once)."""
+        timeout = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s, connect=self._connect_s)
         start = time.monotonic()
         delay = self.init_backoff_s
         attempt = 0
         while True:
             problem: str
             try:
-                timeout = (
-                    httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s, connect=self._connect_s)
-                )
                 r = self._client.request(method, target, params=params, headers=headers, timeout=timeout)
             except httpx.HTTPError as e:
                 problem = f"{type(e).__name__}: {e}"
@@ -147,15 +143,12 @@ class HttpStore(Store):
         if end <= start:
             return b""
         r = self._request("GET", self._object(path), path, headers={"Range": f"bytes={start}-{end - 1}"})
-        data = r.content
-        if r.status_code == 200:  # a server that ignores ranges sends everything
-            data = data[start:end]
-        return data
+        return r.content[start:end] if r.status_code == 200 else r.content  # 200: the server ignored the range
 
     def head(self, path: str) -> ObjectInfo:
         r = self._request("HEAD", self._object(path), path)
         size = r.headers.get("content-length")
-        if size is None or not size.isdigit():
+        if size is None or not (size.isascii() and size.isdigit()):
             raise PermanentStoreError(f"HEAD {self.url}/{path} gave no Content-Length: is {self.url} a flipsync relay?")
         return ObjectInfo(path, int(size), _parse_time(r.headers.get("last-modified")), r.headers.get("etag"))
 
@@ -215,12 +208,6 @@ class HttpStore(Store):
     def close(self) -> None:
         self._client.close()
 
-    def __enter__(self) -> HttpStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _names(dirs: Any) -> builtins.list[str]:
     if not all(isinstance(d, str) for d in dirs):
@@ -231,14 +218,12 @@ def _names(dirs: Any) -> builtins.list[str]:
 def _message(r: httpx.Response) -> str:
     if not r.content:
         return r.headers.get(STORE_ERROR_DETAIL_HEADER, "")
-    try:
+    with contextlib.suppress(ValueError):
         doc = r.json()
         if isinstance(doc, dict) and isinstance(doc.get("detail"), str):
             return doc["detail"]
         if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
             return str(doc["error"].get("message", ""))
-    except ValueError:
-        pass
     return r.text[:200]
 
 

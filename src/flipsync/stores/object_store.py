@@ -43,23 +43,11 @@ _WRITES = frozenset({"put", "create", "delete", "fsync"})
 # them obstore would ask a cloud metadata service, which StoreOptions can forbid.
 _EXPLICIT_CREDENTIALS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "s3": (
-        (
-            "access_key_id",
-            "aws_access_key_id",
-            "skip_signature",
-            "aws_skip_signature",
-            "web_identity_token_file",
-        ),
+        ("access_key_id", "aws_access_key_id", "skip_signature", "aws_skip_signature", "web_identity_token_file"),
         ("AWS_ACCESS_KEY_ID", "AWS_SKIP_SIGNATURE", "AWS_WEB_IDENTITY_TOKEN_FILE"),
     ),
     "gs": (
-        (
-            "service_account",
-            "service_account_key",
-            "application_credentials",
-            "bearer_token",
-            "skip_signature",
-        ),
+        ("service_account", "service_account_key", "application_credentials", "bearer_token", "skip_signature"),
         (
             "GOOGLE_SERVICE_ACCOUNT",
             "GOOGLE_SERVICE_ACCOUNT_PATH",
@@ -150,14 +138,8 @@ class ObstoreStore(Store):
         return f"{self.url}/{path}"
 
     def _call(self, op: str, path: str, fn: Callable[[], T]) -> T:
-        """Run one obstore call and translate its failure into a flipsync error that names the object.
-
-        A permanent failure raises PermanentStoreError at once. A transient one that obstore did not retry
-        itself (obstore retries 5xx, 429, dropped connections and timed-out reads and overwrites; a local
-        store retries nothing; a create-only put that timed out may have landed) is tried again here, within
-        the same bounds: at most ``max_retries`` retries in all, none starting after ``retry_timeout_s``.
-        Then TransientStoreError says how often and for how long it was tried.
-        """
+        """Run one obstore call: a permanent failure raises PermanentStoreError at once; a transient one obstore did
+        not retry itself is retried here within the same bounds, then raises TransientStoreError (docs/board.md)."""
         o = self.options
         start = time.monotonic()
         tries = 0
@@ -314,8 +296,7 @@ class ObstoreStore(Store):
                 )
             view[r[0] : r[1]] = data
 
-        for _ in self._executor().map(fetch, ranges):
-            pass
+        list(self._executor().map(fetch, ranges))
         return bytes(out)
 
     def get_range(self, path: str, start: int, end: int) -> bytes:
@@ -358,12 +339,6 @@ class ObstoreStore(Store):
 # -- URL parsing -------------------------------------------------------------------------------------------
 
 
-def _has_explicit_credentials(kind: str, config: Mapping[str, str]) -> bool:
-    keys, env = _EXPLICIT_CREDENTIALS[kind]
-    lowered = {k.lower() for k in config}
-    return any(k in lowered for k in keys) or any(os.environ.get(v) for v in env)
-
-
 def _endpoint(kind: str, config: Mapping[str, str]) -> str | None:
     for key in ("endpoint", "aws_endpoint", "aws_endpoint_url", "base_url", "azure_storage_endpoint"):
         if config.get(key):
@@ -387,14 +362,9 @@ def parse_store_options(items: Sequence[str] | None) -> StoreOptions:
 
 
 def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None = None) -> ObstoreStore:
-    """Open a board store from a URL or a local path.
-
-    ``file:///abs/dir`` or a plain path: the local filesystem (created if missing). ``memory://``: a fresh
-    in-memory store (useful in tests and demos only; nothing is shared between calls). ``s3://bucket/prefix``,
-    ``gs://bucket/prefix``, ``az://container/prefix`` (and the https forms obstore recognises, such as R2's
-    ``https://ACCOUNT.r2.cloudflarestorage.com/bucket``): cloud stores configured from ``options.config`` and
-    the usual environment variables.
-    """
+    """Open a board store from a local path (created if missing), ``file://``, ``memory://`` (a fresh one each
+    call), ``s3://``, ``gs://``, ``az://`` or a cloud https URL (docs/board.md, "Stores"); cloud stores are
+    configured from ``options.config`` and the usual environment variables."""
     opts = options or StoreOptions()
     text = str(url)
     parsed = urlparse(text)
@@ -424,7 +394,9 @@ def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None 
             "(or an R2 / S3 / Azure https URL)"
         )
     config = dict(opts.config)
-    explicit, endpoint = _has_explicit_credentials(kind, config), _endpoint(kind, config)
+    keys, env = _EXPLICIT_CREDENTIALS[kind]
+    explicit = any(k.lower() in keys for k in config) or any(os.environ.get(v) for v in env)
+    endpoint = _endpoint(kind, config)
     if not opts.allow_metadata_credentials and not explicit:
         raise ConfigError(
             f"no explicit credentials for {text!r} and metadata-service credentials are disabled: "

@@ -1,10 +1,6 @@
-"""The trainer side: publish a model's served view to a board after every optimizer step.
+"""The trainer side: publish a model's served view to a board after every optimizer step (docs/trainer.md).
 
-``Publisher`` wraps a torch model (single process, or one shard per rank under torch.distributed), tuned by a
-``PublisherConfig``; ``MultiFormatPublisher`` publishes several served formats, a run each;
-``watch`` / ``CheckpointPublisher`` publish Hugging Face safetensors checkpoints written by a trainer we do
-not control. A replica joins a version made of several parts (one per trainer rank) with
-``flipsync.codec.join_parts``.
+``Publisher`` (with ``PublisherConfig``), ``MultiFormatPublisher`` (a run per format), ``watch`` (checkpoints).
 """
 
 from flipsync.trainer.config import PublisherConfig

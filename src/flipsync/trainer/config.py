@@ -1,8 +1,5 @@
-"""`PublisherConfig`: the trainer publisher's tuning knobs, checked where they are made.
-
-``Publisher(model, board, format=..., run=..., optimizer=...)`` takes what names the run and the model;
-everything about how the served view is computed, where it is kept, how the background threads run and
-how the board is written goes here (as ``ReplicaConfig`` does for a replica).
+"""`PublisherConfig`: the trainer publisher's tuning knobs, checked where they are made (as ``ReplicaConfig`` is
+for a replica); what names the run and the model is passed to ``Publisher`` itself.
 """
 
 from __future__ import annotations
@@ -35,43 +32,29 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    """How a `Publisher` computes, keeps and publishes its views (docs/trainer.md has each knob). The defaults
-    suit one process or torchrun ranks publishing to an object store; each comment says when to change one."""
+    """How a `Publisher` computes, keeps and publishes its views; docs/trainer.md tables each knob and when to
+    change it. The defaults suit one process or torchrun ranks publishing to an object store."""
 
-    # The served view. fused_groups: tensors sharing one fp8 / nvfp4 scale ("auto": q/k/v and gate/up, as the
-    # engines fuse them); from_fp32: quantize the FP32 master instead of bf16(master), when the engine's own
-    # loader does; keep: which tensors the format quantizes (default: matrices), when the engine keeps others;
-    # dtypes: tensors served in another plain dtype than the format gives them, where the checkpoint and its
-    # engine keep them so (FP32 norms, biases and router weights beside BF16 weights;
-    # `flipsync.formats.checkpoint_dtypes` derives them from a checkpoint's headers).
+    # The served view: `flipsync.formats.served_view`'s options.
     fused_groups: FusedGroups = "auto"
     from_fp32: bool = False
     keep: KeepFn | None = None
     dtypes: Mapping[str, torch.dtype] | None = None
-    # Off the training thread (background=False: publish inside step(), e.g. to debug); keep_on="device": keep
-    # the previous view on the GPU when host memory is short (then no context coding); nice / threads: the
-    # background threads' priority and count (default: half of this rank's cores), for a busy host.
+    # The background threads, and where the previous view is kept.
     background: bool = True
-    # squash=False: publish every step, the training step waiting when publishing falls a step behind, so that
-    # runs published side by side (`MultiFormatPublisher`) keep one version number per trainer step.
-    squash: bool = True
+    squash: bool = True  # False: every step is published, the training step waiting (`MultiFormatPublisher`)
     keep_on: KeepOn = "host"
     nice: int = 19
     threads: int | None = None
-    # The board. publisher_id: the name manifests carry (default: host and pid); signer: sign manifests for
-    # replicas that verify them; keyframe_policy / span_policy: how often full keyframes and squashed spans are
-    # published (catch-up cost against storage); spans=False: no spans at all; chunk_bytes: the object size a
-    # part is uploaded in while it is coded (raise it for a store that charges per request).
+    # The board: the manifests' name and signer, the cadence, the upload.
     publisher_id: str | None = None
     signer: Signer | None = None
     keyframe_policy: KeyframePolicy | None = None
     span_policy: SpanPolicy | None = None
     spans: bool = True
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    # Code changed positions against the previous view (the codec's ``ctx`` coder, ~25% smaller patches at lr
-    # 1e-6) where a rank holds the whole tensor on the host. Every engine decodes them (vLLM through its host
-    # mirror); turn it off for a run whose replicas cannot hold the base on the host (a vLLM sidecar with
-    # mirror=none): the run's manifests record the choice, so such a sidecar refuses the run at boot.
+    # Code changed positions against the previous view (the codec's ``ctx`` coder) where a rank holds the whole
+    # tensor on the host; the manifests record it, so a replica that cannot hold the base refuses the run at boot.
     context: bool = True
     store_options: StoreOptions | None = None  # when ``board`` is a URL: credentials, endpoint, timeouts
     max_store_failures: int = 3  # transient failed publications in a row before the publisher stops

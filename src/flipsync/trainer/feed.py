@@ -1,15 +1,17 @@
 """`ViewFeed`: each step's served view, from the model's masters to an `Item` for the publisher's worker.
 
-The training thread gathers references to the masters (collectives may run there); the view is computed,
-checked against the run's layout and staged on the calling thread, or, after an optimizer step, on a
-`ViewThread` while the next forward and backward run (``settle()`` waits for it). The feed also owns the
-memory the views take (the stager's buffers, the account of bytes held).
+It also owns the memory the views take; which thread does what: docs/trainer.md#what-runs-where.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
 
 from flipsync.errors import FlipsyncError
 from flipsync.formats.cast_diff import CastDiffer
@@ -30,18 +32,15 @@ from flipsync.trainer.pieces import (
     tied_targets,
     view_bytes,
 )
+from flipsync.trainer.publish_thread import lower_priority
 from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item, MemoryAccount
-from flipsync.trainer.staging import StagedView, Stager, StreamFence, cuda_devices, on_devices
-from flipsync.trainer.view_thread import ViewThread
+from flipsync.trainer.staging import Stager, StreamFence, cuda_devices
 
 
 class ViewFeed:
-    """Computes, checks and stages the served views of one rank and hands them to ``submit``.
-
-    ``drop_pending``: called before a view is computed, to free a pending view it is about to supersede
-    (background publishing), or None.
-    """
+    """Computes, checks and stages the served views of one rank and hands them to ``submit``; ``drop_pending``
+    (or None) frees a pending view that the view about to be computed supersedes."""
 
     def __init__(
         self,
@@ -61,7 +60,9 @@ class ViewFeed:
         self._drop_pending = drop_pending
         self.account = MemoryAccount()
         self.stager = Stager(config.keep_on)
-        self.viewer: ViewThread | None = None
+        self.viewer: threading.Thread | None = None  # the view thread, once deferred
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()  # its jobs, one per step; None: stop
+        self._error: BaseException | None = None  # the last job's failure, taken by the publisher
         self._read: StreamFence | None = None  # GPU: the deferred view's reads of the masters
         self.plan = self._make_plan()
         self.expected: dict[str, PieceSpec] = {}
@@ -92,31 +93,26 @@ class ViewFeed:
 
     # -- full views ---------------------------------------------------------------------------------------
 
-    def _full_view(self) -> StagedView:
+    def _full_view(self) -> tuple[LocalView, Callable[[], None]]:
         """The served view from the plan, staged and held: the layout every later step must keep."""
-        staged = self.stager.stage(self.plan.serve(self.plan.masters(self.model)))
-        self.account.add(view_bytes(staged.view))
-        self.expected = {n: p.spec(n, self.group.rank) for n, p in staged.view.items()}
-        return staged
+        view, wait = self.stager.stage(self.plan.compute(self.plan.gather(self.plan.masters(self.model))))
+        self.account.add(view_bytes(view))
+        self.expected = {n: p.spec(n, self.group.rank) for n, p in view.items()}
+        return view, wait
 
-    def first_view(self) -> LocalView:
-        """The served view at start-up."""
-        staged = self._full_view()
-        staged.wait()
-        self._ref = (staged.view, object())
-        return staged.view
-
-    def token_of(self, view: LocalView) -> object:
-        """The token for an item of ``view``: the next view's changes name it when it is the newest view."""
-        ref = self._ref
-        return ref[1] if ref is not None and ref[0] is view else object()
+    def first_view(self) -> tuple[LocalView, object]:
+        """The served view at start-up, and the token for its item (the next view's changes name it)."""
+        view, wait = self._full_view()
+        wait()
+        self._ref = (view, object())
+        return self._ref
 
     def snapshot(self, step: int) -> Item:
         """A new plan and full view after a layout change (single process): the item of a snapshot."""
         self.plan = self._make_plan()
-        staged = self._full_view()
-        item = Item(step, staged.view, staged.wait, snapshot=True)
-        self._ref = (staged.view, item.token)
+        view, wait = self._full_view()
+        item = Item(step, view, wait, snapshot=True)
+        self._ref = (view, item.token)
         return item
 
     # -- per step -----------------------------------------------------------------------------------------
@@ -124,7 +120,22 @@ class ViewFeed:
     def defer(self) -> None:
         """Compute the views of ``after_optimizer_step`` on a background thread from now on."""
         if self.viewer is None:
-            self.viewer = ViewThread(nice=self.config.nice, threads=self.config.pool_threads)
+            self.viewer = threading.Thread(target=self._view_main, name="flipsync-view", daemon=True)
+            self.viewer.start()
+
+    def _view_main(self) -> None:
+        lower_priority(self.config.nice)
+        torch.set_num_threads(self.config.pool_threads)  # per thread (an OpenMP setting): training keeps its own
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._jobs.task_done()
 
     def gather(self, step: int) -> Inputs:
         """References to this step's masters (the training thread: may run collectives)."""
@@ -139,8 +150,11 @@ class ViewFeed:
         if self._drop_pending is not None:
             self._drop_pending()  # about to be superseded: free it before computing the next
         t0 = time.perf_counter()
-        ref = self._ref
-        fuse = Fuse(self._fused_caster(), ref[0]) if ref is not None and self.fuse else None
+        ref, fuse = self._ref, None
+        if ref is not None and self.fuse:
+            # made by the first view computed (the view thread once deferred): its pool inherits that priority
+            self._caster = self._caster or CastDiffer(self.config.pool_threads)
+            fuse = Fuse(self._caster, ref[0])
         try:
             with self.stager.buffers() as alloc:
                 view = self.plan.compute(inputs, alloc, fuse)
@@ -148,21 +162,15 @@ class ViewFeed:
         except FlipsyncError as e:
             self.no_view(step, e)
             raise
-        staged = self.stager.stage(view)
-        self.account.add(view_bytes(staged.view))
+        held, wait = self.stager.stage(view)
+        self.account.add(view_bytes(held))
         # Dense changes (Adam's first step) would take more memory than their piece while the view waits:
         # those pieces are diffed again by the worker instead.
         kept = {n: c for n, c in fuse.found.items() if c.nbytes <= view[n].nbytes} if fuse is not None else {}
         fused = FusedDiff(ref[1], kept) if ref is not None and kept else None
-        item = Item(step, staged.view, staged.wait, meta=meta, view_s=time.perf_counter() - t0, fused=fused)
-        self._ref = (staged.view, item.token)
+        item = Item(step, held, wait, meta=meta, view_s=time.perf_counter() - t0, fused=fused)
+        self._ref = (held, item.token)
         self._submit(item)
-
-    def _fused_caster(self) -> CastDiffer:
-        # made by the first view computed (the view thread once deferred): its pool inherits that priority
-        if self._caster is None:
-            self._caster = CastDiffer(self.config.pool_threads)
-        return self._caster
 
     def after_optimizer_step(self, step: int, inputs: Inputs | None = None) -> None:
         """The post-step hook's work: gather here (unless ``inputs`` were gathered for this step already),
@@ -176,13 +184,13 @@ class ViewFeed:
         updated = StreamFence(devices).record()
 
         def job() -> None:
-            with on_devices(devices):
+            with torch.cuda.device(devices[0]) if devices else nullcontext():  # a new thread starts on device 0
                 updated.wait()
                 self.compute(inputs, step, {})
                 # ... and the next optimizer step starts after the view's kernels read the masters.
                 self._read = StreamFence(devices).record()
 
-        self.viewer.submit(job)
+        self._jobs.put(job)  # the pre-step hook waits for it before the next one
 
     def no_view(self, step: int, e: FlipsyncError) -> None:
         if self.group.size > 1:  # the other ranks must learn that this step has no view here
@@ -191,18 +199,20 @@ class ViewFeed:
     def settle(self) -> None:
         """Wait for a served view being computed in the background (the masters are about to change)."""
         if self.viewer is not None:
-            self.viewer.wait_idle()
+            self._jobs.join()
             read, self._read = self._read, None
             if read is not None:
                 read.wait()
 
     def take_error(self) -> BaseException | None:
         """Why the last deferred view could not be computed (once), or None."""
-        return self.viewer.take_error() if self.viewer is not None else None
+        e, self._error = self._error, None
+        return e
 
     def close_viewer(self) -> None:
         if self.viewer is not None:
-            self.viewer.close()
+            self._jobs.put(None)
+            self.viewer.join()
         if self._caster is not None:
             self._caster.close()
             self._caster = None

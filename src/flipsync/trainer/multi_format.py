@@ -1,9 +1,5 @@
-"""`MultiFormatPublisher`: one trainer publishing several served formats of one model, a run per format.
-
-Islands on different GPU generations serve different formats (BF16, FP8, NVFP4); each follows the run of
-its format, and the gateway routes by format (docs/fleet.md). Every step's masters are gathered once and
-each format's view is computed from them; no run squashes a step, so version N is the same trainer step in
-every run. The cost of each extra format is measured by ``flipsync bench formats``.
+"""`MultiFormatPublisher`: one trainer publishing several served formats of one model, a run per format, from one
+gather per step; no run squashes, so version N is the same step in every run. See docs/fleet.md ("Islands").
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class MultiFormatPublisher:
-    """A `Publisher` per served format, each its own run ``{run}-{format}``, stepped together.
-
-    ``formats``: the served formats (at least one, each once). The other arguments are `Publisher`'s; the
-    config's ``squash`` is turned off (see the module doc). ``runs`` maps each format to its run's name.
-    """
+    """A `Publisher` per served format (at least one, each once), each its own run ``{run}-{format}``, stepped
+    together; the other arguments are `Publisher`'s, with ``squash`` off (see the module doc)."""
 
     def __init__(
         self,
@@ -70,7 +63,7 @@ class MultiFormatPublisher:
                     first_step=first_step,
                 )
         except BaseException:
-            self._close_all()
+            self.close()
             raise
         plans = [p.plan for p in self.publishers.values()]
         # One gather serves every format when they all serve the same tensors the same way on this rank.
@@ -136,9 +129,6 @@ class MultiFormatPublisher:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._close_all(timeout_s)
-
-    def _close_all(self, timeout_s: float | None = None) -> None:
         first: BaseException | None = None
         for p in self.publishers.values():
             try:
@@ -161,10 +151,9 @@ class MultiFormatPublisher:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
         try:
             self.close()
         except FlipsyncError as e:
+            if exc_type is None:
+                raise
             log.warning("closing the publishers after an error: %s", e)

@@ -90,13 +90,8 @@ class Fuse:
 
         def cast(name: str, master: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
             prev = self.ref.get(name)
-            if (
-                prev is None
-                or prev.offset != offset
-                or prev.tensor.dtype != dtype
-                or prev.tensor.device != master.device
-                or tuple(prev.tensor.shape) != tuple(master.shape)
-            ):
+            where = (offset, dtype, master.device, master.shape)
+            if prev is None or (prev.offset, prev.tensor.dtype, prev.tensor.device, prev.tensor.shape) != where:
                 return cast_master(name, master, dtype, out)
             new, self.found[name] = self.caster.cast_diff(name, master, dtype, prev.tensor, out)
             return new
@@ -175,12 +170,9 @@ def tied_targets(model: StateSource) -> set[str]:
 def dedupe_tied(
     state: Mapping[str, torch.Tensor], drop_first: set[str] | frozenset[str] = frozenset()
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(masters without aliases, {alias: kept name}).
-
-    Of names that share one tensor the first in ``state`` order is kept, unless it is one that Hugging Face
-    drops (``drop_first``) and another is not: so ``model.embed_tokens.weight`` is served and
-    ``lm_head.weight`` is recorded as its alias, as in a checkpoint of a tied model.
-    """
+    """(masters without aliases, {alias: kept name}). Of names that share one tensor the first is kept, unless
+    Hugging Face drops it (``drop_first``) and not another: so ``model.embed_tokens.weight`` is served and
+    ``lm_head.weight`` is its alias, as in a checkpoint of a tied model."""
     groups: dict[tuple[Any, ...], list[str]] = {}
     order: list[str] = []
     for name, t in state.items():
@@ -224,17 +216,13 @@ def _row_shard(t: torch.Tensor) -> int | None:
     return None if coord is None else int(coord[0])
 
 
-def _is_replicated(t: torch.Tensor) -> bool:
-    return all(p.is_replicate() for p in t.placements)  # type: ignore[attr-defined]
-
-
 def master_infos(masters: Mapping[str, torch.Tensor], fmt: str, keep: KeepFn | None) -> dict[str, MasterInfo]:
     """How this rank holds each master (see the module doc)."""
     f = get_format(fmt)
     out: dict[str, MasterInfo] = {}
     for name, t in masters.items():
         kind: MasterKind = "plain"
-        if _is_dtensor(t) and not _is_replicated(t):
+        if _is_dtensor(t) and not all(p.is_replicate() for p in t.placements):  # type: ignore[attr-defined]
             piece = _row_shard(t) is not None and _castable(f, name, t, keep)
             kind = "piece" if piece else "gather"
         out[name] = MasterInfo(kind, t.numel() * t.element_size())
@@ -326,9 +314,6 @@ class ViewPlan:
             out[name] = Piece(_own(cast, _storages([local])), offset, shape)
         return out
 
-    def serve(self, masters: Mapping[str, torch.Tensor]) -> LocalView:
-        return self.compute(self.gather(masters))
-
 
 @dataclass
 class Inputs:
@@ -367,11 +352,6 @@ def _row_offset(name: str, t: torch.Tensor, local: torch.Tensor) -> int:
     return start * math.prod(t.shape[1:])
 
 
-def _units(names: Sequence[str], groups: list[list[str]]) -> list[list[str]]:
-    grouped = {m for g in groups for m in g}
-    return [*groups, *([n] for n in names if n not in grouped)]
-
-
 def plan_view(
     *,
     rank: int,
@@ -402,15 +382,17 @@ def plan_view(
     for name, kind in kinds.items():
         if kind in ("piece", "gather") and len(holders[name]) != world:
             raise ConfigError(f"DTensor {name!r} is not held by every rank; the publisher spans the whole world")
-    whole_names = [n for info in infos for n in info if kinds[n] != "piece"]
-    whole_names = list(dict.fromkeys(whole_names))
     # Fused groups (formats with a shared scale) must be served by one rank. Row-shard members are cast, not
     # quantized: served_view leaves them out of their group too.
-    resolved = check_fused_groups(fused_groups, kinds) if get_format(fmt).uses_group_amax else []
+    shared_scale = get_format(fmt).uses_group_amax
+    resolved = check_fused_groups(fused_groups, kinds) if shared_scale else []
     groups = [g for group in resolved if len(g := [m for m in group if kinds[m] != "piece"]) >= 2]
+    grouped = {m for g in groups for m in g}
+    # the units served whole, each by one rank: fused groups, then every other master that is not a row piece
+    whole = dict.fromkeys(n for info in infos for n in info if kinds[n] != "piece" and n not in grouped)
     owners: dict[str, int] = {}
     load = [0] * world
-    for unit in sorted(_units(whole_names, groups), key=lambda u: (-sum(sizes[m] for m in u), u[0])):
+    for unit in sorted([*groups, *([n] for n in whole)], key=lambda u: (-sum(sizes[m] for m in u), u[0])):
         candidates = [r for r in range(world) if all(r in holders[m] for m in unit)]
         if not candidates:
             raise ConfigError(
@@ -433,7 +415,7 @@ def plan_view(
         owned=owned,
         pieces=[n for n in order if kinds.get(n) == "piece"],
         gathered=[n for n in order if kinds.get(n) == "gather"],
-        groups=[g for g in groups if g[0] in mine] if get_format(fmt).uses_group_amax else None,
+        groups=[g for g in groups if g[0] in mine] if shared_scale else None,
         owners=owners,
     )
 

@@ -8,16 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from flipsync.codec import DiffEngine
-from flipsync.codec.fingerprint import Hasher
 from flipsync.errors import BoardError, TransientStoreError
+from flipsync.trainer.config import PublisherConfig
 from flipsync.trainer.rank_group import RankGroup
-from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds, code_pool_for
+from flipsync.trainer.rounds import Published, RoundSkipped, VersionRounds
 from flipsync.trainer.slot import Item, Slot
 
 log = logging.getLogger(__name__)
@@ -39,26 +36,12 @@ def lower_priority(nice: int) -> None:
 class PublishThread:
     """Runs the version rounds on items from the slot, in a thread or inline."""
 
-    def __init__(
-        self,
-        rounds: VersionRounds,
-        slot: Slot,
-        group: RankGroup,
-        *,
-        release: Callable[[Item], None],
-        max_store_failures: int,
-        agree_timeout_s: float,
-        nice: int,
-        threads: int | None,
-    ) -> None:
+    def __init__(self, rounds: VersionRounds, slot: Slot, group: RankGroup, config: PublisherConfig) -> None:
         self.rounds = rounds
         self.slot = slot
         self.group = group
-        self._release = release
-        self.max_store_failures = max_store_failures
-        self.agree_timeout_s = agree_timeout_s
-        self.nice = nice
-        self.threads = threads
+        self._release = rounds.drop
+        self.config = config
         self.error: BaseException | None = None  # fatal: the worker stopped
         self.notice: BaseException | None = None  # raised once by the next call, then cleared
         self.store_failures = 0
@@ -77,20 +60,14 @@ class PublishThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def join(self, timeout_s: float | None) -> bool:
-        if self._thread is None:
-            return True
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+    def join(self, timeout_s: float | None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _main(self) -> None:
-        lower_priority(self.nice)
-        torch.set_num_threads(self.threads or 1)  # per thread (an OpenMP setting): training keeps its own
-        # Pools created here inherit the lowered priority.
-        self.rounds.differ = DiffEngine(self.threads)
-        self.rounds.hasher = Hasher(self.threads)
-        code_pool = self.rounds.code_pool = code_pool_for(self.threads)
-        uploader = self.rounds.uploader = ThreadPoolExecutor(UPLOADS, thread_name_prefix="flipsync-upload")
+        lower_priority(self.config.nice)
+        torch.set_num_threads(self.config.pool_threads)  # per thread (an OpenMP setting): training keeps its own
+        self.rounds.open_pools(UPLOADS)  # made here, they inherit the lowered priority
         try:
             if self.group.size == 1:
                 while (item := self.slot.take()) is not None:
@@ -103,27 +80,21 @@ class PublishThread:
         finally:
             self.slot.close()
             self.slot.clear()
-            self.rounds.differ.close()
-            self.rounds.hasher.close()
-            code_pool.shutdown()
-            uploader.shutdown()
-            self.rounds.uploader = self.rounds.code_pool = None
+            self.rounds.close_pools()
 
     def _sharded_loop(self) -> None:
         while True:
-            newest = self.slot.newest()
-            said = self.group.all_gather((newest, self.slot.closing), "which steps are ready")
-            steps = [s for s, _ in said]
-            if all(s is None for s in steps):
+            steps = self.group.all_gather(self.slot.newest(), "which steps are ready")
+            closed = [r for r, s in enumerate(steps) if s is None]
+            if len(closed) == len(steps):
                 return  # every rank closed with nothing left
-            target = max((s for s in steps if s is not None), default=0)
-            if any(s is None for s in steps):
-                closed = [r for r, s in enumerate(steps) if s is None]
+            target = max(s for s in steps if s is not None)
+            if closed:
                 raise BoardError(
                     f"ranks {closed} closed their publisher while others still publish step {target}; "
                     "every rank must call step() for the same steps before close()"
                 )
-            item = self.slot.take(at_least=target, timeout_s=self.agree_timeout_s)
+            item = self.slot.take(at_least=target, timeout_s=self.config.timeout_s)
             if item is None:
                 raise BoardError(f"this rank's publisher closed before step {target}, which other ranks publish")
             self.handle(item, target)
@@ -181,7 +152,7 @@ class PublishThread:
             held, self.unpublished = self.unpublished, item
         if held is not None and held is not item:  # the newer step covers it
             self._release(held)
-        if self.store_failures >= self.max_store_failures:
+        if self.store_failures >= self.config.max_store_failures:
             raise TransientStoreError(
                 f"{skip}; gave up after {self.store_failures} failed publications in a row. Nothing half-"
                 "published is visible; check the board's store, then resume the run (resume=True)"

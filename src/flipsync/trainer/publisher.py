@@ -14,9 +14,7 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardWriter
-from flipsync.codec import DiffEngine
 from flipsync.codec.bits import dtype_named
-from flipsync.codec.fingerprint import Hasher
 from flipsync.domain.manifest import check_name
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError
 from flipsync.formats import get_format
@@ -26,7 +24,7 @@ from flipsync.trainer.feed import ViewFeed
 from flipsync.trainer.pieces import StateSource, ViewPlan
 from flipsync.trainer.publish_thread import PublishThread
 from flipsync.trainer.rank_group import RankGroup, make_group
-from flipsync.trainer.rounds import Published, VersionRounds, code_pool_for
+from flipsync.trainer.rounds import Published, VersionRounds
 from flipsync.trainer.slot import Item, Slot
 from flipsync.trainer.startup import Start, decide_start, layout_fingerprint, new_run_name
 
@@ -50,20 +48,10 @@ class PublisherStats:
 
 
 class Publisher:
-    """Publishes a model's served view after every optimizer step (see the module doc).
+    """Publishes a model's served view after every optimizer step; docs/trainer.md ("API") tables the arguments.
 
-    ``board``: a URL or path (``file://``, ``s3://``, ...) or a ``Store``. ``run``: the run's name on the
-    board (default: a new unique name); an existing run is refused unless ``resume=True``, which continues
-    it when HEAD holds this model's view and otherwise takes over with a snapshot at HEAD + 1, as long as
-    the served view has HEAD's tensors (names, dtypes, shapes) and format: other weights of the same model.
-    Another model is refused (ConfigError) unless ``new_weights=True`` says to replace the run's weights.
-    ``optimizer``: attach now (see `attach`). Under torch.distributed every rank builds a Publisher (a
-    collective) and calls ``step()`` for the same steps; each rank publishes its own shard of the view as one
-    part of each version. ``group`` replaces torch.distributed by another implementation of the `RankGroup`
-    collectives (advanced; the tests use threads). ``config``: the tuning knobs (`PublisherConfig`): how
-    the view is computed and kept, the background threads, the board's cadence and signing. ``first_step``:
-    the trainer step the initial weights are (v0's ``meta.step``; default 0), for a loop that counts its own
-    steps and passes them to ``step(step=...)``.
+    Under torch.distributed every rank builds one (a collective) and steps together (docs/trainer.md#sharded-training);
+    ``group`` replaces torch.distributed by another `RankGroup` (the tests use threads).
     """
 
     def __init__(
@@ -85,7 +73,6 @@ class Publisher:
         # ConfigError for an unknown name, before any collective; manifests carry the canonical name ('BF16' -> bf16)
         format = get_format(format).name
         self.config = cfg = config or PublisherConfig()
-        threads = cfg.pool_threads
         self.model = model
         self.format = format
         self.background = cfg.background
@@ -101,16 +88,16 @@ class Publisher:
             format,
             cfg,
             submit=self._submit,
-            drop_pending=self._drop_pending if cfg.background and cfg.squash else None,
+            drop_pending=(lambda: self.slot.drop_pending_view()) if cfg.background and cfg.squash else None,
         )
         self.slot = Slot(self.feed.release_item, squash=cfg.squash)
         self._step = first_step
         self._calls = 0  # step() calls and optimizer steps (the stats), whatever their step numbers
-        view = self.feed.first_view()
+        view, token = self.feed.first_view()
 
-        rank0 = self.group.rank == 0
-        self.board: BoardWriter | None = (
-            BoardWriter(
+        self.board: BoardWriter | None = None
+        if self.group.rank == 0:
+            self.board = BoardWriter(
                 self.store,
                 self.run,
                 publisher_id=cfg.publisher_id,
@@ -118,9 +105,6 @@ class Publisher:
                 keyframe_policy=cfg.keyframe_policy,
                 span_policy=cfg.span_policy,
             )
-            if rank0
-            else None
-        )
         # "context": whether patches code positions against their base, so that a replica that cannot hold the
         # base (a vLLM sidecar without a mirror) refuses the run at boot instead of excluding every patch
         run_meta: dict[str, str | int] = {"format": format, "context": int(cfg.context and cfg.keep_on == "host")}
@@ -132,16 +116,12 @@ class Publisher:
             store=self.store,
             board=self.board,
             served_format=format,
-            hasher=Hasher(threads),
-            differ=DiffEngine(threads),
             release=self.feed.release_view,
-            spans=cfg.spans,
+            drop=self.feed.release_item,
             meta=run_meta,
-            chunk_bytes=cfg.chunk_bytes,
-            context=cfg.context,
+            config=cfg,
         )
-        # Inline publishing codes on this pool; in the background the worker builds its own (lower priority).
-        self.rounds.code_pool = None if cfg.background else code_pool_for(threads)
+        self.worker = PublishThread(self.rounds, self.slot, self.group, cfg)
         layout, table = self.rounds.survey(view)
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
@@ -162,28 +142,18 @@ class Publisher:
         self.started: str = kind  # "new", "adopt" (HEAD held this view), "takeover" (snapshot on HEAD)
         if kind in ("refuse", "refuse_model"):
             self.feed.release_view(view)
+            if cfg.background:
+                self.rounds.close_pools()  # the worker that would have closed its own never starts
             self._shutdown_resources()
             raise ConflictError(message) if kind == "refuse" else ConfigError(message)
-        self.worker = PublishThread(
-            self.rounds,
-            self.slot,
-            self.group,
-            release=self.feed.release_item,
-            max_store_failures=cfg.max_store_failures,
-            agree_timeout_s=cfg.timeout_s,
-            nice=cfg.nice,
-            threads=threads,
-        )
         if kind == "adopt":
             self.rounds.adopt(view, first_step, layout, table, head)
             log.info("resumed run %s at v%d: HEAD holds this model's view", self.run, head)
         if cfg.background:
-            # The worker builds its own (lower-priority) pools.
-            self.rounds.hasher.close()
-            self.rounds.differ.close()
+            self.rounds.close_pools()  # the worker makes its own, at its lower priority
             self.worker.start()
         if kind != "adopt":
-            self._submit(Item(first_step, view, snapshot=True, meta=dict(cfg.meta), token=self.feed.token_of(view)))
+            self._submit(Item(first_step, view, snapshot=True, meta=dict(cfg.meta), token=token))
         if optimizer is not None:
             self.attach(optimizer)
 
@@ -195,12 +165,8 @@ class Publisher:
         return self.feed.plan
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Publish after every ``optimizer.step()`` (post-step hook).
-
-        With ``background=True`` the served view is computed on a background thread while the next forward and
-        backward run; a pre-step hook makes the next ``optimizer.step()`` wait for it. Nothing else may change
-        the parameters in place between two optimizer steps.
-        """
+        """Publish after every ``optimizer.step()`` (post-step hook; in the background, a pre-step hook waits for
+        the view's reads). Nothing else may change the parameters in place between two optimizer steps."""
         if self._hooks:
             raise ConfigError("this publisher is already attached to an optimizer")
         if self.background:
@@ -215,11 +181,8 @@ class Publisher:
     # -- per step ---------------------------------------------------------------------------------------
 
     def step(self, *, meta: Mapping[str, str | int] | None = None, step: int | None = None) -> None:
-        """Publish the model's weights as they are now (call after ``optimizer.step()``); the view is computed here.
-
-        ``meta``: extra manifest metadata for this version. ``step``: the trainer step these weights are (the
-        version's ``meta.step``, greater than the last one); default the last step + 1.
-        """
+        """Publish the model's weights as they are now (the view is computed here), with extra manifest ``meta``;
+        ``step``: the trainer step they are (``meta.step``, greater than the last one; default the last + 1)."""
         step_no = self._begin_step(step)
         self.feed.compute(self.feed.gather(step_no), step_no, dict(meta or {}))
 
@@ -258,9 +221,6 @@ class Publisher:
         self._calls += 1
         self._submit(self.feed.snapshot(self._step))
 
-    def _drop_pending(self) -> None:
-        self.slot.drop_pending_view()
-
     def _submit(self, item: Item) -> None:
         if self.background:
             self.slot.push(item)
@@ -278,7 +238,7 @@ class Publisher:
         """Wait until every step so far is published (or squashed into a published version). A last step
         whose publication failed is published again, until it lands or ``max_store_failures`` is reached."""
         self.feed.settle()
-        if self.background and not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
+        if not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
             raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
         self._publish_unpublished(timeout_s)
         self._raise_pending()
@@ -290,11 +250,8 @@ class Publisher:
         while self.worker.error is None and (item := self.worker.take_unpublished()) is not None:
             time.sleep(delay)
             delay = min(2 * delay, MAX_RETRY_DELAY_S)
-            if not self.background:
-                self._submit(item)
-                continue
-            self.slot.push(item)
-            if not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
+            self._submit(item)
+            if self.background and not self.slot.wait_idle(timeout_s, lambda: self.worker.alive):
                 raise TimeoutError(f"the publisher did not finish uploading within {timeout_s} s")
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -308,12 +265,10 @@ class Publisher:
         self._hooks = []
         try:
             self.feed.close_viewer()
-            if self.background:
-                self.slot.wait_idle(timeout_s, lambda: self.worker.alive)
+            self.slot.wait_idle(timeout_s, lambda: self.worker.alive)  # inline: at once
             self._publish_unpublished(timeout_s)
-            if self.background:
-                self.slot.close()
-                self.worker.join(timeout_s)
+            self.slot.close()
+            self.worker.join(timeout_s)
             self._raise_pending(closing=True)
         finally:
             self._shutdown_resources()
@@ -321,16 +276,11 @@ class Publisher:
     def _shutdown_resources(self) -> None:
         self.slot.close()
         self.slot.clear()
-        if hasattr(self, "worker") and (held := self.worker.take_unpublished()) is not None:
+        if (held := self.worker.take_unpublished()) is not None:
             self.feed.release_item(held)
-        if hasattr(self, "rounds"):
-            self.rounds.close()
-            if not self.background:
-                self.rounds.hasher.close()
-                self.rounds.differ.close()
-                if self.rounds.code_pool is not None:
-                    self.rounds.code_pool.shutdown()
-                    self.rounds.code_pool = None
+        self.rounds.close()
+        if not self.background:
+            self.rounds.close_pools()
         self.feed.stager.clear()
         self.group.close()
 
@@ -338,13 +288,12 @@ class Publisher:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        try:  # already failing: do not hide the original error behind a publisher one
+        try:
             self.close()
         except FlipsyncError as e:
-            log.warning("closing the publisher after an error: %s", e)
+            if exc_type is None:
+                raise
+            log.warning("closing the publisher after an error: %s", e)  # do not hide the original error
 
     def _check_open(self) -> None:
         if self._closed:
@@ -370,7 +319,7 @@ class Publisher:
     def error(self) -> BaseException | None:
         """What stopped this publisher for good (a refused store, a conflict, a lost rank); None while it
         publishes. A stopped publisher raises it from every later call but ``close()``."""
-        return self.worker.error if hasattr(self, "worker") else None
+        return self.worker.error
 
     @property
     def stats(self) -> PublisherStats:

@@ -1,10 +1,6 @@
-"""The ranks that publish one version together: a single process, or a torch.distributed gloo group.
-
-The publisher's background threads exchange a few small objects per version (which trainer step, tensor
-fingerprint deltas, where each part went). They do it on a gloo group of their own: the training loop keeps
-using its own (often NCCL) group from the main thread, and two threads must never issue collectives on the
-same group. Every collective is bounded by the group's timeout, and a failure (a rank died, a timeout)
-becomes one ``BoardError`` that says the version was not published.
+"""The ranks that publish one version together: a single process, or a gloo group of the publisher's own
+(docs/trainer.md#sharded-training). Every collective is bounded by the group's timeout; a failure becomes one
+``BoardError`` that says the version was not published.
 """
 
 from __future__ import annotations
@@ -74,6 +70,7 @@ class TorchGroup:
         self._pg = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.rank = dist.get_rank(self._pg)
         self.size = dist.get_world_size(self._pg)
+        self._root = dist.get_global_rank(self._pg, 0)  # rank 0 of the group, in the default world
         self._broken: str | None = None
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
@@ -97,14 +94,12 @@ class TorchGroup:
 
     def broadcast(self, obj: Any, what: str) -> Any:
         box = [obj]
-        src = self._dist.get_global_rank(self._pg, 0)
-        self._call(what, lambda: self._dist.broadcast_object_list(box, src=src, group=self._pg))
+        self._call(what, lambda: self._dist.broadcast_object_list(box, src=self._root, group=self._pg))
         return box[0]
 
     def gather(self, obj: Any, what: str) -> list[Any] | None:
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
-        dst = self._dist.get_global_rank(self._pg, 0)
-        self._call(what, lambda: self._dist.gather_object(obj, out, dst=dst, group=self._pg))
+        self._call(what, lambda: self._dist.gather_object(obj, out, dst=self._root, group=self._pg))
         return out
 
     def close(self) -> None:
@@ -121,10 +116,8 @@ class TorchGroup:
 
 def make_group(timeout_s: float) -> RankGroup:
     """A TorchGroup when torch.distributed runs with more than one rank, else a SoloGroup."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover - torch without distributed support
-        return SoloGroup()
+    import torch.distributed as dist  # present in every torch build (is_available() says whether it works)
+
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return TorchGroup(timeout_s)
     return SoloGroup()

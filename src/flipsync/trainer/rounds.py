@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from flipsync.board import BoardWriter
@@ -25,11 +23,12 @@ from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorI
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
 from flipsync.stores import Store
-from flipsync.trainer.pieces import LocalView, PieceSpec
+from flipsync.trainer.config import PublisherConfig
+from flipsync.trainer.pieces import LocalView, PieceSpec, view_bytes
 from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item
 from flipsync.trainer.spans import SpanMaker
-from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES, PartStream, remove_unpublished
+from flipsync.trainer.upload import PartStream, remove_unpublished
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +71,8 @@ def merge_deltas(deltas: list[dict[str, int]]) -> dict[str, int]:
 
 def table_of_pieces(layout: Mapping[str, PieceSpec], partials: list[dict[str, int]]) -> FingerprintTable:
     """The view's fingerprint table from every rank's piece fingerprints (summed per tensor)."""
-    fps: dict[str, int] = {}
-    for part in partials:
-        for name, fp in part.items():
-            fps[name] = (fps.get(name, 0) + fp) & MASK64
-    return FingerprintTable({name: TensorId(s.dtype, s.shape, fps.get(name, 0)) for name, s in layout.items()})
+    fps = merge_deltas(partials)
+    return FingerprintTable({n: TensorId(s.dtype, s.shape, fps.get(n, 0) & MASK64) for n, s in layout.items()})
 
 
 def check_tiling(specs: list[Mapping[str, PieceSpec]]) -> dict[str, PieceSpec]:
@@ -126,25 +122,6 @@ def assemble(
     return out
 
 
-def to_wire(view: LocalView) -> dict[str, tuple[int, np.ndarray]]:
-    """Pieces as (offset, integer bits): torch cannot pickle every dtype (fp8), numpy arrays always travel."""
-    return {n: (p.offset, int_view(p.tensor.detach().contiguous()).cpu().numpy()) for n, p in view.items()}
-
-
-def from_wire(
-    layout: Mapping[str, PieceSpec], wire: dict[str, tuple[int, np.ndarray]]
-) -> dict[str, tuple[int, torch.Tensor]]:
-    return {
-        n: (off, torch.from_numpy(bits).view(dtype_named(layout[n].dtype).torch_dtype))
-        for n, (off, bits) in wire.items()
-    }
-
-
-def code_pool_for(threads: int | None) -> ThreadPoolExecutor:
-    """Threads that code a version's sections side by side while the next pieces are diffed."""
-    return ThreadPoolExecutor(threads or os.cpu_count() or 1, thread_name_prefix="flipsync-code")
-
-
 class VersionRounds:
     """Publishes versions of one run; holds the view of the last published version (this rank's pieces)."""
 
@@ -156,31 +133,24 @@ class VersionRounds:
         store: Store,
         board: BoardWriter | None,
         served_format: str,
-        hasher: Hasher,
-        differ: DiffEngine,
         release: Callable[[LocalView | None], None],
-        spans: bool,
+        drop: Callable[[Item], None],
         meta: Mapping[str, str | int],
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        context: bool = False,
+        config: PublisherConfig,
     ) -> None:
-        if (group.rank == 0) != (board is not None):
-            raise ConfigError("exactly rank 0 holds the board publisher")
         self.group = group
         self.paths = RunLayout(run)
         self.store = store
         self.board = board
         self.fmt = served_format
-        self.hasher = hasher
-        self.differ = differ
-        self.code_pool: Executor | None = None  # codes sections while the next pieces are diffed (inline: None)
-        self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (the worker's)
-        self.chunk_bytes = chunk_bytes
-        self.context = context  # code whole host pieces' positions against the previous view (ctx)
-        self._release = release
+        self.threads = config.pool_threads
+        self.chunk_bytes = config.chunk_bytes
+        self.context = config.context  # code whole host pieces' positions against the previous view (ctx)
+        self._release = release  # a view no longer needed
+        self.drop = drop  # an item that will not be published
         self.meta = dict(meta)
-        self.want_spans = spans  # every rank sends its part's bytes to rank 0, which squashes the spans
-        self.spans = SpanMaker(board.spans_due) if spans and board is not None else None
+        self.want_spans = config.spans  # every rank sends its part's bytes to rank 0, which squashes the spans
+        self.spans = SpanMaker(board.spans_due) if config.spans and board is not None else None
         self.base: LocalView | None = None
         self.base_token: object | None = None  # the token of the item whose view is the base (`FusedDiff`)
         self.base_step = 0
@@ -190,6 +160,25 @@ class VersionRounds:
         self.head_fp: str | None = None
         self.last: Published | None = None
         self.orphans: list[str] = []  # objects of this rank's failed attempts, removed after the next success
+        self.uploader: Executor | None = None  # uploads a part's chunks while it is coded (inline: None)
+        self.open_pools()
+
+    def open_pools(self, uploads: int = 0) -> None:
+        """The rounds' pools, made on the thread that publishes (inline, or the worker: they inherit its
+        priority). The code pool codes sections while the next pieces are diffed; ``uploads``: a part's chunks
+        in flight at once (0: uploaded inline)."""
+        self.differ, self.hasher = DiffEngine(self.threads), Hasher(self.threads)
+        self.code_pool: Executor | None = ThreadPoolExecutor(self.threads, thread_name_prefix="flipsync-code")
+        if uploads:
+            self.uploader = ThreadPoolExecutor(uploads, thread_name_prefix="flipsync-upload")
+
+    def close_pools(self) -> None:
+        self.differ.close()
+        self.hasher.close()
+        for pool in (self.code_pool, self.uploader):
+            if pool is not None:
+                pool.shutdown()
+        self.code_pool = self.uploader = None
 
     # -- start ------------------------------------------------------------------------------------------
 
@@ -216,14 +205,14 @@ class VersionRounds:
         if item.view is not None:
             item.wait()
         # Rank 0 names the version and its attempt folder up front, so every rank can upload while it diffs.
-        proposal = (self._next_version(), new_attempt_id()) if self.board is not None else None
+        proposal = (0 if self.head is None else self.head + 1, new_attempt_id()) if self.board is not None else None
         hello = (item.step == target, item.snapshot, item.error, proposal)
         said = self.group.all_gather(hello, f"which step to publish (step {target})")
         if not all(ok for ok, _, _, _ in said):
             raise RoundSkipped("retry", f"the ranks held different steps around step {target}; trying again")
         failed = [(r, e) for r, (_, _, e, _) in enumerate(said) if e]
         if failed:
-            self._drop(item)
+            self.drop(item)
             who = "; ".join(f"rank {r}: {e}" for r, e in failed)
             raise RoundSkipped("step", f"step {target} was not published because a rank could not serve it ({who})")
         if any(snap for _, snap, _, _ in said) or self.base is None:
@@ -259,7 +248,7 @@ class VersionRounds:
         t1 = time.perf_counter()
         failures = [f for _, f in said if f]
         if failures:
-            self._drop(item)
+            self.drop(item)
             raise BoardError(f"v{version} was not published: diffing failed ({'; '.join(failures)})")
         everyone = [d for d, _ in said]
         before = self.table.advanced(merge_deltas(everyone[:rank]))
@@ -302,8 +291,7 @@ class VersionRounds:
         for name in sorted(view):
             a, b = self.base[name], view[name]
             ta, tb = a.tensor.detach().contiguous(), b.tensor.detach().contiguous()
-            changes = known.get(name) if known is not None else None
-            if changes is None:
+            if (changes := (known or {}).get(name)) is None:
                 changes = self.differ.changes(ta, tb)
             if not changes.size:
                 continue
@@ -314,9 +302,6 @@ class VersionRounds:
             n += changes.size
         return n
 
-    def _next_version(self) -> int:
-        return 0 if self.head is None else self.head + 1
-
     @staticmethod
     def _failure(e: FlipsyncError) -> tuple[str, Any]:
         if isinstance(e, PermanentStoreError):
@@ -326,12 +311,6 @@ class VersionRounds:
         if isinstance(e, ConflictError):
             return "conflict", str(e)
         return "fatal", _first_line(e)
-
-    def _on_rank(self, e: FlipsyncError) -> str:
-        """A rank's failure as rank 0 reports it (a store's refusal as it is, alone)."""
-        if self.group.size == 1 and isinstance(e, PermanentStoreError):
-            return str(e)
-        return f"rank {self.group.rank}: {_first_line(e)}"
 
     def _commit(
         self,
@@ -349,14 +328,16 @@ class VersionRounds:
         if patch is not None:
             try:
                 info = stream.finish(*encoder.file_ends())
-            except FlipsyncError as e:
-                err = (self._on_rank(e), isinstance(e, PermanentStoreError))
+            except FlipsyncError as e:  # as rank 0 reports it (alone, a store's refusal as it is)
+                permanent = isinstance(e, PermanentStoreError)
+                text = str(e) if permanent and self.group.size == 1 else f"rank {self.group.rank}: {_first_line(e)}"
+                err = (text, permanent)
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()
                 if patch.needs_base:  # rank 0 squashes spans without the views in between: no ctx there
-                    held = {n: p.tensor for n, p in self.base.items() if p.whole} if self.base else {}
-                    data = patch.decodable_alone(held)
-                    data = data if self.group.size == 1 else data.to_bytes()
+                    assert self.base is not None
+                    alone = patch.decodable_alone({n: p.tensor for n, p in self.base.items() if p.whole})
+                    data = alone if self.group.size == 1 else alone.to_bytes()
         reports = self.group.gather((err, info, data), f"the parts of v{version}")
         result: tuple[str, Any] = ("fatal", "no result")
         spans_input: list[Patch] = []
@@ -415,7 +396,7 @@ class VersionRounds:
         if status in ("store", "unsure"):  # the item is kept: the worker publishes it again unless a newer step
             raise RoundSkipped("store", str(detail))  # covers it
         if status != "ok":
-            self._drop(item)
+            self.drop(item)
             if status == "conflict":
                 raise ConflictError(str(detail))
             if status == "refused":
@@ -429,15 +410,8 @@ class VersionRounds:
         self.base_token = item.token
         self.head, self.head_fp = published.version, table.view_fp()
         self.last = p = published
-        log.info(
-            "rank %d: v%d = step %d (%d steps, %d bytes, %d changed values)",
-            self.group.rank,
-            p.version,
-            p.step,
-            p.steps,
-            p.part_bytes,
-            p.changed,
-        )
+        what = "rank %d: v%d = step %d (%d steps, %d bytes, %d changed values)"
+        log.info(what, self.group.rank, p.version, p.step, p.steps, p.part_bytes, p.changed)
         return published
 
     # -- full views -------------------------------------------------------------------------------------
@@ -446,10 +420,16 @@ class VersionRounds:
         """The whole served view on rank 0 (None elsewhere)."""
         if self.group.size == 1:
             return assemble(layout, [{n: (p.offset, p.tensor) for n, p in view.items()}])
-        gathered = self.group.gather(to_wire(view), what)
+        # Pieces travel as (offset, integer bits): torch cannot pickle every dtype (fp8), numpy arrays always do.
+        wire = {n: (p.offset, int_view(p.tensor.detach().contiguous()).cpu().numpy()) for n, p in view.items()}
+        gathered = self.group.gather(wire, what)
         if gathered is None:
             return None
-        return assemble(layout, [from_wire(layout, g) for g in gathered])
+        torch_dtype = {n: dtype_named(s.dtype).torch_dtype for n, s in layout.items()}
+        pieces = [
+            {n: (off, torch.from_numpy(bits).view(torch_dtype[n])) for n, (off, bits) in g.items()} for g in gathered
+        ]
+        return assemble(layout, pieces)
 
     def _snapshot(self, item: Item) -> Published:
         assert item.view is not None
@@ -471,8 +451,8 @@ class VersionRounds:
                 result = self._failure(e)
             del full
         result, version = self.group.broadcast((result, version), "whether the snapshot was published")
-        size = sum(p.nbytes for p in item.view.values())
-        published = self._finish(result, item, table, layout, Published(version, item.step, 1, "snapshot", size, 0))
+        snapshot = Published(version, item.step, 1, "snapshot", view_bytes(item.view), 0)
+        published = self._finish(result, item, table, layout, snapshot)
         if self.spans is not None and self.board is not None:
             self.spans = SpanMaker(self.board.spans_due)  # a snapshot starts a new lineage
         return published
@@ -504,10 +484,6 @@ class VersionRounds:
                 )
         except FlipsyncError as e:
             log.warning("spans after v%d not published (catch-up takes the longer way): %s", version, e)
-
-    def _drop(self, item: Item) -> None:
-        self._release(item.view)
-        item.view = None
 
     def close(self) -> None:
         self._release(self.base)

@@ -65,18 +65,13 @@ class Slot:
         self._release = release
         self.squashed_steps = 0
 
-    def _merge_into(self, newer: Item) -> None:
-        old = self._pending
-        if old is None:
-            return
-        newer.snapshot = newer.snapshot or old.snapshot
-        newer.first_step = min(newer.first_step or newer.step, old.first_step or old.step)
-        newer.meta = {**old.meta, **newer.meta}
-        self.squashed_steps += 1
-        self._release(old)
-
     def _place(self, item: Item) -> None:
-        self._merge_into(item)  # a snapshot still covers older pending steps: nothing older is held back
+        if (old := self._pending) is not None:  # merged, into a snapshot too: nothing older is held back
+            item.snapshot = item.snapshot or old.snapshot
+            item.first_step = min(item.first_step or item.step, old.first_step or old.step)
+            item.meta = {**old.meta, **item.meta}
+            self.squashed_steps += 1
+            self._release(old)
         if item.snapshot and self._held is None:
             self._held, self._pending = item, None
         else:
@@ -110,7 +105,7 @@ class Slot:
     def newest(self) -> int | None:
         """Block until an item is pending or the slot closes; the pending step, or None when closed."""
         with self._cond:
-            while not self._ready() and not self._closing:
+            while self._next() is None and not self._closing:
                 self._cond.wait()
             item = self._next()
             return item.step if item is not None else None
@@ -121,9 +116,6 @@ class Slot:
             return self._held
         p = self._pending
         return p if p is not None and (p.view is not None or p.error is not None) else None
-
-    def _ready(self) -> bool:
-        return self._next() is not None
 
     def take(self, at_least: int | None = None, timeout_s: float | None = None) -> Item | None:
         """The pending item (with step >= ``at_least``), waiting for it; None when the slot closed empty."""
@@ -139,7 +131,7 @@ class Slot:
                     self._busy = True
                     self._cond.notify_all()  # a push waiting for the pending item to go (squash=False)
                     return item
-                if self._closing and (at_least is None or not self._ready()):
+                if self._closing and (at_least is None or self._next() is None):
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -159,15 +151,11 @@ class Slot:
             self._closing = True
             self._cond.notify_all()
 
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
     def wait_idle(self, timeout_s: float | None, alive: Callable[[], bool]) -> bool:
         """Wait until nothing is pending or in flight (or the worker stopped); False on timeout."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while (self._ready() or self._busy) and alive():
+            while (self._next() is not None or self._busy) and alive():
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False

@@ -1,8 +1,5 @@
-"""Squashed spans for the board's catch-up: built bottom-up from halves, keeping only halves still needed.
-
-After version v the board's cadence asks for the aligned spans ``v - 2**l .. v``. Each is the squash of two
-halves of width ``2**(l-1)``: the right half was just built (or is version v itself), the left half was
-built ``2**(l-1)`` versions ago and kept for exactly this. So at most one left half per level is held.
+"""Squashed spans for the board's catch-up, each the squash of two halves: the right one just built, the left one
+kept from ``2**(l-1)`` versions ago, so at most one left half per level is held. See docs/trainer.md ("Spans").
 """
 
 from __future__ import annotations

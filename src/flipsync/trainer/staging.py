@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -18,18 +17,6 @@ from flipsync.trainer.pieces import LocalView, Piece
 
 KeepOn = Literal["host", "device"]
 _Key = tuple[tuple[int, ...], torch.dtype, bool]  # shape, dtype, pinned
-
-
-@dataclass
-class StagedView:
-    """A view on its way to the background thread; ``wait()`` before reading it there."""
-
-    view: LocalView
-    wait: Callable[[], None]
-
-
-def _noop() -> None:
-    pass
 
 
 def cuda_devices(tensors: Iterable[torch.Tensor]) -> list[torch.device]:
@@ -64,14 +51,6 @@ class StreamFence:
             e.synchronize()
 
 
-def on_devices(devices: list[torch.device]) -> ExitStack:
-    """A context that makes the first of ``devices`` current (a new thread starts on device 0)."""
-    stack = ExitStack()
-    if devices:
-        stack.enter_context(torch.cuda.device(devices[0]))
-    return stack
-
-
 class Stager:
     """Moves served views to where they are kept, reusing pinned buffers."""
 
@@ -84,13 +63,13 @@ class Stager:
         self._lock = threading.Lock()
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
-    def stage(self, view: LocalView) -> StagedView:
-        """Start moving ``view`` (returns without waiting for copies)."""
+    def stage(self, view: LocalView) -> tuple[LocalView, Callable[[], None]]:
+        """Start moving ``view``: the moved view, and what to call before reading it on another thread."""
         devices = cuda_devices(p.tensor for p in view.values())
         if not devices:
-            return StagedView(view, _noop)
+            return view, lambda: None
         if self.keep_on == "device":
-            return StagedView(view, StreamFence(devices).record().synchronize)
+            return view, StreamFence(devices).record().synchronize
         out: LocalView = dict(view)
         for d in devices:
             with torch.cuda.device(d):
@@ -104,7 +83,7 @@ class Stager:
                         buf.copy_(p.tensor, non_blocking=True)
                         p.tensor.record_stream(stream)  # the device copy may be freed before the copy ran
                         out[name] = Piece(buf, p.offset, p.shape)
-        return StagedView(out, StreamFence(devices).record(self._streams).synchronize)
+        return out, StreamFence(devices).record(self._streams).synchronize
 
     @contextmanager
     def buffers(self) -> Iterator[Alloc]:

@@ -1,8 +1,6 @@
 """How a publisher starts on a run: a new run, continuing HEAD, a takeover snapshot on top of it, or a refusal.
-
-Rank 0 reads the run's HEAD manifest and compares it with this model's served view; `decide_start` is that
-comparison, pure so that every rule is stated (and tested) in one place. The decision is then broadcast to
-the other ranks.
+Rank 0 compares the run's HEAD manifest with this model's served view (`decide_start`, pure, so that every rule
+is stated and tested in one place) and broadcasts the decision.
 """
 
 from __future__ import annotations
@@ -87,15 +85,13 @@ def decide_start(
             "--run name, or none for a fresh one), or replace the run's weights on purpose with "
             "new_weights=True (CLI: --resume --new-weights)",
         )
+    if other_model:
+        held = "another model's view (new_weights)"
+    elif head_layout is not None:
+        held = "other weights of this model"
+    else:
+        held = "another view (its manifests predate layout checks)"
     log.warning(
-        "run %s: HEAD v%d holds %s; taking over with a snapshot at v%d",
-        run,
-        head.version,
-        "another model's view (new_weights)"
-        if other_model
-        else "other weights of this model"
-        if head_layout is not None
-        else "another view (its manifests predate layout checks)",
-        head.version + 1,
+        "run %s: HEAD v%d holds %s; taking over with a snapshot at v%d", run, head.version, held, head.version + 1
     )
     return Start("takeover", head.version)

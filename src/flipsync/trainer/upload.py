@@ -26,10 +26,6 @@ def check_chunk_bytes(chunk_bytes: int) -> None:
         raise ConfigError(f"chunk_bytes: stream chunks must be at least {MIN_CHUNK_BYTES} bytes, got {chunk_bytes}")
 
 
-def part_name(rank: int) -> str:
-    return f"patch-{rank:05d}.safetensors"
-
-
 class PartStream:
     """Lays out and uploads one rank's part of one version: ``add`` takes the file's data area in file order
     (``PatchEncoder``'s stream, on a coding thread), ``finish`` its head and tail, once. Uploads run on
@@ -48,7 +44,7 @@ class PartStream:
         check_chunk_bytes(chunk_bytes)
         self.store = store
         self.version_dir = version_dir
-        self.name = f"{attempt}/{part_name(rank)}"
+        self.name = f"{attempt}/patch-{rank:05d}.safetensors"
         self.chunk_bytes = chunk_bytes
         self._uploader = uploader
         self._pending: list[bytes | memoryview] = []
@@ -56,8 +52,7 @@ class PartStream:
         self._chunks: list[tuple[str, bytes]] = []
         self._uploads: list[Future[None]] = []
         self._first = b""
-        self._kept = False
-        self._aborted = False
+        self._settled = False  # kept or aborted: abort() does nothing more
         self._lock = threading.Lock()  # add() runs on the coder, abort() may run on the publishing thread
 
     def add(self, data: bytes | memoryview) -> None:
@@ -116,15 +111,15 @@ class PartStream:
 
     def keep(self) -> None:
         """The version that references this part exists: ``abort`` must never delete it now."""
-        self._kept = True
+        self._settled = True
 
     def abort(self, *, delete: bool = True) -> list[str]:
         """Stop the uploads; unless kept (the version will not reference them), remove what was uploaded, best
         effort, once. ``delete=False`` leaves the objects and returns their paths, for the caller to delete
         later (once the store works again) or to leave to retention (a manifest listing them may land)."""
-        if self._kept or self._aborted:
+        if self._settled:
             return []
-        self._aborted = True
+        self._settled = True
         with self._lock:
             uploads, self._uploads = self._uploads, []
         for f in uploads:

@@ -42,9 +42,13 @@ class CheckpointDir:
         return self.path.name
 
     def order(self) -> tuple[int, int]:
-        m = _STEP.search(self.name)
-        newest = max((mtime for _, _, mtime in self.signature), default=0)
-        return (int(m.group(1)) if m else -1, newest)
+        return (_step_of(self.name), max((mtime for _, _, mtime in self.signature), default=0))
+
+
+def _step_of(name: str) -> int:
+    """The last number in a checkpoint's name (-1: none)."""
+    m = _STEP.search(name)
+    return int(m.group(1)) if m else -1
 
 
 def safetensors_complete(path: Path) -> bool:
@@ -112,10 +116,7 @@ def _signature(files: list[Path]) -> tuple[tuple[str, int, int], ...] | None:
 
 def complete_checkpoint(path: Path) -> CheckpointDir:
     """``path`` (a checkpoint directory or one .safetensors file) if complete; else ConfigError."""
-    if path.is_file():
-        files = [path] if safetensors_complete(path) else None
-    else:
-        files = checkpoint_files(path) if path.is_dir() else None
+    files = [path] if safetensors_complete(path) else checkpoint_files(path)  # None for a missing or partial one
     sig = _signature(files) if files is not None else None
     if sig is None:
         raise ConfigError(f"{path} is not a complete safetensors checkpoint (missing or half-written files)")
@@ -194,9 +195,7 @@ class CheckpointPublisher:
         reader = BoardReader(self.store, self.run)
         try:
             head = reader.head()
-            if head is None:
-                return None
-            source = reader.catalog.version(head).meta.get("source")
+            source = reader.catalog.version(head).meta.get("source") if head is not None else None
         except NotFoundError:
             return None
         return source if isinstance(source, str) else None
@@ -206,7 +205,7 @@ class CheckpointPublisher:
         if self.last is not None:
             return ckpt.order() > self.last.order() and ckpt.signature != self.last.signature
         if self.after is not None:
-            return ckpt.name == self.after or _later_step(ckpt.name, self.after)
+            return ckpt.name == self.after or _step_of(ckpt.name) > _step_of(self.after) >= 0
         return True
 
     def publish(self, ckpt: CheckpointDir) -> int | None:
@@ -240,12 +239,6 @@ class CheckpointPublisher:
             self.publisher.close()
 
 
-def _later_step(name: str, after: str) -> bool:
-    """Whether checkpoint ``name`` has a larger step number than ``after``."""
-    a, b = _STEP.search(name), _STEP.search(after)
-    return bool(a and b and int(a.group(1)) > int(b.group(1)))
-
-
 def watch(
     ckpt_dir: str | Path,
     store: Store,
@@ -262,12 +255,9 @@ def watch(
     on_event: Event = _quiet,
     config: PublisherConfig | None = None,
 ) -> CheckpointPublisher:
-    """Publish every new complete checkpoint under ``ckpt_dir`` until stopped.
-
-    ``once``: publish what is complete and stable now (waiting ``settle_s`` to tell) and return.
-    ``max_checkpoints``: return after publishing that many.
-    ``stop``: an event that ends the loop. Returns the CheckpointPublisher (its ``run`` and ``last``).
-    """
+    """Publish every new complete checkpoint under ``ckpt_dir`` until ``stop`` is set, ``max_checkpoints`` are
+    published, or (``once``) what is complete and stable now is (waiting ``settle_s`` to tell). Returns the
+    CheckpointPublisher (its ``run`` and ``last``)."""
     scanner = CheckpointScanner(Path(ckpt_dir), settle_s)
     pub = CheckpointPublisher(
         store, run=run, format=format, resume=resume, new_weights=new_weights, on_event=on_event, config=config

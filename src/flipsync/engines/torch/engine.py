@@ -1,7 +1,5 @@
 """The ``torch`` engine: an in-process Hugging Face causal LM whose weights a sidecar keeps at a board version.
-It holds the served view as its source of truth, commits in O(changed), and stamps each generated token
-with the version that produced it. See docs/sidecar.md ("The Engine port and the torch engine").
-"""
+See docs/sidecar.md ("The Engine port and the torch engine")."""
 
 from __future__ import annotations
 
@@ -11,7 +9,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -24,7 +23,6 @@ from flipsync.codec import stage as codec_stage
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.torch.steplock import StepLock
 from flipsync.engines.torch.tokenizer import ByteTokenizer
 from flipsync.errors import BaseMismatchError, ConfigError, EngineError, EngineUnavailableError, VerificationError
 from flipsync.formats import get_format, served_view
@@ -35,6 +33,52 @@ _MAX_LABELS = 64
 
 # (token id, version of the weights that produced it) -> keep going?
 TokenCallback = Callable[[int, int | None], bool]
+
+
+class StepLock:
+    """A readers-writer lock between decode steps (many at once) and weight writes (one, exclusive). Writers go
+    first: once a commit asks, no new step starts, so the pause is the longest step in flight plus the write, and
+    a step sees either the old or the new weights, never a mix."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """Held around one forward pass."""
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[float]:
+        """Held around a weight write; yields how long it waited for the steps in flight to finish."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield time.perf_counter() - t0
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
 
 
 @dataclass(frozen=True)
@@ -50,7 +94,6 @@ class SamplingParams:
 class Generation:
     """One finished sequence: its tokens, the board version behind each, and why it stopped."""
 
-    prompt_tokens: int
     tokens: list[int] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -241,8 +284,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
             t0 = time.perf_counter()
             try:
                 for name, src in view.items():
-                    dst = self._served[name]
-                    int_view(dst).copy_(int_view(src.detach().to(self.device).contiguous()))
+                    int_view(self._served[name]).copy_(int_view(src.detach().to(self.device).contiguous()))
                 self._write_params(list(self._refresh), {}, undo=False)  # every parameter, recomputed whole
                 self._table = FingerprintTable.of(self._served)
                 self._index = ClassIndex()
@@ -371,7 +413,7 @@ class TorchEngine(Engine[TorchStaged, TorchUndo]):
         gen.manual_seed(params.seed if params.seed is not None else secrets.randbits(63))
         cache = DynamicCache(config=self.model.config)
         ids = torch.tensor([prompt], device=self.device)
-        out = Generation(prompt_tokens=len(prompt))
+        out = Generation()
         with torch.no_grad():
             for _ in range(budget):
                 self._check_alive()

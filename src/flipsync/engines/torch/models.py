@@ -1,8 +1,5 @@
-"""Model architectures for the in-process torch engine, built from a config with a fixed seed (no downloads).
-
-The weights a sidecar serves come from the board; the model only fixes the architecture (names, shapes), so
-a config is all the torch engine needs. ``PRESETS`` holds a few Llama shapes for tests, demos and the bench;
-``load_config`` also takes a Hugging Face ``config.json``.
+"""Model architectures for the in-process torch engine, built from a config with a fixed seed (no downloads):
+the weights come from the board, so the model only fixes the names and shapes.
 """
 
 from __future__ import annotations

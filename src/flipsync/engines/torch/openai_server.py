@@ -1,7 +1,5 @@
-"""The torch engine's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``): the upstream a
-sidecar's proxy forwards to for the in-process torch engine; each choice carries ``token_versions``.
-See docs/sidecar.md ("The torch engine's OpenAI server").
-"""
+"""The torch engine's OpenAI-compatible server, the upstream a sidecar's proxy forwards to; each choice carries
+``token_versions``. See docs/sidecar.md ("The torch engine's OpenAI server")."""
 
 from __future__ import annotations
 
@@ -180,27 +178,14 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
             "data": [{"id": engine.model_name, "object": "model", "owned_by": "flipsync", "created": 0}],
         }
 
-    async def _body(request: Request) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise BadRequest("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        return body
-
-    def _jobs(prompts: list[list[int]], params: SamplingParams, n: int) -> list[Job]:
-        jobs = []
-        for pi, prompt in enumerate(prompts):
-            for j in range(n):
-                # Distinct choices of one seeded request must differ, yet stay reproducible.
-                seed = None if params.seed is None else params.seed + pi * n + j
-                jobs.append(Job(pi * n + j, prompt, replace(params, seed=seed)))
-        return jobs
-
     async def handle(request: Request, chat: bool) -> Response:
         try:
-            body = await _body(request)
+            try:
+                body = await request.json()
+            except (ValueError, UnicodeDecodeError):
+                raise BadRequest("the body is not valid JSON") from None
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
             n = _int(body, "n", 1, 1, MAX_N)
             params = _sampling(body, engine, max_tokens_limit)
             stops = _stops(body)
@@ -218,138 +203,130 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
             return error_response(400, str(e))
         if not engine.health():
             return error_response(503, "the engine is down", "service_unavailable")
-        jobs = _jobs(prompts, params, n)
+        # n choices per prompt; distinct choices of one seeded request must differ, yet stay reproducible
+        jobs = [
+            Job(i, prompt, replace(params, seed=None if params.seed is None else params.seed + i))
+            for i, prompt in enumerate(p for p in prompts for _ in range(n))
+        ]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in prompts)
-        if stream:
-            return StreamingResponse(
-                _stream(jobs, stops, chat, rid, include_usage, want_logprobs, prompt_tokens),
-                media_type="text/event-stream",
-            )
-        return await _complete(jobs, stops, chat, rid, want_logprobs, prompt_tokens)
 
-    async def _complete(
-        jobs: list[Job], stops: list[str], chat: bool, rid: str, want_logprobs: bool, prompt_tokens: int
-    ) -> Response:
-        loop = asyncio.get_running_loop()
+        async def complete() -> Response:
+            loop = asyncio.get_running_loop()
 
-        def one(job: Job) -> tuple[Generation, ChoiceText]:
-            text = ChoiceText(stops)
-            gen = engine.generate(job.prompt, job.params, lambda tok, _v: (text.push(tok), not text.stopped)[1])
-            text.finish()
-            return gen, text
-
-        try:
-            results = await asyncio.gather(*(loop.run_in_executor(pool, one, j) for j in jobs))
-        except EngineUnavailableError as e:
-            return error_response(503, str(e), "service_unavailable")
-        except ConfigError as e:
-            return error_response(400, str(e))
-        choices = []
-        completion_tokens = 0
-        for job, (gen, text) in zip(jobs, results, strict=True):
-            completion_tokens += len(gen.tokens)
-            finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
-            choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
-            lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text.text}
-            else:
-                choice["text"] = text.text
-            choice["logprobs"] = lp if want_logprobs else None
-            choices.append(choice)
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()),
-                "model": engine.model_name,
-                "choices": choices,
-                "usage": _usage(prompt_tokens, completion_tokens),
-            }
-        )
-
-    async def _stream(
-        jobs: list[Job],
-        stops: list[str],
-        chat: bool,
-        rid: str,
-        include_usage: bool,
-        want_logprobs: bool,
-        prompt_tokens: int,
-    ) -> AsyncIterator[bytes]:
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
-        cancelled = threading.Event()
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        head = {"id": rid, "object": obj, "created": int(time.time()), "model": engine.model_name}
-
-        def put(item: tuple[int, str, Any]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def run(job: Job) -> None:
-            text = ChoiceText(stops)
-
-            def on_token(tok: int, version: int | None) -> bool:
-                piece = text.push(tok)
-                put((job.index, "token", (piece, version, engine.tokenizer.decode([tok]))))
-                return not text.stopped and not cancelled.is_set()
+            def one(job: Job) -> tuple[Generation, ChoiceText]:
+                text = ChoiceText(stops)
+                gen = engine.generate(job.prompt, job.params, lambda tok, _v: (text.push(tok), not text.stopped)[1])
+                text.finish()
+                return gen, text
 
             try:
-                gen = engine.generate(job.prompt, job.params, on_token)
-                tail = text.finish()
+                results = await asyncio.gather(*(loop.run_in_executor(pool, one, j) for j in jobs))
+            except EngineUnavailableError as e:
+                return error_response(503, str(e), "service_unavailable")
+            except ConfigError as e:
+                return error_response(400, str(e))
+            choices = []
+            completion_tokens = 0
+            for job, (gen, text) in zip(jobs, results, strict=True):
+                completion_tokens += len(gen.tokens)
                 finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
-                put((job.index, "end", (tail, finish, gen)))
-            except Exception as e:  # reported in the stream: the status line has gone out already
-                put((job.index, "error", str(e)))
-
-        def chunk(
-            index: int,
-            text: str | None,
-            finish: str | None,
-            versions: list[int | None],
-            extra: Any = None,
-            first: bool = False,
-        ) -> bytes:
-            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_versions": versions}
-            if chat:
-                choice["delta"] = {} if text is None else {"content": text}
-                if first:
-                    choice["delta"]["role"] = "assistant"  # the first chunk of a chat choice names the role
-            else:
-                choice["text"] = text or ""
-            choice["logprobs"] = extra
-            return _sse({**head, "choices": [choice]})
-
-        futures = [loop.run_in_executor(pool, run, j) for j in jobs]
-        pending = len(jobs)
-        completion_tokens = 0
-        try:
-            if chat:
-                for j in jobs:
-                    yield chunk(j.index, "", None, [], first=True)
-            while pending:
-                index, kind, payload = await queue.get()
-                if kind == "token":
-                    piece, version, tok_text = payload
-                    completion_tokens += 1
-                    lp = {"tokens": [tok_text]} if want_logprobs else None
-                    yield chunk(index, piece, None, [version], lp)
-                elif kind == "end":
-                    tail, finish, _gen = payload
-                    pending -= 1
-                    yield chunk(index, tail or ("" if not chat else None), finish, [])
+                choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
+                lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": text.text}
                 else:
-                    pending -= 1
-                    yield _sse({"error": {"message": payload, "type": "engine_error", "code": 500}})
-            if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-            yield b"data: [DONE]\n\n"
-        finally:
-            cancelled.set()  # a client that went away stops its sequences at the next token
-            for f in futures:
-                f.cancel()
+                    choice["text"] = text.text
+                choice["logprobs"] = lp if want_logprobs else None
+                choices.append(choice)
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": engine.model_name,
+                    "choices": choices,
+                    "usage": _usage(prompt_tokens, completion_tokens),
+                }
+            )
+
+        async def events() -> AsyncIterator[bytes]:
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+            cancelled = threading.Event()
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            head = {"id": rid, "object": obj, "created": int(time.time()), "model": engine.model_name}
+
+            def put(item: tuple[int, str, Any]) -> None:
+                with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
+                    loop.call_soon_threadsafe(queue.put_nowait, item)
+
+            def run(job: Job) -> None:
+                text = ChoiceText(stops)
+
+                def on_token(tok: int, version: int | None) -> bool:
+                    piece = text.push(tok)
+                    put((job.index, "token", (piece, version, engine.tokenizer.decode([tok]))))
+                    return not text.stopped and not cancelled.is_set()
+
+                try:
+                    gen = engine.generate(job.prompt, job.params, on_token)
+                    tail = text.finish()
+                    finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
+                    put((job.index, "end", (tail, finish, gen)))
+                except Exception as e:  # reported in the stream: the status line has gone out already
+                    put((job.index, "error", str(e)))
+
+            def chunk(
+                index: int,
+                text: str | None,
+                finish: str | None,
+                versions: list[int | None],
+                extra: Any = None,
+                first: bool = False,
+            ) -> bytes:
+                choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_versions": versions}
+                if chat:
+                    choice["delta"] = {} if text is None else {"content": text}
+                    if first:
+                        choice["delta"]["role"] = "assistant"  # the first chunk of a chat choice names the role
+                else:
+                    choice["text"] = text or ""
+                choice["logprobs"] = extra
+                return _sse({**head, "choices": [choice]})
+
+            futures = [loop.run_in_executor(pool, run, j) for j in jobs]
+            pending = len(jobs)
+            completion_tokens = 0
+            try:
+                if chat:
+                    for j in jobs:
+                        yield chunk(j.index, "", None, [], first=True)
+                while pending:
+                    index, kind, payload = await queue.get()
+                    if kind == "token":
+                        piece, version, tok_text = payload
+                        completion_tokens += 1
+                        lp = {"tokens": [tok_text]} if want_logprobs else None
+                        yield chunk(index, piece, None, [version], lp)
+                    elif kind == "end":
+                        tail, finish, _gen = payload
+                        pending -= 1
+                        yield chunk(index, tail or ("" if not chat else None), finish, [])
+                    else:
+                        pending -= 1
+                        yield _sse({"error": {"message": payload, "type": "engine_error", "code": 500}})
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                yield b"data: [DONE]\n\n"
+            finally:
+                cancelled.set()  # a client that went away stops its sequences at the next token
+                for f in futures:
+                    f.cancel()
+
+        if stream:
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return await complete()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

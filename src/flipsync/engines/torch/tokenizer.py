@@ -1,7 +1,5 @@
-"""A byte-level tokenizer with a few special tokens: no vocabulary files, no downloads.
-
-Token ids 0..255 are the UTF-8 bytes; specials follow. Good enough for tests, demos and benchmarks of the
-in-process torch engine, whose weights come from the board rather than from a pretrained checkpoint.
+"""A byte-level tokenizer with a few special tokens (no vocabulary files, no downloads): enough for the torch
+engine, whose weights come from the board rather than from a pretrained checkpoint.
 """
 
 from __future__ import annotations
@@ -23,11 +21,7 @@ class ByteTokenizer:
         self.bos_id = self.special_ids["<|bos|>"]
         self.eos_id = self.special_ids["<|eos|>"]
         self.end_of_turn_id = self.special_ids["<|end|>"]
-        self._roles = {
-            "system": self.special_ids["<|system|>"],
-            "user": self.special_ids["<|user|>"],
-            "assistant": self.special_ids["<|assistant|>"],
-        }
+        self._roles = {role: self.special_ids[f"<|{role}|>"] for role in ("system", "user", "assistant")}
 
     @property
     def stop_ids(self) -> frozenset[int]:

@@ -1,7 +1,5 @@
 """The vLLM engine: the sidecar half (``engine``), the half vLLM loads into every worker (``worker``) and what
-both agree on (``wire``). See docs/engines.md.
-
-``create_engine`` is what ``flipsync sidecar --engine vllm`` builds it with (`flipsync.engines.registry`).
+both agree on (``wire``); ``create_engine`` for ``flipsync sidecar --engine vllm``. See docs/engines.md.
 """
 
 from flipsync.engines.host_copy import default_host_copy, open_host_copy

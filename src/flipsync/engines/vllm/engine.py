@@ -1,14 +1,5 @@
-"""The ``vllm`` engine: keeps a vLLM engine's weights at a board version from a sidecar. See docs/engines.md.
-
-The sidecar side (this module) speaks checkpoint coordinates; the worker side
-(:mod:`flipsync.engines.vllm.worker`, loaded into every vLLM worker with ``--worker-extension-cls``) owns the
-parameters. They talk through vLLM's ``collective_rpc`` with JSON requests, over one of the transports of
-:mod:`flipsync.engines.vllm.rpc_transports`. At attach every worker sends its learned map here; ``stage``
-reads the old bits of the changed elements (O(changed)) and checks the target fingerprints without writing,
-``commit`` is one ``apply`` RPC (any failing worker makes every worker undo), ``recompute_table`` sums the
-workers' additive per-block fingerprints (replicated blocks must agree). With a *host copy*
-(:mod:`flipsync.engines.host_copy`) the sidecar also decodes patches coded against their base (``ctx``),
-checking it against the workers' old bits at every changed element.
+"""The ``vllm`` engine's sidecar half: checkpoint coordinates, spoken to the workers' half
+(:mod:`flipsync.engines.vllm.worker`) with JSON requests over ``collective_rpc``. See docs/engines.md ("One update").
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from flipsync.codec import ClassIndex, Patch
 from flipsync.codec.bits import dtype_named, from_key, int_view, to_key
 from flipsync.codec.fingerprint import FingerprintTable, TensorId, fingerprint_delta
 from flipsync.engines.base import Engine, Staged, Undo
-from flipsync.engines.host_copy import HostCopy
+from flipsync.engines.host_copy import flush, write_safetensors
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.rpc_transports import RpcTransport
 from flipsync.engines.vllm.tensor_specs import TensorSpec, specs_of
@@ -41,7 +32,6 @@ from flipsync.engines.vllm.wire import (
     PROTOCOL,
     RELOAD,
     b64,
-    uint_dtype,
     unb64,
 )
 from flipsync.errors import (
@@ -70,7 +60,6 @@ class VllmStaged(Staged):
     per_rank: dict[str, list[list[str]]]
     targets: dict[str, TensorId]
     n_changed: int
-    stage_s: float = 0.0
     # with a host copy: each changed tensor's positions, old bits and new bits, for the host copy's own commit
     host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -79,7 +68,6 @@ class VllmStaged(Staged):
 class VllmUndo(Undo):
     token: str
     table_before: dict[str, TensorId] = field(default_factory=dict)
-    commit_s: float = 0.0
     host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
@@ -96,20 +84,14 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         table: FingerprintTable | None = None,
         source: str | os.PathLike[str] | None = None,
         rpc_timeout_s: float = 120.0,
-        attach_timeout_s: float = 900.0,
-        max_undo: int = DEFAULT_MAX_UNDO,
-        workdir: str | os.PathLike[str] | None = None,
         host_copy: MutableMapping[str, torch.Tensor] | None = None,
         audit: str = AUDIT_EVERY,
         repair: bool = True,
     ) -> None:
-        """Attach to the workers: they learn their maps (and capture host copies of repacked parameters from
-        ``source``, by default the checkpoint the engine was started from).
+        """Attach to the workers: they learn their maps (and capture repacked parameters from ``source``).
 
-        ``table``: the fingerprints of the view held (default: recomputed from the workers, O(size)).
-        ``host_copy``: CPU tensors of the specs, used only while they hold what the workers serve. ``audit``
-        (``every``, ``sample``, ``off``) and ``repair``: the kernel-state audit (:mod:`flipsync.engines.vllm.kernels`);
-        reload-mode layers that differ from ``source`` at attach refuse patches until a full load.
+        ``table``: None recomputes it from the workers (O(size)). ``audit`` (``every``, ``sample``, ``off``) and
+        ``repair``: the kernel-state audit, docs/engines.md#the-kernel-state-audit.
         """
         if not specs:
             raise ConfigError("no tensor specs: pass specs_of(view) or specs_from_checkpoint(model_dir)")
@@ -126,18 +108,17 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
-        self._workdir = Path(workdir) if workdir is not None else None
         t0 = time.perf_counter()
         answers = self._call(
             {
                 "op": "attach",
                 "specs": {n: [list(s.shape), s.dtype] for n, s in self._specs.items()},
                 "source": str(source) if source is not None else None,
-                "max_undo": max_undo,
+                "max_undo": DEFAULT_MAX_UNDO,
                 "audit": audit,
                 "repair": repair,
             },
-            attach_timeout_s,
+            900.0,
         )
         self.attach_s = time.perf_counter() - t0
         ranks = [str(a["rank"]) for a in answers]
@@ -249,11 +230,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
 
     @property
     def adoptable(self) -> bool:
-        """Whether ``recompute_table`` reads what the kernels compute from, right after attaching.
-
-        Not with reload-mode (repacked) parameters: their host copies are captured from ``source`` at attach,
-        so after a sidecar restart they describe that checkpoint, not necessarily the weights served.
-        """
+        """Whether ``recompute_table`` reads what the kernels compute from: not with reload-mode (repacked)
+        parameters, whose host copies describe ``source`` (docs/sidecar.md#adopt-on-boot)."""
         return (
             self._diverged is None
             and (self._host_copy is None or self._host_copy_current)
@@ -274,15 +252,9 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             raise ConfigError(
                 "the view does not have the tensors (names, shapes, dtypes) this engine was attached with"
             )
-        from safetensors.torch import save_file
-
-        fd, path = tempfile.mkstemp(prefix="flipsync-view-", suffix=".safetensors", dir=self._workdir)
-        os.close(fd)
-        try:
-            save_file({n: t.detach().contiguous().cpu() for n, t in view.items()}, path)
-            self._call({"op": "load", "source": path}, max(self._timeout, 600.0))
-        finally:
-            Path(path).unlink(missing_ok=True)
+        with tempfile.TemporaryDirectory(prefix="flipsync-view-") as tmp:
+            write_safetensors(view, Path(tmp) / "model.safetensors")  # one tensor in memory at a time
+            self._call({"op": "load", "source": tmp}, max(self._timeout, 600.0))
         self._host_copy_current = False
         self._table = FingerprintTable.of(view)
         held = self.recompute_table()
@@ -293,12 +265,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if self._host_copy is not None:
             for name, t in view.items():
                 self._host_copy[name].copy_(t.detach().cpu())
-            self._flush_host_copy()
+            flush(self._host_copy)
             self._host_copy_current = True
             self._index = ClassIndex()
 
     def stage(self, patch: Patch) -> VllmStaged:
-        t0 = time.perf_counter()
         if self._diverged is not None:
             raise BaseMismatchError(f"the workers hold no consistent view ({self._diverged}); load a full view first")
         for s in patch.sections:
@@ -369,7 +340,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             for a in answers:
                 rank = str(a["rank"])
                 for (name, hit), bits in zip(read_slots.get(rank, []), a["result"], strict=True):
-                    old[name][hit] = unb64(bits, uint_dtype(changes[name].dtype.bits))
+                    old[name][hit] = unb64(bits, changes[name].dtype.uint_numpy)
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
         targets: dict[str, TensorId] = {}
@@ -402,7 +373,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             per_rank=per_rank,
             targets=targets,
             n_changed=sum(ch.n for ch in changes.values()),
-            stage_s=time.perf_counter() - t0,
             host_copy_writes=host_copy_writes,
         )
 
@@ -410,7 +380,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if self._table.view_fp() != staged.base_view:
             raise BaseMismatchError("the engine's view changed since this patch was staged; stage it again")
         token = secrets.token_hex(8)
-        t0 = time.perf_counter()
         try:
             answers = self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
         except BaseException as e:
@@ -430,9 +399,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             "reloaded": {str(a["rank"]): a["result"].get("reloaded", []) for a in answers},
             "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
         }
-        undo = VllmUndo(
-            token, {n: self._table[n] for n in staged.targets}, time.perf_counter() - t0, staged.host_copy_writes
-        )
+        undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, staged.host_copy_writes)
         self._table.update(staged.targets)
         self._write_host_copy(staged.host_copy_writes, new=True, fps=(undo.table_before, staged.targets))
         return undo
@@ -506,7 +473,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     self._index.drop(name)
                 else:
                     self._index.moved(name, pos, was, now, before.fp, after.fp)
-            self._flush_host_copy()
+            flush(self._host_copy)
         except Exception as e:  # the workers hold the version; only the host copy is behind
             self._host_copy_current = False
             log.warning("vllm engine: could not update the host copy (%s); it is no longer used until a full load", e)
@@ -515,10 +482,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         """The host copy's tensor ``name`` as flat unsigned bit patterns (a view: writes reach the host copy)."""
         assert self._host_copy is not None
         return int_view(self._host_copy[name]).reshape(-1).numpy().view(bits)
-
-    def _flush_host_copy(self) -> None:
-        if isinstance(self._host_copy, HostCopy):
-            self._host_copy.flush()
 
     # ---------------------------------------------------------------------------------------- extras
     def _per_rank(self, op: str, modules: Sequence[str] | None) -> dict[str, Any]:

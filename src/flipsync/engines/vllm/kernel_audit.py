@@ -1,7 +1,5 @@
-"""The worker's kernel-state audit (a part of :class:`~flipsync.engines.vllm.worker.WorkerCore`): per kind of
-layer, whether the engine's reload is faithful; repairs of kinds that fall short; refusals of updates that still
-differ. The twins and probes themselves are :mod:`flipsync.engines.vllm.kernels`.
-"""
+"""The worker's kernel-state audit (part of `WorkerCore`): per kind of layer, whether the engine's reload is
+faithful, repairs, refusals. The twins and probes are :mod:`flipsync.engines.vllm.kernels`."""
 
 from __future__ import annotations
 
@@ -9,12 +7,12 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flipsync.engines.vllm.kernels import ADOPTED, SAMPLE_ROWS, KernelHooks, compare, digest, module_tensors
+from flipsync.engines.vllm.map_learning import MapLearner
 from flipsync.engines.vllm.wire import AUDIT_EVERY, AUDIT_OFF, AuditError
 
 if TYPE_CHECKING:
@@ -26,10 +24,9 @@ log = logging.getLogger("flipsync.engines.vllm.worker")
 _KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
 
 
-class KernelAuditor:
+class KernelAuditor(MapLearner):
     """The audit half of a worker core: twins of reloaded layers, compared with (or adopted by) the live ones."""
 
-    model: torch.nn.Module
     rank: int
     hooks: KernelHooks
     params: dict[str, ParamInfo]
@@ -42,13 +39,7 @@ class KernelAuditor:
     audited: list[str]
     _rng: random.Random
 
-    if TYPE_CHECKING:  # the rest of the worker core (MapLearner, WorkerCore)
-
-        def _swapped(self, scratch_names: set[str]) -> AbstractContextManager[dict[str, torch.Tensor]]: ...
-
-        def _buffers_guard(self) -> AbstractContextManager[None]: ...
-
-        def _load(self, name: str, tensor: torch.Tensor) -> set[str] | None: ...
+    if TYPE_CHECKING:  # the rest of the worker core (WorkerCore)
 
         def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]: ...
 

@@ -1,7 +1,5 @@
 """The kernel-state audit's hooks: build a freshly loaded *twin* of a touched layer and compare it with the live
-one (parameters bitwise, opaque kernels by their outputs on probe inputs), because engines have update bugs
-no checksum of the shipped bytes can see. See docs/engines.md ("The kernel-state audit").
-"""
+one. See docs/engines.md#the-kernel-state-audit."""
 
 from __future__ import annotations
 
@@ -56,36 +54,22 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    return int_view(t.contiguous())
-
-
-def same_tensor(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None when ``a`` and ``b`` hold the same bits in the same layout; else what differs."""
-    if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-        return f"is {tuple(a.shape)} {a.dtype} here, {tuple(b.shape)} {b.dtype} in a fresh load"
-    if a.numel() > 1 and a.stride() != b.stride():
-        return f"has strides {a.stride()} here, {b.stride()} in a fresh load"
-    x, y = _bits(a), _bits(b)
-    if torch.equal(x, y):
-        return None
-    n = int((x != y).sum())
-    return f"differs from a fresh load at {n} of {a.numel()} elements"
+    return int_view(t.detach().cpu().contiguous())
 
 
 def compare(live: Mapping[str, torch.Tensor], twin: Mapping[str, torch.Tensor], prefix: str = "") -> list[str]:
-    """What differs between two sets of named tensors (empty: bitwise equal)."""
+    """What differs between two sets of named tensors (empty: the same bits in the same layouts)."""
     bad = []
     for name in sorted(set(live) | set(twin)):
         a, b = live.get(name), twin.get(name)
         if a is None or b is None:
             bad.append(f"{prefix}{name} is {'missing here' if a is None else 'absent from a fresh load'}")
-            continue
-        why = same_tensor(a, b)
-        if why is not None:
-            bad.append(f"{prefix}{name} {why}")
+        elif tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            bad.append(f"{prefix}{name} is {tuple(a.shape)} {a.dtype} here, {tuple(b.shape)} {b.dtype} in a fresh load")
+        elif a.numel() > 1 and a.stride() != b.stride():
+            bad.append(f"{prefix}{name} has strides {a.stride()} here, {b.stride()} in a fresh load")
+        elif not torch.equal(x := _bits(a), y := _bits(b)):
+            bad.append(f"{prefix}{name} differs from a fresh load at {int((x != y).sum())} of {a.numel()} elements")
     return bad
 
 

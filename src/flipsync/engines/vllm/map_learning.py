@@ -13,8 +13,16 @@ import numpy as np
 import torch
 
 from flipsync.codec.bits import bits_numpy, dtype_named, dtype_of
-from flipsync.engines.vllm.blockmap import compress_map, digit_probe, exact_int_base, iter_chunks, probe_passes
-from flipsync.engines.vllm.element_bits import read_as, widens, write_bits
+from flipsync.engines.vllm.blockmap import (
+    compress_map,
+    digit_probe,
+    exact_int_base,
+    iter_chunks,
+    probe_passes,
+    read_as,
+    widens,
+    write_bits,
+)
 from flipsync.engines.vllm.scratch import ScratchFactory, tripwire
 from flipsync.engines.vllm.wire import WorkerOpError
 

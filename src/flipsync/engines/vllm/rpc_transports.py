@@ -1,6 +1,5 @@
-"""How the sidecar reaches the flipsync extension in vLLM's workers: one JSON request to every worker, by
-``collective_rpc``, over an offline ``vllm.LLM`` in this process, a ``vllm serve`` over HTTP, or worker cores in
-this process (tests). :class:`~flipsync.engines.vllm.engine.VllmEngine` speaks to whichever it is given.
+"""How the sidecar sends one JSON request to every vLLM worker (``collective_rpc``): over an offline ``vllm.LLM``
+in this process, a ``vllm serve`` over HTTP, or worker cores in this process (tests).
 """
 
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import MethodType
-from typing import Any
 
 import torch
 
@@ -17,19 +16,14 @@ Policy = Callable[[str, torch.nn.Module, str, torch.Tensor], tuple[bool, str]]
 ScratchFactory = Callable[[torch.nn.Module, str, "torch.Tensor | None"], "torch.Tensor | None"]
 
 
-def _unwrap_loader(fn: Any) -> Any:
-    """Strip vLLM's layerwise-reload wrappers, which stay on recorded metadata after a reload."""
-    while getattr(fn, "__name__", "") == "online_process_loader" and hasattr(fn, "__wrapped__"):
-        fn = fn.__wrapped__
-    return fn
-
-
 def copy_attrs(dst: torch.Tensor, template: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
     """Give ``dst`` the class and attributes (weight_loader, output_dim, ...) of ``template``, bound to module."""
     attrs = dict(template.__dict__)
     for key, value in attrs.items():
-        if key in ("weight_loader", "_weight_loader"):
-            value = attrs[key] = _unwrap_loader(value)
+        if key in ("weight_loader", "_weight_loader"):  # vLLM's layerwise-reload wrappers stay on after a reload
+            while getattr(value, "__name__", "") == "online_process_loader" and hasattr(value, "__wrapped__"):
+                value = value.__wrapped__
+            attrs[key] = value
         if isinstance(value, MethodType) and not isinstance(value.__self__, torch.nn.Module | type):
             attrs[key] = value.__func__.__get__(module)
     dst.__class__ = template.__class__
@@ -84,6 +78,6 @@ def vllm_scratch(module: torch.nn.Module, pname: str, live: torch.Tensor | None)
     except ImportError:  # older vLLM: the live parameter is the template
         template = None
     if template is None:
-        return default_scratch(module, pname, live) if live is not None else None
+        return default_scratch(module, pname, live)
     t = torch.zeros(tuple(template.shape), dtype=template.dtype, device=device)
     return copy_attrs(t, template, module)

@@ -1,6 +1,5 @@
 """What the sidecar half and the worker half of the vLLM engine agree on: the RPC method and protocol version,
 the parameter modes, the audit's settings, and arrays inside the JSON requests (base64 of little-endian bytes).
-No vLLM and no torch here: both halves import it.
 """
 
 from __future__ import annotations
@@ -43,7 +42,3 @@ def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
     if len(raw) % dt.itemsize:
         raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
     return np.frombuffer(raw, dtype=dt).copy()
-
-
-def uint_dtype(bits: int) -> np.dtype:
-    return np.dtype(f"<u{bits // 8}")

@@ -1,18 +1,5 @@
-"""The part of the ``vllm`` engine that runs inside vLLM's workers. See docs/engines.md ("vLLM").
-
-vLLM loads :class:`FlipsyncWorkerExtension` into every worker (``--worker-extension-cls``, or
-``LLM(worker_extension_cls=...)``); the sidecar reaches it through ``collective_rpc("flipsync_call",
-args=(json,))``. Requests and answers are JSON strings (the HTTP route passes string arguments only); arrays
-travel as base64 of their little-endian bytes. All engine-independent logic lives in :class:`WorkerCore`,
-which needs only a module with vLLM's ``load_weights`` contract (unit tests drive it with a small fake model).
-
-The checkpoint-to-parameter map is learned by pushing probe tensors through the model's own loaders
-(``map_learning``), never written by hand. Writes go ``inplace`` (the kernel computes from the parameter as
-loaded: O(changed)) or through ``reload`` (the kernel computes from a repacked copy: the worker scatters into
-its model-format host copy and hands the touched layers' checkpoint tensors to vLLM's layerwise reload).
-After every reload the touched layers are audited against a fresh load (``kernel_audit``); every apply keeps
-the old bits as an undo record (at most ``max_undo`` per worker).
-"""
+"""The ``vllm`` engine's half inside vLLM's workers: :class:`FlipsyncWorkerExtension` answers ``collective_rpc``;
+:class:`WorkerCore` needs only a module with vLLM's ``load_weights`` contract. See docs/engines.md#vllm."""
 
 from __future__ import annotations
 
@@ -33,11 +20,18 @@ import torch
 
 from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.codec.fingerprint import fingerprint_of, fp_hex
-from flipsync.engines.vllm.blockmap import exact_int_base, group_key, iter_chunks
-from flipsync.engines.vllm.element_bits import read_as, read_bits, write_as, write_bits
+from flipsync.engines.vllm.blockmap import (
+    exact_int_base,
+    group_key,
+    iter_chunks,
+    read_as,
+    read_bits,
+    write_as,
+    write_bits,
+)
 from flipsync.engines.vllm.kernel_audit import KernelAuditor
 from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, vllm_hooks
-from flipsync.engines.vllm.map_learning import LiveParams, MapLearner
+from flipsync.engines.vllm.map_learning import LiveParams
 from flipsync.engines.vllm.scratch import (
     Policy,
     ScratchFactory,
@@ -56,7 +50,6 @@ from flipsync.engines.vllm.wire import (
     StateUnknownError,
     WorkerOpError,
     b64,
-    uint_dtype,
     unb64,
 )
 
@@ -82,7 +75,7 @@ class UndoEntry:
     modules: set[str] = field(default_factory=set)
 
 
-class WorkerCore(MapLearner, KernelAuditor):
+class WorkerCore(KernelAuditor):
     """Learns the checkpoint-to-parameter map of one worker and applies, undoes and fingerprints writes."""
 
     def __init__(
@@ -213,9 +206,13 @@ class WorkerCore(MapLearner, KernelAuditor):
             sum(p.mode == RELOAD for p in self.params.values()),
             time.perf_counter() - t0,
         )
-        out = self.describe(unheld)
-        out["audit"] = self._attach_audit()
-        return out
+        return {
+            "rank": self.rank,
+            "maps": {n: [[p, blocks.tolist()] for p, blocks in places] for n, places in self.maps.items()},
+            "params": {p.name: {k: v for k, v in asdict(p).items() if k != "name"} for p in self.params.values()},
+            "unheld": unheld,
+            "audit": self._attach_audit(),
+        }
 
     def _reloading(self) -> list[str]:
         """The modules with reload-mode parameters."""
@@ -223,14 +220,6 @@ class WorkerCore(MapLearner, KernelAuditor):
 
     def _reload_names(self) -> list[str]:
         return sorted({n for m in self._reloading() for n in self.feeds[m]})
-
-    def describe(self, unheld: Mapping[str, str] | None = None) -> dict:
-        return {
-            "rank": self.rank,
-            "maps": {n: [[p, blocks.tolist()] for p, blocks in places] for n, places in self.maps.items()},
-            "params": {p.name: {k: v for k, v in asdict(p).items() if k != "name"} for p in self.params.values()},
-            "unheld": dict(unheld or {}),
-        }
 
     def _capture(self, source: Mapping[str, torch.Tensor]) -> None:
         """Host copies of reload-mode parameters, filled by loading their checkpoint tensors from ``source``
@@ -321,7 +310,7 @@ class WorkerCore(MapLearner, KernelAuditor):
         live = self._live_params()
         for pname, pos_b64, bits_b64 in writes:
             t, pos, ck = self._located(pname, pos_b64, live)
-            bits = unb64(bits_b64, uint_dtype(ck.bits))
+            bits = unb64(bits_b64, ck.uint_numpy)
             if bits.size != pos.size:
                 raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
             decoded.append((pname, t, ck, pos, bits))
@@ -407,18 +396,15 @@ class WorkerCore(MapLearner, KernelAuditor):
         try:
             if request.get("protocol") != PROTOCOL:
                 raise WorkerOpError(f"protocol {request.get('protocol')!r} != worker protocol {PROTOCOL}")
+            mine = request.get("per_rank", {}).get(str(self.rank), [])
             if op == "attach":
                 self.max_undo = int(request.get("max_undo", DEFAULT_MAX_UNDO))
-                src_path = request.get("source")
-                src = _open_checkpoint(src_path) if src_path else None
-                specs = {n: (tuple(s), d) for n, (s, d) in request["specs"].items()}
+                src = _open_checkpoint(request["source"]) if request.get("source") else None
                 audit = str(request.get("audit", AUDIT_EVERY))
-                result = self.attach(specs, src, audit=audit, repair=bool(request.get("repair", True)))
-                return {"ok": True, "rank": self.rank, "result": result}
-            if not self.attached:
+                result = self.attach(request["specs"], src, audit=audit, repair=bool(request.get("repair", True)))
+            elif not self.attached:
                 raise WorkerOpError("the worker is not attached; call attach first")
-            mine = request.get("per_rank", {}).get(str(self.rank), [])
-            if op == "gather":
+            elif op == "gather":
                 result = self.gather(mine)
             elif op == "apply":
                 result = self.apply(str(request["token"]), mine)
@@ -429,8 +415,6 @@ class WorkerCore(MapLearner, KernelAuditor):
             elif op == "load":
                 self.load(_open_checkpoint(str(request["source"])))
                 result = True
-            elif op == "describe":
-                result = self.describe()
             elif op == "kernels":
                 result = self.kernel_state(request.get("modules"))
             elif op == "audit":
