@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 def error_response(
-    status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any
+    status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers

@@ -1,14 +1,12 @@
-"""The HTTP pieces of forwarding a request to a replica: headers, the client's request, the retry signal, errors."""
+"""The HTTP pieces of forwarding a request to a replica: headers, the client's request, the retry signal."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpcore
-from fastapi.responses import JSONResponse
 from starlette.types import Receive
 
 from flipsync.domain.fleet import Want
@@ -100,11 +98,3 @@ async def read_all(resp: httpcore.Response) -> bytes:
 def is_engine_unreachable(body: bytes) -> bool:
     """A sidecar's 502 that says its engine is unreachable (another replica may be up)."""
     return b"upstream_unavailable" in body[:4096]
-
-
-def error_response(
-    status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any
-) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
-    )

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from flipsync.engines.torch.engine import Generation, SamplingParams, TorchEngine
 from flipsync.engines.torch.tokenizer import StreamDecoder
 from flipsync.errors import ConfigError, EngineUnavailableError
+from flipsync.serving import error_response
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +41,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _sse(doc: Any) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
-
-
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
 @dataclass
