@@ -123,6 +123,8 @@ class Publisher:
         )
         self.worker = PublishThread(self.rounds, self.slot, self.group, cfg)
         layout, table = self.rounds.survey(view)
+        if cfg.background:
+            self.rounds.close_pools()  # their last use here; the worker makes its own, at its lower priority
         # Every manifest names the view's layout, so that a resume can tell another model from other weights.
         layout_fp = layout_fingerprint(table)
         self.rounds.meta["layout"] = layout_fp
@@ -142,15 +144,12 @@ class Publisher:
         self.started: str = kind  # "new", "adopt" (HEAD held this view), "takeover" (snapshot on HEAD)
         if kind in ("refuse", "refuse_model"):
             self.feed.release_view(view)
-            if cfg.background:
-                self.rounds.close_pools()  # the worker that would have closed its own never starts
             self._shutdown_resources()
             raise ConflictError(message) if kind == "refuse" else ConfigError(message)
         if kind == "adopt":
             self.rounds.adopt(view, first_step, layout, table, head)
             log.info("resumed run %s at v%d: HEAD holds this model's view", self.run, head)
         if cfg.background:
-            self.rounds.close_pools()  # the worker makes its own, at its lower priority
             self.worker.start()
         if kind != "adopt":
             self._submit(Item(first_step, view, snapshot=True, meta=dict(cfg.meta), token=token))
