@@ -65,6 +65,10 @@ class IntegrityError(BoardError):
     """A part, manifest or keyframe does not match its recorded hash or signature."""
 
 
+class SignatureError(IntegrityError):
+    """A signed document whose signature does not verify: it was modified after signing."""
+
+
 class UnusableArtifactError(IntegrityError):
     """A board artifact passed its hash checks but cannot be used (a corrupt patch, one that does not match its
     manifest, a keyframe of another view); a reader routes around it or waits for a way past it."""

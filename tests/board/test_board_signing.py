@@ -14,7 +14,7 @@ from flipsync.board.follow import Follower
 from flipsync.board.layout import RunLayout
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier, generate_keypair, write_keypair
-from flipsync.errors import ConfigError, IntegrityError
+from flipsync.errors import ConfigError, IntegrityError, SignatureError
 from flipsync.stores import ObstoreStore
 
 L = RunLayout("run")
@@ -90,7 +90,7 @@ def test_tampered_manifest_is_refused(store: ObstoreStore, keys: tuple[Signer, V
     store.delete([path])
     store.put(path, json.dumps(d).encode(), create_only=True)
     f = Follower(BoardReader(store, "run", verifier=verifier), version=2, view_fp=fp(2))
-    with pytest.raises(IntegrityError, match="bad signature"):
+    with pytest.raises(SignatureError, match="bad signature"):
         f.sync(Recorder())
     assert f.version == 2
 

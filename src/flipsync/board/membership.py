@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from flipsync.board.layout import RUNS, RunLayout
 from flipsync.board.signing import Signer, Verifier
 from flipsync.domain.fleet import MAX_RECORD_BYTES, MemberRecord, liveness
-from flipsync.errors import FlipsyncError, IntegrityError, NotFoundError
+from flipsync.errors import FlipsyncError, IntegrityError, NotFoundError, SignatureError
 from flipsync.stores import ObjectInfo, Store
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,10 @@ class MemberReader:
                 return None, None  # deleted between the listing and the read: a replica that left
             except _Refused as e:
                 error = Rejected(obj.path, e.reason, str(e))
+            except SignatureError as e:
+                error = Rejected(obj.path, "bad_signature", str(e))
             except IntegrityError as e:
-                error = Rejected(obj.path, "bad_signature" if "bad signature" in str(e) else "malformed", str(e))
+                error = Rejected(obj.path, "malformed", str(e))
             except FlipsyncError as e:
                 # Not cached: the next scan tries again.
                 return None, Rejected(obj.path, "unreadable", str(e))

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from flipsync.domain.manifest import Manifest, Signature
-from flipsync.errors import ConfigError, IntegrityError
+from flipsync.errors import ConfigError, IntegrityError, SignatureError
 
 ALG = "ed25519"
 K = TypeVar("K", Ed25519PrivateKey, Ed25519PublicKey)
@@ -84,7 +84,7 @@ class Verifier:
         try:
             key.verify(base64.b64decode(sig.value, validate=True), payload)
         except (InvalidSignature, ValueError):
-            raise IntegrityError(f"{where} has a bad signature: it was modified after signing") from None
+            raise SignatureError(f"{where} has a bad signature: it was modified after signing") from None
 
 
 def generate_keypair() -> tuple[bytes, bytes]:
