@@ -143,10 +143,16 @@ def test_holds_for_a_version_then_409_with_retry_after(
     # A version published while the request is held is served as soon as a replica has it.
     gw2 = make_gateway(hold_s=20.0)
     assert wait_until(lambda: gw2.fleet()["ready"] == 1)
-    timer = threading.Timer(0.5, trainer.step)
-    timer.start()
+
+    # Publish only once the request is held (a fixed delay lost the race on a loaded machine).
+    def publish_once_held() -> None:
+        if wait_until(lambda: gw2.gateway.view.holders > 0):
+            trainer.step()
+
+    publisher = threading.Thread(target=publish_once_held)
+    publisher.start()
     r = gw2.complete(weight_version={"min_version": 1})
-    timer.join()
+    publisher.join()
     assert r.status_code == 200 and r.json()["weight_version"]["start"] == 1
     held = gw2.gateway.metrics.registry.get_sample_value("flipsync_gateway_held_seconds_count")
     assert held == 1
