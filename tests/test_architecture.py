@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "serving": BASE,
     "stores": BASE,
     "codec": BASE | {"domain"},
-    "board": BASE | {"domain", "codec", "stores"},
+    "board": BASE | {"domain", "checkpoint", "codec", "stores"},
     "trainer": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board"},
     "engines": BASE | {"domain", "formats", "checkpoint", "codec", "serving"},
     "relay": BASE | {"stores", "board", "serving"},

@@ -17,6 +17,26 @@ INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 << 30
 
 
+def shard_name(i: int, n: int) -> str:
+    return f"model-{i:05d}-of-{n:05d}.safetensors"
+
+
+def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Group tensor names into shards in mapping order, filling each up to ``max_shard_bytes``."""
+    if max_shard_bytes <= 0:
+        raise ConfigError("max_shard_bytes must be positive")
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards if shards[-1] else []
+
+
 class Checkpoint(Mapping[str, torch.Tensor]):
     """A lazy, read-only mapping of tensor name to tensor over one or more safetensors files: tensors are read
     when asked for, so diffing two large checkpoints holds about one tensor at a time."""
@@ -87,23 +107,15 @@ def save_checkpoint(
         _atomic_save(tensors, out, meta)
         return
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    if len(shards) == 1:
-        _atomic_save(shards[0], out / "model.safetensors", meta)
+    shards = plan_shards({n: tensors[n] for n in sorted(tensors)}, max_shard_bytes)
+    if len(shards) <= 1:
+        _atomic_save(tensors, out / "model.safetensors", meta)
         return
     weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        _atomic_save(shard, out / fname, meta)
-        weight_map.update(dict.fromkeys(shard, fname))
+    for i, names in enumerate(shards, 1):
+        fname = shard_name(i, len(shards))
+        _atomic_save({n: tensors[n] for n in names}, out / fname, meta)
+        weight_map.update(dict.fromkeys(names, fname))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total, **meta}, "weight_map": weight_map}
     tmp = out / (INDEX_NAME + ".tmp")

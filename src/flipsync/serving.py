@@ -4,6 +4,7 @@ or on the main thread until a signal (the ``sidecar`` and ``relay`` commands); p
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -28,6 +29,11 @@ def error_response(
     return JSONResponse(
         {"error": {"message": message, "type": kind, "code": status}, **extra}, status_code=status, headers=headers
     )
+
+
+def sse_event(doc: Any) -> bytes:
+    """One server-sent event carrying ``doc`` as JSON, as OpenAI-style streams frame them."""
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 def parse_listen(text: str) -> tuple[str, int]:

@@ -65,7 +65,7 @@ def test_publish_then_catch_up_from_anywhere(store: ObstoreStore) -> None:
     rec = Recorder()
     assert Follower(reader, version=5, view_fp=fp(5)).sync(rec) == 6
     step = rec.steps[0]
-    assert isinstance(step, PatchStep) and step.base_version == 5
+    assert isinstance(step, PatchStep) and step.manifest.base_version == 5
     assert step.parts == [patch_bytes(6), patch_bytes(-6, 500)]
 
     # Already current: nothing to do.

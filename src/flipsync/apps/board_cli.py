@@ -20,7 +20,8 @@ from flipsync.board.retention import RetentionPolicy, collect_garbage
 from flipsync.board.signing import Verifier, write_keypair
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import ConfigError, FlipsyncError, IntegrityError, NotFoundError
-from flipsync.stores import ObstoreStore, open_store, parse_store_options
+from flipsync.serving import parse_pairs
+from flipsync.stores import ObstoreStore, StoreOptions, open_store
 
 board_app = typer.Typer(
     name="board",
@@ -57,7 +58,7 @@ def _open(url: str, options: list[str] | None) -> ObstoreStore:
             raise NotFoundError(
                 f"board {url} does not exist: check the path (a publisher creates it with its first version)"
             )
-    return open_store(url, parse_store_options(options))
+    return open_store(url, StoreOptions(config=parse_pairs(options, "store option")))
 
 
 def _open_run(url: str, options: list[str] | None, run: str | None) -> tuple[ObstoreStore, str]:

@@ -19,7 +19,8 @@ from flipsync.board.cadence import KeyframePolicy
 from flipsync.board.signing import Signer
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import FORMAT_NAMES
-from flipsync.stores import open_store, parse_store_options
+from flipsync.serving import parse_pairs
+from flipsync.stores import StoreOptions, open_store
 from flipsync.trainer import watch as watching
 from flipsync.trainer.config import PublisherConfig
 
@@ -92,7 +93,7 @@ def watch(
             status.update(f"watching {info['dir']} ({info['published']} published; Ctrl-C to stop)")
 
     try:
-        store = open_store(board_url, parse_store_options(store_option))
+        store = open_store(board_url, StoreOptions(config=parse_pairs(store_option, "store option")))
         with status:
             pub = watching.watch(
                 ckpt_dir,
@@ -133,7 +134,7 @@ def publish(
     console = Console(stderr=True)
     try:
         found = [watching.complete_checkpoint(p) for p in checkpoints]
-        store = open_store(board_url, parse_store_options(store_option))
+        store = open_store(board_url, StoreOptions(config=parse_pairs(store_option, "store option")))
         options = _options(key, keyframe_every, resume, new_weights)
         pub = watching.CheckpointPublisher(store, run=run, format=fmt, resume=resume, **options)
         with Progress(

@@ -10,34 +10,11 @@ import torch
 from safetensors import SafetensorError, deserialize
 from safetensors.torch import save as st_save
 
+from flipsync.checkpoint import INDEX_NAME, plan_shards, shard_name
 from flipsync.codec.bits import dtype_named
 from flipsync.errors import ConfigError, IntegrityError, PatchError
 
-INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 2 << 30
-
-
-def shard_name(i: int, n: int) -> str:
-    return f"model-{i:05d}-of-{n:05d}.safetensors"
-
-
-def plan_shards(tensors: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
-    """Group tensor names into shards in mapping order, filling each up to ``max_shard_bytes``."""
-    if max_shard_bytes <= 0:
-        raise ConfigError("max_shard_bytes must be positive")
-    shards: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if current and size + n > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(name)
-        size += n
-    if current:
-        shards.append(current)
-    return shards
 
 
 def iter_keyframe_files(

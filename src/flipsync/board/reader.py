@@ -45,16 +45,6 @@ class PatchStep(_Verified):
 
     parts: list[bytes]
 
-    @property
-    def base_version(self) -> int:
-        assert self.manifest.base_version is not None
-        return self.manifest.base_version
-
-    @property
-    def base_view_fp(self) -> str:
-        assert self.manifest.base_view_fp is not None
-        return self.manifest.base_view_fp
-
 
 @dataclass(frozen=True)
 class KeyframeStep(_Verified):

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from flipsync.serving import error_response
+from flipsync.serving import error_response, sse_event
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,6 @@ _TOO_DEEP_RESPONSE = (
 )
 
 
-def _sse_error(message: str, kind: str) -> bytes:
-    """An error event in a stream whose status line has gone out (as engines report one)."""
-    return b"data: " + json.dumps({"error": {"message": message, "type": kind}}).encode() + b"\n\n"
-
-
 def _forward_headers(headers: Any) -> dict[str, str]:
     out = {k: v for k, v in headers.items() if k.lower() not in _HOP and not k.lower().startswith("x-flipsync-")}
     out["accept-encoding"] = "identity"  # relay bytes as they are; SSE is rewritten event by event
@@ -151,7 +146,8 @@ def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
     except ValueError:
         return line
     except RecursionError:  # the status line has gone out: say so in the stream, as for a broken-off engine
-        return _sse_error("the engine sent an event whose JSON nests too deeply to parse; check the engine", _BAD_JSON)
+        msg = "the engine sent an event whose JSON nests too deeply to parse; check the engine"
+        return sse_event({"error": {"message": msg, "type": _BAD_JSON}})
 
 
 class _ClosingStream(StreamingResponse):
@@ -395,7 +391,8 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
             if buf:
                 yield _stamp_event(buf, {"start": start, "end": replica.version_upper_bound()})
         except httpx.HTTPError as e:  # the status line has gone out: report in the stream, as engines do
-            yield _sse_error(f"the engine broke off the stream: {e}", "upstream_unavailable")
+            msg = f"the engine broke off the stream: {e}"
+            yield sse_event({"error": {"message": msg, "type": "upstream_unavailable"}})
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def proxy(request: Request, path: str) -> Response:

@@ -8,7 +8,7 @@ import os
 
 from flipsync.stores.base import ObjectInfo, Store, StoreOptions, StoreWrapper, WaitingStore
 from flipsync.stores.http import HttpStore, is_relay_url
-from flipsync.stores.object_store import ObstoreStore, open_object_store, parse_store_options
+from flipsync.stores.object_store import ObstoreStore, open_object_store
 
 __all__ = [
     "HttpStore",
@@ -20,7 +20,6 @@ __all__ = [
     "WaitingStore",
     "is_relay_url",
     "open_store",
-    "parse_store_options",
 ]
 
 

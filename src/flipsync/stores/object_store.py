@@ -350,17 +350,6 @@ def _endpoint(kind: str, config: Mapping[str, str]) -> str | None:
     return None
 
 
-def parse_store_options(items: Sequence[str] | None) -> StoreOptions:
-    """Command-line ``key=value`` store options (e.g. ``endpoint=http://127.0.0.1:9000``)."""
-    config: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"store options are key=value, got {item!r}")
-        config[key.strip()] = value.strip()
-    return StoreOptions(config=config)
-
-
 def open_object_store(url: str | os.PathLike[str], options: StoreOptions | None = None) -> ObstoreStore:
     """Open a board store from a local path (created if missing), ``file://``, ``memory://`` (a fresh one each
     call), ``s3://``, ``gs://``, ``az://`` or a cloud https URL (docs/board.md, "Stores"); cloud stores are

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,15 +58,10 @@ class Published:
     timings: Mapping[str, float] = field(default_factory=dict)
 
 
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 def merge_deltas(deltas: list[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
+    out: Counter[str] = Counter()
     for d in deltas:
-        for name, v in d.items():
-            out[name] = out.get(name, 0) + v
+        out.update(d)  # update adds, keeping zero and negative sums (``+`` would drop them)
     return out
 
 
@@ -242,7 +238,7 @@ class VersionRounds:
             changed = self._diff(encoder, item.view, fused.changes if fused and fused.base is self.base_token else None)
             failure = None
         except FlipsyncError as e:  # reported to every rank, so none waits for this one
-            changed, failure = 0, f"rank {rank}: {_first_line(e)}"
+            changed, failure = 0, f"rank {rank}: {type(e).__name__}: {e}"
         deltas = dict(encoder.deltas) if failure is None else {}
         said = self.group.all_gather((deltas, failure), "fingerprint deltas")
         t1 = time.perf_counter()
@@ -307,10 +303,10 @@ class VersionRounds:
         if isinstance(e, PermanentStoreError):
             return "refused", str(e)
         if isinstance(e, StoreError):
-            return "store", _first_line(e)
+            return "store", f"{type(e).__name__}: {e}"
         if isinstance(e, ConflictError):
             return "conflict", str(e)
-        return "fatal", _first_line(e)
+        return "fatal", f"{type(e).__name__}: {e}"
 
     def _commit(
         self,
@@ -330,7 +326,8 @@ class VersionRounds:
                 info = stream.finish(*encoder.file_ends())
             except FlipsyncError as e:  # as rank 0 reports it (alone, a store's refusal as it is)
                 permanent = isinstance(e, PermanentStoreError)
-                text = str(e) if permanent and self.group.size == 1 else f"rank {self.group.rank}: {_first_line(e)}"
+                as_is = permanent and self.group.size == 1
+                text = str(e) if as_is else f"rank {self.group.rank}: {type(e).__name__}: {e}"
                 err = (text, permanent)
             if self.want_spans and info is not None:  # alone, rank 0 squashes the patch it holds
                 data = patch if self.group.size == 1 else stream.file_bytes()

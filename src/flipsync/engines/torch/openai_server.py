@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 import time
@@ -22,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from flipsync.engines.torch.engine import Generation, SamplingParams, TorchEngine
 from flipsync.engines.torch.tokenizer import StreamDecoder
 from flipsync.errors import ConfigError, EngineUnavailableError
-from flipsync.serving import error_response
+from flipsync.serving import error_response, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +36,6 @@ class BadRequest(Exception):
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     total = prompt_tokens + completion_tokens
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": total}
-
-
-def _sse(doc: Any) -> bytes:
-    return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 @dataclass
@@ -290,7 +285,7 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
                 else:
                     choice["text"] = text or ""
                 choice["logprobs"] = extra
-                return _sse({**head, "choices": [choice]})
+                return sse_event({**head, "choices": [choice]})
 
             futures = [loop.run_in_executor(pool, run, j) for j in jobs]
             pending = len(jobs)
@@ -312,9 +307,9 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
                         yield chunk(index, tail or ("" if not chat else None), finish, [])
                     else:
                         pending -= 1
-                        yield _sse({"error": {"message": payload, "type": "engine_error", "code": 500}})
+                        yield sse_event({"error": {"message": payload, "type": "engine_error", "code": 500}})
                 if include_usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+                    yield sse_event({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
                 yield b"data: [DONE]\n\n"
             finally:
                 cancelled.set()  # a client that went away stops its sequences at the next token
