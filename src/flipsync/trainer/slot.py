@@ -40,16 +40,11 @@ class Item:
     view: LocalView | None
     wait: Callable[[], None] = field(default=lambda: None)
     snapshot: bool = False  # publish a full view (the run's first version, or after a layout change)
-    first_step: int | None = None  # the earliest step folded into this item (squashed)
     error: str | None = None  # the view could not be computed on this rank (sharded runs report it)
     meta: dict[str, str | int] = field(default_factory=dict)  # extra manifest metadata for this step
     view_s: float = 0.0  # seconds computing the view took (for `Published.timings`)
     token: object = field(default_factory=object)  # this item's view, as a `FusedDiff` names its base
     fused: FusedDiff | None = None  # changes found while the view was computed, against another item's view
-
-    def __post_init__(self) -> None:
-        if self.first_step is None:
-            self.first_step = self.step
 
 
 class Slot:
@@ -68,7 +63,6 @@ class Slot:
     def _place(self, item: Item) -> None:
         if (old := self._pending) is not None:  # merged, into a snapshot too: nothing older is held back
             item.snapshot = item.snapshot or old.snapshot
-            item.first_step = min(item.first_step or item.step, old.first_step or old.step)
             item.meta = {**old.meta, **item.meta}
             self.squashed_steps += 1
             self._release(old)
