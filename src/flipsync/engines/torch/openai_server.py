@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -148,6 +148,138 @@ def _prompts(body: dict[str, Any], engine: TorchEngine) -> list[list[int]]:
     return [engine.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in p]
 
 
+@dataclass
+class Completion:
+    """One checked (chat) completion request: its choices to generate, answered whole or as a stream."""
+
+    engine: TorchEngine
+    pool: Executor
+    jobs: list[Job]
+    stops: list[str]
+    chat: bool
+    want_logprobs: bool
+    include_usage: bool
+    prompt_tokens: int
+    id: str  # "cmpl-..." or "chatcmpl-..."
+
+    async def respond(self) -> Response:
+        """Every choice generated, then one JSON answer."""
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+
+        def one(job: Job) -> tuple[Generation, ChoiceText]:
+            text = ChoiceText(self.stops)
+            gen = engine.generate(job.prompt, job.params, lambda tok, _v: (text.push(tok), not text.stopped)[1])
+            text.finish()
+            return gen, text
+
+        try:
+            results = await asyncio.gather(*(loop.run_in_executor(self.pool, one, j) for j in self.jobs))
+        except EngineUnavailableError as e:
+            return error_response(503, str(e), "service_unavailable")
+        except ConfigError as e:
+            return error_response(400, str(e))
+        choices = []
+        completion_tokens = 0
+        for job, (gen, text) in zip(self.jobs, results, strict=True):
+            completion_tokens += len(gen.tokens)
+            finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
+            choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
+            lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text.text}
+            else:
+                choice["text"] = text.text
+            choice["logprobs"] = lp if self.want_logprobs else None
+            choices.append(choice)
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()),
+                "model": engine.model_name,
+                "choices": choices,
+                "usage": _usage(self.prompt_tokens, completion_tokens),
+            }
+        )
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The choices as server-sent events, token by token, as they are generated."""
+        loop = asyncio.get_running_loop()
+        engine, chat = self.engine, self.chat
+        queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+        cancelled = threading.Event()
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": self.id, "object": obj, "created": int(time.time()), "model": engine.model_name}
+
+        def put(item: tuple[int, str, Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def run(job: Job) -> None:
+            text = ChoiceText(self.stops)
+
+            def on_token(tok: int, version: int | None) -> bool:
+                piece = text.push(tok)
+                put((job.index, "token", (piece, version, engine.tokenizer.decode([tok]))))
+                return not text.stopped and not cancelled.is_set()
+
+            try:
+                gen = engine.generate(job.prompt, job.params, on_token)
+                tail = text.finish()
+                finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
+                put((job.index, "end", (tail, finish, gen)))
+            except Exception as e:  # reported in the stream: the status line has gone out already
+                put((job.index, "error", str(e)))
+
+        def chunk(
+            index: int,
+            text: str | None,
+            finish: str | None,
+            versions: list[int | None],
+            extra: Any = None,
+            first: bool = False,
+        ) -> bytes:
+            choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_versions": versions}
+            if chat:
+                choice["delta"] = {} if text is None else {"content": text}
+                if first:
+                    choice["delta"]["role"] = "assistant"  # the first chunk of a chat choice names the role
+            else:
+                choice["text"] = text or ""
+            choice["logprobs"] = extra
+            return sse_event({**head, "choices": [choice]})
+
+        futures = [loop.run_in_executor(self.pool, run, j) for j in self.jobs]
+        pending = len(self.jobs)
+        completion_tokens = 0
+        try:
+            if chat:
+                for j in self.jobs:
+                    yield chunk(j.index, "", None, [], first=True)
+            while pending:
+                index, kind, payload = await queue.get()
+                if kind == "token":
+                    piece, version, tok_text = payload
+                    completion_tokens += 1
+                    lp = {"tokens": [tok_text]} if self.want_logprobs else None
+                    yield chunk(index, piece, None, [version], lp)
+                elif kind == "end":
+                    tail, finish, _gen = payload
+                    pending -= 1
+                    yield chunk(index, tail or ("" if not chat else None), finish, [])
+                else:
+                    pending -= 1
+                    yield sse_event({"error": {"message": payload, "type": "engine_error", "code": 500}})
+            if self.include_usage:
+                yield sse_event({**head, "choices": [], "usage": _usage(self.prompt_tokens, completion_tokens)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            cancelled.set()  # a client that went away stops its sequences at the next token
+            for f in futures:
+                f.cancel()
+
+
 def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_tokens_limit: int = 4096) -> FastAPI:
     """The OpenAI-compatible app of a torch engine (serve it with uvicorn on a loopback port)."""
     pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="flipsync-gen")
@@ -202,123 +334,10 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
         ]
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in prompts)
-
-        async def complete() -> Response:
-            loop = asyncio.get_running_loop()
-
-            def one(job: Job) -> tuple[Generation, ChoiceText]:
-                text = ChoiceText(stops)
-                gen = engine.generate(job.prompt, job.params, lambda tok, _v: (text.push(tok), not text.stopped)[1])
-                text.finish()
-                return gen, text
-
-            try:
-                results = await asyncio.gather(*(loop.run_in_executor(pool, one, j) for j in jobs))
-            except EngineUnavailableError as e:
-                return error_response(503, str(e), "service_unavailable")
-            except ConfigError as e:
-                return error_response(400, str(e))
-            choices = []
-            completion_tokens = 0
-            for job, (gen, text) in zip(jobs, results, strict=True):
-                completion_tokens += len(gen.tokens)
-                finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
-                choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
-                lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
-                if chat:
-                    choice["message"] = {"role": "assistant", "content": text.text}
-                else:
-                    choice["text"] = text.text
-                choice["logprobs"] = lp if want_logprobs else None
-                choices.append(choice)
-            return JSONResponse(
-                {
-                    "id": rid,
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": engine.model_name,
-                    "choices": choices,
-                    "usage": _usage(prompt_tokens, completion_tokens),
-                }
-            )
-
-        async def events() -> AsyncIterator[bytes]:
-            loop = asyncio.get_running_loop()
-            queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
-            cancelled = threading.Event()
-            obj = "chat.completion.chunk" if chat else "text_completion"
-            head = {"id": rid, "object": obj, "created": int(time.time()), "model": engine.model_name}
-
-            def put(item: tuple[int, str, Any]) -> None:
-                with contextlib.suppress(RuntimeError):  # the loop is gone: the client left
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-
-            def run(job: Job) -> None:
-                text = ChoiceText(stops)
-
-                def on_token(tok: int, version: int | None) -> bool:
-                    piece = text.push(tok)
-                    put((job.index, "token", (piece, version, engine.tokenizer.decode([tok]))))
-                    return not text.stopped and not cancelled.is_set()
-
-                try:
-                    gen = engine.generate(job.prompt, job.params, on_token)
-                    tail = text.finish()
-                    finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
-                    put((job.index, "end", (tail, finish, gen)))
-                except Exception as e:  # reported in the stream: the status line has gone out already
-                    put((job.index, "error", str(e)))
-
-            def chunk(
-                index: int,
-                text: str | None,
-                finish: str | None,
-                versions: list[int | None],
-                extra: Any = None,
-                first: bool = False,
-            ) -> bytes:
-                choice: dict[str, Any] = {"index": index, "finish_reason": finish, "token_versions": versions}
-                if chat:
-                    choice["delta"] = {} if text is None else {"content": text}
-                    if first:
-                        choice["delta"]["role"] = "assistant"  # the first chunk of a chat choice names the role
-                else:
-                    choice["text"] = text or ""
-                choice["logprobs"] = extra
-                return sse_event({**head, "choices": [choice]})
-
-            futures = [loop.run_in_executor(pool, run, j) for j in jobs]
-            pending = len(jobs)
-            completion_tokens = 0
-            try:
-                if chat:
-                    for j in jobs:
-                        yield chunk(j.index, "", None, [], first=True)
-                while pending:
-                    index, kind, payload = await queue.get()
-                    if kind == "token":
-                        piece, version, tok_text = payload
-                        completion_tokens += 1
-                        lp = {"tokens": [tok_text]} if want_logprobs else None
-                        yield chunk(index, piece, None, [version], lp)
-                    elif kind == "end":
-                        tail, finish, _gen = payload
-                        pending -= 1
-                        yield chunk(index, tail or ("" if not chat else None), finish, [])
-                    else:
-                        pending -= 1
-                        yield sse_event({"error": {"message": payload, "type": "engine_error", "code": 500}})
-                if include_usage:
-                    yield sse_event({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
-                yield b"data: [DONE]\n\n"
-            finally:
-                cancelled.set()  # a client that went away stops its sequences at the next token
-                for f in futures:
-                    f.cancel()
-
+        completion = Completion(engine, pool, jobs, stops, chat, want_logprobs, include_usage, prompt_tokens, rid)
         if stream:
-            return StreamingResponse(events(), media_type="text/event-stream")
-        return await complete()
+            return StreamingResponse(completion.events(), media_type="text/event-stream")
+        return await completion.respond()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
