@@ -104,8 +104,7 @@ def scatter(t: torch.Tensor, positions: torch.Tensor, bits: torch.Tensor) -> Non
 
 
 def _torch_bits(bits: np.ndarray, d: DType, device: torch.device) -> torch.Tensor:
-    signed = bits if d.bits == 8 else bits.view(f"<i{d.bits // 8}")
-    return torch.from_numpy(np.ascontiguousarray(signed)).to(device)
+    return torch.from_numpy(np.ascontiguousarray(bits.view(d.int_numpy))).to(device)
 
 
 _MODE = {"step": 0, "raw": 1, "mixed": 2}

@@ -25,6 +25,11 @@ class DType:
     def uint_numpy(self) -> np.dtype:
         return np.dtype(f"<u{self.bits // 8}")
 
+    @property
+    def int_numpy(self) -> np.dtype:
+        """The numpy dtype of `int_view`'s elements: signed integers of this width, bytes for 8 bits."""
+        return np.dtype(np.uint8) if self.bits == 8 else np.dtype(f"<i{self.bits // 8}")
+
 
 _DTYPES = [
     DType("F64", torch.float64, 64, "float"),

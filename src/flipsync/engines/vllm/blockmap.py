@@ -151,15 +151,11 @@ def read_bits(t: torch.Tensor, positions: np.ndarray) -> np.ndarray:
 def write_bits(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray) -> None:
     d = dtype_of(t)
     flat = int_view(t.detach())
-    signed = np.ascontiguousarray(bits.astype(d.uint_numpy, copy=False)).view(_np_int(d.bits))
+    signed = np.ascontiguousarray(bits.astype(d.uint_numpy, copy=False)).view(d.int_numpy)
     if flat.device.type == "cpu":
         flat.numpy()[positions] = signed
     else:
         flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), torch.from_numpy(signed).to(flat.device))
-
-
-def _np_int(bits: int) -> np.dtype:
-    return np.dtype(np.uint8) if bits == 8 else np.dtype(f"<i{bits // 8}")
 
 
 def widens(src: torch.dtype, dst: torch.dtype) -> bool:
@@ -187,7 +183,7 @@ def write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DType
     if t.dtype == ck.torch_dtype:
         write_bits(t, positions, bits)
         return
-    raw = np.ascontiguousarray(bits.astype(ck.uint_numpy, copy=False)).view(_np_int(ck.bits))
+    raw = np.ascontiguousarray(bits.astype(ck.uint_numpy, copy=False)).view(ck.int_numpy)
     flat = t.detach().reshape(-1)
     vals = torch.from_numpy(raw).view(ck.torch_dtype).to(t.dtype).to(flat.device)
     flat.index_copy_(0, torch.from_numpy(positions).to(flat.device), vals)
