@@ -13,7 +13,7 @@ from board_helpers import backend_params, fp, small_view
 from safetensors.torch import load_file
 
 from flipsync.board.keyframes import INDEX_NAME, iter_keyframe_files, plan_shards, tensors_from_files
-from flipsync.board.reader import BoardReader, load_keyframe
+from flipsync.board.reader import BoardReader
 from flipsync.board.writer import BoardWriter
 from flipsync.errors import ConfigError, IntegrityError
 from flipsync.stores import ObstoreStore
@@ -80,9 +80,10 @@ def test_keyframe_round_trip_on_a_board(store: ObstoreStore) -> None:
     pub = BoardWriter(store, "run", publisher_id="t", max_shard_bytes=6000)
     snap = pub.publish_snapshot(t, version=0, view_fp=fp(0), served_format="fp8")
     assert len(snap.parts) >= 3 and snap.meta["tensors"] == len(t)
-    back = load_keyframe(store, "run")
+    reader = BoardReader(store, "run")
+    back = reader.load_keyframe()
     assert list(back) == list(t) and all(same(back[k], t[k].contiguous()) for k in t)
-    assert all(same(a, b) for a, b in zip(load_keyframe(store, "run", 0).values(), back.values(), strict=True))
+    assert all(same(a, b) for a, b in zip(reader.load_keyframe(0).values(), back.values(), strict=True))
 
 
 def test_keyframe_folder_loads_as_a_checkpoint(store: ObstoreStore) -> None:

@@ -237,10 +237,3 @@ def check_continuity(m: Manifest, current_fp: str | None) -> None:
             f"{m.where} starts from view {str(m.base_view_fp)[:16]}, but the replica holds view {current_fp[:16]}: "
             "the board's chain does not line up"
         )
-
-
-def load_keyframe(
-    store: Store, run: str, version: int | None = None, *, verifier: Verifier | None = None
-) -> dict[str, torch.Tensor]:
-    """Read a keyframe back as tensors (the newest one by default); parts are fetched in parallel."""
-    return BoardReader(store, run, verifier=verifier).load_keyframe(version)
