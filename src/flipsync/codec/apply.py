@@ -11,7 +11,6 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numba
 import numpy as np
 import torch
 
@@ -19,6 +18,7 @@ from flipsync.codec.bits import KIND_CODE, DType, bits_numpy, dtype_named, dtype
 from flipsync.codec.class_index import ClassIndex
 from flipsync.codec.fingerprint import FP_SEED, MASK64, FingerprintTable, Hasher, TensorId, combine_digests, fmix64
 from flipsync.codec.intrinsics import prefetch_write
+from flipsync.codec.jit import kernel
 from flipsync.codec.patch import Patch
 from flipsync.codec.section import Base, decode_streams
 from flipsync.domain.headers import SectionHeader
@@ -85,7 +85,7 @@ class ApplyResult:
 _SCATTER_AHEAD = 32  # prefetch this many writes ahead: random stores otherwise stall on the store buffer
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _scatter_cpu(flat: np.ndarray, positions: np.ndarray, bits: np.ndarray) -> None:
     n = positions.shape[0]
     for i in range(n):
@@ -111,7 +111,7 @@ _MODE = {"step": 0, "raw": 1, "mixed": 2}
 _BLOCK = 2048  # values per kernel block: its gathered bits stay in L1 between the kernel's three loops
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _stage_kernel(
     src: np.ndarray,
     positions: np.ndarray,

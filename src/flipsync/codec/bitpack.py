@@ -10,6 +10,7 @@ import numpy as np
 
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
 from flipsync.codec.intrinsics import clz64
+from flipsync.codec.jit import kernel
 from flipsync.errors import CorruptPatchError
 
 
@@ -75,7 +76,7 @@ def put_bytes(out: np.ndarray, j: int, acc: np.uint64, nacc: int) -> tuple[int, 
     return j, nacc
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> int:
     """Each value as a Rice code with parameter ``param`` (``rice``), or in ``param`` bits (1..64); returns the
     number of bytes used. A code of at most 56 bits goes into the 64-bit accumulator whole, flushed 32 bits at
@@ -116,7 +117,7 @@ def pack_codes(values: np.ndarray, param: int, rice: bool, out: np.ndarray) -> i
     return flush_bits(out, j, acc, nacc)
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def exp_golomb_bits(values: np.ndarray, k: int) -> int:
     """Bits of the order-``k`` Exp-Golomb codes of ``values`` (each below 2**62)."""
     total = 0
@@ -125,7 +126,7 @@ def exp_golomb_bits(values: np.ndarray, k: int) -> int:
     return total
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def pack_exp_golomb(values: np.ndarray, k: int, out: np.ndarray) -> int:
     """Order-``k`` Exp-Golomb codes (x = v + 2**k after b - 1 - k zeros, v < 2**62); returns the bytes used."""
     acc = np.uint64(0)
@@ -139,7 +140,7 @@ def pack_exp_golomb(values: np.ndarray, k: int, out: np.ndarray) -> int:
     return flush_bits(out, j, acc, nacc)
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
     """Decode len(out) order-``k`` Exp-Golomb codes; TRUNCATED, or CORRUPT for a code over 63 bits."""
     p = 0
@@ -163,7 +164,7 @@ def unpack_exp_golomb(data: np.ndarray, k: int, out: np.ndarray) -> int:
     return OK
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def fixed_unpack(data: np.ndarray, width: int, out: np.ndarray) -> int:
     if out.shape[0] * width > data.shape[0] * 8:
         return TRUNCATED

@@ -9,6 +9,7 @@ import numba
 import numpy as np
 import torch
 
+from flipsync.codec.jit import kernel
 from flipsync.errors import PatchError
 
 
@@ -93,7 +94,7 @@ def to_key(bits: np.ndarray, d: DType) -> np.ndarray:
     return key.view(np.int64)
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def unzigzag_into(z: np.ndarray, out: np.ndarray) -> None:
     """out[i] = the int64 (as uint64) whose zigzag code is z[i]; one pass (unzigzag's kernel)."""
     one = np.uint64(1)
@@ -111,7 +112,7 @@ def _order_key(u: np.uint64, half: np.uint64, top: np.uint64, kind: int) -> np.u
     return u
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def key_steps_into(old: np.ndarray, new: np.ndarray, bits: int, kind: int, out: np.ndarray) -> None:
     """out[i] = key(new[i]) - key(old[i]) mod 2**64 (kind 0 float, 1 int, 2 uint), without to_key's temporaries."""
     half = np.uint64(1) << np.uint64(bits - 1)

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 
 from flipsync.codec.bits import DType
+from flipsync.codec.jit import kernel
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def class_rule(d: DType) -> ClassRule:
     return RULES.get(d.name, ONE_CLASS)
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def count_classes(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-untyped-def]
     """Every class's element count in ``base[lo:hi]`` into ``counts``. Four interleaved histograms, so that
     runs of one class do not wait on the previous store to the same counter."""
@@ -75,7 +76,7 @@ def count_classes(base, lo, hi, s1, m1, s2, m2, w1, counts):  # type: ignore[no-
 # -1 for a class the base lacks).
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-untyped-def]
     """Each block's class counts (``count_classes``), then the Fenwick sums."""
     n_blocks = tree.shape[1]
@@ -92,7 +93,7 @@ def tree_build(base, block, s1, m1, s2, m2, w1, slot, tree):  # type: ignore[no-
                 tree[k, j - 1] += tree[k, i - 1]
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def tree_move(tree, slot, block, positions, old, new, s1, m1, s2, m2, w1):  # type: ignore[no-untyped-def]
     """The base's ``old`` bits became ``new`` at ``positions``. Returns -1, or the first change (not applied)
     whose new class has no tree yet, or -2 if the tree cannot describe the base."""
@@ -128,7 +129,7 @@ def tree_prefix(tree, blocks, k):  # type: ignore[no-untyped-def]
     return s
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def tree_rows(tree, slot, cut, out):  # type: ignore[no-untyped-def]
     """``out[j, c]``: class c's elements in the first ``cut[j]`` blocks."""
     for j in range(cut.shape[0]):

@@ -10,10 +10,11 @@ from flipsync.codec.bitpack import bit_at, flush_bits, put_bits, put_rice, read_
 from flipsync.codec.class_index import tree_prefix
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED
 from flipsync.codec.intrinsics import prefetch_read
+from flipsync.codec.jit import kernel
 from flipsync.codec.rice import rice_decode_runs
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def class_ranks(
     base: np.ndarray, positions: np.ndarray, s1: int, m1: int, s2: int, m2: int, w1: int, counts: np.ndarray,
     cls: np.ndarray, rank: np.ndarray,
@@ -33,7 +34,7 @@ def class_ranks(
         counts[c] += 1
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def group_gaps(cls: np.ndarray, rank: np.ndarray, slot: np.ndarray, gaps: np.ndarray) -> None:
     """Each change's rank gap to the previous change of its class, grouped by class (runs from ``slot[c]``)."""
     last = np.full(slot.shape[0], -1, dtype=np.int64)
@@ -55,7 +56,7 @@ def _put_gamma(out: np.ndarray, j: int, acc: np.uint64, nacc: int, x: int) -> tu
     return put_bits(out, j, acc, nacc, np.uint64(x), width)
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def pack_stream(
     used: np.ndarray, k_of: np.ndarray, rice_k: np.ndarray, gaps: np.ndarray, nbits: int,
     out: np.ndarray,
@@ -91,7 +92,7 @@ def _gamma(data: np.ndarray, p: int, total: int) -> tuple[int, int]:
     return np.int64(read_bits(data, p + zeros, zeros + 1)), p + 2 * zeros + 1
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def decode_ranks(
     data: np.ndarray, n_used: int, nbits: int, n_classes: int, numel: int, first: np.ndarray, end: np.ndarray,
     ranks: np.ndarray,
@@ -137,7 +138,7 @@ def decode_ranks(
 _FAR = 1 << 62  # a class's countdown when no change lies ahead of it: never reaches zero
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def countdowns(first: np.ndarray, end: np.ndarray, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The ranks as countdowns: ``after[home[c] + t]`` is how many elements of class c to skip after its t-th
     change (``_FAR`` after its last, and one more slot at the end: a pointer past the last still reads one)."""
@@ -156,7 +157,7 @@ def countdowns(first: np.ndarray, end: np.ndarray, ranks: np.ndarray) -> tuple[n
     return after, home
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _start(first, end, ranks, home, before, left, ptr):  # type: ignore[no-untyped-def]
     """Each class's countdown and pointer at a point of the base after ``before[c]`` elements of class c."""
     for c in range(first.shape[0]):
@@ -169,7 +170,7 @@ def _start(first, end, ranks, home, before, left, ptr):  # type: ignore[no-untyp
                 left[c] = ranks[q] - before[c]
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ignore[no-untyped-def]
     """The pass over ``base[lo:hi]``: count each element down in its class and emit those whose countdown was
     at zero, up to the last. The second field is tested for only where the rule has one (hoisted: a one-field
@@ -199,7 +200,7 @@ def _emit(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ign
     return emitted
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # type: ignore[no-untyped-def]
     """``_emit`` without a branch per change (for dense changes): every element is written at the cursor."""
     n = out.shape[0]
@@ -226,7 +227,7 @@ def _emit_dense(base, lo, hi, s1, m1, s2, m2, w1, left, ptr, after, out):  # typ
     return emitted
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def emit_from(base, lo, hi, s1, m1, s2, m2, w1, first, end, ranks, home, after, before, out, dense):  # type: ignore[no-untyped-def]
     """One pass over ``base[lo:hi]`` (``before``: each class's count before ``lo``) into its share ``out``;
     CORRUPT if it does not find them all (ranks past a class's size in this base)."""
@@ -245,7 +246,7 @@ _RUN = 64  # elements ``place_ranks`` counts at a time before it scans them
 _AHEAD = 8  # how many changes ahead ``place_ranks`` prefetches the block of
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def place_ranks(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, out):  # type: ignore[no-untyped-def]
     """Ranks to positions without a pass over the base: every rank's block by a Fenwick search, then in each
     block with changes, elements counted ``_RUN`` at a time (vectorizes) up to the run holding a change, which
@@ -324,7 +325,7 @@ def place_ranks(base, block, tree, slot, s1, m1, s2, m2, w1, first, end, ranks, 
     return OK
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def chunk_offsets(before: np.ndarray, first: np.ndarray, end: np.ndarray, ranks: np.ndarray, offs: np.ndarray) -> None:
     """``offs[j]``: how many changes lie before chunk j, given ``before[j, c]``, class c's elements before it."""
     for j in range(before.shape[0]):

@@ -9,12 +9,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import trailing_zeros
 
 from flipsync.codec.bits import dtype_of, int_view
+from flipsync.codec.jit import kernel
 from flipsync.errors import PatchError
 
 CHUNK_BYTES = 8 << 20  # per task: small enough to balance the cores, large enough to amortise dispatch
@@ -25,7 +25,7 @@ DENSE_FRACTION = 0.08  # above this, numpy's vectorised compare-and-compact beat
 _PROBE_WORDS = 4096  # words scanned to estimate a chunk's density
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _changed_lanes(
     a: np.ndarray,
     b: np.ndarray,
@@ -92,7 +92,7 @@ _Found = tuple[np.ndarray, np.ndarray | None, np.ndarray | None]  # positions, a
 _Scratch = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _dense_lanes(a: np.ndarray, b: np.ndarray, out: np.ndarray, old: np.ndarray, new: np.ndarray, values: bool) -> int:
     """The indices of differing elements of a, b (element-typed) into out, and with ``values`` their patterns:
     branch-free compaction, faster than the word-skipping kernel once a tenth or more of the elements change."""
@@ -107,7 +107,7 @@ def _dense_lanes(a: np.ndarray, b: np.ndarray, out: np.ndarray, old: np.ndarray,
     return n
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _widen(rel: np.ndarray, first: int) -> np.ndarray:
     """Chunk-relative int32 indices -> absolute int64 positions, in one pass (faster than numpy's add)."""
     out = np.empty(rel.shape[0], dtype=np.int64)

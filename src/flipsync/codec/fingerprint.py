@@ -15,6 +15,7 @@ import torch
 import xxhash
 
 from flipsync.codec.bits import bits_numpy, dtype_of
+from flipsync.codec.jit import kernel
 
 MASK64 = (1 << 64) - 1  # fingerprints are sums mod 2**64
 DIGEST_CHUNK = 64 << 20
@@ -33,7 +34,7 @@ def fmix64(x: np.uint64) -> np.uint64:
     return x
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _fingerprint_dense(bits: np.ndarray, start: int) -> np.uint64:
     acc = np.uint64(0)
     for j in range(bits.shape[0]):
@@ -41,7 +42,7 @@ def _fingerprint_dense(bits: np.ndarray, start: int) -> np.uint64:
     return acc
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _fingerprint_sparse(positions: np.ndarray, bits: np.ndarray) -> np.uint64:
     acc = np.uint64(0)
     for j in range(positions.shape[0]):
@@ -49,7 +50,7 @@ def _fingerprint_sparse(positions: np.ndarray, bits: np.ndarray) -> np.uint64:
     return acc
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _fingerprint_delta(positions: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.uint64:
     acc = np.uint64(0)
     for j in range(positions.shape[0]):

@@ -13,6 +13,7 @@ import numpy as np
 from flipsync.codec.bitpack import FixedWidthCoder, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
 from flipsync.codec.intrinsics import clz64, mulhi64
+from flipsync.codec.jit import kernel
 from flipsync.codec.rice import rice_bits, rice_decode, rice_encode
 from flipsync.codec.zstd import shuffled_zstd, shuffled_zstd_estimate, unshuffled_zstd
 from flipsync.errors import CorruptPatchError
@@ -28,7 +29,7 @@ _FIXED = FixedWidthCoder()  # the frequency table's counts
 ANS_LOW = 1 << 31
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def ans_quantize(counts: np.ndarray, prec: int) -> np.ndarray:
     """Frequencies summing to 2**prec, in integer arithmetic (encoder and decoder must agree bit for bit): one
     slot per used symbol, the rest in proportion (floor), the remainder to the first most frequent symbol.
@@ -64,7 +65,7 @@ def _cumulative(freq: np.ndarray) -> np.ndarray:
     return cum
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def ans_reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per symbol, (reciprocal, shift) such that ``x // f == mulhi64(x, rcp) >> shift`` for every x < 2**63 and
     f >= 2 (Alverson: rcp = ceil(2**(63 + s) / f), s = ceil(log2 f)); ``ans_pack`` special-cases f == 1."""
@@ -87,7 +88,7 @@ def ans_reciprocals(freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rcp, shift
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
     """Encode ``symbols`` into the tail of ``out`` (len(symbols) + 2 * lanes words at least); returns the start
     of the stream. Value i goes through state i % lanes; the final states lead the stream, lane 0 first. The
@@ -184,7 +185,7 @@ def ans_pack(symbols: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: 
     return j
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def ans_unpack(words: np.ndarray, freq: np.ndarray, prec: int, lanes: int, out: np.ndarray) -> int:
     """Decode len(out) symbols; OK, TRUNCATED (ran out of words) or CORRUPT (a lane did not end at the
     encoder's start state, or words are left over). One table entry per slot packs symbol, frequency and
@@ -289,7 +290,7 @@ _EXP_GOLOMB = 0x80
 _MAX_EG_K = 15
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _cheapest_eg(values: np.ndarray) -> tuple[int, int]:
     """(bits, k) of the first cheapest Exp-Golomb order k <= _MAX_EG_K, in one call (not one per k)."""
     best, best_k = exp_golomb_bits(values, 0), 0
@@ -343,7 +344,7 @@ def _ans_shape(n: int) -> tuple[int, int]:
 _ANS_STATE_BYTES = {1: 8 - 47 / 8, 4: 4 * (8 - 16 / 8)}
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, int]:
     """(bits of information of the values under ``freq``, about the table's bytes), in one compiled call."""
     info = 0.0
@@ -364,7 +365,7 @@ def _ans_sizes(counts: np.ndarray, freq: np.ndarray, prec: int) -> tuple[float, 
     return info, (sym_bits + 7) // 8 + (cnt_bits + 7) // 8
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _capped_counts(symbols: np.ndarray) -> np.ndarray:
     # Four histograms, summed at the end: runs of one symbol (most steps are one of two) would otherwise
     # make every increment wait for the one before it.
@@ -385,7 +386,7 @@ def _capped_counts(symbols: np.ndarray) -> np.ndarray:
     return hist[:width] + hist[width : 2 * width] + hist[2 * width : 3 * width] + hist[3 * width :]
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _escaped(symbols: np.ndarray, count: int) -> np.ndarray:
     """The ``count`` symbols at or past ANS_MAX_ALPHABET, less it, in order (what the side stream codes)."""
     out = np.empty(count, dtype=np.uint64)

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numba
 import numpy as np
 
 from flipsync.codec.bitpack import flush_bits, pack_codes, put_bytes, put_rice
 from flipsync.codec.coders import OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
 from flipsync.codec.intrinsics import clz64
+from flipsync.codec.jit import kernel
 from flipsync.errors import CorruptPatchError
 
 MAX_RICE_K = 62
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def rice_bits(gaps: np.ndarray, k: int) -> int:
     total = 0
     for g in gaps:
@@ -24,7 +24,7 @@ def rice_bits(gaps: np.ndarray, k: int) -> int:
     return total
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def rice_decode_runs(
     data: np.ndarray, start_bit: int, ks: np.ndarray, counts: np.ndarray, out: np.ndarray, numel: int
 ) -> int:
@@ -93,7 +93,7 @@ def rice_decode_runs(
     return bp * 8 - nbuf - start_bit
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _quotient_sums(positions: np.ndarray, k0: int, out: np.ndarray) -> bool:
     """``out[i]`` += sum over the gaps of sorted unique ``positions`` of ``gap >> (k0 + i)``, for up to three i;
     False if the positions are not sorted, unique and non-negative. Written to vectorize (the order check OR-ed
@@ -128,7 +128,7 @@ def _candidates(mean: float) -> range:
     return range(max(0, guess - 1), min(MAX_RICE_K, guess + 2))
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _cheapest_k(gaps: np.ndarray, k0: int, k1: int) -> tuple[int, int]:
     """(k, bits) of the first cheapest Rice parameter in [k0, k1) (at most three), in one pass over the gaps."""
     s0, s1, s2 = np.uint64(k0), np.uint64(min(k0 + 1, 63)), np.uint64(min(k0 + 2, 63))
@@ -177,7 +177,7 @@ def _rice_plan(p: np.ndarray) -> tuple[int, int]:
     return candidates[best], bits[best]
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _pack_rice_gaps(positions: np.ndarray, k: int, out: np.ndarray) -> int:
     """``pack_codes``' Rice code of the gaps of sorted ``positions``, for ``out`` with 4 bytes to spare: 32 bits
     are stored after every short code, complete or not, advancing only when they are (no branch on the

@@ -6,19 +6,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 
-import numba
 import numpy as np
 import torch
 
 from flipsync.codec.bits import bits_numpy, from_key, to_key
 from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.codec.jit import kernel
 from flipsync.codec.patch import Patch, check_decoded_size
 from flipsync.codec.section import TensorChange
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import CorruptPatchError, PatchError
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _merge_sorted(
     a_pos: np.ndarray,
     a_val: np.ndarray,

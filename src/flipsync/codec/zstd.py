@@ -11,6 +11,7 @@ import zstandard
 
 from flipsync.codec.coders import Params, PositionCoder, SymbolCoder, get_int, position_gaps
 from flipsync.codec.intrinsics import clz64
+from flipsync.codec.jit import kernel
 from flipsync.errors import CorruptPatchError
 
 ZSTD_LEVEL = 3
@@ -72,7 +73,7 @@ def _weight(v: np.uint64) -> int:
     return 65 - int(clz64(v))  # type: ignore[call-arg]  # clz64(0) is 64
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _sample_planes(values: np.ndarray, gaps_of: bool) -> tuple[np.ndarray, float]:
     """The sample's byte planes (of gaps within runs of sorted positions, with ``gaps_of``) and its share of the
     values' summed ``_weight``: one compiled pass instead of a dozen numpy temporaries (most of the time)."""

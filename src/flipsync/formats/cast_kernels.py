@@ -13,6 +13,8 @@ from numba import types
 from numba.core.extending import intrinsic
 from numba.cpython.unsafe.numbers import trailing_zeros
 
+from flipsync.codec.jit import kernel
+
 BF16, FP16 = 0, 1
 GROUP = 64  # lanes whose differences make one 64-bit mask
 
@@ -76,7 +78,7 @@ def emit_lanes(
     return n
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def cast_diff_bits(
     src: np.ndarray, ref: np.ndarray, out: np.ndarray, kind: int, pos: np.ndarray, old: np.ndarray, new: np.ndarray
 ) -> tuple[int, np.uint32]:
@@ -120,7 +122,7 @@ def _f16_bits(typingctx: Any, u: Any) -> tuple[Any, Callable[..., Any]]:
     return types.uint16(types.uint32), codegen
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def cast_diff_f16(
     src: np.ndarray, ref: np.ndarray, out: np.ndarray, pos: np.ndarray, old: np.ndarray, new: np.ndarray
 ) -> tuple[int, np.uint32]:

@@ -3,11 +3,11 @@ emit the bytes that differ from the previous payload (`CastDiffer.quantize_diff`
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import viewer
 
+from flipsync.codec.jit import kernel
 from flipsync.formats.cast_kernels import BF16, GROUP, emit_lanes, round16
 
 _U = np.uint32
@@ -17,7 +17,7 @@ _E4M3_MAX = np.float32(448.0)
 _EPS32 = np.float32(2.0**-23)  # compressed-tensors' replacement of a zero channel scale
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@kernel(inline="always")
 def _e4m3(v: np.uint32) -> np.uint8:
     """fp32 bits of a finite ``|y| <= 448`` -> e4m3fn bits, round to nearest even (subnormals from 2**-9)."""
     sign = _U(_U(v >> _U(24)) & _U(0x80))
@@ -33,7 +33,7 @@ def _e4m3(v: np.uint32) -> np.uint8:
     return np.uint8(sign | (normal if a >= _U(0x3C800000) else sub))
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@kernel(inline="always")
 def _store_diff(
     codes: np.ndarray,
     out: np.ndarray,
@@ -64,7 +64,7 @@ def _store_diff(
     return n
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@kernel(inline="always")
 def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint32) -> np.uint32:
     """One row of fp32 master bits into ``bits`` (rounded to bf16 first when the recipe starts from bf16);
     the running max of |master| bits, which tells a row with a non-finite or out-of-range master."""
@@ -81,7 +81,7 @@ def _load_row(src: np.ndarray, bits: np.ndarray, round_bf16: bool, top: np.uint3
     return top
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@kernel(inline="always")
 def _abs_max_bits(src: np.ndarray) -> np.uint32:
     """max |x| of fp32 bit patterns, as a bit pattern (sign cleared: the order of |x|, NaN's above inf's).
     An integer max vectorizes; a float one does not (LLVM keeps its NaN order)."""
@@ -96,7 +96,7 @@ _I8_HALF_RANGE = np.float32(127.5)  # compressed-tensors' symmetric int8 divisor
 _I8_MIN, _I8_MAX = np.float32(-128.0), np.float32(127.0)
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")
+@kernel(error_model="numpy")
 def rows8(
     src: np.ndarray,
     ref: np.ndarray,
@@ -150,7 +150,7 @@ TILE = 128  # fp8-block: DeepGEMM's 128x128 tiles
 _TILE_AMAX_FLOOR = np.float32(1e-4)
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")
+@kernel(error_model="numpy")
 def fp8_tile_rows(
     src: np.ndarray,
     ref: np.ndarray,
@@ -195,7 +195,7 @@ MX = 32  # MX block: 32 consecutive elements along K
 _F32_MIN_NORMAL = np.float32(2.0**-126)
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
+@kernel(inline="always")
 def _e2m1(y: np.float32, sign_bits: np.uint32) -> np.uint8:
     """fp32 -> e2m1 code: RNE saturating at 6 by counting thresholds passed; sign = signbit (-0.0 -> 0x8)."""
     a = abs(y)
@@ -211,7 +211,7 @@ def _e2m1(y: np.float32, sign_bits: np.uint32) -> np.uint8:
     return np.uint8(idx | np.uint8((sign_bits >> _U(31)) << _U(3)))
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")
+@kernel(error_model="numpy")
 def mx_rows(
     src: np.ndarray,
     ref: np.ndarray,
@@ -269,7 +269,7 @@ NV = 16  # NVFP4 block: 16 consecutive elements along K
 E4M3_VALUES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 
-@numba.njit(nogil=True, cache=True, error_model="numpy")
+@kernel(error_model="numpy")
 def nv_rows(
     src: np.ndarray,
     ref: np.ndarray,

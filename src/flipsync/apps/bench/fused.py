@@ -34,7 +34,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numba
 import numpy as np
 import torch
 from rich.console import Console
@@ -44,6 +43,7 @@ from flipsync.apps.bench.report import md_table
 from flipsync.apps.bench.workload import FULL, QUICK, AdamSteps, Shape, llm_like_masters
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.codec import DiffEngine
+from flipsync.codec.jit import kernel
 from flipsync.formats import served_view
 from flipsync.formats.base import cast_master
 from flipsync.formats.cast_diff import CastDiffer
@@ -88,7 +88,7 @@ def _ints(t: torch.Tensor) -> np.ndarray:
     return t.reshape(-1).view(torch.int16).numpy()
 
 
-@numba.njit(nogil=True, cache=True)
+@kernel
 def _touch(src: np.ndarray, ref: np.ndarray, out: np.ndarray) -> None:
     """The one-pass cast's memory traffic with next to no arithmetic: read a 32-bit master and a 16-bit old value,
     write a 16-bit new one (its top half xor the old: both reads are used, so neither is optimized away)."""
