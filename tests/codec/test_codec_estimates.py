@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import Patch, apply_patch, diff_views, rans, streams
+from flipsync.codec import Patch, apply_patch, diff_views, rans, section
 from flipsync.codec.coders import ESTIMATE_FROM, ESTIMATE_MARGIN, ESTIMATE_SLACK, CoderRegistry, Params
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.codec.zstd import SAMPLE_FROM
@@ -63,14 +63,14 @@ def _every_candidate(registry: CoderRegistry, data: np.ndarray) -> dict[str, tup
 
 @given(positions())
 def test_rice_estimate_is_exact(pos: np.ndarray) -> None:
-    coder = streams.POSITION_CODERS.coder({"codec": "rice"})
+    coder = section.POSITION_CODERS.coder({"codec": "rice"})
     assert coder.estimate(pos) == len(coder.encode(pos)[1])
 
 
 @given(st.one_of(symbols(), st.lists(st.integers(0, (1 << 64) - 1), max_size=300)))
 def test_fixed_width_estimate_is_exact(values: np.ndarray | list[int]) -> None:
     values = np.array(values, dtype=np.uint64)
-    coder = streams.SYMBOL_CODERS.coder({"codec": "bits"})
+    coder = section.SYMBOL_CODERS.coder({"codec": "bits"})
     assert coder.estimate(values) == len(coder.encode(values)[1])
 
 
@@ -96,17 +96,17 @@ def _within_margin(registry: CoderRegistry, data: np.ndarray) -> None:
 
 @given(positions())
 def test_position_choice_is_within_the_margin_of_the_smallest(pos: np.ndarray) -> None:
-    _within_margin(streams.POSITION_CODERS, pos)
-    params, blob = streams.encode_positions(pos)
+    _within_margin(section.POSITION_CODERS, pos)
+    params, blob = section.encode_positions(pos)
     numel = int(pos[-1]) + 1 if pos.size else 1
-    assert np.array_equal(streams.decode_positions(params, blob, pos.size, numel), pos)
+    assert np.array_equal(section.decode_positions(params, blob, pos.size, numel), pos)
 
 
 @given(symbols())
 def test_value_choice_is_within_the_margin_of_the_smallest(values: np.ndarray) -> None:
-    _within_margin(streams.SYMBOL_CODERS, values)
-    params, blob = streams.encode_symbols(values)
-    assert np.array_equal(streams.decode_symbols(params, blob, values.size), values)
+    _within_margin(section.SYMBOL_CODERS, values)
+    params, blob = section.encode_symbols(values)
+    assert np.array_equal(section.decode_symbols(params, blob, values.size), values)
 
 
 def test_clear_losers_are_not_coded(monkeypatch) -> None:  # type: ignore[no-untyped-def]
@@ -115,11 +115,11 @@ def test_clear_losers_are_not_coded(monkeypatch) -> None:  # type: ignore[no-unt
     pos = np.cumsum(rng.geometric(0.02, 100_000)).astype(np.int64)
     steps = rng.choice([-2, -1, 1, 2], size=pos.size, p=[0.1, 0.4, 0.4, 0.1])
     coded: list[str] = []
-    for registry in (streams.POSITION_CODERS, streams.SYMBOL_CODERS):
+    for registry in (section.POSITION_CODERS, section.SYMBOL_CODERS):
         for c in registry._by_id.values():
             monkeypatch.setattr(c, "encode", lambda d, b=None, _c=c, _e=c.encode: coded.append(_c.codec_id) or _e(d, b))
-    assert streams.encode_positions(pos)[0]["codec"] == "rice"
-    assert streams.encode_symbols(((steps << 1) ^ (steps >> 63)).astype(np.uint64))[0]["codec"] == "ans"
+    assert section.encode_positions(pos)[0]["codec"] == "rice"
+    assert section.encode_symbols(((steps << 1) ^ (steps >> 63)).astype(np.uint64))[0]["codec"] == "ans"
     assert coded == ["rice", "ans"]
 
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flipsync.codec import rans, streams
+from flipsync.codec import rans, section
 from flipsync.codec import rice as rice_mod
 from flipsync.codec.bitpack import exp_golomb_bits, pack_codes, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import position_gaps
@@ -35,8 +35,8 @@ def position_sets(draw: st.DrawFn) -> tuple[np.ndarray, int]:
 @given(position_sets())
 def test_positions_round_trip(case: tuple[np.ndarray, int]) -> None:
     pos, numel = case
-    params, blob = streams.encode_positions(pos)
-    out = streams.decode_positions(params, blob, pos.size, numel)
+    params, blob = section.encode_positions(pos)
+    out = section.decode_positions(params, blob, pos.size, numel)
     assert out.dtype == np.int64 and np.array_equal(out, pos)
 
 
@@ -44,31 +44,31 @@ def test_positions_round_trip(case: tuple[np.ndarray, int]) -> None:
 def test_symbols_round_trip(values: list[int], coder: str) -> None:
     sym = np.array(values, dtype=np.uint64)
     if coder == "best":
-        params, blob = streams.encode_symbols(sym)
+        params, blob = section.encode_symbols(sym)
     else:
-        chosen = streams.SYMBOL_CODERS.coder({"codec": coder})
+        chosen = section.SYMBOL_CODERS.coder({"codec": coder})
         if not chosen.accepts(sym):
             return
         params, blob = chosen.encode(sym)
         params["codec"] = coder
-    assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)
+    assert np.array_equal(section.decode_symbols(params, blob, sym.size), sym)
 
 
 @given(position_sets(), st.sampled_from(["rice", "zstd"]))
 def test_each_position_coder_round_trips(case: tuple[np.ndarray, int], coder: str) -> None:
     pos, numel = case
-    chosen = streams.POSITION_CODERS.coder({"codec": coder})
+    chosen = section.POSITION_CODERS.coder({"codec": coder})
     params, blob = chosen.encode(pos)
     assert np.array_equal(chosen.decode(params, blob, pos.size, numel), pos)
 
 
 def test_registries_name_every_coder_once() -> None:
-    assert streams.POSITION_CODERS.ids() == ("rice", "zstd", "ctx")
-    assert streams.SYMBOL_CODERS.ids() == ("zstd", "bits", "ans")
+    assert section.POSITION_CODERS.ids() == ("rice", "zstd", "ctx")
+    assert section.SYMBOL_CODERS.ids() == ("zstd", "bits", "ans")
     with pytest.raises(CorruptPatchError, match="unknown value codec 'huffman'"):
-        streams.decode_symbols({"codec": "huffman"}, b"", 1)
+        section.decode_symbols({"codec": "huffman"}, b"", 1)
     with pytest.raises(CorruptPatchError, match="unknown position codec None"):
-        streams.decode_positions({}, b"", 1, 10)
+        section.decode_positions({}, b"", 1, 10)
 
 
 def _log2_binom(u: int, n: int) -> float:
@@ -80,20 +80,20 @@ def test_scattered_positions_cost_within_2_percent_of_entropy(density: float) ->
     rng = np.random.default_rng(1)
     numel = 4_000_000
     pos = np.flatnonzero(rng.random(numel) < density)
-    _, blob = streams.encode_positions(pos)
+    _, blob = section.encode_positions(pos)
     assert len(blob) * 8 <= 1.02 * _log2_binom(numel, pos.size)
 
 
 def test_clustered_positions_are_cheap() -> None:
     pos = np.arange(1000, 101_000, dtype=np.int64)  # one run of 100k changes
-    _, blob = streams.encode_positions(pos)
+    _, blob = section.encode_positions(pos)
     assert len(blob) < pos.size / 8 + 64  # about one bit per position or less
 
 
 def test_value_steps_reach_empirical_entropy() -> None:
     rng = np.random.default_rng(2)
     steps = rng.choice([1, 2, 3, 4, 5, 6, 40_000], size=200_000, p=[0.45, 0.45, 0.04, 0.03, 0.015, 0.0149, 0.0001])
-    params, blob = streams.encode_symbols(steps.astype(np.uint64))
+    params, blob = section.encode_symbols(steps.astype(np.uint64))
     _, counts = np.unique(steps, return_counts=True)
     p = counts / counts.sum()
     entropy_bytes = float(-(counts * np.log2(p)).sum()) / 8
@@ -129,21 +129,21 @@ def test_ans_refuses_a_table_that_does_not_count_the_values() -> None:
 def test_truncated_streams_raise(cut: int) -> None:
     rng = np.random.default_rng(3)
     pos = np.unique(rng.integers(0, 1 << 20, size=5000))
-    params, blob = streams.encode_positions(pos)
+    params, blob = section.encode_positions(pos)
     bad = blob[:cut]
     with pytest.raises(CorruptPatchError):
-        streams.decode_positions(params, bad, pos.size, 1 << 20)
+        section.decode_positions(params, bad, pos.size, 1 << 20)
     sym = rng.integers(0, 9, size=5000).astype(np.uint64)
-    vparams, vblob = streams.encode_symbols(sym)
+    vparams, vblob = section.encode_symbols(sym)
     with pytest.raises(CorruptPatchError):
-        streams.decode_symbols(vparams, vblob[: max(0, cut if cut >= 0 else len(vblob) - 9)], sym.size)
+        section.decode_symbols(vparams, vblob[: max(0, cut if cut >= 0 else len(vblob) - 9)], sym.size)
 
 
 @given(st.binary(max_size=300), st.integers(0, 5000), st.sampled_from(["rice", "zstd"]), st.integers(0, 70))
 def test_garbage_positions_never_crash(blob: bytes, n: int, codec: str, k: int) -> None:
     params = {"codec": codec, "k": k, "width": [1, 2, 4, 8][k % 4]}
     try:
-        out = streams.decode_positions(params, blob, n, 1 << 20)
+        out = section.decode_positions(params, blob, n, 1 << 20)
     except CorruptPatchError:
         return
     assert out.size == n and (n == 0 or (out[-1] < 1 << 20 and np.all(np.diff(out) > 0)))
@@ -153,7 +153,7 @@ def test_garbage_positions_never_crash(blob: bytes, n: int, codec: str, k: int) 
 def test_garbage_symbols_never_crash(blob: bytes, n: int, codec: str, a: int) -> None:
     params = {"codec": codec, "alphabet": a, "escapes": a % 7, "esc_width": 1, "bits": a % 70, "width": 2}
     try:
-        out = streams.decode_symbols(params, blob, n)
+        out = section.decode_symbols(params, blob, n)
     except CorruptPatchError:
         return
     assert out.size == n
@@ -164,7 +164,7 @@ def test_one_symbol_alphabets(values: list[int]) -> None:
     sym = np.array(values, dtype=np.uint64)
     params, blob = rans.RansCoder().encode(sym)
     params["codec"] = "ans"
-    assert np.array_equal(streams.decode_symbols(params, blob, sym.size), sym)
+    assert np.array_equal(section.decode_symbols(params, blob, sym.size), sym)
 
 
 def _reference_bits(values: list[int], param: int, rice: bool) -> bytes:

@@ -27,7 +27,7 @@ from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
 from flipsync.codec import Patch, apply_patch
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.codec.streams import decode_symbols
+from flipsync.codec.section import decode_symbols
 from flipsync.errors import (
     BaseMismatchError,
     ConfigError,

@@ -47,14 +47,12 @@ class ArtifactWriter:
     def upload(self, folder: str, files: Iterable[tuple[str, bytes]]) -> list[Part]:
         """Put ``files`` in a fresh attempt folder under ``folder`` and make them durable."""
         attempt = new_attempt_id()
-        written: list[str] = []
         parts: list[Part] = []
         for name, data in files:
             rel = f"{attempt}/{name}"
             self.store.put(f"{folder}/{rel}", data)
-            written.append(f"{folder}/{rel}")
             parts.append(Part(path=rel, size=len(data), hash=content_hash(data)))
-        self.store.make_durable(written)
+        self.store.make_durable([f"{folder}/{p.path}" for p in parts])
         return parts
 
     def commit(

@@ -17,8 +17,7 @@ import torch
 from flipsync.codec.bits import KIND_CODE, DType, bits_numpy, dtype_named, dtype_of, int_view
 from flipsync.codec.class_index import ClassIndex
 from flipsync.codec.fingerprint import FP_SEED, MASK64, FingerprintTable, Hasher, TensorId, combine_digests, fmix64
-from flipsync.codec.intrinsics import prefetch_write
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import kernel, prefetch_write
 from flipsync.codec.patch import Patch
 from flipsync.codec.section import Base, decode_streams
 from flipsync.domain.headers import SectionHeader

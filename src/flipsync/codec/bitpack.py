@@ -9,8 +9,7 @@ import numba
 import numpy as np
 
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
-from flipsync.codec.intrinsics import clz64
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import clz64, kernel
 from flipsync.errors import CorruptPatchError
 
 

@@ -12,11 +12,10 @@ from dataclasses import replace
 import numpy as np
 import zstandard
 
-from flipsync.codec import streams
 from flipsync.codec.bitpack import FixedWidthCoder, pack_codes
 from flipsync.codec.coders import position_gaps
 from flipsync.codec.rice import MAX_RICE_K, best_rice_k, rice_bits, rice_decode_runs, rice_encode
-from flipsync.codec.section import split_streams
+from flipsync.codec.section import decode_positions, decode_symbols, encode_symbols, split_streams
 from flipsync.domain.headers import PatchHeader, SectionHeader, read_varint, varint
 from flipsync.errors import CorruptPatchError, PatchError
 
@@ -113,8 +112,8 @@ def _group_values(
         s = by_name[name]
         parts = split_streams(s, blob)
         positions[i] = parts["pos"]
-        symbols.append(streams.decode_symbols(s.val, parts["val"], s.n))
-    params, stream = streams.encode_symbols(np.concatenate(symbols))
+        symbols.append(decode_symbols(s.val, parts["val"], s.n))
+    params, stream = encode_symbols(np.concatenate(symbols))
     text = json.dumps(params, separators=(",", ":")).encode()
     values = _PREAMBLE.pack(len(text)) + text + stream
     if len(values) + TABLE_ENTRY_BYTES >= sum(len(small[i][1]) - len(positions[i]) for i in picked):
@@ -146,7 +145,7 @@ def _ungroup_values(
         raise CorruptPatchError(f"the grouped values' parameters are not valid JSON: {e}") from None
     if not isinstance(params, dict) or not all(isinstance(v, str | int) for v in params.values()):
         raise CorruptPatchError("the grouped values' parameters must map names to strings or integers")
-    symbols = streams.decode_symbols(params, bytes(values[end:]), n)
+    symbols = decode_symbols(params, bytes(values[end:]), n)
     out: dict[str, bytes | memoryview] = dict(blobs)
     sections, at = [], 0
     for s in header.sections:
@@ -175,7 +174,7 @@ def _group_positions(
             continue
         try:
             size = _stream_bytes(s.pos, s.name)
-            found.append(streams.decode_positions(s.pos, bytes(small[i][:size]), s.n, s.numel))
+            found.append(decode_positions(s.pos, bytes(small[i][:size]), s.n, s.numel))
         except CorruptPatchError:  # the writer writes what it is given (e.g. a crafted test patch) as it is
             continue
         picked.append(i)

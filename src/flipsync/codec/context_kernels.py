@@ -9,8 +9,7 @@ import numpy as np
 from flipsync.codec.bitpack import bit_at, flush_bits, put_bits, put_rice, read_bits
 from flipsync.codec.class_index import tree_prefix
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED
-from flipsync.codec.intrinsics import prefetch_read
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import kernel, prefetch_read
 from flipsync.codec.rice import rice_decode_runs
 
 

@@ -12,8 +12,7 @@ import numpy as np
 
 from flipsync.codec.bitpack import FixedWidthCoder, exp_golomb_bits, pack_exp_golomb, unpack_exp_golomb
 from flipsync.codec.coders import CORRUPT, OK, TRUNCATED, Params, SymbolCoder, get_int
-from flipsync.codec.intrinsics import clz64, mulhi64
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import clz64, kernel, mulhi64
 from flipsync.codec.rice import rice_bits, rice_decode, rice_encode
 from flipsync.codec.zstd import shuffled_zstd, shuffled_zstd_estimate, unshuffled_zstd
 from flipsync.errors import CorruptPatchError

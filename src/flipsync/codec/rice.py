@@ -9,8 +9,7 @@ import numpy as np
 
 from flipsync.codec.bitpack import flush_bits, pack_codes, put_bytes, put_rice
 from flipsync.codec.coders import OVERFLOW, TRUNCATED, Params, PositionCoder, get_int
-from flipsync.codec.intrinsics import clz64
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import clz64, kernel
 from flipsync.errors import CorruptPatchError
 
 MAX_RICE_K = 62

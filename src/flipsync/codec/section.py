@@ -1,4 +1,5 @@
-"""One changed tensor: its decoded change (``TensorChange``) and its section (positions, values, kind flags)."""
+"""One changed tensor: its decoded change (``TensorChange``), its section (positions, values, kind flags) and the
+coders its streams may use (the encoder keeps the smallest)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,51 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flipsync.codec import streams
+from flipsync.codec.bitpack import FixedWidthCoder
 from flipsync.codec.bits import DType, bits_numpy, dtype_named, from_key, to_key, unzigzag, zigzag
 from flipsync.codec.class_index import BaseBits
+from flipsync.codec.coders import CoderRegistry, Params, PositionCoder, SymbolCoder
+from flipsync.codec.context import ContextCoder
+from flipsync.codec.rans import RansCoder
+from flipsync.codec.rice import RiceCoder
+from flipsync.codec.zstd import ZstdCoder, ZstdGapsCoder
 from flipsync.domain.headers import SectionHeader
 from flipsync.errors import BaseMismatchError, CorruptPatchError, PatchError
+
+# Coders that decode without the base come first, so that a tie keeps a section free of it.
+POSITION_CODERS: CoderRegistry[PositionCoder] = CoderRegistry("position", RiceCoder(), ZstdGapsCoder(), ContextCoder())
+BASE_POSITION_CODERS = frozenset(c for c in POSITION_CODERS.ids() if POSITION_CODERS.coder({"codec": c}).needs_base)
+SYMBOL_CODERS: CoderRegistry[SymbolCoder] = CoderRegistry("value", ZstdCoder(), FixedWidthCoder(), RansCoder())
+
+
+def encode_positions(positions: np.ndarray, base: BaseBits | None = None) -> tuple[Params, bytes]:
+    """The smallest coding of sorted unique positions; with ``base``, coders conditioned on it compete too."""
+    return POSITION_CODERS.encode(positions, base)
+
+
+def decode_positions(params: Params, blob: bytes, n: int, numel: int, base: BaseBits | None = None) -> np.ndarray:
+    """Sorted unique positions, each below ``numel``."""
+    coder = POSITION_CODERS.coder(params)
+    if coder.needs_base and base is None:
+        raise PatchError(
+            f"these positions are coded against the base tensor ({coder.codec_id!r} coder): decode them with the "
+            "base at hand (stage / apply_patch, Patch.change(name, base=...), squash(..., base=...))"
+        )
+    return coder.decode(params, blob, n, numel, base)
+
+
+def encode_symbols(symbols: np.ndarray) -> tuple[Params, bytes]:
+    """The smallest coding of unsigned symbols among zstd, fixed width and rANS."""
+    return SYMBOL_CODERS.encode(symbols)
+
+
+def decode_symbols(params: Params, blob: bytes, n: int) -> np.ndarray:
+    return SYMBOL_CODERS.coder(params).decode(params, blob, n)
 
 
 def needs_base(section: SectionHeader) -> bool:
     """Whether the section's positions decode only with its base tensor at hand (``ctx``)."""
-    return section.pos.get("codec") in streams.BASE_POSITION_CODERS
+    return section.pos.get("codec") in BASE_POSITION_CODERS
 
 
 @dataclass
@@ -68,18 +104,18 @@ def encode_change(change: TensorChange, base: torch.Tensor | np.ndarray | None =
     ``base`` (the tensor the change applies to, or its bits), the positions may also be coded against it."""
     # An all-raw section is an idempotent overwrite that may be applied without its base: never ctx.
     held = base_bits(base, change.dtype) if change.mode != "raw" else None
-    pos_params, pos_blob = streams.encode_positions(change.positions, held)
+    pos_params, pos_blob = encode_positions(change.positions, held)
     symbols = zigzag(change.values)  # steps zigzag to small unsigned numbers; raw values are their bit patterns
     if change.raw is not None:
         symbols = np.where(change.raw, from_key(change.values, change.dtype).astype(np.uint64), symbols)
-    val_params, val_blob = streams.encode_symbols(symbols)
+    val_params, val_blob = encode_symbols(symbols)
     pos_params["bytes"], val_params["bytes"] = len(pos_blob), len(val_blob)
     blob = pos_blob + val_blob
     mode = change.mode
     tag_params = None
     if mode == "mixed":
         assert change.raw is not None
-        tag_params, tag_blob = streams.encode_symbols(change.raw.astype(np.uint64))
+        tag_params, tag_blob = encode_symbols(change.raw.astype(np.uint64))
         tag_params["bytes"] = len(tag_blob)
         blob += tag_blob
     fields = (change.name, change.dtype.name, change.shape, change.n, mode, pos_params, val_params, tag_params)
@@ -114,15 +150,13 @@ def decode_streams(
     blobs = split_streams(section, blob)
     n = section.n
     ctx = needs_base(section)
-    positions = streams.decode_positions(
-        section.pos, blobs["pos"], n, section.numel, base_bits(base, d) if ctx else None
-    )
-    symbols = streams.decode_symbols(section.val, blobs["val"], n)
+    positions = decode_positions(section.pos, blobs["pos"], n, section.numel, base_bits(base, d) if ctx else None)
+    symbols = decode_symbols(section.val, blobs["val"], n)
     flags: np.ndarray | None = None
     if section.mode == "mixed":
         if section.tag is None:
             raise CorruptPatchError(f"section {section.name!r} is mixed but has no kind flags")
-        tags = streams.decode_symbols(section.tag, blobs["tag"], n)
+        tags = decode_symbols(section.tag, blobs["tag"], n)
         if tags.size and int(tags.max()) > 1:
             raise CorruptPatchError(f"section {section.name!r} has kind flags other than 0 and 1")
         flags = tags.astype(bool)

@@ -10,8 +10,7 @@ import numpy as np
 import zstandard
 
 from flipsync.codec.coders import Params, PositionCoder, SymbolCoder, get_int, position_gaps
-from flipsync.codec.intrinsics import clz64
-from flipsync.codec.jit import kernel
+from flipsync.codec.jit import clz64, kernel
 from flipsync.errors import CorruptPatchError
 
 ZSTD_LEVEL = 3

@@ -95,7 +95,7 @@ class EngineUpdater:
         try:
             # an engine that holds its view in this process can join parts coded against it (ctx)
             patch = join_step(step, self.engine.table, self.engine.host_view)
-            staged: Staged = self.call("stage", lambda: self.engine.stage(patch))
+            return self.call("stage", lambda: self.engine.stage(patch))
         except (CorruptPatchError, VerificationError) as e:
             raise UnusableArtifactError(f"{where} is unusable: {e}", edge=m.edge, kind="corrupt_patch") from e
         except BaseMismatchError as e:
@@ -108,7 +108,6 @@ class EngineUpdater:
             raise UnusableArtifactError(
                 f"{where} cannot be staged by the {self.engine.name} engine: {e}", edge=m.edge, kind="undecodable"
             ) from e
-        return staged
 
     def commit(
         self, staged: Staged, m: Manifest, committing: AbstractContextManager[None], report: Callable[[], None]

@@ -309,12 +309,11 @@ class Replica:
         self._adopt_pending = False
         if match is None:
             return
-        self._label(match)
+        self.engine.label_version(match.target_view_fp, match.target_version)
         version, view_fp = match.target_version, match.target_view_fp
         with self._n.lock:
-            self.served_format = match.served_format
             self._adopted = {"version": version, "view_fp": view_fp, "at": now_iso()}
-        self._set_version(version, view_fp)
+        self._report(match)
         log.info("adopted v%d: the %s engine already holds its view %s", version, self.engine.name, view_fp[:16])
 
     def _held_version(self, head: int) -> Manifest | None:
@@ -329,13 +328,12 @@ class Replica:
             log.info("not adopting what the %s engine holds (disabled for it); loading a keyframe", name)
             return None
         try:
-            held_table = self.committer.call("recompute_table", engine.recompute_table)
+            held = self.committer.call("recompute_table", engine.recompute_table).view_fp()
         except EngineUnavailableError:
             raise
         except FlipsyncError as e:  # e.g. tensor-parallel replicas disagree: a commit reached some ranks only
             log.warning("cannot read back a consistent view from the %s engine (%s); loading a keyframe", name, e)
             return None
-        held = held_table.view_fp()
         tracked = engine.table.view_fp()
         if held != tracked:  # patches are staged against ``table``: it must describe the weights
             log.warning(
@@ -384,9 +382,6 @@ class Replica:
         self.metrics.fetched_bytes.inc(m.total_size)
         self.metrics.fetch_seconds.observe(wait_s)
 
-    def _label(self, m: Manifest) -> None:
-        self.engine.label_version(m.target_view_fp, m.target_version)
-
     @contextmanager
     def _committing_to(self, version: int) -> Iterator[None]:
         """Mark a commit of ``version`` under way (the proxy stamps tokens with it already)."""
@@ -422,7 +417,7 @@ class Replica:
         stage_s = time.perf_counter() - t0
         self.metrics.stage_seconds.observe(stage_s)
         self._set_state(State.COMMITTING)
-        self._label(m)
+        self.engine.label_version(m.target_view_fp, m.target_version)
         pause, commit_s = self.committer.commit(
             staged, m, self._committing_to(m.target_version), lambda: self._report(m)
         )
@@ -431,7 +426,7 @@ class Replica:
     def _apply_keyframe(self, step: KeyframeStep, fetch_s: float) -> None:
         m = step.manifest
         self._set_state(State.COMMITTING)
-        self._label(m)
+        self.engine.label_version(m.target_view_fp, m.target_version)
         pause, commit_s = self.committer.load(
             step, self._committing_to(m.target_version), lambda: self._report(m), self._lose_version
         )

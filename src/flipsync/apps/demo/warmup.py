@@ -1,11 +1,11 @@
 """Compile the codec's numba kernels before the demo's clock starts.
 
-The kernels are compiled with ``cache=True``, so only the first run on a machine pays for compilation (about
-10 s on two cores); without this warm-up that first run paid it inside the first publication, the
-publisher squashed the steps that piled up behind it, and the run looked nothing like the next one. A
-small fused view + diff, encode, decode, apply and squash in the served format exercises every kernel the publisher and
-the islands use (sparse and dense change paths alike); later runs load them from the cache in well under
-a second.
+The kernels are cached on disk (``flipsync.codec.jit.kernel``), so only the first run on a machine pays for
+compilation (about 10 s on two cores); without this warm-up that first run paid it inside the first
+publication, the publisher squashed the steps that piled up behind it, and the run looked nothing like the
+next one. A small fused view + diff, encode, decode, apply and squash in the served format exercises every
+kernel the publisher and the islands use (sparse and dense change paths alike); later runs load them from
+the cache in well under a second.
 """
 
 from __future__ import annotations

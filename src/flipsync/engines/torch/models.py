@@ -66,7 +66,4 @@ def build_model(config: PretrainedConfig, *, seed: int = 0, dtype: torch.dtype =
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
-    model = model.to(dtype)
-    model.eval()
-    model.requires_grad_(False)
-    return model
+    return model.to(dtype).eval().requires_grad_(False)

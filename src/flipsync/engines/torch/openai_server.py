@@ -180,9 +180,7 @@ class Completion:
         except ConfigError as e:
             return error_response(400, str(e))
         choices = []
-        completion_tokens = 0
         for job, (gen, text) in zip(self.jobs, results, strict=True):
-            completion_tokens += len(gen.tokens)
             finish = "stop" if text.stopped or gen.finish_reason == "stop" else gen.finish_reason
             choice: dict[str, Any] = {"index": job.index, "finish_reason": finish, "token_versions": gen.versions}
             lp = {"tokens": [engine.tokenizer.decode([t]) for t in gen.tokens], "token_logprobs": gen.logprobs}
@@ -199,7 +197,7 @@ class Completion:
                 "created": int(time.time()),
                 "model": engine.model_name,
                 "choices": choices,
-                "usage": _usage(self.prompt_tokens, completion_tokens),
+                "usage": _usage(self.prompt_tokens, sum(len(gen.tokens) for gen, _ in results)),
             }
         )
 

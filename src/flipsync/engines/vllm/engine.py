@@ -140,8 +140,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         # per rank: the reload-mode layers compared with ``source`` at attach, what differed, and the time taken
         self.attach_audit: dict[str, dict[str, Any]] = {rank: res.get("audit", {}) for rank, res in results.items()}
         self.last_audit: dict[str, Any] = {}  # the last commit's: layers audited per rank, seconds (slowest rank)
-        unheld = {n: why for res in results.values() for n, why in res.get("unheld", {}).items()}
-        self.unheld = self._coverage(unheld)
+        self.unheld = self._coverage({n: why for res in results.values() for n, why in res.get("unheld", {}).items()})
         self._table = table.copy() if table is not None else FingerprintTable()
         # Why the ranks hold no consistent view (None: they do); patches are refused until a full load.
         self._diverged: str | None = None
@@ -336,10 +335,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             plans[name] = plan
         old: dict[str, np.ndarray] = {name: np.zeros(ch.n, dtype=ch.dtype.uint_numpy) for name, ch in changes.items()}
         if reads:
-            answers = self._call({"op": "gather", "per_rank": reads})
-            for a in answers:
-                rank = str(a["rank"])
-                for (name, hit), bits in zip(read_slots.get(rank, []), a["result"], strict=True):
+            for a in self._call({"op": "gather", "per_rank": reads}):
+                for (name, hit), bits in zip(read_slots.get(str(a["rank"]), []), a["result"], strict=True):
                     old[name][hit] = unb64(bits, changes[name].dtype.uint_numpy)
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}

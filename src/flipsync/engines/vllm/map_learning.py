@@ -159,8 +159,7 @@ class MapLearner:
                             )
                         if pos.numel() == 0:
                             continue
-                        vals = flat[pos].to(torch.float64)
-                        digits = vals - 1
+                        digits = flat[pos].to(torch.float64) - 1
                         if not bool(((digits >= 0) & (digits < base) & (digits == digits.round())).all()):
                             raise WorkerOpError(
                                 f"loading {name!r} into {pname!r} transforms values (a probe digit did not survive); "
