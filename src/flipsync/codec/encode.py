@@ -106,9 +106,8 @@ class PatchEncoder:
             section, blobs[section.name] = work.result()
             sections.append(section)
         digests = [d() if callable(d) else d for d in self._digests]
-        digest = None
-        if all(d is not None for d in digests):
-            digest = combine_digests(zip(self._names, digests, strict=True))  # type: ignore[arg-type]
+        whole = all(d is not None for d in digests)  # a piece, or a diff without digests, has none
+        digest = combine_digests(zip(self._names, digests, strict=True)) if whole else None  # type: ignore[arg-type]
         header = PatchHeader(base, target, tuple(sections), served_format, dict(meta or {}), digest)
         if self._stream is not None:
             self._lay_out()  # a pool thread may still be running its callback: everything is placed after this

@@ -31,8 +31,9 @@ def kernel(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     if fn is None:
         return lambda f: kernel(f, **options)
     dispatcher = numba.njit(nogil=True, cache=True, **options)(fn)
-    cache = dispatcher._cache  # numba's FunctionCache (Dispatcher.enable_caching): keep its place, swap its files
-    cache._cache_file = _SignatureFiles(cache.cache_path, cache._impl.filename_base, cache._cache_file._source_stamp)
+    cache = dispatcher._cache  # numba's FunctionCache (Dispatcher.enable_caching): keep it, swap its files for ours
+    base, stamp = cache._impl.filename_base, cache._cache_file._source_stamp  # named apart: numba's index may be bad
+    cache._cache_file = _SignatureFiles(cache.cache_path, f"{base}.bykey", stamp)
     return dispatcher
 
 
