@@ -41,13 +41,14 @@ try:
 except ImportError:  # the targets still run as plain functions (regression tests); only fuzzing needs it
     atheris = None
 
-# numba compiles the kernels of every module that imports it from their bytecode, which must stay free of
-# atheris's hooks: found by scanning the source, so that moving a kernel cannot break the fuzz run.
+# numba compiles the kernels of every module that imports it (or the codec's ``kernel`` decorator) from their
+# bytecode, which must stay free of atheris's hooks: found by scanning the source, so that moving a kernel
+# cannot break the fuzz run.
 _SRC = Path(__file__).resolve().parents[2] / "src"
 _NUMBA_MODULES = [
     ".".join(p.relative_to(_SRC).with_suffix("").parts)
     for p in sorted((_SRC / "flipsync").rglob("*.py"))
-    if re.search(r"^\s*(import numba|from numba)", p.read_text(), re.MULTILINE)
+    if re.search(r"^\s*(import numba|from numba|from flipsync\.codec\.jit import)", p.read_text(), re.MULTILINE)
 ]
 
 with atheris.instrument_imports(include=["flipsync"], exclude=_NUMBA_MODULES) if atheris else contextlib.nullcontext():
