@@ -213,24 +213,16 @@ async def until(predicate: Any, what: str, timeout: float = WAIT_S) -> float:
     return time.monotonic() - t
 
 
-def serving_at_least(gateway: str, version: int) -> set[str]:
-    """The ready members that hold ``version`` or a later one."""
-    try:
-        members = fleet(gateway)["members"]
-    except (httpx.HTTPError, ValueError):
-        return set()
-    return {m["replica"] for m in members if m["ready"] and (m["version"] or -1) >= version}
-
-
-def ready_ids(gateway: str, seen: list[dict[str, Any]] | None = None) -> set[str]:
-    """The ready members' ids; ``seen`` collects every member's entry as the gateway sees it."""
+def ready_ids(gateway: str, seen: list[dict[str, Any]] | None = None, *, holding: int = 0) -> set[str]:
+    """The ready members' ids (that hold version ``holding`` or a later one); ``seen`` collects every member's
+    entry as the gateway sees it."""
     try:
         members = fleet(gateway)["members"]
     except (httpx.HTTPError, ValueError):
         return set()
     if seen is not None:
         seen += members
-    return {m["replica"] for m in members if m["ready"]}
+    return {m["replica"] for m in members if m["ready"] and m["version"] is not None and m["version"] >= holding}
 
 
 def test_kill_restart_drain_and_join_under_load(tmp_path: Path) -> None:
@@ -271,7 +263,7 @@ def test_kill_restart_drain_and_join_under_load(tmp_path: Path) -> None:
         publisher.start()
         # The faults are the subject, not a fleet's cold start: load begins once a, b and c have applied patches
         # (a sidecar's first one compiles its numba kernels unless cached: >20 s on a loaded CI machine).
-        await until(lambda: serving_at_least(gateway, 2) >= {replicas[n].replica_id for n in "abc"}, "v2 is served")
+        await until(lambda: ready_ids(gateway, holding=2) >= {replicas[n].replica_id for n in "abc"}, "v2 is served")
         load = Load(gateway, trainer)
         running = asyncio.create_task(load.run())
         await asyncio.sleep(4)
