@@ -23,6 +23,11 @@ from flipsync.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+# The header the openai client (and others built with Stainless) obeys over its own retry rules: an answer a retry
+# cannot change carries "false", so the client does not repeat it (it retries 408, 409, 429 and 5xx by default).
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def error_response(
     status: int, message: str, kind: str = "invalid_request_error", headers: dict[str, str] | None = None, **extra: Any
 ) -> JSONResponse:

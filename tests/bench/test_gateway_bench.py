@@ -44,3 +44,34 @@ def test_membership_scans_read_only_what_changed() -> None:
     text = gateway.markdown({"latency": latency, "membership": result})
     assert "| request | until | direct p50 |" in text and "Heartbeats of 1,000 replicas on S3" in text
     assert "| scan | seconds | live records | GETs | LIST pages |" in text
+
+
+def test_the_affinity_run_and_its_markdown() -> None:
+    """The load part of the bench at a small size (the 1,000 requests/s and 5,000-stream runs start processes:
+    ``bench all --quick`` runs them; tests/fleet/test_gateway_streams.py runs the streams)."""
+    from flipsync.apps.bench import gateway_load
+
+    a = gateway_load.affinity(sessions=12, turns=3)
+    assert a["sessions"] == 12 and 0.0 <= a["hit_rate"] <= 1.0 and a["busiest_over_mean"] >= 1.0
+    rate = {
+        "rate": 1000.0,
+        "requests": 10,
+        "errors": 0,
+        **{k: 1.0 for k in ("direct_p50_ms", "direct_p99_ms", "gateway_p50_ms", "gateway_p99_ms")},
+        **{k: 0.5 for k in ("added_p50_ms", "added_p99_ms")},
+    }
+    streams = {"streams": 5000, "completed": 5000, "all_open_at_once": True, "seconds": 30.0}
+    latency = [
+        {
+            "case": "c",
+            "measure": "whole response",
+            "pairs": 1,
+            **{k: 1.0 for k in ("direct_p50_ms", "direct_p99_ms", "gateway_p50_ms", "gateway_p99_ms")},
+            **{k: 0.0 for k in ("added_p50_ms", "added_p99_ms", "paired_median_ms")},
+        }
+    ]
+    membership = {**gateway.s3_costs(1000), "scans": [], "replicas": 0}
+    text = gateway.markdown(
+        {"latency": latency, "membership": membership, "load": {"affinity": a, "rate": rate, "streams": streams}}
+    )
+    assert "of turns 2-3 on turn 1's replica" in text and "5,000 completed" in text and "+0.50 ms p50" in text

@@ -35,6 +35,8 @@ def test_the_check_runs_on_the_cpu_and_says_the_gpu_parts_were_not_measured() ->
     assert [r["fraction"] for r in report["bandwidth"]["rows"]] == list(gpu.FRACTIONS)
     assert all(r["apply_bitwise"] for r in report["bandwidth"]["rows"])
     assert all(r["target_reached"] and r["rolled_back"] for r in report["engine"]["rows"])
+    graph = report["cuda_graph"]  # on the CPU: the same steps eagerly, the graph part said to be skipped
+    assert graph["ok"] and not graph["captured"] and "CUDA-graph replay was not checked" in graph["skipped"]
 
 
 def test_the_bit_comparison_runs_through_every_format() -> None:

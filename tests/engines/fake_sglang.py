@@ -58,6 +58,8 @@ class FakeSglang:
         # reload), and tensors the model holds in another layout than the checkpoint's (read back transposed)
         self.stale: set[str] = set()
         self.transposed: set[str] = set()
+        # tensors whose reload comes out wrong at one row (name -> row): one element's lowest bit flipped
+        self.wrong_row: dict[str, int] = {}
         self.app = self._build()
 
     def _build(self) -> FastAPI:
@@ -115,6 +117,12 @@ class FakeSglang:
                         return False, f"Failed to update weights: unexpected tensor {name}.\nRolling back."
                     staged[name] = t
         self.weights.update({n: t for n, t in staged.items() if n not in self.stale})
+        for name, row in self.wrong_row.items():
+            if name in staged:
+                t = self.weights[name].clone()
+                bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+                bits[row].view(-1)[0] ^= 1
+                self.weights[name] = t
         self.loaded.append(sorted(staged))
         self.model_path = str(path)
         return True, "Succeeded to update model weights."

@@ -72,10 +72,13 @@ class ColumnLinear(nn.Module):
                 self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
 
     def effective(self) -> torch.Tensor:
+        scale = self._parameters.get("input_scale")
         if self.packed:
             assert self.packed_copy is not None
-            return self.packed_copy.t()
-        return self.weight
+            out = self.packed_copy.t()
+        else:
+            out = self.weight
+        return out if scale is None else (out.float() * scale).to(out.dtype)
 
 
 class RowLinear(nn.Module):
@@ -122,18 +125,65 @@ class Norm(nn.Module):
 
 class FakeMoeMethod:
     """The experts' method object: prepacks on the first call only (its kernel is built then), as vLLM CPU's
-    ``UnquantizedFusedMoEMethod`` does; ``faithful=True`` prepacks on every call."""
+    ``UnquantizedFusedMoEMethod`` does; ``faithful=True`` prepacks on every call. ``keep=True``: the packed copies
+    the kernel reads are plain attributes of the method (``packed_w13``, ``packed_w2``), the layer's tensors stay
+    as loaded; with a router, the method also keeps the router bias it derived (``bias_packed``)."""
 
-    def __init__(self, faithful: bool = False) -> None:
+    def __init__(self, faithful: bool = False, keep: bool = False) -> None:
         self.faithful = faithful
+        self.keep = keep
         self.kernel: object | None = None
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.kernel is None or self.faithful:
             with torch.no_grad():  # "prepack": a same-shape relayout the kernel reads (last dim reversed)
-                layer.w13.data.copy_(layer.w13.data.flip(-1))
-                layer.w2.data.copy_(layer.w2.data.flip(-1))
+                if self.keep:
+                    self.packed_w13 = layer.w13.detach().flip(-1).clone()
+                    self.packed_w2 = layer.w2.detach().flip(-1).clone()
+                else:
+                    layer.w13.data.copy_(layer.w13.data.flip(-1))
+                    layer.w2.data.copy_(layer.w2.data.flip(-1))
+                bias = layer._parameters.get("e_score_correction_bias")
+                if bias is not None:
+                    self.bias_packed = bias.detach().float().clone()
         self.kernel = object()
+
+
+class FakeMoeModuleMethod(nn.Module):
+    """The same method as a child module (vLLM's MoE quant methods are ``nn.Module`` s), packed copies kept."""
+
+    def __init__(self, faithful: bool = False) -> None:
+        super().__init__()
+        self.faithful = faithful
+        self.keep = True
+        self.kernel: object | None = None
+
+    process_weights_after_loading = FakeMoeMethod.process_weights_after_loading
+
+
+class Router(nn.Module):
+    """GLM's router (``mlp.gate``): a packed linear and an FP32-kept score-correction bias that the fused experts
+    hold too (one tensor, two holders)."""
+
+    packed = True
+
+    def __init__(self, n: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(n, hidden, dtype=torch.bfloat16), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(n, dtype=torch.bfloat16), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+        self.packed_copy: torch.Tensor | None = None
+
+    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    def process_weights_after_loading(self) -> None:
+        self.packed_copy = self.weight.detach().clone().t().contiguous()
+        self.weight = nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+    def effective(self) -> torch.Tensor:
+        assert self.packed_copy is not None
+        return self.packed_copy.t()
 
 
 class Experts(nn.Module):
@@ -142,7 +192,7 @@ class Experts(nn.Module):
 
     packed = True
 
-    def __init__(self, n: int, hidden: int, inter: int, rank: int, size: int, faithful: bool) -> None:
+    def __init__(self, n: int, hidden: int, inter: int, rank: int, size: int, faithful: bool, method: str = "") -> None:
         super().__init__()
         self.n, self.inter, self.rank, self.size = n, inter, rank, size
         per = inter // size
@@ -150,7 +200,18 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.zeros(n, hidden, per, dtype=torch.bfloat16), requires_grad=False)
         self.w13.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         self.w2.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        self.quant_method = FakeMoeMethod(faithful)
+        # method "": prepacks the layer's own tensors; "plain": keeps packed copies in the method object;
+        # "module": the same, the method being a child module
+        self.quant_method = (
+            FakeMoeModuleMethod(faithful) if method == "module" else FakeMoeMethod(faithful, bool(method))
+        )
+
+    def kernel_weight(self, attr: str) -> torch.Tensor:
+        """What the kernel reads for ``w13`` / ``w2``, unpacked."""
+        method = self.quant_method
+        packed = getattr(method, f"packed_{attr}", None) if method.keep else getattr(self, attr)
+        assert packed is not None
+        return packed.flip(-1)
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, expert: int, shard: str) -> None:
         per = self.inter // self.size
@@ -174,14 +235,23 @@ class Layer(nn.Module):
         norm_dtype: torch.dtype = torch.bfloat16,
         moe: int = 0,
         faithful_moe: bool = False,
+        moe_method: str = "",
+        router: bool = False,
+        scale: bool = False,
     ) -> None:
         super().__init__()
         self.self_attn = nn.Module()
         self.self_attn.qkv_proj = ColumnLinear(hidden, {"q": q, "k": kv, "v": kv}, rank, size, packed)
         self.self_attn.o_proj = RowLinear(q, hidden, rank, size, packed)
+        if scale:  # a parameter no checkpoint holds, which a fresh load sets to one
+            self.self_attn.o_proj.input_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.mlp = nn.Module()
         if moe:
-            self.mlp.experts = Experts(moe, hidden, inter, rank, size, faithful_moe)
+            if router:
+                self.mlp.gate = Router(moe, hidden)
+            self.mlp.experts = Experts(moe, hidden, inter, rank, size, faithful_moe, moe_method)
+            if router:  # one tensor, two holders (vLLM's FusedMoE registers the gate's bias as its own)
+                self.mlp.experts.e_score_correction_bias = self.mlp.gate.e_score_correction_bias
         else:
             self.mlp.gate_up_proj = ColumnLinear(hidden, {0: inter, 1: inter}, rank, size, packed)
             self.mlp.down_proj = RowLinear(inter, hidden, rank, size, packed)
@@ -213,12 +283,16 @@ class FakeLlama(nn.Module):
         norm_dtype: torch.dtype = torch.bfloat16,
         moe: int = 0,
         faithful_moe: bool = False,
+        moe_method: str = "",
+        router: bool = False,
+        scale: bool = False,
     ) -> None:
         super().__init__()
         self.model = nn.Module()
         self.model.embed_tokens = VocabEmbedding(vocab, hidden, rank, size)
         self.model.layers = nn.ModuleList(
-            Layer(hidden, q, kv, inter, rank, size, packed, norm_dtype, moe, faithful_moe) for _ in range(layers)
+            Layer(hidden, q, kv, inter, rank, size, packed, norm_dtype, moe, faithful_moe, moe_method, router, scale)
+            for _ in range(layers)
         )
         self.model.norm = Norm(hidden, norm_dtype)
         self.lm_head = ColumnLinear(hidden, {0: -(-vocab // (8 * size)) * 8 * size}, rank, size, packed)
@@ -263,7 +337,7 @@ class FakeLlama(nn.Module):
     def process_weights_after_loading(self, modules: Iterable[str] | None = None) -> None:
         wanted = set(modules) if modules is not None else None
         for mname, mod in self.named_modules():
-            if mod is self or (wanted is not None and mname not in wanted):
+            if mod is self or (wanted is not None and mname not in wanted) or mname.endswith(".quant_method"):
                 continue
             if hasattr(mod, "quant_method"):
                 mod.quant_method.process_weights_after_loading(mod)
@@ -276,7 +350,9 @@ class FakeLlama(nn.Module):
         mname, _, pname = name.rpartition(".")
         mod = self.get_submodule(mname)
         if isinstance(mod, Experts):
-            return getattr(mod, pname).flip(-1)
+            return mod.kernel_weight(pname)
+        if isinstance(mod, Router) and pname != "weight":
+            return getattr(mod, pname)
         return mod.effective() if hasattr(mod, "effective") else getattr(mod, pname)
 
 
@@ -334,6 +410,7 @@ def make_reloader(model: FakeLlama, *, stale: bool = False, fault: list[Fault] |
                     mod.process_weights_after_loading()
                 else:  # untouched (or a stale engine): put the old packed state back
                     mod.weight = mod._was
+                del mod._was  # (registered as a parameter by nn.Module)
         for f in fault or []:
             f(model, touched)
 
@@ -357,11 +434,29 @@ def packed_scratch(module: nn.Module, pname: str, live: torch.Tensor | None) -> 
 
 
 def fake_probe(mname: str, module: nn.Module, rows: int | None, seed: int) -> dict[str, torch.Tensor]:
-    """What a packed layer's 'kernel' computes from (its packed copy, read back), for the rows probed."""
-    if not getattr(module, "packed", False) or isinstance(module, Experts) or module.packed_copy is None:
+    """What a packed layer's 'kernel' computes from (its packed copy, read back), for the rows probed; the fused
+    experts' kernel on fixed inputs with each expert forced in turn."""
+    if isinstance(module, Experts):
+        return {"experts": experts_probe(module, 4)} if MOE_PROBE else {}
+    if not getattr(module, "packed", False) or module.packed_copy is None:
         return {}
     eff = module.effective()
     return {"effective": eff[:, torch.from_numpy(probe_rows(eff.shape[1], rows, seed))]}
+
+
+MOE_PROBE = True  # the fused experts probed through their kernel (blind spot 1); a test may switch it off
+
+
+def experts_probe(module: Experts, tokens: int) -> torch.Tensor:
+    """Every expert's output on the same fixed tokens: silu(x W1) * (x W3) W2 from the weights the kernel reads."""
+    w13, w2 = module.kernel_weight("w13").float(), module.kernel_weight("w2").float()
+    per = w13.shape[1] // 2
+    x = torch.randn((tokens, w13.shape[2]), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for e in range(w13.shape[0]):
+        h = torch.nn.functional.silu(x @ w13[e, :per].T) * (x @ w13[e, per:].T)
+        outs.append(h @ w2[e].T)
+    return torch.stack(outs)
 
 
 FAKE_HOOKS = KernelHooks(default_twin, fake_probe, default_transplant, default_kind)
@@ -371,7 +466,7 @@ FAKE_HOOKS = KernelHooks(default_twin, fake_probe, default_transplant, default_k
 DIMS = {"vocab": 50, "hidden": 16, "q": 16, "kv": 8, "inter": 24, "layers": 2}
 
 
-def checkpoint(seed: int = 0, *, moe: int = 0) -> dict[str, torch.Tensor]:
+def checkpoint(seed: int = 0, *, moe: int = 0, router: bool = False) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     h, q, kv, inter, vocab = DIMS["hidden"], DIMS["q"], DIMS["kv"], DIMS["inter"], DIMS["vocab"]
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
@@ -386,6 +481,8 @@ def checkpoint(seed: int = 0, *, moe: int = 0) -> dict[str, torch.Tensor]:
             p + "post_attention_layernorm.weight": (h,),
         }
         experts = [f"{p}mlp.experts.{e}." for e in range(moe)] if moe else [p + "mlp."]
+        if router:
+            shapes |= {p + "mlp.gate.weight": (moe, h), p + "mlp.gate.e_score_correction_bias": (moe,)}
         for e in experts:
             shapes |= {
                 e + "gate_proj.weight": (inter, h),
@@ -403,14 +500,27 @@ def boot(
     norm_dtype: torch.dtype = torch.bfloat16,
     moe: int = 0,
     faithful_moe: bool = False,
+    moe_method: str = "",
+    router: bool = False,
+    scale: bool = False,
     stale: bool = False,
     fault: list[Fault] | None = None,
+    hooks: KernelHooks | None = None,
 ) -> list[tuple[FakeLlama, WorkerCore]]:
     """Fake workers that loaded ``view`` at start-up, as vLLM does (load, then process)."""
     out = []
     for rank in range(size):
         model = FakeLlama(
-            **DIMS, rank=rank, size=size, packed=packed, norm_dtype=norm_dtype, moe=moe, faithful_moe=faithful_moe
+            **DIMS,
+            rank=rank,
+            size=size,
+            packed=packed,
+            norm_dtype=norm_dtype,
+            moe=moe,
+            faithful_moe=faithful_moe,
+            moe_method=moe_method,
+            router=router,
+            scale=scale,
         )
         model.load_weights(view.items())
         model.process_weights_after_loading()
@@ -421,7 +531,7 @@ def boot(
             scratch=packed_scratch,
             reloader=make_reloader(model, stale=stale, fault=fault),
             default_source=lambda v=view: v,
-            hooks=FAKE_HOOKS,
+            hooks=hooks or FAKE_HOOKS,
         )
         out.append((model, core))
     return out

@@ -191,9 +191,12 @@ def test_tensors_held_in_another_layout_are_not_audited(tmp_path) -> None:
     fake = FakeSglang(v0)
     fake.transposed = {"model.layers.0.self_attn.q_proj.weight"}  # e.g. an FP8 weight kept as its .t()
     with serve(fake.app) as url:
+        with pytest.raises(ConfigError, match=r"does not read back 1 of 5 tensors.*q_proj.*unreadable='skip'"):
+            SglangEngine(url, HostCopy.create(tmp_path / "r.safetensors", v0), staging_dir=tmp_path / "r")
         engine = SglangEngine(url, HostCopy.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s",
-                              audit="sample")  # fmt: skip
+                              audit="sample", unreadable="skip")  # fmt: skip
         assert "model.layers.0.self_attn.q_proj.weight" not in engine.auditable
+        assert engine.unaudited == ["model.layers.0.self_attn.q_proj.weight"]
         v1 = nudge(v0, ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
         patch, _ = diff_views(v0, v1)
         engine.commit(engine.stage(patch))
@@ -213,4 +216,23 @@ def test_with_the_audit_off_a_stale_update_goes_unseen(tmp_path) -> None:
         patch, t1 = diff_views(v0, nudge(v0, ["model.norm.weight"]))
         engine.commit(engine.stage(patch))
         assert engine.table.view_fp() == t1.view_fp() and not same(fake.weights, dict(engine.host_view))
+        engine.close()
+
+
+def test_a_tensor_that_differs_after_row_2_is_caught(tmp_path) -> None:
+    """Blind spot 7: the read-back compared the first 2 rows of a touched tensor; a reload that gets row 20 of
+    the embedding wrong must be refused (whole tensors are read back)."""
+    v0 = view0()
+    fake = FakeSglang(v0)
+    with serve(fake.app) as url:
+        engine = SglangEngine(url, HostCopy.create(tmp_path / "m.safetensors", v0), staging_dir=tmp_path / "s")
+        v1 = nudge(v0, ["model.embed_tokens.weight"])
+        patch, t1 = diff_views(v0, v1)
+        fake.wrong_row = {"model.embed_tokens.weight": 20}
+        with pytest.raises(EngineError, match=r"reads back other values for model\.embed_tokens\.weight.*whole"):
+            engine.commit(engine.stage(patch))
+        assert same(dict(engine.host_view), v0)
+        fake.wrong_row = {}
+        engine.commit(engine.stage(patch))
+        assert engine.table.view_fp() == t1.view_fp() and same(fake.weights, v1)
         engine.close()

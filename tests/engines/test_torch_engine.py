@@ -12,7 +12,7 @@ from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.engine import SamplingParams, TorchEngine
 from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.openai_server import ChoiceText
-from flipsync.errors import BaseMismatchError, EngineError
+from flipsync.errors import BaseMismatchError, ConfigError, EngineError
 from flipsync.formats import dequantize_view, served_view
 from tests.sidecar.sidecar_helpers import TINY, Trainer, same_bits, tiny_engine, tiny_masters
 
@@ -208,3 +208,28 @@ def test_ignore_eos_generates_max_tokens() -> None:
         forced = client.post(url, json={**body, "ignore_eos": True}).json()["choices"][0]
         assert forced["finish_reason"] == "length" and len(forced["token_versions"]) == 120
         assert client.post(url, json={**body, "ignore_eos": "yes"}).status_code == 400
+
+
+def test_top_logprobs_are_the_top_of_the_raw_distribution_only_when_asked() -> None:
+    eng = tiny_engine()
+    prompt = eng.tokenizer.encode("ab")
+    params = SamplingParams(max_tokens=5, temperature=0.8, seed=4, stop_token_ids=frozenset())
+    plain = eng.generate(prompt, params)
+    assert plain.top_logprobs == []  # no top-k unless asked
+    topped = eng.generate(prompt, SamplingParams(**{**params.__dict__, "top_logprobs": 4}))
+    assert topped.tokens == plain.tokens and topped.logprobs == plain.logprobs  # asking changes nothing else
+    assert len(topped.top_logprobs) == 5
+    for tok, lp, top in zip(topped.tokens, topped.logprobs, topped.top_logprobs, strict=True):
+        assert len(top) == 4 and [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+        if tok in dict(top):
+            assert dict(top)[tok] == lp  # the same number, not a recomputation
+
+
+def test_check_prompt_refuses_what_generate_cannot_take() -> None:
+    eng = tiny_engine()
+    for bad, match in (([], "empty"), ([1] * eng.max_positions, "at most"), ([10**6], "token ids")):
+        with pytest.raises(ConfigError, match=match):
+            eng.check_prompt(bad)
+        with pytest.raises(ConfigError, match=match):
+            eng.generate(bad, SamplingParams(max_tokens=1))
+    eng.check_prompt([1] * (eng.max_positions - 1))

@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import logging
 
+import fake_vllm
 import pytest
 import torch
-from fake_vllm import DIMS, FakeLlama, bits_equal, boot, checkpoint, fake_policy, held_view, make_reloader, step
+from fake_vllm import (
+    DIMS,
+    Experts,
+    FakeLlama,
+    Fault,
+    bits_equal,
+    boot,
+    checkpoint,
+    fake_policy,
+    fake_probe,
+    held_view,
+    make_reloader,
+    step,
+)
 
 from flipsync.board import BoardReader, BoardWriter, open_store
 from flipsync.codec import diff_views
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.vllm.engine import VllmEngine
+from flipsync.engines.vllm.kernels import KernelHooks, default_kind, default_transplant, default_twin
 from flipsync.engines.vllm.rpc_transports import LocalTransport
 from flipsync.engines.vllm.tensor_specs import specs_of
 from flipsync.engines.vllm.worker import WorkerCore
@@ -265,3 +280,229 @@ def test_the_audit_costs_one_twin_per_touched_layer() -> None:
         reloaded = engine.last_audit["reloaded"]["0"]
         assert len(reloaded) == 9
         assert len(engine.last_audit["layers"]["0"]) == (9 if audit == "every" else expect)
+
+
+# --------------------------------------------------------------------------------------- the fault matrix
+# One test per blind spot of the audit (docs/engines.md, "Blind spots, and how each is closed"): each breaks
+# exactly that thing in the fake engine and must be refused (or, where the engine's own path falls short at the
+# first reload, completed from a fresh load); each fails with its fix reverted.
+def once(fault: Fault) -> Fault:
+    """A fault that strikes on the first reload after it is installed only (the undo's reload then works)."""
+    done: list[bool] = []
+
+    def run(model: FakeLlama, touched: set[str]) -> None:
+        if not done:
+            done.append(True)
+            fault(model, touched)
+
+    return run
+
+
+def experts_of(model: FakeLlama) -> list[Experts]:
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
+def test_fault_1_a_stale_packed_copy_in_an_moe_method_attribute_is_refused(monkeypatch) -> None:
+    """Blind spot 1: the fused experts' kernel reads packed copies kept in plain attributes of its method
+    object; the layer's own tensors are right. With the fake's expert probe off, only comparing the method's
+    state finds it."""
+    monkeypatch.setattr(fake_vllm, "MOE_PROBE", False)
+    views, patches, tables = chain(checkpoint(0, moe=MOE), 2)
+    faults: list = []
+    pairs = boot(views[0], moe=MOE, faithful_moe=True, moe_method="plain", fault=faults)
+    engine = engine_of(pairs, views[0])
+    engine.commit(engine.stage(patches[0]))
+    assert pairs[0][1].kinds["Experts"] == "faithful"
+
+    def stale(model: FakeLlama, touched: set[str]) -> None:
+        int_view(experts_of(model)[1].quant_method.packed_w13).view(-1)[5] += 1
+
+    faults.append(once(stale))
+    with pytest.raises(EngineError, match=r"quant_method\.packed_w13 differs from a fresh load"):
+        engine.commit(engine.stage(patches[1]))
+    assert engine.table.view_fp() == tables[1].view_fp()
+    assert bits_equal(held_view(pairs, engine), views[1])
+
+
+def test_fault_1_the_fused_experts_kernel_is_probed() -> None:
+    """Blind spot 1, the probe: a stale packed copy the kernel reads is seen in the experts' outputs with every
+    expert forced in turn (and the method's state)."""
+    views, patches, _ = chain(checkpoint(0, moe=MOE), 2)
+    faults: list = []
+    pairs = boot(views[0], moe=MOE, faithful_moe=True, moe_method="plain", fault=faults)
+    engine = engine_of(pairs, views[0])
+    engine.commit(engine.stage(patches[0]))
+    faults.append(once(lambda model, _t: int_view(experts_of(model)[0].quant_method.packed_w2).view(-1)[3].add_(1)))
+    with pytest.raises(EngineError, match=r"probe experts differs from a fresh load"):
+        engine.commit(engine.stage(patches[1]))
+
+
+def test_fault_1_an_moe_method_that_is_a_child_module_is_transplanted() -> None:
+    """Blind spot 1, the transplant: the engine's reload skips the prepack and the packed copies live in the
+    method, a child module; the repair must give the live layer the fresh load's method (default_transplant
+    skipped child modules, so the repair could not take and the update was refused)."""
+    views, patches, _ = chain(checkpoint(0, moe=MOE), 2)
+    pairs = boot(views[0], moe=MOE, moe_method="module")
+    engine = engine_of(pairs, views[0])
+    for i, p in enumerate(patches, 1):
+        engine.commit(engine.stage(p))
+        assert bits_equal(held_view(pairs, engine), views[i])
+    assert pairs[0][1].kinds["Experts"] == "repaired"
+    assert engine.kernel_state() == engine_of(boot(views[2], moe=MOE, moe_method="module"), views[2]).kernel_state()
+
+
+def test_fault_2_every_holder_of_a_shared_parameter_is_reloaded_and_audited() -> None:
+    """Blind spot 2: GLM's router bias is one tensor held by the gate and by the fused experts, whose method
+    derives its own copy at processing. A patch of the bias alone must reprocess the experts too (equal to a
+    fresh engine after it), and a broken reprocess of that holder must be refused."""
+    v0 = checkpoint(0, moe=MOE, router=True)
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    v1 = dict(v0)
+    v1[bias] = step({bias: v0[bias]}, 3, frac=1.0)[bias]
+    v2 = dict(v1)
+    v2[bias] = step({bias: v1[bias]}, 4, frac=1.0)[bias]
+    t0, t1 = FingerprintTable.of(v0), FingerprintTable.of(v1)
+    p1, _ = diff_views(v0, v1, old_table=t0)
+    p2, _ = diff_views(v1, v2, old_table=t1)
+    faults: list = []
+    pairs = boot(v0, moe=MOE, faithful_moe=True, moe_method="plain", router=True, fault=faults)
+    engine = engine_of(pairs, v0)
+    engine.commit(engine.stage(p1))
+    assert "model.layers.1.mlp.experts" in engine.last_audit["reloaded"]["0"]
+    fresh = boot(v1, moe=MOE, faithful_moe=True, moe_method="plain", router=True)
+    assert engine.kernel_state() == engine_of(fresh, v1).kernel_state()
+
+    def off(model: FakeLlama, touched: set[str]) -> None:
+        int_view(experts_of(model)[1].quant_method.bias_packed).view(-1)[0] += 1
+
+    faults.append(once(off))
+    with pytest.raises(EngineError, match=r"mlp\.experts.*bias_packed differs from a fresh load"):
+        engine.commit(engine.stage(p2))
+    assert engine.table.view_fp() == t1.view_fp()
+    assert pairs[0][1].holders[bias] == {"model.layers.1.mlp.experts"}
+
+
+def test_fault_3_a_non_checkpoint_parameter_comes_from_the_fresh_load_not_the_live_layer() -> None:
+    """Blind spot 3: ``input_scale`` is in no checkpoint and a fresh load sets it to one; a reload that zeroes
+    it is refused (the twin used to take the live, zeroed value and agree with it)."""
+    views, patches, tables = chain(checkpoint(0), 2)
+    faults: list = []
+    pairs = boot(views[0], packed=True, scale=True, fault=faults)
+    engine = engine_of(pairs, views[0])
+    engine.commit(engine.stage(patches[0]))
+
+    def zero(model: FakeLlama, touched: set[str]) -> None:
+        model.model.layers[0].self_attn.o_proj.input_scale.data.zero_()
+
+    faults.append(once(zero))
+    with pytest.raises(EngineError, match=r"o_proj.*input_scale differs from a fresh load"):
+        engine.commit(engine.stage(patches[1]))
+    assert engine.table.view_fp() == tables[1].view_fp()
+
+
+def test_fault_3_a_repaired_kind_is_rechecked_against_an_independent_twin() -> None:
+    """Blind spot 3, the repair: a repaired layer used to be compared with the twin it had just copied, so state
+    that both share (the adopted packed copy, which the kernel reads) could go wrong unseen. A transplant that
+    damages the adopted state must be refused on the next reload."""
+    views, patches, _ = chain(checkpoint(0), 2)
+    armed: list[bool] = []
+
+    def transplant(live: torch.nn.Module, twin: torch.nn.Module) -> None:
+        default_transplant(live, twin)
+        if armed and getattr(twin, "packed_copy", None) is not None:
+            int_view(twin.packed_copy).view(-1)[0] += 1  # the live layer reads this very tensor now
+
+    hooks = KernelHooks(default_twin, fake_probe, transplant, default_kind)
+    pairs = boot(views[0], packed=True, stale=True, hooks=hooks)
+    engine = engine_of(pairs, views[0])
+    engine.commit(engine.stage(patches[0]))
+    assert pairs[0][1].kinds["ColumnLinear"] == "repaired"
+    assert pairs[0][1].rechecked
+    armed.append(True)
+    with pytest.raises(EngineError, match="differ from a fresh load"):
+        engine.commit(engine.stage(patches[1]))
+
+
+def test_fault_4_sample_finds_a_fault_in_any_layer_of_a_kind_within_its_layer_count() -> None:
+    """Blind spot 4: ``sample`` compares one layer per kind; a fault in one of the kind's 4 layers was found with
+    chance 1/4 per update. The rotation finds it within 4 updates, from any start (over many seeds)."""
+    views, patches, _ = chain(checkpoint(0), 5)
+    for trial in range(12):
+
+        def broken(model: FakeLlama, touched: set[str]) -> None:
+            if "model.layers.1.mlp.down_proj" in touched:
+                int_view(model.model.layers[1].mlp.down_proj.packed_copy).view(-1)[0] += 1
+
+        faults: list = []
+        pairs = boot(views[0], packed=True, fault=faults)
+        for _, core in pairs:
+            core._rng.seed(trial)
+        engine = engine_of(pairs, views[0], audit="sample")
+        engine.commit(engine.stage(patches[0]))  # every kind's first reload: compared whole, faithful
+        faults.append(broken)
+        refused = 0
+        for p in patches[1:]:
+            try:
+                engine.commit(engine.stage(p))
+            except EngineError as e:
+                assert "model.layers.1.mlp.down_proj" in str(e)
+                refused += 1
+                break
+        assert refused, f"trial {trial}: a faulty RowLinear layer went unseen for 4 updates under sample"
+
+
+def test_fault_5_an_in_place_parameter_overwritten_by_a_reload_is_refused() -> None:
+    """Blind spot 5: in-place parameters (every dense layer on a GPU) were never audited; a reload that writes
+    over one (here the embedding) after the scatter must be refused: every write is read back after the
+    reloads and its digest compared with the staged target bits."""
+    views, patches, tables = chain(checkpoint(0), 2)
+    faults: list = []
+    pairs = boot(views[0], packed=True, fault=faults)
+    engine = engine_of(pairs, views[0])
+    assert engine.modes()["model.embed_tokens.weight"].startswith("inplace")
+    engine.commit(engine.stage(patches[0]))
+    faults.append(once(lambda model, _t: int_view(model.model.embed_tokens.weight.data).view(-1).bitwise_xor_(1)))
+    with pytest.raises(EngineError, match=r"read-back of 'model\.embed_tokens\.weight' after the commit differs"):
+        engine.commit(engine.stage(patches[1]))
+    assert engine.table.view_fp() == tables[1].view_fp()  # (the fault also hit elements no patch wrote)
+
+
+def test_fault_5_the_sidecar_compares_the_read_back_digest_with_the_target() -> None:
+    """The worker's digest of what it read back must match the bits the sidecar staged; a worker that answers
+    another digest (a write that landed elsewhere) gets its commit undone."""
+    views, patches, tables = chain(checkpoint(0), 1)
+    pairs = boot(views[0])
+    core = pairs[0][1]
+    real = core.apply
+
+    def lying(token: str, writes: list[list[str]]) -> dict:
+        out = real(token, writes)
+        out["readback"] = "0" * 32
+        return out
+
+    core.apply = lying  # type: ignore[method-assign]
+    engine = engine_of(pairs, views[0])
+    with pytest.raises(EngineError, match="read back other bits than the patch's target"):
+        engine.commit(engine.stage(patches[0]))
+    assert engine.table.view_fp() == tables[0].view_fp()
+    assert bits_equal(held_view(pairs, engine), views[0])
+
+
+def test_fault_6_a_reload_that_moves_a_parameter_is_refused() -> None:
+    """Blind spot 6: a reload that reallocates a parameter (same values, new storage) passes every value check,
+    while captured CUDA graphs would read the freed memory: refused by the storage check."""
+    views, patches, _ = chain(checkpoint(0, moe=MOE), 2)
+    faults: list = []
+    pairs = boot(views[0], moe=MOE, faithful_moe=True, fault=faults)
+    engine = engine_of(pairs, views[0])
+    engine.commit(engine.stage(patches[0]))
+
+    def move(model: FakeLlama, touched: set[str]) -> None:
+        experts = experts_of(model)[0]
+        moved = torch.nn.Parameter(experts.w13.detach().clone(), requires_grad=False)
+        moved.weight_loader = experts.weight_loader  # type: ignore[attr-defined]
+        experts.w13 = moved
+
+    faults.append(once(move))
+    with pytest.raises(EngineError, match=r"moved 1 parameter.*experts\.w13.*CUDA graphs"):
+        engine.commit(engine.stage(patches[1]))

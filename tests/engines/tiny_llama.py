@@ -75,7 +75,8 @@ def build_tiny_llama(out: str | Path, *, hidden: int = 64, layers: int = 2, seed
 
 # --------------------------------------------------------------------------------- masters and servable dirs
 def tiny_config(arch: str, vocab: int):
-    """A tiny Llama (``llama``) or Qwen3-MoE (``moe``: 2 layers, 4 experts, top-2) config; head size 64, untied."""
+    """A tiny Llama (``llama``), Qwen3-MoE (``moe``: 2 layers, 4 experts, top-2) or GLM-4.5-Air-shaped (``glm``:
+    a dense layer, then a MoE layer with a shared expert and 4 routed, top-2) config; head size 64, untied."""
     common = dict(
         vocab_size=vocab,
         hidden_size=64,
@@ -106,6 +107,27 @@ def tiny_config(arch: str, vocab: int):
             norm_topk_prob=True,
             **common,
         )
+    if arch == "glm":
+        from transformers import Glm4MoeConfig
+
+        # GLM-4.5-Air's shape, tiny: a dense first layer, then shared + routed experts with a sigmoid router
+        # and its FP32 score-correction bias; attention with a QKV bias and half-rotary heads
+        return Glm4MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=64,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
+            attention_bias=True,
+            use_qk_norm=False,
+            num_nextn_predict_layers=0,
+            **common,
+        )
     raise ValueError(arch)
 
 
@@ -123,6 +145,9 @@ def tiny_masters(arch: str, out: str | Path, *, seed: int = 0) -> tuple[Path, di
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0.0, 0.5)
+            for name, b in model.named_buffers():  # GLM's router bias: a persistent buffer, zeros at init
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.5)
     masters = {}
     for k, v in model.state_dict().items():  # experts as released checkpoints name them, one tensor per expert
         v = v.detach().float().clone()

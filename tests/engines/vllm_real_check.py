@@ -290,6 +290,7 @@ CASES = {
     "dense-fp32": ("llama", "bf16", 1, False, "float32"),  # BF16 checkpoint tensors widened into FP32 parameters
     "moe": ("moe", "bf16", 1, False, "bfloat16"),
     "moe-tp2": ("moe", "bf16", 2, False, "bfloat16"),
+    "glm": ("glm", "bf16", 1, False, "bfloat16"),  # GLM-4.5-Air's shape: dense layer 0, shared + routed experts
     "fp8": ("llama", "fp8-channel", 1, False, "bfloat16"),
     "int8": ("llama", "int8-channel", 1, False, "bfloat16"),
 }
@@ -308,7 +309,9 @@ def case_views(arch: str, fmt: str, workdir: Path, steps: int):
 
     model_dir, masters = tiny_masters(arch, workdir / "base")
     g = torch.Generator().manual_seed(7)
-    views = [served_view(masters, fmt)]
+    # GLM's router bias is FP32 in released checkpoints (and in vLLM's parameter): served as FP32
+    dtypes = {n: torch.float32 for n in masters if n.endswith("e_score_correction_bias")}
+    views = [served_view(masters, fmt, dtypes=dtypes)]
     for k in range(steps):
         nxt = {}
         for name, m in masters.items():  # a relative move of ~2**-10: a few percent of BF16 values change
@@ -316,7 +319,7 @@ def case_views(arch: str, fmt: str, workdir: Path, steps: int):
         if k == 0:
             nxt["lm_head.weight"] = torch.roll(nxt["lm_head.weight"], shifts=7, dims=0).contiguous()
         masters = nxt
-        views.append(served_view(masters, fmt))
+        views.append(served_view(masters, fmt, dtypes=dtypes))
     return model_dir, views
 
 
@@ -388,7 +391,10 @@ def case(workdir: Path, name: str) -> dict:
     llm, timings["engine_start_s"] = case_start(start_dir, tp, EXTENSION, dtype)
     gens = [case_generate(llm, sp)]
     t = time.perf_counter()
-    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(start_dir))
+    # FLIPSYNC_CASE_AUDIT=sample measures the sampled audit's cost (docs/engines.md); CI runs the default
+    audit = os.environ.get("FLIPSYNC_CASE_AUDIT", "every")
+    engine = VllmEngine(LLMTransport(llm), specs_from_checkpoint(start_dir), audit=audit)
+    res["audit"]["mode"] = audit
     timings["attach_s"] = time.perf_counter() - t
     res["modes"] = engine.modes()
     res["param_dtypes"] = sorted({p["dtype"] for p in engine.params["0"].values()})  # checkpoint dtypes fed

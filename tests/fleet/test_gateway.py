@@ -100,7 +100,11 @@ def test_routes_by_readiness_and_constraint(
     # The behind replica catches up and enters rotation.
     assert behind.sidecar.replica.sync_once() and behind.sidecar.replica.version == 3
     assert wait_until(lambda: gw.fleet()["ready"] == 2)
-    assert spread(lambda: served_by(gw.complete())) == {fresh.replica_id, behind.replica_id}
+    # distinct prompts: one prompt repeated is a GRPO group, affine to one replica (docs/fleet.md#affinity)
+    assert spread(lambda: served_by(gw.complete(prompt=f"hi {time.monotonic_ns()}"))) == {
+        fresh.replica_id,
+        behind.replica_id,
+    }
 
 
 def test_a_record_out_of_date_is_corrected_by_the_replica(
@@ -119,8 +123,8 @@ def test_a_record_out_of_date_is_corrected_by_the_replica(
     b.sidecar.replica.stop()
     b.sidecar.replica.follower.move_to(None, None)  # b lost its version (an engine fault)
     before = gw.gateway.metrics.registry.get_sample_value("flipsync_gateway_retries_total", {"reason": "refused_503"})
-    for _ in range(8):
-        r = gw.complete()
+    for i in range(16):  # distinct prompts hash to either replica (affinity): b comes first now and then
+        r = gw.complete(prompt=f"hi {i}")
         assert r.status_code == 200 and served_by(r) == a.replica_id
     after = gw.gateway.metrics.registry.get_sample_value("flipsync_gateway_retries_total", {"reason": "refused_503"})
     assert (after or 0) > (before or 0)
@@ -172,8 +176,8 @@ def test_dead_and_draining_replicas_are_failed_over(
     assert wait_until(lambda: gw.fleet()["ready"] == 2)
     a.kill()  # its record stays until it expires
     assert gw.fleet()["ready"] == 2
-    for _ in range(20):  # equally loaded replicas are tried in random order: a comes first now and then
-        r = gw.complete()
+    for i in range(20):  # distinct prompts hash to either replica (affinity): a comes first now and then
+        r = gw.complete(prompt=f"hi {i}")
         assert r.status_code == 200 and served_by(r) == b.replica_id
     unreachable = gw.gateway.metrics.registry.get_sample_value(
         "flipsync_gateway_retries_total", {"reason": "unreachable"}
@@ -292,9 +296,12 @@ def test_routes_by_model_and_served_format(
             "/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Flipsync-Run": "run-fp8"}
         )
         assert r.status_code == 200 and served_by(r) == b.replica_id
-    assert spread(lambda: served_by(gw.complete(model="flipsync-torch"))) == {a.replica_id, b.replica_id}
-    r = gw.complete(model="flipsync-torch@nvfp4", weight_version={"min_version": 0})
-    assert r.status_code == 409 and "format nvfp4" in r.json()["error"]["message"]
+    assert spread(lambda: served_by(gw.complete(model="flipsync-torch", prompt=f"hi {time.monotonic_ns()}"))) == {
+        a.replica_id,
+        b.replica_id,
+    }
+    r = gw.complete(model="flipsync-torch@nvfp4", weight_version={"min_version": 0})  # no replica serves NVFP4
+    assert r.status_code == 404 and "format nvfp4. Formats served: bf16, fp8-block" in r.json()["error"]["message"]
     fleet = gw.fleet()
     assert fleet["runs"]["run-bf16"]["members"] == 2 and fleet["runs"]["run-fp8"]["head"] == 1
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 import threading
@@ -12,8 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
+from flipsync.sidecar.body import read_json
 from flipsync.sidecar.gate import CommitMode
 from flipsync.sidecar.proxy import BadRequest, VersionConstraint, parse_constraint
+from tests.sidecar.body_cases import JSON_BODIES, UNREADABLE, gzip_bomb
 from tests.sidecar.sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
 
 
@@ -328,3 +331,132 @@ def test_deeply_nested_json_is_refused_cleanly(trainer: Trainer, make_stack: Sta
         with s.client.stream("POST", "/v1/chat/completions", json={"messages": [], "stream": True}) as r:
             evs = events(r.iter_lines())
         assert evs[0]["error"]["type"] == "upstream_invalid_response" and evs[-1] == "[DONE]"
+
+
+# -- issue 34: every body read as JSON, answers a retry cannot change, cut streams -------------------------------
+
+
+@pytest.mark.parametrize("how", sorted(JSON_BODIES))
+def test_a_constraint_is_read_whatever_the_body_says_it_is(
+    trainer: Trainer, make_stack: StackFactory, how: str
+) -> None:
+    """The torch engine reads a body as JSON whatever its Content-Type: a constraint the proxy skipped would be
+    silently ignored (v0 served for exactly v999999). Every way of sending JSON is read, and forwarded so that
+    the engine reads the same request."""
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    content, headers = JSON_BODIES[how]({"prompt": "hi", "max_tokens": 2, "weight_version": {"exact_version": 999999}})
+    r = s.client.post("/v1/completions", content=content, headers=headers)
+    assert r.status_code == 409, (how, r.status_code, r.text)
+    assert r.json()["weight_version"]["exact_version"] == 999999
+    content, headers = JSON_BODIES[how]({"prompt": "hé", "max_tokens": 2, "weight_version": {"min_version": 0}})
+    r = s.client.post("/v1/completions", content=content, headers=headers)
+    assert r.status_code == 200, (how, r.text)
+    assert r.json()["weight_version"] == {"start": 0, "end": 0} and r.json()["usage"]["prompt_tokens"] == 4
+
+
+@pytest.mark.parametrize("how", sorted(UNREADABLE))
+def test_a_body_that_is_not_json_is_refused(trainer: Trainer, make_stack: StackFactory, how: str) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    content, headers, status, word = UNREADABLE[how]
+    r = s.client.post("/v1/completions", content=content, headers=headers)
+    assert r.status_code == status and word in r.json()["error"]["message"], (how, r.status_code, r.text)
+    assert r.headers["x-should-retry"] == "false"
+
+
+def test_read_json_decodes_and_bounds() -> None:
+    doc = {"prompt": "x", "weight_version": {"min_version": 1}}
+    for how, encoder in JSON_BODIES.items():
+        content, headers = encoder(doc)
+        got = read_json(content, headers.get("content-type"), headers.get("content-encoding"), 1 << 20)
+        assert got is not None and got.doc == doc, how
+        assert got.as_sent == (how in ("application/json", "json; charset=utf-8", "vendor +json", "identity")), how
+    assert read_json(b"", "text/plain", None, 10) is None
+    bomb, headers = gzip_bomb(10_000)
+    assert len(bomb) < 1000
+    with pytest.raises(BadRequest, match="exceeds 10000 bytes") as e:
+        read_json(bomb, headers["content-type"], headers["content-encoding"], 10_000)
+    assert e.value.status == 413
+
+
+def test_refusals_say_whether_a_retry_can_help(trainer: Trainer, make_stack: StackFactory) -> None:
+    s = make_stack()
+    assert s.replica.wait_version(0, 10)
+    trainer.step()
+    assert s.replica.wait_version(1, 10)
+    ahead = s.client.post("/v1/completions", json={"prompt": "a", "weight_version": {"min_version": 5}})
+    assert ahead.status_code == 409 and ahead.headers["retry-after"] == "1" and "x-should-retry" not in ahead.headers
+    passed = s.client.post("/v1/completions", json={"prompt": "a", "weight_version": {"exact_version": 0}})
+    assert passed.status_code == 409 and passed.headers["x-should-retry"] == "false"  # v0 never comes back here
+    bad = s.client.post("/v1/completions", json={"prompt": "a", "weight_version": {"min_version": -1}})
+    assert bad.status_code == 400 and bad.headers["x-should-retry"] == "false"
+
+
+def _engine_that_dies_mid_stream() -> Any:
+    """An OpenAI-looking engine whose streams send two events and then break off (the connection drops)."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions() -> StreamingResponse:
+        async def body() -> Any:
+            for i in range(2):
+                yield f'data: {{"choices": [{{"index": 0, "text": "t{i}", "finish_reason": null}}]}}\n\n'.encode()
+            raise RuntimeError("the engine died")  # uvicorn drops the connection mid-body
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_stream_the_engine_breaks_off_fails_at_the_client(trainer: Trainer, make_stack: StackFactory) -> None:
+    """After a 200 the proxy cannot change the status: it sends an error event, then cuts the connection before
+    the chunked body's end, so that httpx (and openai), and aiohttp (vLLM's benchmark client) see a failure, not
+    a short success."""
+    import openai
+
+    from flipsync.serving import ServerThread
+
+    with ServerThread(_engine_that_dies_mid_stream()) as fake:
+        s = make_stack(upstream=fake.url)
+        assert s.replica.wait_version(0, 10)
+        body = {"model": "m", "prompt": "x", "max_tokens": 5, "stream": True}
+        got: list[str] = []
+        with pytest.raises(httpx.RemoteProtocolError), s.client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                got.append(line)
+        evs = events(iter(got))
+        assert [e["choices"][0]["text"] for e in evs[:2]] == ["t0", "t1"]
+        assert evs[-1]["error"]["type"] == "upstream_unavailable" and "[DONE]" not in evs
+        assert wait_until(lambda: s.sidecar.gate.in_flight == 0, 10)
+
+        client = openai.OpenAI(base_url=s.sidecar.url + "/v1", api_key="none", max_retries=0)
+        with pytest.raises((openai.APIError, httpx.HTTPError)):
+            for _ in client.completions.create(model="m", prompt="x", max_tokens=5, stream=True):
+                pass
+        client.close()
+
+        if importlib.util.find_spec("aiohttp") is not None:
+            assert _aiohttp_stream(s.sidecar.url + "/v1/completions", body) == "ClientPayloadError"
+
+
+def _aiohttp_stream(url: str, body: dict[str, Any]) -> str:
+    """How aiohttp (vLLM's benchmark client reads streams with it) ends reading a stream: "ok" or the error."""
+    import asyncio
+
+    import aiohttp
+
+    async def read() -> str:
+        async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+            try:
+                async for _ in response.content.iter_any():
+                    pass
+            except aiohttp.ClientPayloadError:
+                return "ClientPayloadError"
+            return "ok"
+
+    return asyncio.run(read())

@@ -1,8 +1,8 @@
 """The ``flipsync`` command line: assembles the commands each package defines beside its code.
 
 Codec commands (view, diff, apply, squash, inspect): `local_cli`; board and keygen: `board_cli`; publish and
-watch: `trainer_cli`; sidecar: `sidecar_cli`; relay: `relay_cli`; gateway: `gateway_cli`; bench: `bench.cli`
-(all in `flipsync.apps`). The demo and analyze commands are defined here.
+watch: `trainer_cli`; sidecar: `sidecar_cli`; relay: `relay_cli`; gateway: `gateway_cli`; model: `model_cli`;
+bench: `bench.cli` (all in `flipsync.apps`). The demo and analyze commands are defined here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from rich.table import Table
 from flipsync.apps import local_cli
 from flipsync.apps.bench.cli import bench_app
 from flipsync.apps.board_cli import board_app, keygen, output_console
+from flipsync.apps.fleet_cli import fleet_app
 from flipsync.apps.gateway_cli import gateway
+from flipsync.apps.model_cli import model as model_cmd
 from flipsync.apps.relay_cli import relay
 from flipsync.apps.sidecar_cli import sidecar
 from flipsync.apps.terminal import human_size as _size
@@ -79,7 +81,20 @@ def demo(
     bandwidth: Annotated[str, typer.Option(help="each island's link to the board, e.g. 100mbit, 1gbit; 'none'")] = (
         "100mbit"
     ),
-    max_staleness: Annotated[int, typer.Option(help="drop rollouts more than this many trainer steps old")] = 1,
+    max_staleness: Annotated[
+        int | None, typer.Option(help="a hard cap: drop rollouts more than this many trainer steps old (default: none)")
+    ] = None,
+    rollout: Annotated[
+        str,
+        typer.Option(
+            help="rollout mode: sync (on-policy, islands wait for each version), async (a buffer 4 batches deep, "
+            "a version per response) or inflight (versions land mid-sequence, a version per token); docs/async.md"
+        ),
+    ] = "inflight",
+    is_cap: Annotated[float, typer.Option(help="cap of the per-token truncated importance weight")] = 2.0,
+    staleness_bound: Annotated[
+        int, typer.Option(help="tokens older than this many trainer steps get a cap falling as is_cap * bound / age")
+    ] = 2,
     model: Annotated[
         str, typer.Option(help="demo model: llama-20m (40 MB in bf16), llama-1m or moe-2m (Qwen3-MoE-shaped)")
     ] = "llama-20m",
@@ -100,7 +115,8 @@ def demo(
         str, typer.Option(help="Muon's adjust_lr_fn: match_rms_adamw (its step RMS about AdamW's) or original")
     ] = "match_rms_adamw",
     compare: Annotated[
-        Path | None, typer.Option(help="a previous run's report.json (or its folder): print both runs side by side")
+        list[Path] | None,
+        typer.Option(help="a previous run's report.json (or its folder): print the runs side by side; repeatable"),
     ] = None,
     fleet: Annotated[
         bool,
@@ -119,12 +135,12 @@ def demo(
         if bandwidth.lower() != "none":
             parse_bandwidth(bandwidth)
         from flipsync.apps.demo.fleet import fleet_lines
-        from flipsync.apps.demo.outputs import write_outputs
+        from flipsync.apps.demo.outputs import mode_plots, write_outputs
         from flipsync.apps.demo.records import DemoConfig
         from flipsync.apps.demo.run import run_demo
         from flipsync.apps.demo.summary import comparison, load_report, summary_lines
 
-        earlier = load_report(compare) if compare is not None else None
+        earlier = [(str(c), load_report(c)) for c in compare or []]
 
         cfg = DemoConfig(
             steps=steps,
@@ -136,6 +152,9 @@ def demo(
             engine=engine,
             bandwidth=None if bandwidth.lower() == "none" else bandwidth,
             max_staleness=max_staleness,
+            rollout=rollout.strip().lower(),
+            is_cap=is_cap,
+            staleness_bound=staleness_bound,
             model=model,
             warm_start_steps=warm_start,
             prompts_per_step=prompts,
@@ -153,8 +172,11 @@ def demo(
         console.print()
         for line in summary_lines(report):
             console.print(line)
-        if earlier is not None and compare is not None:
-            console.print(comparison([(str(compare), earlier), (str(out), report.to_json())]))
+        if earlier:
+            console.print(comparison([*earlier, (str(out), report.to_json())]))
+            docs = [doc for _, doc in earlier] + [report.to_json()]
+            if all("rollout" in d["summary"] for d in docs):  # runs of the rollout modes: their plots too
+                paths += mode_plots(docs, out / "compare")
         for line in fleet_lines(report.fleet, report.failed_rollouts):
             console.print(line)
         ok = all(report.bitwise_equal.values())
@@ -295,10 +317,12 @@ def check_same_names(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor
 
 
 app.add_typer(board_app, name="board")
+app.add_typer(fleet_app, name="fleet")
 app.command("keygen")(keygen)
 app.command("sidecar")(sidecar)
 app.command("relay")(relay)
 app.command("gateway")(gateway)
+app.command("model")(model_cmd)
 app.command("watch")(watch_cmd)
 app.command("publish")(publish_cmd)
 

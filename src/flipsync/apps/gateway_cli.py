@@ -15,6 +15,8 @@ import typer
 from flipsync.apps.terminal import StoreOpt, command_app, command_error
 from flipsync.errors import ConfigError, FlipsyncError
 
+log = logging.getLogger(__name__)
+
 # The board, the gateway and uvicorn are imported inside the command, so that mounting it keeps
 # ``flipsync --help`` fast.
 
@@ -50,10 +52,46 @@ def gateway(
         list[Path] | None, typer.Option("--public-key", help="Read HEAD from manifests signed by this key only")
     ] = None,
     store_option: StoreOpt = None,
+    max_connections: Annotated[
+        int, typer.Option(help="Connections to all replicas together; each stream in flight holds one")
+    ] = 4096,
+    connect_timeout: Annotated[float, typer.Option(help="Longest wait to connect to a replica (s)")] = 2.0,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Longest silence of a replica while it streams (s); a non-streaming answer is waited for until "
+            "--total-timeout (it comes whole at the end)"
+        ),
+    ] = 600.0,
+    total_timeout: Annotated[
+        float | None, typer.Option(help="Longest time of a whole request, streams included (s; default: none)")
+    ] = None,
+    drain_timeout: Annotated[
+        float, typer.Option(help="On SIGTERM, longest wait for the requests in flight before exiting (s)")
+    ] = 30.0,
+    affinity: Annotated[
+        bool,
+        typer.Option(help="Send a session's turns and a prompt's samples to one replica while it stays eligible"),
+    ] = True,
+    eject_after: Annotated[
+        int, typer.Option(help="Failures in a row (502, 503, connection errors) that eject a replica (0: never)")
+    ] = 2,
+    eject_backoff: Annotated[
+        float, typer.Option(help="First ejection's length (s); it doubles while probes fail, up to 300 s")
+    ] = 15.0,
+    api_keys_file: Annotated[
+        Path | None,
+        typer.Option(help="Clients must send one of these keys (one a line; also FLIPSYNC_API_KEYS, comma-separated)"),
+    ] = None,
+    replica_api_key: Annotated[
+        str | None,
+        typer.Option(help="The key to send to sidecars that require one (default: $FLIPSYNC_REPLICA_API_KEY)"),
+    ] = None,
 ) -> None:
     """One OpenAI-compatible front door for a fleet: each request goes to a live replica that holds the
     version it asks for (or is ready), least loaded first; refusals and dead replicas are retried elsewhere."""
     from flipsync.serving import parse_listen, parse_pairs
+    from flipsync.sidecar.auth import ApiKeys, replica_key
 
     try:
         host, port = parse_listen(listen)
@@ -63,11 +101,21 @@ def gateway(
             )
         if max_lag < 0 or not hold >= 0 or not refresh > 0:
             raise ConfigError("--max-lag must be >= 0, --hold >= 0 and --refresh > 0 seconds")
+        if max_connections < 1 or not connect_timeout > 0 or not read_timeout > 0:
+            raise ConfigError("--max-connections must be >= 1, --connect-timeout and --read-timeout > 0 seconds")
+        if total_timeout is not None and not total_timeout > 0:
+            raise ConfigError("--total-timeout must be > 0 seconds (leave it out for none)")
+        if not drain_timeout >= 0 or eject_after < 0 or not eject_backoff > 0:
+            raise ConfigError("--drain-timeout must be >= 0, --eject-after >= 0 and --eject-backoff > 0 seconds")
         store_config = parse_pairs(store_option, "store option")
+        api_keys = ApiKeys.load(api_keys_file)
+        replica_auth = replica_key(replica_api_key)
     except FlipsyncError as e:
         raise command_error(e) from None
 
     from flipsync.board.signing import Verifier
+    from flipsync.fleet.affinity import AffinityPolicy
+    from flipsync.fleet.ejection import EjectionPolicy
     from flipsync.fleet.gateway import Gateway
     from flipsync.fleet.pool import BoardPool, Pool, StaticPool
     from flipsync.fleet.routing import GatewayConfig
@@ -76,7 +124,22 @@ def gateway(
 
     pool: Pool | None = None
     try:
-        config = GatewayConfig(max_lag=max_lag, hold_s=hold, refresh_s=refresh, held_refresh_s=min(0.2, refresh))
+        config = GatewayConfig(
+            max_lag=max_lag,
+            hold_s=hold,
+            refresh_s=refresh,
+            held_refresh_s=min(0.2, refresh),
+            max_connections=max_connections,
+            connect_timeout_s=connect_timeout,
+            request_timeout_s=read_timeout,
+            total_timeout_s=total_timeout,
+            drain_timeout_s=drain_timeout,
+            affinity=AffinityPolicy(enabled=affinity),
+            ejection=EjectionPolicy(after=eject_after, backoff_s=eject_backoff),
+            api_keys=api_keys,
+            replica_api_key=replica_auth,
+        )
+        raise_open_files(2 * max_connections + 1024)  # a stream holds a client socket and a replica socket
         if board is not None:
             # The board itself, not a relay: member records change every few seconds and a relay caches objects.
             store = open_store(board, StoreOptions(config=store_config))
@@ -89,16 +152,30 @@ def gateway(
             where = f"members of {', '.join(run) if run else 'every run'} on {store.url}"
         else:
             assert replica
-            pool = StaticPool(replica)
+            pool = StaticPool(replica, api_key=replica_auth)
             where = f"{len(replica)} static replica(s)"
         service = Gateway(pool, config)
-        typer.echo(f"flipsync gateway: {where}, max lag {max_lag}, on {host}:{port}")
-        serve_until_signal(service.app, host, port)
+        auth = "API keys required" if api_keys is not None else "no client authentication"
+        typer.echo(f"flipsync gateway: {where}, max lag {max_lag}, {auth}, on {host}:{port}")
+        # The first SIGTERM / SIGINT drains (readyz 503, the requests in flight finish), then the server stops.
+        serve_until_signal(service.app, host, port, before_exit=lambda: service.drain())
     except FlipsyncError as e:
         raise command_error(e) from None
     finally:
         if pool is not None:
             pool.close()
+
+
+def raise_open_files(wanted: int) -> None:
+    """Raise this process's open-file limit toward ``wanted`` (up to the hard limit): every connection is a file."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    if target < wanted:
+        log.warning("open files limited to %d (hard limit); --max-connections may not all be usable", target)
 
 
 if __name__ == "__main__":

@@ -113,7 +113,10 @@ def sidecar(
     island: Annotated[str, typer.Option(help="Fleet: the island (region, cluster) this replica is in")] = "default",
     model_name: Annotated[
         str | None,
-        typer.Option(help="Fleet: the OpenAI model name served (default: the engine's, or its first /v1/models)"),
+        typer.Option(
+            help="The OpenAI model name served: torch answers with it (default flipsync-torch); fleet: the member "
+            "record's (default: the engine's, or its first /v1/models)"
+        ),
     ] = None,
     heartbeat: Annotated[float, typer.Option(help="Fleet: seconds between member record writes")] = 5.0,
     member_ttl: Annotated[
@@ -130,6 +133,13 @@ def sidecar(
         float,
         typer.Option(help="On SIGTERM, longest wait for the requests in flight before leaving the fleet (s)"),
     ] = 30.0,
+    api_keys_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="Clients of the proxy's model API must send one of these keys (one a line; also "
+            "FLIPSYNC_API_KEYS, comma-separated); /flipsync/* and /metrics stay open"
+        ),
+    ] = None,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
     from flipsync.engines.registry import EngineOptions, check_kind, load_engine
@@ -152,8 +162,15 @@ def sidecar(
         if mirror_wait is not None and not mirror_wait >= 0:
             raise ConfigError(f"--mirror-wait must be a number of seconds >= 0, not {mirror_wait}")
         origin_config = parse_pairs(origin_option, "origin option")
+        from flipsync.sidecar.auth import ApiKeys  # light: no torch
+
+        api_keys = ApiKeys.load(api_keys_file)
         if not exit_timeout >= 0:
             raise ConfigError(f"--exit-timeout must be a number of seconds >= 0, not {exit_timeout}")
+        if model_name is not None:
+            from flipsync.domain.fleet import check_model  # pure: no torch yet
+
+            check_model(model_name)
         if public_url is not None:
             from flipsync.domain.fleet import check_url  # pure: no torch yet
 
@@ -231,8 +248,15 @@ def sidecar(
 
                 torch.set_num_threads(threads)
             assert fmt is not None
+            # The name the engine answers with ("model", /v1/models) is the member record's: one name, one behaviour.
             torch_handle = start_torch_engine(
-                model, fmt, device=device, host=ehost, port=eport, max_concurrency=max_concurrency
+                model,
+                fmt,
+                device=device,
+                host=ehost,
+                port=eport,
+                max_concurrency=max_concurrency,
+                **({"model_name": model_name} if model_name is not None else {}),
             )
             the_engine: Engine = torch_handle.engine
             upstream_url = torch_handle.url
@@ -248,7 +272,7 @@ def sidecar(
             upstream_url,
             verifier=verifier,
             replica_config=replica_config,
-            proxy_config=ProxyConfig(upstream_url, retry_after_s=max(1, round(poll))),
+            proxy_config=ProxyConfig(upstream_url, retry_after_s=max(1, round(poll)), api_keys=api_keys),
         )
         service.replica.start()
         if public_url is not None:

@@ -17,7 +17,17 @@ from flipsync.stores import ObjectInfo, Store
 log = logging.getLogger(__name__)
 
 # Why a record is not routed to (the ``reason`` of `Rejected`, and a metric label).
-REASONS = ("malformed", "misplaced", "unsigned", "untrusted_key", "bad_signature", "expired", "future", "unreadable")
+REASONS = (
+    "malformed",
+    "misplaced",
+    "unsigned",
+    "untrusted_key",
+    "bad_signature",
+    "expired",
+    "future",
+    "unreadable",
+    "tokenizer_mismatch",  # routed by no gateway: its model name is served with another tokenizer (fleet.pool)
+)
 
 
 class MemberWriter:

@@ -8,8 +8,10 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 from urllib.parse import urlsplit
 
+from flipsync.domain.balance import EngineLoad, load_key
 from flipsync.domain.manifest import Signature, SignedRecord, check_name, check_time, load_json, parse_time
 from flipsync.errors import IntegrityError
 
@@ -23,6 +25,7 @@ MAX_RECORD_BYTES = 16 << 10
 _MODEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/+-]{0,255}")
 _FORMAT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 _HEX = re.compile(r"[0-9a-f]{1,128}")
+_TOKENIZER = re.compile(r"[A-Za-z0-9._:-]{1,80}")
 # The JSON keys in the order ``to_dict`` writes them (``lag`` is derived: checked, not stored).
 _FIELDS = (
     "schema",
@@ -44,6 +47,8 @@ _FIELDS = (
     "ttl_s",
     "started",
     "seq",
+    "load",
+    "tokenizer",
     "signature",
 )
 
@@ -107,6 +112,8 @@ class MemberRecord(SignedRecord):
     ttl_s: float
     started: str
     seq: int = 0
+    load: EngineLoad | None = None  # what the engine says of its load (optional: older records lack it)
+    tokenizer: str | None = None  # a digest of how the engine tokenizes (optional: None where it cannot tell)
     signature: Signature | None = None
     schema: int = MEMBER_SCHEMA
     _json_keys = _FIELDS
@@ -143,6 +150,12 @@ class MemberRecord(SignedRecord):
         _int(self.seq, "seq")
         if self.signature is not None and not isinstance(self.signature, Signature):
             raise _fail("signature must be a Signature or null")
+        if self.load is not None and not isinstance(self.load, EngineLoad):
+            raise _fail("load must be an EngineLoad or null")
+        if self.tokenizer is not None and (
+            not isinstance(self.tokenizer, str) or not _TOKENIZER.fullmatch(self.tokenizer)
+        ):
+            raise _fail(f"tokenizer must be 1-80 characters of [A-Za-z0-9._:-] or null, got {self.tokenizer!r}")
 
     # -- derived ------------------------------------------------------------------------------------
 
@@ -161,12 +174,24 @@ class MemberRecord(SignedRecord):
 
     # -- JSON -----------------------------------------------------------------------------------------
 
+    def to_dict(self, *, with_signature: bool = True) -> dict[str, Any]:
+        d = super().to_dict(with_signature=with_signature)
+        # Left out when unknown, so a record without it reads as before (and older readers still parse it).
+        load = d.pop("load")
+        if load is not None:
+            d["load"] = load.to_dict()
+        if d.get("tokenizer", "") is None:  # likewise
+            del d["tokenizer"]
+        return d
+
     @classmethod
     def from_json(cls, text: str | bytes) -> MemberRecord:
         """Parse and validate; every problem raises IntegrityError naming the field."""
         if len(text) > MAX_RECORD_BYTES:
             raise _fail(f"{len(text)} bytes, at most {MAX_RECORD_BYTES} allowed")
-        d = load_json(text, _fail, _FIELDS, optional=("signature",))
+        d = load_json(text, _fail, _FIELDS, optional=("signature", "load", "tokenizer"))
+        if d.get("load") is not None:
+            d["load"] = EngineLoad.from_dict(d["load"])
         lag, sig = d.pop("lag"), d.pop("signature", None)
         try:
             record = cls(**d, signature=None if sig is None else _signature(sig))
@@ -273,17 +298,17 @@ def floor_version(want: Want, head: int | None, max_lag: int) -> int | None:
 def rank(
     candidates: Iterable[MemberRecord], in_flight: Mapping[str, int] | None = None, rng: random.Random | None = None
 ) -> list[MemberRecord]:
-    """Least requests in flight first: the caller's own count (exact, this instant) then the record's (a
-    heartbeat old, everyone's); among equals the newer version, then at random with ``rng`` (so that
-    sequential traffic spreads over equals) or by replica id (a stable order)."""
+    """Least loaded first (``balance.load_key``: the caller's own count, exact this instant, plus what the engine
+    queues, then its KV-cache use, then the record's in-flight count, a heartbeat old); among equals the newer
+    version, then at random with ``rng`` (so that sequential traffic spreads over equals) or by replica id (a
+    stable order)."""
     mine = in_flight or {}
     items = list(candidates)
     ties = {r.replica: rng.random() for r in items} if rng is not None else {}
     return sorted(
         items,
         key=lambda r: (
-            mine.get(r.replica, 0),
-            r.in_flight,
+            *load_key(mine.get(r.replica, 0), r.load, r.in_flight),
             -(r.version if r.version is not None else -1),
             ties.get(r.replica, 0.0),
             r.replica,
@@ -307,3 +332,30 @@ def replica_id_for(url: str) -> str:
         port = 0
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", f"{parts.hostname or 'replica'}-{port}").strip("-._")
     return name[:128] or "replica"
+
+
+def tokenizer_outliers(records: Iterable[MemberRecord]) -> dict[str, str]:
+    """The replicas that tokenize differently from the others behind their model name, each with why: per model,
+    the tokenizer digest most replicas report wins (a tie: the one whose replica has served longest, by
+    ``started``), and a replica reporting another is an outlier. A replica that reports none is never one (it
+    cannot be judged). One model name must answer one way: the same prompt as the same token ids."""
+    by_model: dict[str, dict[str, list[MemberRecord]]] = {}
+    for r in records:
+        if r.tokenizer is not None:
+            by_model.setdefault(r.model, {}).setdefault(r.tokenizer, []).append(r)
+    out: dict[str, str] = {}
+    for model, groups in by_model.items():
+        if len(groups) < 2:
+            continue
+        winner = min(groups, key=lambda t: (-len(groups[t]), min(r.started for r in groups[t]), t))
+        for digest, members in groups.items():
+            if digest == winner:
+                continue
+            for r in members:
+                out[r.replica] = (
+                    f"replica {r.replica} serves model {model!r} with tokenizer {digest}, but {len(groups[winner])} "
+                    f"replica(s) serve it with tokenizer {winner} (BOS rule, special tokens or chat template differ): "
+                    f"one model name must tokenize one way; serve the same model folder or give it another "
+                    f"--model-name"
+                )
+    return out

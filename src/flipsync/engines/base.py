@@ -12,6 +12,7 @@ import torch
 
 from flipsync.codec import Patch
 from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.domain.balance import EngineLoad
 
 
 class Staged:
@@ -88,6 +89,13 @@ class Engine(ABC, Generic[StagedT, UndoT]):
         every engine that holds its view, or a host copy of it, where the sidecar runs."""
         return True
 
+    @property
+    def tokenizer_digest(self) -> str | None:
+        """A short digest of how the engine turns prompts into token ids (`engines.tokenization`: a text prompt's
+        BOS and specials, the chat template, the stop tokens), for its member record; None where the sidecar
+        cannot tell. A gateway routes one model name only to replicas whose digests agree."""
+        return None
+
     def label_version(self, view_fp: str, version: int) -> None:
         """Name the board version of a view before it is committed (an engine that stamps its outputs with
         a version uses it); the sidecar calls it before every commit and keyframe load."""
@@ -95,6 +103,11 @@ class Engine(ABC, Generic[StagedT, UndoT]):
     def health(self) -> bool:
         """False when the engine cannot serve (crashed, unreachable)."""
         return True
+
+    def load(self) -> EngineLoad | None:
+        """The engine's load now (requests waiting and running, KV-cache use), for routing; None where the engine
+        cannot say (the sidecar then reads a vLLM or SGLang server's ``/metrics`` itself). Must be cheap."""
+        return None
 
     def close(self) -> None:
         """Release the engine's resources."""

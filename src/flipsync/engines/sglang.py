@@ -67,12 +67,18 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         keep_updates: int = 2,
         client: httpx.Client | None = None,
         audit: str = "every",
-        audit_rows: int = 2,
+        audit_rows: int | None = None,
+        unreadable: str = "refuse",
     ) -> None:
         """``host_copy`` must hold exactly what the server serves now (e.g. the checkpoint it started from).
-        ``audit``: read back the touched tensors after each update (``every``, ``sample``: one, ``off``)."""
+        ``audit``: read back the touched tensors after each update (``every``, ``sample``: one, ``off``), whole
+        (``audit_rows``: only their first rows). ``unreadable``: what to do with tensors SGLang does not read back
+        as the host copy holds them at start (another runtime layout): ``refuse`` to start, naming them, or
+        ``skip`` them (listed in ``unaudited``, and logged at every update that touches them)."""
         if audit not in ("every", "sample", "off"):
             raise ConfigError(f"audit must be every, sample or off, not {audit!r}")
+        if unreadable not in ("refuse", "skip"):
+            raise ConfigError(f"unreadable must be refuse or skip, not {unreadable!r}")
         self.base_url = base_url.rstrip("/")
         self._host_copy = host_copy
         self._timeout = timeout_s
@@ -88,22 +94,31 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         if not isinstance(data, dict) or "weight_version" not in data:
             raise EngineError(f"SGLang answered /get_weight_version without a weight_version: {data!r}")
         self.weight_version: str | None = None if data["weight_version"] is None else str(data["weight_version"])
-        self.audit, self.audit_rows = audit, max(1, audit_rows)
+        # Blind spot 7: the first 2 rows of a touched tensor were read back and tensors that did not read back
+        # at start were dropped with a warning; now whole tensors, and none dropped unless asked.
+        self.audit, self.audit_rows = audit, (None if audit_rows is None else max(1, audit_rows))
         self._rng = random.Random(0)
         self.auditable: set[str] = set()
+        self.unaudited: list[str] = []  # tensors SGLang does not read back (``unreadable="skip"``)
         self.last_audit: list[str] = []  # the tensors the last update's audit read back
         if audit != "off":
             found = self.sample_check(sorted(host_copy), rows=self.audit_rows)
             self.auditable = {n for n, ok in found.items() if ok}
-            skipped = sorted(set(found) - self.auditable)
-            if skipped:
+            self.unaudited = sorted(set(found) - self.auditable)
+            if self.unaudited and unreadable == "refuse":
+                raise ConfigError(
+                    f"SGLang does not read back {len(self.unaudited)} of {len(found)} tensors as the host copy holds "
+                    f"them ({', '.join(self.unaudited[:3])}...): a runtime layout other than the checkpoint's, or a "
+                    "server that does not serve the host copy; updates to them could not be audited. Check the host "
+                    "copy, or pass unreadable='skip' to serve them unaudited"
+                )
+            if self.unaudited:
                 log.warning(
-                    "sglang engine: %d of %d tensors do not read back as the host copy holds them (%s...): a runtime "
-                    "layout other than the checkpoint's, or a server that does not serve the host copy; they are not "
-                    "audited",
-                    len(skipped),
+                    "sglang engine: %d of %d tensors do not read back as the host copy holds them (%s...); they are "
+                    "served unaudited (unreadable='skip')",
+                    len(self.unaudited),
                     len(found),
-                    ", ".join(skipped[:3]),
+                    ", ".join(self.unaudited[:3]),
                 )
 
     # ------------------------------------------------------------------------------------- HTTP
@@ -207,8 +222,9 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         if bad:
             self._recover(staged.undo_dir, before, "SGLang acknowledged an update it does not hold")
             raise EngineError(
-                f"SGLang acknowledged the update but reads back other values for {', '.join(bad[:3])} (the first "
-                f"{self.audit_rows} rows, /get_weights_by_name); the update was undone"
+                f"SGLang acknowledged the update but reads back other values for {', '.join(bad[:3])} "
+                f"({'whole tensors' if self.audit_rows is None else f'the first {self.audit_rows} rows'}, "
+                "/get_weights_by_name); the update was undone"
             )
         record = codec_commit(self._host_copy, staged.writes, self._table, index=self._index)
         flush(self._host_copy)
@@ -244,7 +260,10 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
 
     # ------------------------------------------------------------------------------------ extras
     def _audit_update(self, staged: SglangStaged) -> list[str]:
-        """The touched auditable tensors that do not read back with the update's values (O(touched x rows))."""
+        """The touched auditable tensors that do not read back with the update's values (O(touched size))."""
+        unaudited = sorted({w.name for w in staged.writes} - self.auditable)
+        if unaudited and self.audit != "off":
+            log.warning("sglang engine: this update touches %d unaudited tensors (%s...)", len(unaudited), unaudited[0])
         touched = sorted({w.name for w in staged.writes} & self.auditable)
         if self.audit == "off" or not touched:
             self.last_audit = []
@@ -254,7 +273,7 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         expected = {w.name: w for w in staged.writes}
         bad = []
         for name in names:
-            t = self._host_copy[name][: self.audit_rows].detach().clone()
+            t = _rows(self._host_copy[name], self.audit_rows).detach().clone()
             w = expected[name]
             keep = w.positions < t.numel()
             scatter(t, w.positions[keep], w.new_bits[keep])
@@ -263,18 +282,19 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
         return bad
 
     def _reads_back(self, name: str, want: torch.Tensor) -> bool:
+        rows = want.shape[0] if want.dim() else 1
         try:
-            data = self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": want.shape[0]})
+            data = self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": rows}, timeout=120.0)
         except EngineError:
             return False
         got = torch.tensor(data, dtype=torch.float32)
         want32 = want.to(torch.float32)
         return got.shape == want32.shape and bool(torch.equal(got.view(torch.int32), want32.view(torch.int32)))
 
-    def sample_check(self, names: list[str], rows: int = 4) -> dict[str, bool]:
-        """Compare the first ``rows`` rows SGLang reports (``/get_weights_by_name``) with the host copy, exactly
-        (float32 bit patterns); a tensor SGLang cannot report reads as False."""
-        return {name: self._reads_back(name, self._host_copy[name][:rows]) for name in names}
+    def sample_check(self, names: list[str], rows: int | None = None) -> dict[str, bool]:
+        """Compare what SGLang reports (``/get_weights_by_name``; whole tensors, or their first ``rows`` rows) with
+        the host copy, exactly (float32 bit patterns); a tensor SGLang cannot report reads as False."""
+        return {name: self._reads_back(name, _rows(self._host_copy[name], rows)) for name in names}
 
     # -------------------------------------------------------------------------------- plumbing
     def _new_dir(self, stem: str) -> Path:
@@ -297,6 +317,12 @@ class SglangEngine(Engine[SglangStaged, SglangUndo]):
                 f"{why}, and reloading the previous values failed too ({e}); audit the server or resync it "
                 "from a keyframe"
             ) from None
+
+
+def _rows(t: torch.Tensor, rows: int | None) -> torch.Tensor:
+    """The tensor's first ``rows`` rows (None: all of it; a 0-d tensor as one element)."""
+    t = t.reshape(1) if t.dim() == 0 else t
+    return t if rows is None else t[:rows]
 
 
 def create_engine(options: EngineOptions) -> SglangEngine:

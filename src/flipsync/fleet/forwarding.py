@@ -54,11 +54,12 @@ DROP_RESPONSE_HEADERS = frozenset(
 class Retry(Exception):
     """One attempt that another replica may do better: ``reason`` (a metric label) and the refusal, if any."""
 
-    def __init__(self, reason: str, status: int | None = None, body: bytes = b"") -> None:
+    def __init__(self, reason: str, status: int | None = None, body: bytes = b"", *, draining: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.status = status
         self.body = body
+        self.draining = draining  # a 503 from a replica leaving on purpose: no mark against its health
 
 
 @dataclass
@@ -68,6 +69,10 @@ class ForwardRequest:
     body: bytes
     want: Want
     receive: Receive | None = None  # the client's channel, to see it go away mid-stream
+    affinity: str | None = None  # what ties it to a replica (a session, a GRPO group): domain.balance.affinity_key
+    stream: bool = False  # it asked for a stream ("stream": true)
+    deadline: float | None = None  # monotonic time its total timeout ends (None: unbounded)
+    cut: bool = False  # its stream was cut after the first byte (a mark against the replica's health)
 
 
 async def watch_disconnect(receive: Receive, gone: asyncio.Event) -> None:

@@ -7,7 +7,8 @@ load balancer. Routing, retries, holds and headers: see docs/fleet.md#the-gatewa
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -19,7 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from flipsync.domain.balance import affinity_key, prompt_opening
 from flipsync.domain.fleet import MemberRecord, Want, floor_version, satisfies, serves
+from flipsync.fleet.affinity import Affinity
+from flipsync.fleet.ejection import Admission, Ejector
 from flipsync.fleet.forwarding import (
     DROP_REQUEST_HEADERS,
     DROP_RESPONSE_HEADERS,
@@ -40,8 +44,29 @@ from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
 from flipsync.fleet.routing import FleetView, GatewayConfig
 from flipsync.fleet.transport import AsyncioBackend
-from flipsync.serving import error_response
-from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, BadRequest, parse_constraint
+from flipsync.serving import NO_RETRY, error_response, sse_event
+from flipsync.sidecar.auth import is_open, unauthorized
+from flipsync.sidecar.body import BadRequest, encode, read_json
+from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, parse_constraint
+
+log = logging.getLogger(__name__)
+
+H_SESSION = "x-flipsync-session"
+# TCP keepalive on the connections to replicas: a non-streaming request has no read timeout (its answer comes
+# whole at the end), so a replica's host that vanished is noticed this way (in about a minute) instead.
+_KEEPALIVE: list[tuple[int, int, int]] = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
+for _name, _value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+    if hasattr(socket, _name):
+        _KEEPALIVE.append((socket.IPPROTO_TCP, getattr(socket, _name), _value))
+
+
+def _not_found(message: str) -> Response:
+    """vLLM's answer to a model it does not serve (``NotFoundError``), which no retry changes."""
+    return JSONResponse(
+        {"error": {"message": message, "type": "NotFoundError", "param": "model", "code": 404}},
+        status_code=404,
+        headers=NO_RETRY,
+    )
 
 
 class Gateway:
@@ -55,12 +80,21 @@ class Gateway:
         self.http: httpcore.AsyncConnectionPool | None = None
         self.control = self._control_app()
         self.retry_after = str(max(1, self.config.retry_after_s))
-        self._timeouts = {
+        self._timeouts: dict[str, float | None] = {
             "connect": self.config.connect_timeout_s,
             "read": self.config.request_timeout_s,
             "write": self.config.request_timeout_s,
             "pool": self.config.request_timeout_s,
         }
+        # A non-streaming answer comes whole at its end: no read timeout, or a long generation would be cut.
+        self._whole_timeouts = {**self._timeouts, "read": None}
+        self.affinity = Affinity(self.config.affinity)
+        self.ejector = Ejector(self.config.ejection, self.metrics)
+        key = self.config.replica_api_key
+        self._replica_auth = None if key is None else (b"authorization", f"Bearer {key}".encode())
+        self.active = 0  # requests in flight through this gateway (a drain waits for 0)
+        self.draining = False
+        self._pruned: FleetSnapshot | None = None
 
     # -- ASGI ---------------------------------------------------------------------------------------------
 
@@ -70,6 +104,12 @@ class Gateway:
         return self
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keys = self.config.api_keys
+        if keys is not None and scope["type"] == "http" and not is_open(scope["path"]):
+            auth = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), None)
+            if not keys.allows(auth):
+                await unauthorized(auth is not None)(scope, receive, send)
+                return
         if scope["type"] == "http" and scope["method"] == "POST" and not scope["path"].startswith("/flipsync/"):
             await self._route(scope, receive, send)
             return
@@ -82,6 +122,7 @@ class Gateway:
             max_keepalive_connections=256,
             keepalive_expiry=30.0,
             network_backend=AsyncioBackend(),
+            socket_options=_KEEPALIVE,
         )
         await asyncio.to_thread(self.view.start)
         try:
@@ -96,6 +137,7 @@ class Gateway:
     async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.monotonic()
         self.metrics.in_flight.inc()
+        self.active += 1
         try:
             request = await self._read(scope, receive)
             if isinstance(request, Response):
@@ -103,9 +145,22 @@ class Gateway:
                 await request(scope, receive, send)
                 return
             request.receive = receive
+            if self.config.total_timeout_s is not None:
+                request.deadline = t0 + self.config.total_timeout_s
             await self._serve(request, scope, receive, send, t0)
         finally:
+            self.active -= 1
             self.metrics.in_flight.dec()
+
+    def _traits(self, doc: Any, named: dict[str, str]) -> dict[str, Any]:
+        """What routing reads of a request beyond its constraint: its affinity key and whether it streams."""
+        if not isinstance(doc, dict):
+            return {"affinity": affinity_key(named.get(H_SESSION), None, None)}
+        opening = prompt_opening(doc, self.config.affinity.prefix_chars) if self.config.affinity.enabled else None
+        return {
+            "affinity": affinity_key(named.get(H_SESSION), doc.get("user"), opening),
+            "stream": doc.get("stream") is True,
+        }
 
     async def _read(self, scope: Scope, receive: Receive) -> ForwardRequest | Response:
         chunks: list[bytes] = []
@@ -118,7 +173,7 @@ class Gateway:
             size += len(chunk)
             if size > self.config.max_body_bytes:
                 return error_response(
-                    413, f"the body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error"
+                    413, f"the body exceeds {self.config.max_body_bytes} bytes", "invalid_request_error", NO_RETRY
                 )
             chunks.append(chunk)
             if not message.get("more_body"):
@@ -126,28 +181,36 @@ class Gateway:
         body = b"".join(chunks)
         headers = [(k.lower(), v) for k, v in scope["headers"]]
         named = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-        doc: Any = None
-        if body and "json" in named.get("content-type", "application/json"):
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                doc = None  # not ours to judge: the replica answers malformed bodies
-            except RecursionError:
-                return error_response(
-                    400, "the JSON body nests too deeply to parse; send a flatter body", "invalid_request_error"
-                )
+        # The body is read as JSON whatever its Content-Type says, as a sidecar reads it (docs/fleet.md#the-gateway):
+        # a constraint in it is never skipped, and a body that is not JSON is refused here.
         try:
+            parsed = read_json(
+                body, named.get("content-type"), named.get("content-encoding"), self.config.max_body_bytes
+            )
+            doc: Any = parsed.doc if parsed is not None else None
+            if parsed is not None and not isinstance(doc, dict):
+                raise BadRequest(f"the body must be a JSON object, not {type(doc).__name__}")
             field = doc.get(BODY_FIELD) if isinstance(doc, dict) else None
             constraint = parse_constraint(field, named)
+            model = doc.get("model") if isinstance(doc, dict) else None
+            if model is not None and not isinstance(model, str):
+                raise BadRequest(
+                    f"model must be a string naming a served model, not {type(model).__name__} "
+                    f"(served: {', '.join(sorted({r.model for r in self.view.snapshot.members})) or 'none yet'})"
+                )
         except BadRequest as e:
-            return error_response(400, str(e), "invalid_request_error")
-        model = doc.get("model") if isinstance(doc, dict) else None
+            return error_response(e.status, str(e), "invalid_request_error", NO_RETRY)
+        reencode = parsed is not None and not parsed.as_sent
         fmt = named.get(H_FORMAT) or None
         if isinstance(model, str) and "@" in model:  # NAME@FORMAT: one served format of the model
             model, _, fmt = model.rpartition("@")
             assert isinstance(doc, dict)
             doc["model"] = model
-            body = json.dumps(doc).encode()
+            reencode = True
+        if reencode:  # what the replica reads the same way: UTF-8 JSON with a JSON Content-Type
+            body = encode(doc)
+            headers = [(k, v) for k, v in headers if k not in (b"content-type", b"content-encoding")]
+            headers.append((b"content-type", b"application/json"))
         want = Want(
             constraint.min_version,
             constraint.exact_version,
@@ -158,7 +221,7 @@ class Gateway:
         forwarded = [(k, v) for k, v in headers if k not in DROP_REQUEST_HEADERS]
         query = scope.get("query_string", b"")
         path = scope["path"] + (f"?{query.decode('latin-1')}" if query else "")
-        return ForwardRequest(path, forwarded, body, want)
+        return ForwardRequest(path, forwarded, body, want, **self._traits(doc, named))
 
     async def _serve(self, req: ForwardRequest, scope: Scope, receive: Receive, send: Send, t0: float) -> None:
         attempts = [0]
@@ -166,8 +229,12 @@ class Gateway:
             last = await self._pass(req, attempts, send, t0)
             if last is True:
                 return
+            if last is None and (missing := self._not_served(req.want)) is not None:
+                self.metrics.outcome("not_found")  # no hold can change it: a 404 at once, as vLLM answers
+                await missing(scope, receive, send)
+                return
             held_since = time.monotonic()
-            deadline = t0 + self.config.hold_s
+            deadline = t0 + self.config.hold_s if req.deadline is None else min(t0 + self.config.hold_s, req.deadline)
             with self.view.holding():  # wait for the fleet to change: a replica catching up, or joining
                 while (left := deadline - time.monotonic()) > 0:
                     await asyncio.sleep(min(0.1, left))
@@ -177,7 +244,7 @@ class Gateway:
                         return
                     last = outcome or last
             self.metrics.held_seconds.observe(time.monotonic() - held_since)
-        except httpcore.TimeoutException as e:  # the replica took longer than request_timeout_s to answer
+        except (httpcore.TimeoutException, TimeoutError) as e:  # silent too long, or past the total timeout
             self.metrics.outcome("timeout")
             await error_response(504, f"the replica did not answer in time: {e}", "upstream_timeout")(
                 scope, receive, send
@@ -185,21 +252,75 @@ class Gateway:
             return
         await self._refuse(req, last, scope, receive, send)
 
+    def _not_served(self, want: Want) -> Response | None:
+        """A 404 when no live replica serves what the request names (its model, format or run), naming what the
+        fleet serves; None when one does (then the request holds) or when the fleet is empty or unread (replicas
+        may be booting: a hold, then 503)."""
+        members = self.view.snapshot.members
+        if not members:
+            return None
+        models = sorted({r.model for r in members})
+        if want.model is not None and want.model not in models:
+            return _not_found(f"The model `{want.model}` does not exist. This fleet serves: {', '.join(models)}.")
+        mine = [r for r in members if want.model is None or r.model == want.model]
+        of = f"model `{want.model}`" if want.model is not None else "any model"
+        if want.served_format is not None:
+            formats = sorted({r.served_format for r in mine})
+            mine = [r for r in mine if r.served_format.lower() == want.served_format.lower()]
+            if not mine:
+                return _not_found(
+                    f"No replica serves {of} in format {want.served_format}. Formats served: {', '.join(formats)} "
+                    f"(ask for NAME@FORMAT or X-Flipsync-Format)."
+                )
+        if want.run is not None and not any(r.run == want.run for r in mine):
+            runs = sorted({r.run for r in mine})
+            return _not_found(f"No replica of run {want.run} serves {of}. Runs served: {', '.join(runs)}.")
+        return None
+
     async def _pass(self, req: ForwardRequest, attempts: list[int], send: Send, t0: float) -> Retry | bool | None:
         """Try every replica that may serve ``req`` once, best first: True once one answered, else the last
         refusal (None: no replica to try)."""
         candidates, snap = self.view.candidates(req.want)
+        if snap is not self._pruned:  # a new snapshot: forget the replicas that left (health, metrics)
+            self._prune(snap)
+        ejector = self.ejector
+        healthy = [r for r in candidates if not ejector.ejected(r.replica)]
+        # Every one ejected (a fleet of one, or a burst that failed them all): try them all the same, as Envoy's
+        # panic mode does, rather than refuse what one of them may serve.
+        panic = not healthy and bool(candidates)
+        candidates, outcome = self.affinity.order(req.affinity, candidates if panic else healthy, self.view.in_flight)
+        if attempts[0] == 0 and candidates:
+            self.metrics.affinity_outcome(outcome)
         last: Retry | None = None
         for r in candidates:
+            # one probe at a time for a replica back from its backoff
+            admission = Admission.PANIC if panic else ejector.admit(r.replica)
+            if admission is Admission.SKIP:
+                continue
             attempts[0] += 1
             try:
                 await self._attempt(r, snap, req, attempts[0], send, t0)
             except Retry as e:
                 last = e
                 self.metrics.retry(e.reason)
+                ejector.failed(r.replica, "draining" if e.draining else e.reason, admission)
                 continue
+            except BaseException:
+                ejector.failed(r.replica, "abandoned", admission)  # a timeout or a cancel: the probe slot frees
+                raise
+            if req.cut:
+                ejector.failed(r.replica, "stream_cut", admission)
+            else:
+                ejector.succeeded(r.replica, admission)
+            self.affinity.served(req.affinity, r.replica)
             return True
         return last
+
+    def _prune(self, snap: FleetSnapshot) -> None:
+        self._pruned = snap
+        keep = {r.replica for r in snap.members} | set(self.view.in_flight)
+        self.ejector.forget(keep)
+        self.metrics.forget(keep)
 
     async def _attempt(
         self,
@@ -213,7 +334,10 @@ class Gateway:
         """Send ``req`` to ``r`` and relay its answer; raise Retry where another replica may serve it."""
         assert self.http is not None
         head = snap.head(r)
-        headers = [(b"host", netloc(r.url)), (b"content-length", str(len(req.body)).encode()), *req.headers]
+        forwarded = req.headers
+        if self._replica_auth is not None:  # the gateway's own key, not the client's (a gateway key)
+            forwarded = [h for h in forwarded if h[0] != b"authorization"] + [self._replica_auth]
+        headers = [(b"host", netloc(r.url)), (b"content-length", str(len(req.body)).encode()), *forwarded]
         floor = floor_version(req.want, head, self.config.max_lag)
         if floor is not None:
             headers.append((H_MIN.encode(), str(floor).encode()))
@@ -222,13 +346,17 @@ class Gateway:
             r.url.rstrip("/") + req.path,
             headers=headers,
             content=req.body,
-            extensions={"timeout": self._timeouts},
+            extensions={"timeout": self._attempt_timeouts(req)},
         )
         view = self.view
         view.in_flight[r.replica] = view.in_flight.get(r.replica, 0) + 1
+        rm = self.metrics.replica(r.replica)
+        rm.requests.inc()
+        sent = time.monotonic()
         try:
             try:
                 resp = await self.http.handle_async_request(upstream)
+                rm.ttfb.observe(time.monotonic() - sent)
             except (httpcore.ConnectError, httpcore.ConnectTimeout) as e:
                 view.unreachable(r)
                 raise Retry("unreachable") from e
@@ -244,12 +372,14 @@ class Gateway:
                 except (httpcore.NetworkError, httpcore.RemoteProtocolError) as e:
                     raise Retry("broken") from e
                 if status == 409 or status == 503 or is_engine_unreachable(body):
-                    raise Retry({409: "refused_409", 503: "refused_503"}.get(status, "upstream_502"), status, body)
+                    draining = status == 503 and header_value(resp.headers, b"x-flipsync-draining") == b"1"
+                    reason = {409: "refused_409", 503: "refused_503"}.get(status, "upstream_502")
+                    raise Retry(reason, status, body, draining=draining)
                 await self._answer(resp.status, resp.headers, body, r, head, attempt, send)
                 self.metrics.outcome("upstream_status")
                 return
             if is_stream:
-                await self._relay_stream(resp, r, head, attempt, send, t0, req.receive)
+                await self._relay_stream(resp, r, head, attempt, send, t0, req.receive, req=req)
                 return
             try:
                 body = await read_all(resp)
@@ -265,6 +395,17 @@ class Gateway:
                 view.in_flight[r.replica] = n
             else:
                 view.in_flight.pop(r.replica, None)
+
+    def _attempt_timeouts(self, req: ForwardRequest) -> dict[str, float | None]:
+        """httpcore's timeouts for one attempt: a stream's read timeout bounds each silence; a whole answer has
+        none; what is left of a total timeout bounds both."""
+        timeouts = self._timeouts if req.stream else self._whole_timeouts
+        if req.deadline is None:
+            return timeouts
+        left = req.deadline - time.monotonic()
+        if left <= 0:
+            raise httpcore.ReadTimeout(f"the total timeout of {self.config.total_timeout_s:g} s has passed")
+        return {k: left if v is None else min(v, left) for k, v in timeouts.items()}
 
     def _headers(
         self, upstream: list[tuple[bytes, bytes]], r: MemberRecord, head: int | None, attempt: int
@@ -300,8 +441,11 @@ class Gateway:
         send: Send,
         t0: float,
         receive: Receive | None,
+        *,
+        req: ForwardRequest | None = None,
     ) -> None:
         stream = resp.aiter_stream()
+        deadline = None if req is None else req.deadline
         try:
             try:
                 first = await anext(stream, b"")
@@ -320,23 +464,28 @@ class Gateway:
                     if gone.is_set():  # the client left: stop (closing the replica's stream stops its generation)
                         break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise httpcore.ReadTimeout(f"past the total timeout of {self.config.total_timeout_s:g} s")
             except (httpcore.NetworkError, httpcore.RemoteProtocolError, httpcore.TimeoutException) as e:
-                # The status line has gone out: say so in the stream, as an engine that breaks off does.
-                self.view.unreachable(r)
-                outcome = "stream_cut"
-                err = {
-                    "error": {
-                        "message": f"replica {r.replica} broke off the stream: {e}",
-                        "type": "upstream_unavailable",
-                    }
-                }
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": b"data: " + json.dumps(err).encode() + b"\n\n",
-                        "more_body": True,
-                    }
-                )
+                # The status line (200) has gone out and the tokens sent cannot be taken back: say why in an
+                # error event, then return without the chunked body's last chunk, so that uvicorn closes the
+                # connection mid-body and every client (aiohttp, httpx, openai) sees a failed response, not a
+                # short success (docs/fleet.md#the-gateway).
+                past = deadline is not None and time.monotonic() > deadline  # the gateway's own total timeout
+                if past:
+                    self.metrics.outcome("timeout")
+                    msg = f"the stream from replica {r.replica} ran past the total timeout: {e}"
+                    err = {"error": {"message": msg, "type": "upstream_timeout", "code": 504}}
+                else:
+                    self.view.unreachable(r)
+                    self.metrics.outcome("stream_cut")
+                    if req is not None:
+                        req.cut = True  # a mark against the replica's health (ejection)
+                    msg = f"replica {r.replica} broke off the stream: {type(e).__name__}: {e}"
+                    err = {"error": {"message": msg, "type": "upstream_unavailable", "code": 502}}
+                log.warning("%s; cutting the client's stream", msg)
+                await send({"type": "http.response.body", "body": sse_event(err), "more_body": True})
+                return
             finally:
                 if watcher is not None:
                     watcher.cancel()
@@ -353,7 +502,9 @@ class Gateway:
         mine = [r for r in snap.members if serves(r, want)]
         versions = sorted({r.version for r in mine if r.serving and not r.draining and r.version is not None})
         heads = sorted({h for r in mine if (h := snap.head(r)) is not None})
-        headers = {"Retry-After": self.retry_after}
+        # The gateway has held the request already: a retry at once would only hold again (the openai client
+        # would triple the wait), so x-should-retry says no, and Retry-After when to ask again.
+        headers = {**NO_RETRY, "Retry-After": self.retry_after}
         if want.constrained:
             self.metrics.outcome("rejected_version")
             served = ", ".join(f"v{v}" for v in versions) or "none"
@@ -388,6 +539,25 @@ class Gateway:
 
     # -- control ------------------------------------------------------------------------------------------
 
+    def ready_replicas(self) -> int:
+        """Replicas that could take an unconstrained request now: ready, not draining, not ejected here."""
+        ready = self.view.snapshot.ready(self.config.max_lag)
+        return sum(1 for r in ready if not self.ejector.ejected(r.replica))
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Leave (SIGTERM): ``/readyz`` answers 503 at once, so load balancers stop sending; requests that still
+        arrive are served, and this returns once none is in flight (True) or after ``timeout_s`` (False). Call
+        it from a thread other than the server's (``serve_until_signal``'s ``before_exit`` does)."""
+        timeout_s = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        self.draining = True
+        self.metrics.draining.set(1)
+        n = self.active
+        log.info("draining: /readyz answers 503; waiting for %d request(s) in flight (at most %g s)", n, timeout_s)
+        done = _drain_wait(self, timeout_s)
+        if not done:
+            log.warning("%d request(s) still in flight after %g s of draining; leaving anyway", self.active, timeout_s)
+        return done
+
     def fleet(self) -> dict[str, Any]:
         snap = self.view.snapshot
         runs = snap.runs()
@@ -398,6 +568,7 @@ class Gateway:
         for m in members:
             m["in_flight_here"] = self.view.in_flight.get(m["replica"], 0)
             m["suspect"] = m["replica"] in self.view.suspects
+            m["health"] = self.ejector.describe(m["replica"])
         at_head = sum(info["at_head"] for info in runs.values())
         age = self.view.age_s()
         return {
@@ -408,7 +579,11 @@ class Gateway:
                 "max_lag": self.config.max_lag,
                 "hold_s": self.config.hold_s,
                 "refresh_s": self.config.refresh_s,
+                "affinity": self.config.affinity.enabled,
+                "auth": self.config.api_keys is not None,
             },
+            "draining": self.draining,
+            "in_flight": self.active,
             "members": members,
             "runs": runs,
             "readiness": at_head / len(snap.members) if snap.members else None,
@@ -422,6 +597,20 @@ class Gateway:
         @app.get("/flipsync/fleet")
         async def fleet() -> dict[str, Any]:
             return self.fleet()
+
+        @app.get("/livez")
+        async def livez() -> Response:
+            return JSONResponse({"live": True, "draining": self.draining})  # 200 while the process serves
+
+        @app.get("/readyz")
+        async def readyz() -> Response:
+            n = self.ready_replicas()
+            ok = n > 0 and not self.draining
+            return JSONResponse(
+                {"ready": ok, "ready_replicas": n, "draining": self.draining, "error": self.view.error},
+                status_code=200 if ok else 503,
+                headers=None if ok else {"Retry-After": self.retry_after},
+            )
 
         @app.get("/flipsync/health")
         async def health() -> Response:
@@ -469,6 +658,15 @@ class Gateway:
             return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
         return app
+
+
+def _drain_wait(gateway: Gateway, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while gateway.active > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def create_gateway_app(

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from flipsync.board.membership import REASONS
 
-OUTCOMES = ("ok", "upstream_status", "rejected_version", "unavailable", "bad_request", "stream_cut", "timeout")
+OUTCOMES = (
+    "ok",
+    "upstream_status",
+    "rejected_version",
+    "unavailable",
+    "bad_request",
+    "not_found",
+    "stream_cut",
+    "timeout",
+)
 RETRY_REASONS = ("unreachable", "broken", "refused_409", "refused_503", "upstream_502")
 SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -56,6 +67,40 @@ class GatewayMetrics:
         )
         for reason in REASONS:
             self.rejected.labels(reason=reason).set(0)
+        # Per replica (labelled by replica id; a replica that leaves the fleet is forgotten, see ``forget``).
+        self.replica_requests = Counter(
+            "flipsync_gateway_replica_requests", "Attempts sent to each replica", ["replica"], registry=r
+        )
+        self.replica_errors = Counter(
+            "flipsync_gateway_replica_errors",
+            "Failed attempts at each replica (502, 503 other than a drain, connection refused or dropped, a cut "
+            "stream), by reason",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.replica_ttfb = Histogram(
+            "flipsync_gateway_replica_first_byte_seconds",
+            "Time from sending an attempt to its response's first byte, per replica",
+            ["replica"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.replica_ejections = Counter(
+            "flipsync_gateway_replica_ejections", "Times each replica was ejected", ["replica"], registry=r
+        )
+        self.replica_ejected = Gauge(
+            "flipsync_gateway_replica_ejected", "1 while a replica is out of rotation here", ["replica"], registry=r
+        )
+        self.affinity = Counter(
+            "flipsync_gateway_affinity",
+            "Requests by what affinity did: hit (its replica), new (hashed), moved (its replica left), spilled "
+            "(its replica full), none (no session or prompt to key on)",
+            ["outcome"],
+            registry=r,
+        )
+        self._replicas: dict[str, ReplicaMetrics] = {}
+        self._affinity = {o: self.affinity.labels(outcome=o) for o in ("hit", "new", "moved", "spilled", "none")}
+        self.draining = Gauge("flipsync_gateway_draining", "1 once the gateway drains (SIGTERM)", registry=r)
         # Bound once: a label lookup on every request costs more than the count.
         self._outcomes = {o: self.requests.labels(outcome=o) for o in OUTCOMES}
         self._retries = {r: self.retries.labels(reason=r) for r in RETRY_REASONS}
@@ -66,5 +111,47 @@ class GatewayMetrics:
     def retry(self, reason: str) -> None:
         self._retries[reason].inc()
 
+    def affinity_outcome(self, outcome: str) -> None:
+        self._affinity[outcome].inc()
+
+    def replica(self, replica: str) -> ReplicaMetrics:
+        m = self._replicas.get(replica)
+        if m is None:
+            m = self._replicas[replica] = ReplicaMetrics(self, replica)
+        return m
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop the series of replicas no longer in the fleet (ids come and go with autoscaling)."""
+        for replica in [k for k in self._replicas if k not in keep]:
+            gone = self._replicas.pop(replica)
+            for metric in (self.replica_requests, self.replica_ttfb, self.replica_ejections, self.replica_ejected):
+                with contextlib.suppress(KeyError):
+                    metric.remove(replica)
+            for reason in gone.reasons():
+                with contextlib.suppress(KeyError):
+                    self.replica_errors.remove(replica, reason)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ReplicaMetrics:
+    """One replica's series, bound once (its errors by reason bound when first seen)."""
+
+    def __init__(self, metrics: GatewayMetrics, replica: str) -> None:
+        self._metrics = metrics
+        self.replica = replica
+        self.requests = metrics.replica_requests.labels(replica=replica)
+        self.ttfb = metrics.replica_ttfb.labels(replica=replica)
+        self.ejections = metrics.replica_ejections.labels(replica=replica)
+        self.ejected = metrics.replica_ejected.labels(replica=replica)
+        self._errors: dict[str, Counter] = {}
+
+    def reasons(self) -> list[str]:
+        return list(self._errors)
+
+    def errors(self, reason: str) -> None:
+        c = self._errors.get(reason)
+        if c is None:
+            c = self._errors[reason] = self._metrics.replica_errors.labels(replica=self.replica, reason=reason)
+        c.inc()

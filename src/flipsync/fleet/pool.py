@@ -1,5 +1,6 @@
 """The Pool port (where a fleet's replicas are found, as a point-in-time `FleetSnapshot`), `BoardPool` and
-`StaticPool`. See docs/fleet.md#the-pool-port."""
+`StaticPool`; `flipsync.fleet.ray_pool.RayPool` also starts and stops replicas (``scale``). See
+docs/fleet.md#the-pool-port."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import httpx
 
+from flipsync.board.layout import RunLayout
 from flipsync.board.membership import MemberReader, Rejected
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Verifier
+from flipsync.domain.balance import EngineLoad
 from flipsync.domain.fleet import (
     MEMBER_STATES,
     MemberRecord,
@@ -23,6 +26,7 @@ from flipsync.domain.fleet import (
     lag_behind,
     readiness,
     replica_id_for,
+    tokenizer_outliers,
 )
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.errors import ConfigError, FlipsyncError
@@ -42,6 +46,20 @@ class FleetSnapshot:
 
     def head(self, record: MemberRecord) -> int | None:
         return self.heads.get(record.run)
+
+    def one_tokenizer_per_model(self) -> FleetSnapshot:
+        """This snapshot with the replicas that tokenize unlike the rest of their model name's replicas moved to
+        ``rejected`` (``tokenizer_mismatch``, saying why): a model name routes to replicas that agree only."""
+        outliers = tokenizer_outliers(self.members)
+        if not outliers:
+            return self
+        moved = tuple(
+            Rejected(RunLayout(r.run).member_path(r.replica), "tokenizer_mismatch", outliers[r.replica])
+            for r in self.members
+            if r.replica in outliers
+        )
+        kept = tuple(r for r in self.members if r.replica not in outliers)
+        return FleetSnapshot(kept, self.heads, (*self.rejected, *moved), self.at)
 
     def ready(self, max_lag: int) -> list[MemberRecord]:
         return [r for r in self.members if is_ready(r, self.head(r), max_lag)]
@@ -95,7 +113,8 @@ class Pool(ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot wake replicas: its replicas are always up")
 
     def scale(self, min_replicas: int, max_replicas: int) -> None:
-        """Bound the number of replicas an autoscaler keeps; optional."""
+        """Bound the number of replicas an autoscaler keeps (`RayPool`: add or drain replicas to the nearest
+        bound); optional."""
         raise NotImplementedError(f"{type(self).__name__} cannot scale: it does not start or stop replicas")
 
     def close(self) -> None:  # noqa: B027 - optional: most pools hold nothing
@@ -156,7 +175,13 @@ class StaticPool(Pool):
     """
 
     def __init__(
-        self, urls: Sequence[str], *, timeout_s: float = 2.0, ttl_s: float = 15.0, gateway_url: str | None = None
+        self,
+        urls: Sequence[str],
+        *,
+        timeout_s: float = 2.0,
+        ttl_s: float = 15.0,
+        gateway_url: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         if not urls:
             raise ConfigError("a static pool needs at least one sidecar URL")
@@ -164,7 +189,9 @@ class StaticPool(Pool):
         self.timeout_s = timeout_s
         self.ttl_s = ttl_s
         self._gateway_url = gateway_url
-        self._client = httpx.Client(timeout=timeout_s)
+        # ``api_key``: for sidecars whose model API needs one (their /v1/models; /flipsync/status is open)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = httpx.Client(timeout=timeout_s, headers=headers)
         self._models: dict[str, str] = {}
         self._started = utc_now_iso()
         self._executor = ThreadPoolExecutor(min(16, len(self.urls)), thread_name_prefix="flipsync-pool")
@@ -201,6 +228,8 @@ class StaticPool(Pool):
                 heartbeat=utc_now_iso(),
                 ttl_s=self.ttl_s,
                 started=self._started,
+                tokenizer=st.get("tokenizer"),
+                load=EngineLoad.from_dict(st["load"]) if st.get("load") is not None else None,
             )
         except (httpx.HTTPError, ValueError, TypeError, KeyError, AttributeError) as e:
             return None, Rejected(url, "unreadable", f"{url} did not answer its status: {e}")

@@ -9,15 +9,18 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from flipsync.board.membership import REASONS
 from flipsync.domain.fleet import MemberRecord, Want, admits, rank
 from flipsync.errors import FlipsyncError
+from flipsync.fleet.affinity import AffinityPolicy
+from flipsync.fleet.ejection import EjectionPolicy
 from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
+from flipsync.sidecar.auth import ApiKeys
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +36,20 @@ class GatewayConfig:
     refresh_s: float = 1.0
     held_refresh_s: float = 0.2
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0  # one read of the replica (a token gap), not the whole response
+    # The longest silence of a replica while it streams (until its first byte, between two chunks). A non-streaming
+    # answer comes whole at its end, so its wait is bounded by total_timeout_s only (TCP keepalive notices a dead
+    # host meanwhile): a long generation is never cut while the replica is still generating it.
+    request_timeout_s: float = 600.0
+    total_timeout_s: float | None = None  # a request's whole time, streams included (None: unbounded)
     max_body_bytes: int = 64 << 20
     retry_after_s: int = 1
     suspect_s: float = 30.0  # a replica that refused a connection: skipped until it writes again (at most this)
-    max_connections: int = 1024
+    max_connections: int = 4096  # connections to all replicas together (each stream in flight holds one)
+    affinity: AffinityPolicy = field(default_factory=AffinityPolicy)
+    ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
+    api_keys: ApiKeys | None = None  # clients must send one (Authorization: Bearer); None: no check
+    replica_api_key: str | None = None  # sent to the replicas instead of the client's Authorization
+    drain_timeout_s: float = 30.0  # on SIGTERM, the longest wait for the requests in flight
 
 
 class FleetView:
@@ -63,7 +75,7 @@ class FleetView:
     def refresh(self) -> bool:
         """Scan the pool now; on failure the last snapshot stays (routing goes on from it)."""
         try:
-            snapshot = self.pool.discover_replicas()
+            snapshot = self.pool.discover_replicas().one_tokenizer_per_model()
         except FlipsyncError as e:
             self.metrics.refresh_failures.inc()
             if self.error is None:

@@ -17,6 +17,7 @@ from flipsync.board.membership import MemberWriter
 from flipsync.domain.fleet import MemberRecord, check_model, check_url, replica_id_for
 from flipsync.domain.manifest import utc_now_iso
 from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.sidecar.load import LoadReader
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,10 @@ class Heartbeat:
         config: MembershipConfig,
         *,
         upstream_url: str | None = None,
+        load: LoadReader | None = None,
     ) -> None:
         self.writer = writer
+        self.load = load  # the engine's load, on each record (routing ranks by it)
         self.replica = replica
         self.gate = replica.gate
         self.config = config
@@ -80,6 +83,7 @@ class Heartbeat:
         self.failures = 0
         self.last: MemberRecord | None = None
         self._model = config.model or getattr(replica.engine, "model_name", None)
+        self._tokenizer: tuple[str | None] | None = None  # worked out at the first record (vLLM's loads a tokenizer)
         self._key: tuple[Any, ...] | None = None
         self._last_attempt = -1e18
         self._lock = threading.Lock()  # one write at a time (the thread, a drain's beat, stop)
@@ -103,6 +107,16 @@ class Heartbeat:
             except (httpx.HTTPError, ValueError, AttributeError, FlipsyncError) as e:
                 log.warning("cannot learn the served model name from %s/v1/models: %s", self.upstream_url, e)
         return self._model
+
+    def tokenizer(self) -> str | None:
+        """The engine's tokenizer digest, asked once (None where the engine cannot tell, or asking failed)."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = (self.replica.engine.tokenizer_digest,)
+            except Exception as e:  # a digest is optional: the record goes out without one
+                log.warning("cannot tell how the engine tokenizes (the record will not say): %s", e)
+                self._tokenizer = (None,)
+        return self._tokenizer[0]
 
     def _routing_key(self) -> tuple[Any, ...]:
         return (self.replica.version, self.replica.serving, self.gate.draining)
@@ -132,6 +146,8 @@ class Heartbeat:
             ttl_s=self.config.ttl_s,
             started=self.started,
             seq=self.seq,
+            load=None if self.load is None else self.load.read(),
+            tokenizer=self.tokenizer(),
         )
 
     def beat(self) -> bool:

@@ -3,6 +3,7 @@ See docs/sidecar.md#the-proxy."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -17,7 +18,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
-from flipsync.serving import error_response, sse_event
+from flipsync.serving import NO_RETRY, error_response, sse_event
+from flipsync.sidecar.auth import ApiKeys, is_open, unauthorized
+from flipsync.sidecar.body import BadRequest, encode, read_json
+from flipsync.sidecar.load import LoadReader
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
@@ -29,7 +33,7 @@ H_START = "X-Flipsync-Weight-Version-Start"
 H_END = "X-Flipsync-Weight-Version-End"
 BODY_FIELD = "weight_version"
 # What the metrics count a refusal of a gated request as, by its status.
-_OUTCOMES = {400: "bad_request", 413: "bad_request", 409: "rejected_version", 503: "unavailable"}
+_OUTCOMES = {400: "bad_request", 413: "bad_request", 415: "bad_request", 409: "rejected_version", 503: "unavailable"}
 _OUTCOMES |= dict.fromkeys((502, 504), "upstream_error")
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the proxy recomputes.
 _HOP = frozenset(
@@ -59,10 +63,7 @@ class ProxyConfig:
     max_wait_s: float = 300.0  # cap of /flipsync/wait
     retry_after_s: int = 1
     max_body_bytes: int = 64 << 20
-
-
-class BadRequest(Exception):
-    pass
+    api_keys: ApiKeys | None = None  # clients must send one of these (Authorization: Bearer); None: no check
 
 
 @dataclass(frozen=True)
@@ -150,9 +151,21 @@ def _stamp_event(line: bytes, stamp: dict[str, int | None]) -> bytes:
         return sse_event({"error": {"message": msg, "type": _BAD_JSON}})
 
 
+class StreamCut(Exception):
+    """Raised by a stream's body once its upstream broke off: the response ends without its last chunk."""
+
+
+def _is_cut(e: BaseException) -> bool:
+    if isinstance(e, BaseExceptionGroup):  # Starlette runs the body in a task group on older ASGI servers
+        return all(_is_cut(x) for x in e.exceptions)
+    return isinstance(e, StreamCut)
+
+
 class _ClosingStream(StreamingResponse):
     """A streaming response that always runs ``on_close`` (also when the client left before the first byte,
-    when the body generator never starts), so a gate ticket or an upstream connection is never leaked."""
+    when the body generator never starts), so a gate ticket or an upstream connection is never leaked. A body
+    that raises `StreamCut` returns without completing the response: the server closes the connection with
+    the chunked body unterminated (uvicorn logs that it did)."""
 
     def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]], **kw: Any) -> None:
         super().__init__(content, **kw)
@@ -161,12 +174,16 @@ class _ClosingStream(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except BaseException as e:
+            if not _is_cut(e):
+                raise
         finally:
             await self._on_close()
 
 
-def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
-    """The sidecar's HTTP face: version-aware proxy to ``config.upstream_url`` plus control and metrics."""
+def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader | None = None) -> FastAPI:
+    """The sidecar's HTTP face: version-aware proxy to ``config.upstream_url`` plus control and metrics;
+    ``load`` reads the engine's load for ``/flipsync/status``."""
     metrics = replica.metrics
     gate = replica.gate
     upstream = config.upstream_url.rstrip("/")
@@ -188,10 +205,17 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
 
     # -- control ------------------------------------------------------------------------------------------
 
+    tokenizer: list[str | None] = []  # the engine's digest, asked once (vLLM's loads a tokenizer: off the loop)
+
     @app.get("/flipsync/status")
     async def status() -> dict[str, Any]:
+        engine_load = None if load is None else await asyncio.to_thread(load.read)  # may scrape the engine
+        if not tokenizer:
+            tokenizer.append(await asyncio.to_thread(lambda: replica.engine.tokenizer_digest))
         return {
             **replica.status(),
+            "tokenizer": tokenizer[0],
+            "load": None if engine_load is None else engine_load.to_dict(),
             "proxy": {
                 "upstream": upstream,
                 "in_flight": gate.in_flight,
@@ -232,17 +256,30 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
     # -- the proxy ----------------------------------------------------------------------------------------
 
     def refuse(status: int, message: str, kind: str, headers: dict[str, str] | None = None, **extra: Any) -> Response:
-        """An error answer of the gated proxy, counted under the outcome its status means."""
+        """An error answer of the gated proxy, counted under the outcome its status means. A malformed request
+        (400, 413, 415) is the same on a retry: ``x-should-retry: false`` tells the openai client so."""
         metrics.requests.labels(outcome=_OUTCOMES[status]).inc()
+        if status in (400, 413, 415):
+            headers = {**NO_RETRY, **(headers or {})}
         return error_response(status, message, kind, headers, **extra)
 
     async def send(
-        request: Request, path: str, content: bytes, error: Callable[..., Response] = error_response
+        request: Request,
+        path: str,
+        content: bytes,
+        error: Callable[..., Response] = error_response,
+        *,
+        as_json: bool = False,
     ) -> httpx.Response | Response:
-        """The upstream's streamed answer, or the ``error`` to answer instead when it cannot be reached."""
+        """The upstream's streamed answer, or the ``error`` to answer instead when it cannot be reached.
+        ``as_json``: ``content`` was re-encoded as UTF-8 JSON, and says so in its Content-Type."""
         client, q = clients["upstream"], request.url.query
         url = f"{upstream}/{path}" + (f"?{q}" if q else "")
-        req = client.build_request(request.method, url, headers=_forward_headers(request.headers), content=content)
+        headers = _forward_headers(request.headers)
+        if as_json:
+            headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+            headers["content-type"] = "application/json"
+        req = client.build_request(request.method, url, headers=headers, content=content)
         try:
             return await client.send(req, stream=True)
         except httpx.TimeoutException as e:
@@ -263,21 +300,22 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
         raw = await request.body()
         if len(raw) > config.max_body_bytes:
             return refuse(413, f"the body exceeds {config.max_body_bytes} bytes", "invalid_request_error")
-        body: Any = None
+        # Every body is read as JSON whatever its Content-Type says (engines parse it anyway, so a constraint
+        # skipped here would be silently ignored); one that is not JSON is refused, never forwarded unchecked.
         try:
-            if raw and "json" in request.headers.get("content-type", "application/json"):
-                body = json.loads(raw)
-        except ValueError:
-            pass  # not ours to judge: the upstream answers malformed bodies
-        except RecursionError:  # json.loads recurses per bracket; no engine reads this either
-            return refuse(400, _TOO_DEEP_REQUEST, "invalid_request_error")
-        field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
-        try:
+            parsed = read_json(
+                raw, request.headers.get("content-type"), request.headers.get("content-encoding"), config.max_body_bytes
+            )
+            if parsed is not None and not isinstance(parsed.doc, dict):
+                raise BadRequest(f"the body must be a JSON object, not {type(parsed.doc).__name__}")
+            body = parsed.doc if parsed is not None else None
+            field = body.pop(BODY_FIELD, None) if isinstance(body, dict) else None
             constraint = parse_constraint(field, request.headers)
-            if field is not None:
-                raw = json.dumps(body).encode()
+            reencoded = parsed is not None and (field is not None or not parsed.as_sent)
+            if reencoded:  # the engine reads the same JSON, as UTF-8 with a JSON Content-Type
+                raw = encode(body)
         except BadRequest as e:
-            return refuse(400, str(e), "invalid_request_error")
+            return refuse(e.status, str(e), "invalid_request_error")
         except RecursionError:
             return refuse(400, _TOO_DEEP_REQUEST, "invalid_request_error")
 
@@ -300,11 +338,14 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
                     {"Retry-After": retry_after},
                 )
             if not constraint.satisfied_by(current):
+                # A replica's version only moves forward: an exact version it has passed never comes back here.
+                passed = constraint.exact_version is not None and constraint.exact_version < current
+                retry = NO_RETRY if passed else {"Retry-After": retry_after}
                 return refuse(
                     409,
                     f"this replica serves v{current}; the request needs {constraint.describe()}",
                     "weight_version_unavailable",
-                    {"Retry-After": retry_after, H_VERSION: str(current)},
+                    {**retry, H_VERSION: str(current)},
                     weight_version={
                         "current": current,
                         "head": replica.head,
@@ -335,7 +376,7 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
                 leave()
                 return late
             start = replica.version
-            resp = await send(request, path, raw, refuse)
+            resp = await send(request, path, raw, refuse, as_json=reencoded)
             if isinstance(resp, Response):
                 leave()
                 return resp
@@ -390,12 +431,20 @@ def create_proxy_app(replica: Replica, config: ProxyConfig) -> FastAPI:
                 yield b"".join(_stamp_event(line, stamp) for line in lines.splitlines(keepends=True))
             if buf:
                 yield _stamp_event(buf, {"start": start, "end": replica.version_upper_bound()})
-        except httpx.HTTPError as e:  # the status line has gone out: report in the stream, as engines do
-            msg = f"the engine broke off the stream: {e}"
-            yield sse_event({"error": {"message": msg, "type": "upstream_unavailable"}})
+        except httpx.HTTPError as e:
+            # The status line (200) has gone out: say why in an error event, then cut the connection without the
+            # chunked body's end, so that every client (aiohttp, httpx, openai) sees a failed response rather
+            # than a short success.
+            msg = f"the engine broke off the stream: {type(e).__name__}: {e}"
+            log.warning("%s; cutting the client's stream", msg)
+            yield sse_event({"error": {"message": msg, "type": "upstream_unavailable", "code": 502}})
+            raise StreamCut(msg) from e
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"])
     async def proxy(request: Request, path: str) -> Response:
+        keys = config.api_keys
+        if keys is not None and not is_open("/" + path) and not keys.allows(request.headers.get("authorization")):
+            return unauthorized("authorization" in request.headers)  # the model API only: /flipsync/* stay open
         if request.method == "POST":
             return await gated(request, path)
         return await passthrough(request, path)

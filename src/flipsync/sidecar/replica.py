@@ -40,6 +40,9 @@ class ReplicaConfig:
     jitter: float = 0.1  # +-10% on every wait, so a fleet does not poll in lockstep
     # How many of the newest version manifests to compare with what the engine holds on boot (0: never adopt).
     adopt_search: int = 64
+    # Compile (or load from the numba cache) the codec kernels before the first pass (sidecar.warmup): a cold
+    # cache then costs its ~10-25 s before the replica reports a version, not inside its first catch-up.
+    warm_kernels: bool = True
 
 
 class Replica:
@@ -92,6 +95,7 @@ class Replica:
         self._wakeup = threading.Event()
         self._thread: threading.Thread | None = None
         self._rng = random.Random()
+        self.warmup_s: float | None = None  # how long the codec kernel warm-up took (None: not run)
 
     # -- what the proxy and the control API read ----------------------------------------------------------
 
@@ -151,6 +155,7 @@ class Replica:
                     for e, why in self.follower.excluded.items()
                 ],
                 "requests_in_flight": self.gate.in_flight,
+                "warmup_s": self.warmup_s,
             }
 
     # -- the loop ---------------------------------------------------------------------------------------------
@@ -171,6 +176,14 @@ class Replica:
                 log.warning("the reconcile loop did not stop within %.0f s (a download in progress)", timeout)
             self._thread = None
 
+    def _warm_kernels(self, served_format: str) -> None:
+        from flipsync.sidecar.warmup import warm_codec_kernels  # torch + numba: only where a replica runs
+
+        try:
+            self.warmup_s = warm_codec_kernels(served_format)
+        except Exception as e:  # optional: the kernels then compile lazily, in the first pass
+            log.warning("codec kernel warm-up for %s skipped: %s", served_format, e)
+
     def wake(self) -> None:
         """Poll now instead of at the next interval (e.g. on a notification that HEAD moved)."""
         self._wakeup.set()
@@ -178,6 +191,8 @@ class Replica:
     def _loop(self) -> None:
         failures = 0
         cfg = self.config
+        if cfg.warm_kernels and self.served_format is not None:
+            self._warm_kernels(self.served_format)
         while not self._stop.is_set():
             ok = self.sync_once()
             failures = 0 if ok else failures + 1

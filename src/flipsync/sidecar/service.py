@@ -23,6 +23,7 @@ from flipsync.formats import get_format
 from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import RequestGate
 from flipsync.sidecar.heartbeat import Heartbeat, MembershipConfig
+from flipsync.sidecar.load import LoadReader
 from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
@@ -170,7 +171,8 @@ class Sidecar:
         self.proxy_config = proxy_config or ProxyConfig(upstream_url)
         if self.proxy_config.upstream_url != upstream_url:
             raise ConfigError("upstream_url and proxy_config.upstream_url differ")
-        self.app: FastAPI = create_proxy_app(self.replica, self.proxy_config)
+        self.load = LoadReader(engine, upstream_url)  # the engine's load, on its status and member record
+        self.app: FastAPI = create_proxy_app(self.replica, self.proxy_config, load=self.load)
         self.server: ServerThread | None = None
         self.heartbeat: Heartbeat | None = None
 
@@ -189,7 +191,7 @@ class Sidecar:
             raise ConfigError("this sidecar has joined a fleet already")
         writer = MemberWriter(store if store is not None else self.store, self.reader.run, signer=signer)
         self.heartbeat = Heartbeat(
-            writer, self.replica, membership, upstream_url=self.proxy_config.upstream_url
+            writer, self.replica, membership, upstream_url=self.proxy_config.upstream_url, load=self.load
         ).start()
         log.info("joined the fleet as %s (%s) at %s", membership.replica, membership.island, membership.public_url)
         return self.heartbeat

@@ -122,6 +122,12 @@ def bench_gateway(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
     _run(lambda: _bench("gateway", quick, json_out))
 
 
+@bench_app.command("ray")
+def bench_ray(quick: QuickOpt = False, json_out: JsonOpt = None) -> None:
+    """A Ray fleet on a 3-node local cluster: scale to in rotation, and replacement after a node loss."""
+    _run(lambda: _bench("ray_join", quick, json_out))
+
+
 @bench_app.command("all")
 def bench_all(
     quick: QuickOpt = False,

@@ -33,6 +33,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from flipsync.apps.bench import gateway_load
 from flipsync.apps.bench.board import local_s3
 from flipsync.apps.bench.report import md_table
 from flipsync.board.membership import MemberReader, MemberWriter
@@ -56,9 +57,11 @@ class Setup:
     pairs: int
     warmup: int
     replicas: int
+    rate_seconds: float = 5.0  # per phase of the 1,000 requests/s run (gateway_load.added_latency)
+    streams: int = 5000  # concurrent streams through one gateway (gateway_load.streams)
 
 
-QUICK = Setup(pairs=150, warmup=20, replicas=200)
+QUICK = Setup(pairs=150, warmup=20, replicas=200, rate_seconds=1.0, streams=1000)
 FULL = Setup(pairs=1500, warmup=100, replicas=1000)
 
 
@@ -336,6 +339,12 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
         with _processes(board, Path(tmp)) as (sidecar, gateway, pids):
             status.update("gateway bench: direct and through the gateway, alternating")
             results["latency"] = _latency(sidecar, gateway, setup, pids)
+        status.update("gateway bench: affinity, 1,000 requests/s and concurrent streams against stub replicas")
+        results["load"] = {
+            "affinity": gateway_load.affinity(),
+            "rate": gateway_load.added_latency(1000.0, setup.rate_seconds),
+            "streams": gateway_load.streams(setup.streams),
+        }
         status.update(f"gateway bench: {setup.replicas} member records on S3 (moto)")
         with local_s3() as make_s3:
             if make_s3 is not None:
@@ -356,6 +365,15 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
             f"{r['added_p50_ms']:+.2f} ms",
         )
     console.print(t)
+    load = results["load"]
+    a, rt, st = load["affinity"], load["rate"], load["streams"]
+    console.print(
+        f"affinity: {a['sessions']} {a['turns']}-turn sessions over {a['replicas']} replicas: "
+        f"{100 * a['hit_rate']:.1f}% of turns 2-{a['turns']} on turn 1's replica, busiest "
+        f"{a['busiest_over_mean']:.2f}x the mean; at {rt['rate']:.0f} requests/s the gateway adds "
+        f"{rt['added_p50_ms']:+.2f} ms p50, {rt['added_p99_ms']:+.2f} ms p99 ({rt['errors']} errors); "
+        f"{st['completed']}/{st['streams']} concurrent streams completed in {st['seconds']:.1f} s"
+    )
     m = results["membership"]
     if m["scans"]:
         t = Table(title=f"Membership scans of {m['replicas']} records on S3 (moto on 127.0.0.1)")
@@ -414,6 +432,36 @@ def markdown(result: dict[str, Any]) -> str:
         ),
         "",
     ]
+    load = result.get("load")
+    if load:
+        a, rt, st = load["affinity"], load["rate"], load["streams"]
+        parts += [
+            "Under load, against stub replicas (`flipsync.apps.bench.stub_replica`: microseconds a request, so the "
+            "gateway is what is measured; `flipsync.apps.bench.gateway_load`):",
+            "",
+            md_table(
+                ("run", "result"),
+                [
+                    (
+                        f"affinity: {a['sessions']} {a['turns']}-turn sessions at once, {a['replicas']} replicas",
+                        f"{100 * a['hit_rate']:.1f}% of turns 2-{a['turns']} on turn 1's replica; busiest replica "
+                        f"{a['busiest_over_mean']:.2f}x the mean",
+                    ),
+                    (
+                        f"{rt['rate']:.0f} requests/s, open loop ({rt['requests']} through the gateway)",
+                        f"direct p50 {rt['direct_p50_ms']:.2f} / p99 {rt['direct_p99_ms']:.2f} ms, through the gateway "
+                        f"p50 {rt['gateway_p50_ms']:.2f} / p99 {rt['gateway_p99_ms']:.2f} ms: added "
+                        f"{rt['added_p50_ms']:+.2f} ms p50, {rt['added_p99_ms']:+.2f} ms p99 ({rt['errors']} errors)",
+                    ),
+                    (
+                        f"{st['streams']:,} concurrent streams, one gateway, 4 stubs",
+                        f"{st['completed']:,} completed in {st['seconds']:.1f} s"
+                        + (", all open at once" if st["all_open_at_once"] else ""),
+                    ),
+                ],
+            ),
+            "",
+        ]
     cpu = next((r for r in lat if r.get("gateway_cpu_ms") is not None), None)
     if cpu is not None:
         parts += [

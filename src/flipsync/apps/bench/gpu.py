@@ -308,8 +308,13 @@ def run(*, quick: bool = False, device: str | None = None, log: Callable[[str], 
             f"  torch engine, {r['changed']:,} changed: stage {r['stage_s'] * 1e3:.1f} ms, commit "
             f"{r['commit_s'] * 1e3:.2f} ms ({r['commit_vs_full_load']:.3f} of a full load)"
         )
+    from flipsync.apps.bench.gpu_graphs import cuda_graph_case
+
+    report["cuda_graph"] = graph = cuda_graph_case(dev, small)
+    log(f"cuda graph: patched in place, replay == eager == fresh load: {graph['ok']}" + (
+        f" ({graph['skipped']})" if "skipped" in graph else ""))  # fmt: skip
     report["seconds"] = time.perf_counter() - t0
-    checks = [report["bits"].get("equal", True)]
+    checks = [report["bits"].get("equal", True), graph["ok"]]
     checks += [r["apply_bitwise"] for r in bw["rows"]]
     checks += [r["target_reached"] and r["rolled_back"] for r in report["engine"]["rows"]]
     report["ok"] = all(checks)

@@ -126,6 +126,7 @@ class FleetDirector:
         start_island: Callable[[str], Island],
         on_join: Callable[[Island], None],
         islands: Callable[[], list[Island]],
+        on_kill: Callable[[str], None] | None = None,
     ) -> None:
         self.gateway = gateway
         self.plan = plan
@@ -133,6 +134,7 @@ class FleetDirector:
         self.start_island = start_island
         self.on_join = on_join
         self.islands = islands
+        self.on_kill = on_kill  # the monitor stops waiting for the killed island's commits
         self.t0 = time.monotonic()
         self.events: list[dict[str, Any]] = []
         self.samples: list[dict[str, Any]] = []
@@ -246,6 +248,8 @@ class FleetDirector:
         self.killed.add(name)
         with contextlib.suppress(OSError):
             victim.process.kill()  # SIGKILL: no drain, no deregistration
+        if self.on_kill is not None:
+            self.on_kill(name)
         self._event("kill", name)
         self.console.print(f"[bold]step {step}: {name} killed (SIGKILL); the gateway fails its requests over[/]")
 

@@ -111,6 +111,7 @@ class VllmServer:
 
     def start(self) -> VllmServer:
         from flipsync.engines.vllm.launch import serve_command
+        from flipsync.engines.vllm.tether import tethered
 
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -120,7 +121,8 @@ class VllmServer:
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
         model = ["--served-model-name", "flipsync-demo", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
         limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
-        cmd = serve_command(self.python, self.model_dir, self.port, *model, *limits)
+        # tethered: a SIGKILLed island takes its vLLM server (and vLLM's own children) with it
+        cmd = tethered(serve_command(self.python, self.model_dir, self.port, *model, *limits))
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True

@@ -9,8 +9,10 @@ tokens absent from a batch do not in a real RL step (the LM head's rows all chan
 ``moe-2m`` is a Qwen3-MoE-shaped policy (8 experts, top-2, in each of its 2 layers), for the demo on a mixture of
 experts: its report gives the share of each expert's values that change beside the dense layers'.
 
-``write_model_dir`` writes what an engine started from disk needs (vLLM): ``config.json``, a Hugging Face
-tokenizer that reproduces `ByteTokenizer`'s ids exactly, and the served weights of the first version.
+``write_model_dir`` writes what an engine started from disk needs (vLLM): ``config.json``,
+``generation_config.json`` (both stop tokens), a Hugging Face tokenizer that reproduces `ByteTokenizer`'s ids
+exactly (a BOS in front of a text prompt, the torch engine's chat template) and, given one, a served view as
+``model.safetensors``. ``flipsync model`` (``flipsync.apps.model_cli``) writes such a folder from the command line.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 from transformers import LlamaConfig, PretrainedConfig, Qwen3MoeConfig
 
 from flipsync.checkpoint import save_checkpoint
-from flipsync.engines.torch.tokenizer import SPECIALS, ByteTokenizer
+from flipsync.engines.torch.tokenizer import CHAT_TEMPLATE, SPECIALS, ByteTokenizer
 from flipsync.errors import ConfigError
 
 DEMO_MODELS: dict[str, dict[str, Any]] = {
@@ -86,7 +88,7 @@ def demo_config(name: str) -> PretrainedConfig:
 
 def _byte_level_tokenizer(out: Path) -> None:
     """An HF fast tokenizer with ByteTokenizer's ids: byte b is id b, the specials follow from 256."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
 
@@ -99,8 +101,24 @@ def _byte_level_tokenizer(out: Path) -> None:
     hf.add_special_tokens(list(SPECIALS))
     if [hf.token_to_id(s) for s in SPECIALS] != [tok.special_ids[s] for s in SPECIALS]:
         raise ConfigError("the byte-level tokenizer's special ids differ from ByteTokenizer's")
-    fast = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token="<|bos|>", eos_token="<|eos|>")
+    bos = SPECIALS[0]
+    # A text prompt gets one BOS, as ByteTokenizer.encode gives it (vLLM's completions add special tokens).
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.bos_id)]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=hf, bos_token=bos, eos_token=SPECIALS[1])
+    fast.chat_template = CHAT_TEMPLATE  # renders what ByteTokenizer.chat_prompt encodes
     fast.save_pretrained(str(out))
+    # The generic class, which transformers 4 and 5 both load; transformers 5 rebuilds the post-processor from
+    # add_bos_token / add_eos_token, so they say what the post-processor above does.
+    config_path = out / "tokenizer_config.json"
+    doc = json.loads(config_path.read_text())
+    doc.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=True, add_eos_token=False)
+    # In tokenizer_config.json, where every transformers version (and vLLM) reads it; transformers 5 writes a
+    # chat_template.jinja instead, which would take precedence: one copy only.
+    doc["chat_template"] = CHAT_TEMPLATE
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config_path.write_text(json.dumps(doc, indent=2))
 
 
 def _unicode_to_byte() -> dict[str, int]:
@@ -120,15 +138,19 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM
 
 
 def write_model_dir(out: Path, config: PretrainedConfig, view: Mapping[str, torch.Tensor] | None = None) -> Path:
-    """``config.json`` (and, with ``view``, the byte-level tokenizer and ``model.safetensors`` holding that
-    served view): a folder an engine can start from. Returns ``out``."""
+    """``config.json``, ``generation_config.json``, the byte-level tokenizer (with its chat template) and, with
+    ``view``, ``model.safetensors`` holding that served view: a folder an engine can start from. Returns ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     doc = config.to_dict()
     doc["torch_dtype"] = "bfloat16"
     if not doc.get("architectures") and config.model_type in _ARCHITECTURES:  # vLLM picks its model class by it
         doc["architectures"] = [_ARCHITECTURES[config.model_type]]
     (out / "config.json").write_text(json.dumps(doc, indent=2))
+    tok = ByteTokenizer()
+    # Both stop tokens, as the torch engine stops (vLLM adds generation_config's eos ids to its stop tokens).
+    generation = {"bos_token_id": tok.bos_id, "eos_token_id": sorted(tok.stop_ids)}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    _byte_level_tokenizer(out)
     if view is not None:
-        _byte_level_tokenizer(out)
         save_checkpoint(dict(view), out / "model.safetensors")
     return out

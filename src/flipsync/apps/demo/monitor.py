@@ -1,5 +1,10 @@
 """What the demo watches while it runs: `Monitor` follows the board and every island (version rows, which
 trainer step each island serves), and `StepTable` is the live table drawn from it, one row per trainer step.
+
+A version's *applied* time waits only for the flipsync islands that were following the board when its
+manifest appeared (`Following`): an island that joins mid-run follows from the moment it first reaches HEAD
+(its catch-up is an event of its own, not the applied time of the versions it replays), and an island that
+dies or leaves stops counting at that moment.
 """
 
 from __future__ import annotations
@@ -7,14 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Self
+from collections.abc import Iterable
+from typing import Any, Self
 
 import httpx
 from rich.table import Table
 
 from flipsync.apps.demo.experts import ExpertRates
 from flipsync.apps.demo.island import Island
-from flipsync.apps.demo.records import CONTROL, DemoConfig, StepRecord, VersionRow
+from flipsync.apps.demo.records import DemoConfig, StepRecord, VersionRow
 from flipsync.apps.demo.rollouts import StepIndex, Workers
 from flipsync.apps.demo.summary import lr_text
 from flipsync.board.reader import BoardReader
@@ -24,6 +30,44 @@ from flipsync.errors import FlipsyncError
 from flipsync.stores import open_store
 
 log = logging.getLogger(__name__)
+
+
+class Following:
+    """Which flipsync islands each version's *applied* time waits for. No threads, no clocks of its own: the
+    monitor feeds it events (times in seconds on any one clock) and a test can feed it synthetic ones."""
+
+    def __init__(self, initial: Iterable[str], t0: float = 0.0) -> None:
+        self.since: dict[str, float] = dict.fromkeys(initial, t0)  # island -> when it began following
+        self.joining: dict[str, float] = {}  # island -> when it joined (still catching up)
+        self.left: dict[str, float] = {}  # island -> when it died or left
+        self.events: list[dict[str, Any]] = []  # catch-ups: island, joined_t, t, catch_up_s, version
+
+    def followers(self) -> list[str]:
+        """The islands following now: a version published now waits for these."""
+        return sorted(n for n in self.since if n not in self.left)
+
+    def joined(self, name: str, t: float) -> None:
+        self.joining[name] = t
+
+    def leave(self, name: str, t: float) -> None:
+        self.left.setdefault(name, t)
+
+    def committed(self, name: str, held: int, head: int, t: float) -> bool:
+        """An island holds ``held`` while the board's newest version is ``head``: a joiner that reached HEAD
+        follows from now on (returns True then)."""
+        if name in self.joining and name not in self.since and name not in self.left and held >= head:
+            joined = self.joining.pop(name)
+            self.since[name] = t
+            self.events.append({"island": name, "joined_t": joined, "t": t, "catch_up_s": t - joined, "version": held})
+            return True
+        return False
+
+    def applied(self, row: VersionRow) -> tuple[float | None, bool]:
+        """(the slowest commit among the row's followers so far, whether every follower still there has
+        committed). A follower that left before committing no longer counts; none left: (None, True)."""
+        waiting = [n for n in row.followers if n in row.applied_s or n not in self.left]
+        done = [row.applied_s[n] for n in waiting if n in row.applied_s]
+        return (max(done) if done else None), len(done) == len(waiting)
 
 
 class Monitor(Workers):
@@ -57,6 +101,7 @@ class Monitor(Workers):
         self.samples: list[tuple[float, int, dict[str, int]]] = []
         self.t0 = time.monotonic()
         self.fps: dict[int, str] = {}
+        self.following = Following([i.spec.name for i in islands if not i.spec.control], self.t0)
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self._threads = [threading.Thread(target=self._board_loop, daemon=True, name="demo-monitor-board")]
@@ -76,11 +121,22 @@ class Monitor(Workers):
         with self.lock:
             self.islands.append(island)
             self.held[island.spec.name] = 0
+            self.following.joined(island.spec.name, time.monotonic())
         t = threading.Thread(
             target=self._island_loop, args=(island,), daemon=True, name=f"demo-monitor-{island.spec.name}"
         )
         self._threads.append(t)
         t.start()
+
+    def leave(self, name: str) -> None:
+        """An island died or left: the versions it had not committed stop waiting for it."""
+        with self.lock:
+            self.following.leave(name, time.monotonic())
+
+    def complete(self) -> bool:
+        """Every version seen so far committed by each of its followers still there."""
+        with self.lock:
+            return all(self.following.applied(r)[1] for r in self.rows.values())
 
     def _new_version(self, v: int, now: float) -> VersionRow:
         m = self.reader.catalog.version(v)
@@ -100,6 +156,7 @@ class Monitor(Workers):
                 row.publish_s = now - self.step_end[step]
             self.seen[v] = now
             self.fps[v] = m.target_view_fp
+            row.followers = self.following.followers()
             self.rows[v] = row
         return row
 
@@ -134,9 +191,11 @@ class Monitor(Workers):
                     if held is not None and held in self.rows:
                         self.held[name] = self.rows[held].step
                         for v, row in self.rows.items():
-                            if v <= held and name not in row.applied_s:
+                            # only the versions it was following for: a joiner's catch-up is its own event
+                            if v <= held and name in row.followers and name not in row.applied_s:
                                 row.applied_s[name] = max(0.0, now - self.seen[v])
                                 row.verified[name] = status.get("view_fp") == self.fps[held]
+                        self.following.committed(name, held, max(self.rows), now)
                 time.sleep(0.1)
 
     def _sample_loop(self) -> None:
@@ -147,6 +206,14 @@ class Monitor(Workers):
                         self.held[island.spec.name] = max(0, island.meters.held_step.value)
                 self.samples.append((time.monotonic() - self.t0, self.trainer_step, dict(self.held)))
             time.sleep(0.2)
+
+
+def applied_cell(slowest: float | None, complete: bool) -> str:
+    """The table's applied cell: seconds once every follower committed, "…" while some have not, "-" when no
+    follower is left to commit it."""
+    if not complete:
+        return "…"
+    return "-" if slowest is None else f"{slowest:.2f}"
 
 
 def _mb(n: int) -> str:
@@ -167,8 +234,9 @@ class StepTable:
             f"{cfg.bandwidth or 'unlimited'} link",
             caption="per island: trainer steps its weights trailed the policy when the batch was taken · rollouts "
             "dropped as too stale · MB over its "
-            "link so far. publish: step end -> manifest on the board; applied: manifest -> last flipsync island "
-            "committed",
+            "link so far. publish: step end -> manifest on the board; applied: manifest -> the last commit among "
+            "the flipsync islands following the board then (a joiner counts once caught up, a killed island "
+            "stops counting at its death)",
             expand=False,
         )
         for col in ("step", "reward", "version", "changed", "patch KB", "publish s", "applied s"):
@@ -177,18 +245,17 @@ class StepTable:
             t.add_column(f"{name}\nbehind·drop·MB", justify="right")
         with self.monitor.lock:
             by_step = {r.step: r for r in self.monitor.rows.values() if r.version > 0}
-        flipsync = [n for n in self.names if n != CONTROL]
+            applied_cells = {r.step: applied_cell(*self.monitor.following.applied(r)) for r in by_step.values()}
         for rec in self.records:
             row = by_step.get(rec.step)
             version_cells = ["-"] * 5
             if row is not None:
-                applied = [row.applied_s[n] for n in flipsync if n in row.applied_s]
                 version_cells = [
                     f"v{row.version}" + (f" ({row.steps} steps)" if row.steps > 1 else ""),
                     f"{row.changed_pct:.2f}%",
                     f"{row.patch_bytes / 1e3:,.0f}",
                     f"{row.publish_s:.2f}" if row.publish_s is not None else "-",
-                    f"{max(applied):.2f}" if len(applied) == len(flipsync) else "…",
+                    applied_cells[rec.step],
                 ]
             islands = [
                 f"{s.behind} · {s.dropped} · {_mb(s.bytes)}" if (s := rec.islands.get(n)) else "-" for n in self.names

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 CONTROL = "full-ckpt"  # the control island's name
+ROLLOUT_MODES = ("sync", "async", "inflight")  # see docs/async.md
 
 
 @dataclass
@@ -20,7 +21,10 @@ class DemoConfig:
     islands: int = 2  # flipsync islands
     control: bool = True  # one more island that reloads full checkpoints
     bandwidth: str | None = "100mbit"
-    max_staleness: int = 1  # trainer steps
+    max_staleness: int | None = None  # a hard cap (trainer steps): older rollouts are dropped; None: no cap
+    rollout: str = "inflight"  # sync | async | inflight (ROLLOUT_MODES; docs/async.md)
+    is_cap: float = 2.0  # the truncated importance weight's cap (grpo.WeightConfig)
+    staleness_bound: int = 2  # tokens older than this (trainer steps) get a cap falling as is_cap * bound / s
     group_size: int = 4
     prompts_per_step: int = 6
     model: str = "llama-20m"
@@ -54,6 +58,8 @@ class VersionRow:
     publish_s: float | None = None  # the step's optimizer.step() returned -> its manifest on the board
     applied_s: dict[str, float] = field(default_factory=dict)  # island -> manifest on the board -> committed
     verified: dict[str, bool] = field(default_factory=dict)
+    # the flipsync islands following the board when the manifest appeared (a joiner still catching up is not)
+    followers: list[str] = field(default_factory=list)
 
     @property
     def changed_pct(self) -> float:
@@ -75,6 +81,18 @@ class StepRecord:
     reward: float
     rollouts: int
     islands: dict[str, IslandStep]
+    t: float = 0.0  # seconds since the RL steps started, when the step ended
+    wait_s: float = 0.0  # the trainer waited this long for the batch (sync: for the version to land, too)
+    train_s: float = 0.0  # forward, backward and optimizer step
+    tokens: int = 0  # scored tokens of the batch
+    weight_mean: float = 1.0  # mean truncated importance weight
+    clipped: float = 0.0  # share of tokens whose ratio exceeded its cap
+    kl_k1: float = 0.0  # KL(behaviour || trained), estimated from the tokens' log-probs
+    kl_k2: float = 0.0  # the same, Schulman's k2 (low variance)
+    kl_k3: float = 0.0  # and k3 (unbiased, heavy-tailed)
+    staleness: dict[int, int] = field(default_factory=dict)  # trainer steps -> tokens, by each token's version
+    staleness_response: dict[int, int] = field(default_factory=dict)  # the same, by the version a response began on
+    outliers: list[tuple[float, int, int, str, str]] = field(default_factory=list)  # grpo.LossStats.outliers
 
 
 @dataclass

@@ -7,8 +7,11 @@ verifiable task, then runs GRPO-style policy-gradient steps with Adam. After eve
 saves the full served view beside it, as a trainer that ships checkpoints does. Rollout islands (separate
 processes) read through the same bandwidth-limited link: the flipsync islands follow the board (patches),
 the control island downloads and reloads each newest full checkpoint. All of them generate the rollouts
-the trainer learns from; each rollout carries the trainer step of the weights that produced it, and
-rollouts more than ``max_staleness`` trainer steps old are dropped.
+the trainer learns from; every token carries the log-probability the engine sampled it with and the version
+that produced it, and the trainer weights it by a truncated importance weight (`grpo.policy_loss`). The
+rollout mode (``sync``, ``async``, ``inflight``; `rollouts.RolloutPool`, docs/async.md) decides when the
+islands generate; rollouts more than ``max_staleness`` trainer steps old are dropped only when that hard cap
+is set.
 
 A monitor samples, every 50 ms, which trainer step each island serves and how many bytes its link has
 carried, and, per published version, when the manifest appeared and when each island committed it.
@@ -23,8 +26,14 @@ monitor and the live table in `monitor`, and the files it writes in `outputs`.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
+import json
+import logging
+import os
 import statistics
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -39,27 +48,30 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from flipsync.apps.demo.control import CheckpointShelf
 from flipsync.apps.demo.experts import ExpertRates
 from flipsync.apps.demo.fleet import FleetDirector, FleetPlan, GatewayProcess
-from flipsync.apps.demo.grpo import Rollout, optimizer_spec, policy_loss, rl_optimizer, warm_start
+from flipsync.apps.demo.grpo import Rollout, WeightConfig, optimizer_spec, policy_loss, rl_optimizer, warm_start
 from flipsync.apps.demo.island import Island, board_url, vllm_python
 from flipsync.apps.demo.island_link import IslandSpec
 from flipsync.apps.demo.model import DEMO_MODELS, demo_config, write_model_dir
 from flipsync.apps.demo.monitor import Monitor, StepTable
-from flipsync.apps.demo.records import CONTROL, DemoConfig, DemoReport, IslandStep, StepRecord
-from flipsync.apps.demo.rollouts import RolloutPool, StepIndex
-from flipsync.apps.demo.summary import lr_text, summarize
+from flipsync.apps.demo.records import CONTROL, ROLLOUT_MODES, DemoConfig, DemoReport, IslandStep, StepRecord
+from flipsync.apps.demo.rollouts import RolloutGroup, RolloutPool, StepIndex, busy_seconds
+from flipsync.apps.demo.summary import lr_text, rollout_summary, summarize
 from flipsync.apps.demo.task import ReverseDigits
 from flipsync.apps.demo.warmup import compile_codec_kernels
 from flipsync.board.throttle import parse_bandwidth
-from flipsync.checkpoint import save_checkpoint
+from flipsync.checkpoint import load_checkpoint, save_checkpoint
 from flipsync.codec.bits import int_view as bits_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.tokenizer import ByteTokenizer
-from flipsync.errors import ConfigError
+from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import get_format, served_view
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 ENGINES = ("torch", "vllm")
+WARM_START_BATCH = 32  # problems per supervised step of the warm start
+
+log = logging.getLogger(__name__)
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -82,11 +94,117 @@ def _check(cfg: DemoConfig) -> None:
         vllm_python()  # says how to get one when it is missing, before the warm start
     if cfg.model not in DEMO_MODELS:
         raise ConfigError(f"unknown demo model {cfg.model!r}; models: {', '.join(DEMO_MODELS)}")
-    if cfg.max_staleness < 0:
+    if cfg.max_staleness is not None and cfg.max_staleness < 0:
         raise ConfigError("--max-staleness must be 0 or more trainer steps")
+    if cfg.rollout not in ROLLOUT_MODES:
+        raise ConfigError(f"unknown rollout mode {cfg.rollout!r}; modes: {', '.join(ROLLOUT_MODES)}")
+    if cfg.is_cap <= 0 or cfg.staleness_bound < 0:
+        raise ConfigError("--is-cap must be positive and --staleness-bound 0 or more trainer steps")
     if cfg.lr <= 0 or cfg.head_lr_scale <= 0:
         raise ConfigError("--lr and --head-lr-scale must be positive (1: the LM head learns at --lr)")
     optimizer_spec(cfg)  # an unknown optimizer fails here, before the warm start
+
+
+def warm_start_cache_dir() -> Path:
+    """Where warm-started policies are kept (``$XDG_CACHE_HOME/flipsync/demo-warm-start``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "flipsync" / "demo-warm-start"
+
+
+def _source_digest(*objects: object) -> str:
+    """A digest of the source files that define ``objects``."""
+    h = hashlib.sha256()
+    for path in sorted({inspect.getfile(o) for o in objects}):  # type: ignore[arg-type]
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_warm_start(
+    model: torch.nn.Module, tok: ByteTokenizer, task: ReverseDigits, cfg: DemoConfig, arch: str
+) -> float:
+    """`warm_start`, or its result from the cache: the warm start is deterministic (the model's seed, the task's,
+    the steps), so a run with the same settings loads the same weights instead of spending a minute on them.
+    The task's sampler is moved on as the warm start moves it, so the RL prompts are the same either way."""
+    settings = [arch, cfg.seed, cfg.warm_start_steps, cfg.warm_start_lr, cfg.stop_fraction, cfg.max_tokens]
+    settings += [cfg.min_digits, cfg.max_digits, WARM_START_BATCH, torch.__version__]
+    # The code that decides the weights too: a changed tokenizer, task, loss or model builder is a new key.
+    settings += [_source_digest(warm_start, ReverseDigits, ByteTokenizer, build_model)]
+    key = hashlib.sha256(json.dumps(settings, default=str).encode()).hexdigest()[:24]
+    path = warm_start_cache_dir() / f"{key}.safetensors"
+    if path.exists():
+        try:
+            model.load_state_dict(load_checkpoint(path))
+            for _ in range(cfg.warm_start_steps * WARM_START_BATCH):
+                task.sample()
+            return float(json.loads(path.with_suffix(".json").read_text())["loss"])
+        except (OSError, ValueError, KeyError, RuntimeError, FlipsyncError) as e:
+            log.warning("warm-start cache %s unreadable (%s): warming up again", path, e)
+            task.rng.seed(cfg.seed)
+    loss = warm_start(
+        model,
+        tok,
+        task,
+        steps=cfg.warm_start_steps,
+        lr=cfg.warm_start_lr,
+        batch=WARM_START_BATCH,
+        stop_fraction=cfg.stop_fraction,
+        max_tokens=cfg.max_tokens,
+        seed=cfg.seed,
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_checkpoint({k: v.detach().clone() for k, v in model.state_dict().items()}, path)
+        path.with_suffix(".json").write_text(json.dumps({"loss": loss, "settings": settings}, default=str))
+    except OSError as e:  # a read-only home: no cache, same run
+        log.warning("cannot keep the warm start in %s: %s", path, e)
+    return loss
+
+
+def wait_for_step(monitor: Monitor, step: int, *, timeout_s: float) -> None:
+    """Until every flipsync island following the board serves trainer ``step`` or later (bounded: a starved
+    island holds the batch back at most ``timeout_s``; the proxy's ``min_version`` still keeps it on-policy)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with monitor.lock:
+            if all(monitor.held.get(n, 0) >= step for n in monitor.following.followers()):
+                return
+        time.sleep(0.02)
+
+
+def idle_seconds(
+    alive: dict[str, list[float]], busy: Mapping[str, list[tuple[float, float]]], end: float
+) -> dict[str, float]:
+    """Per island, the seconds it was up during the RL steps with no request of the run's running on it."""
+    out = {}
+    for name, (a, b) in alive.items():
+        b = min(b, end)
+        out[name] = max(0.0, b - a - busy_seconds(list(busy.get(name, [])), a, b))
+    return out
+
+
+def to_rollouts(groups: list[RolloutGroup], step: int, *, per_token: bool) -> list[Rollout]:
+    """The batch for trainer ``step``: each completion with its behaviour log-probs and each token's staleness
+    (trainer steps between the policy being trained, after step - 1, and the weights that produced it), by the
+    token's own version (``per_token``) or by the version its response began on (every token the oldest)."""
+    out = []
+    for g in groups:
+        for c in g.completions:
+            steps = c.steps if per_token else (c.start_step,) * len(c.tokens)
+            stale = tuple(max(0, step - 1 - s) for s in steps) or (max(0, step - 1 - c.start_step),)
+            reward = ReverseDigits.reward(g.problem, c.text)
+            first, last = (min(steps), max(steps)) if steps else (c.start_step, c.start_step)
+            facts = (c.behaviour, stale, c.stopped)
+            out.append(Rollout(g.problem, g.group, c.text, c.tokens, reward, first, last, g.island, *facts))
+    return out
+
+
+def response_staleness(groups: list[RolloutGroup], step: int) -> dict[int, int]:
+    """Tokens by staleness, each counted at the version its response began on (what a per-response version says)."""
+    hist: dict[int, int] = {}
+    for g in groups:
+        for c in g.completions:
+            s = max(0, step - 1 - c.start_step)
+            hist[s] = hist.get(s, 0) + len(c.tokens) + (1 if c.stopped else 0)
+    return dict(sorted(hist.items()))
 
 
 def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
@@ -115,7 +233,9 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         )
 
     specs = [flipsync_spec(f"island-{i}") for i in range(cfg.islands)]
-    gateway = GatewayProcess(board, run, out / "gateway.log", max_lag=cfg.max_staleness) if cfg.fleet else None
+    # the gateway's readiness bound (versions behind HEAD an island may serve unconstrained requests at)
+    max_lag = cfg.max_staleness if cfg.max_staleness is not None else 1
+    gateway = GatewayProcess(board, run, out / "gateway.log", max_lag=max_lag) if cfg.fleet else None
     if cfg.control:
         specs.append(
             IslandSpec(
@@ -132,16 +252,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     parameters = sum(p.numel() for p in model.parameters())
     t = time.monotonic()
     with console.status(f"warm start: {cfg.warm_start_steps} supervised steps on the task"):
-        loss = warm_start(
-            model,
-            tok,
-            task,
-            steps=cfg.warm_start_steps,
-            lr=cfg.warm_start_lr,
-            stop_fraction=cfg.stop_fraction,
-            max_tokens=cfg.max_tokens,
-            seed=cfg.seed,
-        )
+        loss = cached_warm_start(model, tok, task, cfg, config.to_json_string())
     timings["warm_start_s"] = time.monotonic() - t
 
     def masters() -> dict[str, torch.Tensor]:
@@ -209,14 +320,31 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
         monitor = Monitor(board, run, list(islands), step_index, served_values, checkpoint_bytes, experts).start()
         table = StepTable(cfg, run, names, monitor)
         head = lambda: publisher.stats.head or 0  # noqa: E731
-        pool = RolloutPool(islands, task, tok, cfg, head, step_index, gateway.url if gateway else None).start()
+        watching = monitor
+        pool = RolloutPool(
+            islands,
+            task,
+            tok,
+            cfg,
+            head,
+            step_index,
+            gateway.url if gateway else None,
+            held_step=lambda name: watching.held.get(name, 0),
+        ).start()
+        weights = WeightConfig(cfg.is_cap, cfg.staleness_bound)
+        alive: dict[str, list[float]] = {n: [time.monotonic(), float("inf")] for n in names}  # for idle seconds
         if gateway is not None:
-            watching = monitor
 
             def joined(island: Island) -> None:
                 watching.watch(island)
                 names.append(island.spec.name)
                 islands.append(island)
+                alive[island.spec.name] = [time.monotonic(), float("inf")]
+
+            def killed_now(name: str) -> None:
+                watching.leave(name)
+                if name in alive:
+                    alive[name][1] = time.monotonic()
 
             director = FleetDirector(
                 gateway,
@@ -225,10 +353,12 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 start_island=lambda name: Island(flipsync_spec(name)).start(),
                 on_join=joined,
                 islands=lambda: list(islands),
+                on_kill=killed_now,
             ).start()
         progress = Progress(TextColumn("RL steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         bar = progress.add_task("steps", total=cfg.steps)
         t_rl = time.monotonic()
+        timings["load_avg_start"] = os.getloadavg()[0]  # a shared machine's other work shows in every wall time
         with Live(
             get_renderable=lambda: RenderGroup(table.render(), progress),
             console=console,
@@ -236,27 +366,23 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             vertical_overflow="visible",
         ):
             for step in range(1, cfg.steps + 1):
+                t_wait = time.monotonic()
+                if cfg.rollout == "sync":
+                    # on-policy: the batch is generated only once every following island serves the weights
+                    # after step - 1 (the publisher's flush: the version is on the board)
+                    publisher.flush()
+                    wait_for_step(monitor, step - 1, timeout_s=120)
+                    pool.open_round(step, publisher.stats.head or 0, cfg.prompts_per_step)
                 groups, dropped = pool.take(cfg.prompts_per_step, step)
                 with monitor.lock:
                     held = dict(monitor.held)  # when the batch was complete: what each island serves now
-                rollouts = [
-                    Rollout(
-                        g.problem,
-                        g.group,
-                        text,
-                        tokens,
-                        ReverseDigits.reward(g.problem, text),
-                        g.step,
-                        g.step,
-                        g.island,
-                    )
-                    for g in groups
-                    for text, tokens in g.completions
-                ]
-                loss = policy_loss(model, tok, rollouts)
+                t_train = time.monotonic()
+                rollouts = to_rollouts(groups, step, per_token=cfg.rollout != "async")
+                loss, stats = policy_loss(model, tok, rollouts, weights)
                 opt.zero_grad()
                 loss.backward()
                 opt.step()  # the publisher's post-step hook takes the new weights from here
+                t_done = time.monotonic()
                 with monitor.lock:
                     monitor.step_end[step] = time.monotonic()
                     monitor.trainer_step = step
@@ -278,10 +404,31 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                         bytes=island.meters.bytes_read.value,
                     )
                 reward = sum(r.reward for r in rollouts) / len(rollouts)
-                records.append(StepRecord(step, reward, len(rollouts), per_island))
+                records.append(
+                    StepRecord(
+                        step,
+                        reward,
+                        len(rollouts),
+                        per_island,
+                        t=time.monotonic() - t_rl,
+                        wait_s=t_train - t_wait,
+                        train_s=t_done - t_train,
+                        tokens=stats.tokens,
+                        weight_mean=stats.weight_mean,
+                        clipped=stats.clipped,
+                        kl_k1=stats.kl_k1,
+                        kl_k2=stats.kl_k2,
+                        kl_k3=stats.kl_k3,
+                        staleness=stats.staleness or {},
+                        staleness_response=response_staleness(groups, step),
+                        outliers=stats.outliers or [],
+                    )
+                )
                 table.records = records
                 progress.advance(bar)
             timings["rl_s"] = time.monotonic() - t_rl
+            timings["load_avg_end"] = os.getloadavg()[0]
+            t_rl_end = time.monotonic()
             if director is not None:
                 director.finish()
             killed = director.killed if director is not None else set()
@@ -295,12 +442,11 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                         f"{island.url}/flipsync/wait", params={"min_version": final, "timeout_s": 120}, timeout=130
                     )
             deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and (
-                len(monitor.rows) <= final or any(len(r.applied_s) < len(flipsync_names) for r in monitor.rows.values())
-            ):
+            while time.monotonic() < deadline and (len(monitor.rows) <= final or not monitor.complete()):
                 time.sleep(0.05)
         pool.close()
         pool_errors = list(pool.errors)
+        pool_stats = pool.stats
         pool = None
         monitor.close()
         audits = {island.spec.name: island.audit(tensors=True) for island in islands_alive}
@@ -341,11 +487,21 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                     cfg,
                 ),
                 **({"experts": monitor.experts.summary()} if monitor.experts is not None else {}),
+                "rollout": rollout_summary(
+                    cfg,
+                    records,
+                    timings["rl_s"],
+                    tokens=dict(pool_stats.tokens),
+                    generated=dict(pool_stats.rollouts),
+                    dropped=dict(pool_stats.dropped),
+                    unaligned=dict(pool_stats.unaligned),
+                    idle_s=idle_seconds(alive, pool_stats.busy, t_rl_end),
+                ),
             },
             timings=timings,
             masters=[str(p) for p in master_paths],
             wall_s=time.monotonic() - t_start,
-            fleet=director.report() if director is not None else {},
+            fleet={**director.report(), "catch_up": list(monitor.following.events)} if director is not None else {},
             failed_rollouts=len(pool_errors),
         )
     finally:

@@ -80,6 +80,113 @@ def summarize(
     return out
 
 
+def quantile(hist: Mapping[int, int], q: float) -> int | None:
+    """The ``q`` quantile of a histogram (value -> count): the smallest value with at least q of the mass."""
+    total = sum(hist.values())
+    if total == 0:
+        return None
+    seen = 0
+    for value in sorted(hist):
+        seen += hist[value]
+        if seen >= q * total:
+            return value
+    return max(hist)
+
+
+def merge_hists(hists: Sequence[Mapping[Any, int]]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for h in hists:
+        for k, n in h.items():
+            out[int(k)] = out.get(int(k), 0) + n  # JSON turned the keys into strings
+    return dict(sorted(out.items()))
+
+
+def rollout_summary(
+    cfg: DemoConfig,
+    records: Sequence[StepRecord],
+    rl_s: float,
+    *,
+    tokens: Mapping[str, int],
+    generated: Mapping[str, int],
+    dropped: Mapping[str, int],
+    unaligned: Mapping[str, int],
+    idle_s: Mapping[str, float],
+) -> dict[str, Any]:
+    """The rollout mode's figures: reward per trainer step and per minute, tokens per second across the
+    islands, idle seconds, the staleness of every trained token (by its own version and by its response's),
+    the behaviour->trained KL and the importance weights, and the rollouts dropped."""
+    hist = merge_hists([r.staleness for r in records])
+    by_response = merge_hists([r.staleness_response for r in records])
+    trained = sum(hist.values())
+    k = reward_window(len(records))
+    first = statistics.fmean(r.reward for r in records[:k]) if records else None
+    last = statistics.fmean(r.reward for r in records[-k:]) if records else None
+    n_generated, n_dropped = sum(generated.values()), sum(dropped.values())
+    minutes = rl_s / 60 if rl_s > 0 else None
+
+    def weighted(attr: str) -> float | None:  # token-weighted mean over the steps
+        n = sum(r.tokens for r in records)
+        return sum(getattr(r, attr) * r.tokens for r in records) / n if n else None
+
+    # tokens a per-response version would call older than they are (it gives each the response's first version)
+    overstated = sum(by_response.get(s, 0) * s for s in by_response) - sum(hist.get(s, 0) * s for s in hist)
+    return {
+        "mode": cfg.rollout,
+        "is_cap": cfg.is_cap,
+        "staleness_bound": cfg.staleness_bound,
+        "max_staleness": cfg.max_staleness,
+        "rl_s": rl_s,
+        "steps_per_min": len(records) / minutes if minutes else None,
+        "wait_s_mean": statistics.fmean(r.wait_s for r in records) if records else None,
+        "train_s_mean": statistics.fmean(r.train_s for r in records) if records else None,
+        "reward_mean": statistics.fmean(r.reward for r in records) if records else None,
+        "reward_first": first,
+        "reward_last": last,
+        "reward_gain_per_min": (last - first) / minutes if minutes and first is not None and last is not None else None,
+        "tokens": dict(tokens),
+        "tokens_per_s": sum(tokens.values()) / rl_s if rl_s > 0 else None,
+        "idle_s": dict(idle_s),
+        "idle_s_mean": statistics.fmean(idle_s.values()) if idle_s else None,
+        "generated": n_generated,
+        "dropped": dict(dropped),
+        "dropped_total": n_dropped,
+        "dropped_pct": 100.0 * n_dropped / n_generated if n_generated else 0.0,
+        "unaligned": sum(unaligned.values()),
+        "trained_tokens": trained,
+        "staleness": hist,
+        "staleness_response": by_response,
+        "staleness_p50": quantile(hist, 0.5),
+        "staleness_p90": quantile(hist, 0.9),
+        "staleness_p99": quantile(hist, 0.99),
+        "staleness_max": max(hist) if hist else None,
+        "staleness_mean": sum(s * n for s, n in hist.items()) / trained if trained else None,
+        "staleness_response_mean": sum(s * n for s, n in by_response.items()) / max(1, sum(by_response.values())),
+        "staleness_overstated_steps": overstated,
+        "kl_k1": weighted("kl_k1"),
+        "kl_k2": weighted("kl_k2"),
+        "kl_k3": weighted("kl_k3"),
+        "weight_mean": weighted("weight_mean"),
+        "clipped": weighted("clipped"),
+    }
+
+
+def rollout_line(s: Mapping[str, Any]) -> str | None:
+    """One sentence on the rollout mode's figures (from ``summary['rollout']``)."""
+    r = s.get("rollout")
+    if not r:
+        return None
+    q = "/".join("-" if r.get(f"staleness_{p}") is None else str(r[f"staleness_{p}"]) for p in ("p50", "p90", "p99"))
+    gain = r.get("reward_gain_per_min")
+    return (
+        f"rollout mode {r['mode']}: {_f(r.get('steps_per_min'), '.1f')} trainer steps/min, reward "
+        f"{_f(gain, '+.3f')}/min, {_f(r.get('tokens_per_s'), '.1f')} tokens/s across the islands, idle "
+        f"{_f(r.get('idle_s_mean'), '.1f')} s per island (mean); token staleness p50/p90/p99 {q} steps; "
+        f"KL(behaviour||trained) {_f(r.get('kl_k2'), '.2e')} (k2); importance weight mean "
+        f"{_f(r.get('weight_mean'), '.3f')}, clipped {_f(100 * (r.get('clipped') or 0), '.1f')}%; dropped "
+        f"{r['dropped_total']} of {r['generated']} rollouts ({r['dropped_pct']:.1f}%)"
+    )
+
+
 def _times(x: float) -> str:
     return f"{x:.1f}x" if x < 10 else f"{x:,.0f}x"
 
@@ -153,6 +260,8 @@ def summary_lines(report: DemoReport | Mapping[str, Any]) -> list[str]:
         )
     if s.get("experts"):
         lines.append(experts_line(s["experts"]))
+    if (line := rollout_line(s)) is not None:
+        lines.append(line)
     return lines
 
 
@@ -178,6 +287,27 @@ def _kb(x: float | None) -> str:
 
 def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _pair(r: Mapping[str, Any], a: str, b: str) -> str:
+    return f"{_f(r.get(a), '.2f')} / {_f(r.get(b), '.2f')}" if r else "-"
+
+
+def _staleness_cell(r: Mapping[str, Any]) -> str:
+    if not r:
+        return "-"
+    return "/".join("-" if r.get(k) is None else str(r[k]) for k in ("staleness_p50", "staleness_p90", "staleness_max"))
+
+
+def _mean_cell(r: Mapping[str, Any]) -> str:
+    return f"{_f(r.get('staleness_mean'), '.2f')} ({_f(r.get('staleness_response_mean'), '.2f')})" if r else "-"
+
+
+def _weight_cell(r: Mapping[str, Any]) -> str:
+    if not r:
+        return "-"
+    clipped = 100 * r["clipped"] if r.get("clipped") is not None else None
+    return f"{_f(r.get('weight_mean'), '.3f')} / {_f(clipped, '.1f')}"
 
 
 def comparison(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
@@ -210,6 +340,33 @@ def comparison(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> Table:
             [_f(s.get("lag_steps", {}).get(c), ".2f") for s, c in zip(summaries, control, strict=True)],
         ),
     ]
+    ro = [s.get("rollout") or {} for s in summaries]
+    if any(ro):
+
+        def cell(key: str, fmt: str, scale: float = 1.0) -> list[str]:
+            return [_f(r[key] * scale if r.get(key) is not None else None, fmt) for r in ro]
+
+        rows += [
+            ("rollout mode", [str(r.get("mode", "-")) for r in ro]),
+            ("RL wall time s", cell("rl_s", ".0f")),
+            ("trainer steps per minute", cell("steps_per_min", ".2f")),
+            (
+                "trainer: waiting for the batch / training, s per step",
+                [_pair(r, "wait_s_mean", "train_s_mean") for r in ro],
+            ),
+            ("reward, mean of all steps", cell("reward_mean", ".3f")),
+            ("reward gain per minute", cell("reward_gain_per_min", "+.3f")),
+            ("tokens/s across islands", cell("tokens_per_s", ".1f")),
+            ("island idle s (mean)", cell("idle_s_mean", ".1f")),
+            ("token staleness p50/p90/max", [_staleness_cell(r) for r in ro]),
+            ("token staleness mean (per response)", [_mean_cell(r) for r in ro]),
+            (
+                "KL(behaviour||trained), k2 / k1",
+                [f"{_f(r.get('kl_k2'), '.2e')} / {_f(r.get('kl_k1'), '.2e')}" for r in ro],
+            ),
+            ("importance weight mean / clipped %", [_weight_cell(r) for r in ro]),
+            ("rollouts dropped", [f"{r['dropped_total']} of {r['generated']}" if r else "-" for r in ro]),
+        ]
     for name, cells in rows:
         t.add_row(name, *cells)
     return t

@@ -11,6 +11,7 @@ import tempfile
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from flipsync.codec.bits import dtype_named, from_key, int_view, to_key
 from flipsync.codec.fingerprint import FingerprintTable, TensorId, fingerprint_delta
 from flipsync.engines.base import Engine, Staged, Undo
 from flipsync.engines.host_copy import flush, write_safetensors
+from flipsync.engines.tokenization import folder_tokenizer_digest
 from flipsync.engines.vllm.blockmap import block_runs, lookup_blocks
 from flipsync.engines.vllm.rpc_transports import RpcTransport
 from flipsync.engines.vllm.tensor_specs import TensorSpec, specs_of
@@ -32,6 +34,7 @@ from flipsync.engines.vllm.wire import (
     PROTOCOL,
     RELOAD,
     b64,
+    readback_digest,
     unb64,
 )
 from flipsync.errors import (
@@ -108,6 +111,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         self._transport = transport
         self._specs = dict(specs)
         self._timeout = rpc_timeout_s
+        self._source = source  # the model folder vLLM serves: its tokenizer is the engine's
         t0 = time.perf_counter()
         answers = self._call(
             {
@@ -379,6 +383,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         token = secrets.token_hex(8)
         try:
             answers = self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
+            self._check_readback(answers, staged)
         except BaseException as e:
             try:
                 self._call({"op": "undo", "token": token})
@@ -394,12 +399,31 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             "layers": {str(a["rank"]): a["result"].get("audited", []) for a in answers},
             "seconds": max(float(a["result"].get("audit_s", 0.0)) for a in answers),
             "reloaded": {str(a["rank"]): a["result"].get("reloaded", []) for a in answers},
+            "rechecked": {str(a["rank"]): a["result"].get("rechecked", []) for a in answers},
             "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
         }
         undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, staged.host_copy_writes)
         self._table.update(staged.targets)
         self._write_host_copy(staged.host_copy_writes, new=True, fps=(undo.table_before, staged.targets))
         return undo
+
+    @staticmethod
+    def _check_readback(answers: list[dict[str, Any]], staged: VllmStaged) -> None:
+        """Every written element as each worker read it back after the commit (reloads included) must be the
+        bits staged against the patch's target: O(changed); the audit of in-place parameters."""
+        import base64
+
+        for a in answers:
+            got = a["result"].get("readback")
+            if got is None:  # a worker of an older flipsync
+                continue
+            writes = staged.per_rank.get(str(a["rank"]), [])
+            want = readback_digest([(p, base64.b64decode(pos), base64.b64decode(bits)) for p, pos, bits in writes])
+            if got != want:
+                raise VerificationError(
+                    f"rank {a['rank']} read back other bits than the patch's target after the commit; the commit "
+                    "is undone (a write that did not land, or a reload that overwrote a parameter)"
+                )
 
     def rollback(self, undo: VllmUndo) -> None:
         answers = self._call({"op": "undo", "token": undo.token})
@@ -442,6 +466,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             total = sum(int(fp, 16) for fp, _ in regions.get(name, {}).values()) & ((1 << 64) - 1)
             table[name] = TensorId(dtype_named(spec.dtype).name, spec.shape, total)
         return table
+
+    @cached_property
+    def tokenizer_digest(self) -> str | None:
+        """How the model folder vLLM serves tokenizes (`engines.tokenization`), worked out once."""
+        return None if self._source is None else folder_tokenizer_digest(self._source)
 
     def health(self) -> bool:
         return self._transport.health()

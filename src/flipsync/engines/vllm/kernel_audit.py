@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flipsync.engines.vllm.kernels import ADOPTED, SAMPLE_ROWS, KernelHooks, compare, digest, module_tensors
+from flipsync.engines.vllm.kernels import (
+    ADOPTED,
+    SAMPLE_ROWS,
+    KernelHooks,
+    compare,
+    digest,
+    module_tensors,
+    state_tensors,
+)
 from flipsync.engines.vllm.map_learning import MapLearner
 from flipsync.engines.vllm.wire import AUDIT_EVERY, AUDIT_OFF, AuditError
 
@@ -38,12 +46,30 @@ class KernelAuditor(MapLearner):
     audit_s: float
     audited: list[str]
     _rng: random.Random
+    holders: dict[str, set[str]]  # parameter -> every module holding it (vLLM's GLM router bias: gate and experts)
+    _fresh: dict[str, dict[str, torch.Tensor]]  # module -> its non-checkpoint parameters and buffers at attach
+    rechecked: list[str]
+    _cursor: dict[str, int]  # kind -> how many of its layers ``sample`` has compared (the rotation's position)
 
     if TYPE_CHECKING:  # the rest of the worker core (WorkerCore)
 
         def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]: ...
 
         def _reloading(self) -> list[str]: ...
+
+    def _snapshot_fresh(self) -> None:
+        """Blind spot 3: the non-checkpoint parameters and buffers of every reload-mode layer as the engine's
+        own fresh load left them (an attach that the audit then finds equal to a fresh load of ``source``), so
+        that a twin takes these rather than the live values a broken reload may have changed."""
+        self._fresh = {}
+        for m in self._reloading():
+            module = self.model.get_submodule(m)
+            fed = {p.rpartition(".")[2] for p in self._members(m)}
+            self._fresh[m] = {n: t.detach().clone() for n, t in module_tensors(module).items() if n not in fed}
+
+    def _members(self, mname: str) -> set[str]:
+        """The mapped parameters module ``mname`` holds, its own and those it shares with another module."""
+        return {p for p, info in self.params.items() if info.module == mname or mname in self.holders.get(p, ())}
 
     def _attach_audit(self) -> dict[str, Any]:
         """Compare the reload-mode layers, as the engine loaded them at start, with twins loaded from the host
@@ -70,30 +96,44 @@ class KernelAuditor(MapLearner):
         return self.hooks.kind(self.model.get_submodule(mname))
 
     def _pick(self, modules: Sequence[str]) -> list[str]:
-        """The layers an audit compares: all of them (``every``) or one of each kind, at random (``sample``)."""
+        """The layers an audit compares: all of them (``every``) or one of each kind (``sample``). Blind spot 4:
+        a draw at random found a fault in one of a kind's n layers with chance 1/n per update, forever; the draw
+        now walks each kind's layers in turn (from a random start), so every touched layer of a kind is compared
+        within n updates that touch that kind."""
         if self.audit == AUDIT_EVERY:
             return list(modules)
         by_kind: dict[str, list[str]] = {}
         for m in modules:
             by_kind.setdefault(self._kind(m), []).append(m)
-        return sorted(self._rng.choice(ms) for ms in by_kind.values())
+        picked = []
+        for kind, ms in by_kind.items():
+            ms = sorted(ms)
+            if kind not in self._cursor:
+                self._cursor[kind] = self._rng.randrange(len(ms))
+            picked.append(ms[self._cursor[kind] % len(ms)])
+            self._cursor[kind] += 1
+        return sorted(picked)
 
     def _twin(self, mname: str) -> torch.nn.Module:
         """A fresh load of layer ``mname``: its checkpoint tensors (rebuilt from the held values) loaded into
         zeroed model-format scratch through the model's own loaders, then processed by the hooks' twin."""
         module = self.model.get_submodule(mname)
-        members = {p for p, info in self.params.items() if info.module == mname}
-        tensors = self._held_checkpoint(self.feeds.get(mname, ()))
+        members = self._members(mname)
+        tensors = self._held_checkpoint(self._feeds_of({mname}))
         with self._buffers_guard(), self._swapped(members) as scratch:
             for name, t in tensors:
                 self._load(name, t)
             loaded = {full.rpartition(".")[2]: s for full, s in scratch.items() if full in members}
-        return self.hooks.twin(mname, module, loaded)
+        return self.hooks.twin(mname, module, loaded, self._fresh.get(mname, {}))
+
+    def _feeds_of(self, modules: Iterable[str]) -> set[str]:
+        """The checkpoint tensors that load into ``modules``, shared parameters included."""
+        return {n for m in modules for n in self.feeds.get(m, ())}
 
     def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None) -> list[str]:
         """What differs between layer ``mname`` as the kernels hold it and its twin (empty: nothing)."""
         module = self.model.get_submodule(mname)
-        bad = compare(module_tensors(module), module_tensors(twin))
+        bad = compare(state_tensors(module), state_tensors(twin))
         seed = self._rng.randrange(1 << 30)
         bad += compare(self.hooks.probe(mname, module, rows, seed), self.hooks.probe(mname, twin, rows, seed), "probe ")
         return bad
@@ -137,6 +177,9 @@ class KernelAuditor(MapLearner):
         try:
             faithful = [m for m in modules if self.kinds.get(self._kind(m)) == _KIND_FAITHFUL]
             chosen = self._pick(faithful) if self.audit != AUDIT_OFF and faithful else []
+            repaired = [m for m in modules if self.kinds.get(self._kind(m)) == _KIND_REPAIRED]
+            chosen_repaired = set(self._pick(repaired)) if self.audit != AUDIT_OFF and repaired else set()
+            self.rechecked = []
             failures: list[str] = []
             for m in sorted(set(modules) - set(faithful) | set(chosen)):
                 kind = self._kind(m)
@@ -145,6 +188,11 @@ class KernelAuditor(MapLearner):
                 self.audited.append(m)
                 if status == _KIND_REPAIRED:  # the engine's path is known to fall short: take the fresh state
                     bad, _ = self._adopt(m, twin, opaque=self._opaque.get(kind, False))
+                    if not bad and m in chosen_repaired:
+                        # Blind spot 3: the layer was just compared with the twin it copied; the scheduled
+                        # layers are compared with an independent fresh twin as well.
+                        bad = self._compare(m, self._twin(m), None)
+                        self.rechecked.append(m)
                     if not bad:
                         continue
                 else:
@@ -155,6 +203,9 @@ class KernelAuditor(MapLearner):
                         continue
                 if status == _KIND_UNKNOWN and self.repair:
                     left, opaque = self._adopt(m, twin)
+                    if not left:  # not only equal to the twin it copied: to an independent fresh load too
+                        left = self._compare(m, self._twin(m), None)
+                        self.rechecked.append(m)
                     if not left:
                         log.warning(
                             "flipsync: rank %d: the engine's reload of %s (%s) leaves it differing from a fresh "
@@ -192,7 +243,10 @@ class KernelAuditor(MapLearner):
         for mname, module in self.model.named_modules():
             if wanted is not None and mname not in wanted:
                 continue
-            rows: dict[str, list[Any]] = {n: digest(t) for n, t in module_tensors(module).items()}
+            # reload-mode layers with their method objects' state; others' plain attributes are runtime state
+            # (an attention layer's KV cache)
+            held = state_tensors(module) if mname in reloading else module_tensors(module)
+            rows: dict[str, list[Any]] = {n: digest(t) for n, t in held.items()}
             if mname in reloading:
                 for label, t in self.hooks.probe(mname, module, None, 0).items():
                     rows[f"probe {label}"] = digest(t)

@@ -16,8 +16,9 @@ import torch
 
 from flipsync.codec.bits import int_view
 
-# (module name, live module, loaded model-format tensors by attribute) -> a processed twin, outside the model.
-TwinFactory = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], torch.nn.Module]
+# (module name, live module, loaded model-format tensors by attribute, the module's other parameters and buffers
+# as the engine's fresh load left them) -> a processed twin, outside the model.
+TwinFactory = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor], Mapping[str, torch.Tensor]], torch.nn.Module]
 # (module name, module, probe rows (None: all), seed) -> the kernel's outputs on fixed inputs, by label.
 Prober = Callable[[str, torch.nn.Module, "int | None", int], dict[str, torch.Tensor]]
 # (live module, twin): the live module takes the twin's opaque (non-tensor) processed state.
@@ -51,6 +52,34 @@ def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in module._parameters.items() if p is not None}
     out.update({n: b for n, b in module._buffers.items() if b is not None})
     return out
+
+
+def state_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a layer's kernel may compute from: its own parameters and buffers, tensors kept in plain
+    attributes of the layer, and those of its method objects (attributes or child modules: vLLM's MoE quant
+    method is a child module whose packed copies are plain attributes). Blind spot 1 of the audit was to compare
+    only the first group."""
+    out = module_tensors(module)
+    for key, value in vars(module).items():
+        if isinstance(value, torch.Tensor) and key not in out and not key.startswith("__"):
+            out[key] = value
+    for attr in _METHODS:
+        method = _method(module, attr)
+        if method is None:
+            continue
+        if isinstance(method, torch.nn.Module):
+            out.update({f"{attr}.{n}": t for n, t in module_tensors(method).items()})
+        for key, value in vars(method).items():
+            if isinstance(value, torch.Tensor) and f"{attr}.{key}" not in out:
+                out[f"{attr}.{key}"] = value
+    return out
+
+
+def storage_of(module: torch.nn.Module) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """(address, shape, strides) of each set, non-empty parameter and buffer: what a captured CUDA graph reads."""
+    return {
+        n: (t.data_ptr(), tuple(t.shape), tuple(t.stride())) for n, t in module_tensors(module).items() if t.numel()
+    }
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -153,10 +182,14 @@ def _as_param(t: torch.Tensor) -> torch.nn.Parameter:
 
 
 # ------------------------------------------------------------------------------------------ defaults
-def default_twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+def default_twin(
+    mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+) -> torch.nn.Module:
     """A twin for models whose layers are processed by ``layer.quant_method.process_weights_after_loading(layer)``
-    (the method object built afresh) or by their own ``process_weights_after_loading()``."""
+    (the method object built afresh) or by their own ``process_weights_after_loading()``. Parameters and buffers
+    the checkpoint does not feed take ``state`` (as the engine's fresh load left them), not the live values."""
     twin = shell(module)
+    _fresh_state(twin, state, loaded)
     for name, t in loaded.items():
         twin._parameters[name] = _as_param(t)
     _freshen(module, twin, None)
@@ -167,6 +200,18 @@ def default_twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch
         elif callable(getattr(twin, "process_weights_after_loading", None)):
             twin.process_weights_after_loading()
     return twin
+
+
+def _fresh_state(twin: torch.nn.Module, state: Mapping[str, torch.Tensor], loaded: Mapping[str, torch.Tensor]) -> None:
+    """Blind spot 3: a twin that took the live layer's non-checkpoint parameters and buffers compared a broken
+    value with itself; they come from the snapshot of the engine's fresh load instead."""
+    for name, t in state.items():
+        if name in loaded:
+            continue
+        if name in twin._parameters:
+            twin._parameters[name] = _as_param(t.detach().clone())
+        elif name in twin._buffers:
+            twin._buffers[name] = t.detach().clone()
 
 
 def _freshen(module: torch.nn.Module, twin: torch.nn.Module, context: Callable[[], Any] | None) -> None:
@@ -191,11 +236,16 @@ def default_probe(mname: str, module: torch.nn.Module, rows: int | None, seed: i
 
 
 def default_transplant(live: torch.nn.Module, twin: torch.nn.Module) -> None:
-    """The live module takes every attribute of the twin that is not a parameter, buffer or child."""
+    """The live module takes every attribute of the twin that is not a parameter, buffer or child, and its method
+    objects where they are child modules (vLLM's MoE quant method: blind spot 1 skipped it)."""
     skip = {"_parameters", "_buffers", "_modules", _ORIGIN, ADOPTED}
     for key, value in vars(twin).items():
         if key not in skip and vars(live).get(key) is not value:
             vars(live)[key] = value
+    for key in _METHODS:
+        child = twin._modules.get(key)
+        if child is not None and live._modules.get(key) is not child:
+            live._modules[key] = child
 
 
 def default_kind(module: torch.nn.Module) -> str:
@@ -237,7 +287,9 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         with set_current_vllm_config(vllm_config), set_default_torch_dtype(vllm_config.model_config.dtype):
             yield
 
-    def twin(mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    def twin(
+        mname: str, module: torch.nn.Module, loaded: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]
+    ) -> torch.nn.Module:
         from vllm.model_executor.model_loader.reload import layerwise
 
         tw = shell(module)
@@ -250,15 +302,18 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         for name, meta in meta_params.items():
             if name in loaded:
                 tw._parameters[name] = _as_param(loaded[name])
-            else:  # not in the checkpoint: the live value where it still has the model-format layout
-                live = module._parameters.get(name)
-                if live is not None and tuple(live.shape) == tuple(meta.shape) and live.dtype == meta.dtype:
-                    tw._parameters[name] = _as_param(live.detach().clone())
+            else:  # not in the checkpoint: as the fresh load left it where it kept the model-format layout
+                kept = state.get(name)
+                if kept is not None and tuple(kept.shape) == tuple(meta.shape) and kept.dtype == meta.dtype:
+                    tw._parameters[name] = _as_param(kept.detach().clone())
                 else:
                     tw._parameters[name] = _as_param(torch.zeros(tuple(meta.shape), dtype=meta.dtype))
         for name, t in loaded.items():
             if name not in meta_params:
                 tw._parameters[name] = _as_param(t)
+        for name, t in state.items():  # buffers as the fresh load left them, not the live values
+            if name in tw._buffers and t is not None:
+                tw._buffers[name] = t.detach().clone()
         for name, meta in meta_buffers.items():
             if tw._buffers.get(name) is None:
                 tw._buffers[name] = torch.zeros(tuple(meta.shape), dtype=meta.dtype)
@@ -278,14 +333,17 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         method = _method(module)
         apply = getattr(method, "apply", None)
         info = layerwise.LAYERWISE_INFO.get(vars(module).get(_ORIGIN, module))
+        if apply is not None and _moe_like(module):
+            return _moe_probe(module, apply, rows, seed, vllm_config.model_config.dtype)
         if apply is None or info is None or "weight" not in info.restore_metadata[0]:
             return {}
-        shape = tuple(info.restore_metadata[0]["weight"].shape)
+        meta = info.restore_metadata[0]["weight"]
+        shape = tuple(meta.shape)
         if len(shape) != 2 or not _linear_like(module):
             return {}
         k = shape[1]
         picked = probe_rows(k, rows, seed)
-        dtype = vllm_config.model_config.dtype
+        dtype = probe_dtype(meta.dtype, vllm_config.model_config.dtype)
         device = next((t.device for t in module_tensors(module).values()), torch.device("cpu"))
         x = identity_rows(k, picked, dtype, device)
         with torch.no_grad():
@@ -295,6 +353,55 @@ def vllm_hooks(vllm_config: Any) -> KernelHooks:
         return {"identity": y}
 
     return KernelHooks(twin, probe, default_transplant, vllm_kind)
+
+
+def probe_dtype(weight_dtype: torch.dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a linear layer's identity probe: the dtype its forward feeds the kernel. An unquantized
+    weight kept in its own floating dtype (GLM's FP32 router ``GateLinear`` in a BF16 model) gets inputs cast
+    to it (``GateLinear.forward``); the CPU's packed kernel fed BF16 rows against FP32 packed weights reads
+    past them, so such a probe differed between two equal loads. Quantized weights take the model dtype."""
+    if weight_dtype.is_floating_point and weight_dtype.itemsize >= 2:
+        return weight_dtype
+    return model_dtype
+
+
+def _moe_like(module: torch.nn.Module) -> bool:
+    """vLLM's fused experts (``FusedMoE`` / ``RoutedExperts``): stacked ``w13_weight`` / ``w2_weight``."""
+    params = module._parameters
+    return "w13_weight" in params and "w2_weight" in params and hasattr(module, "local_num_experts")
+
+
+#: Probe tokens per expert (``sample``: half as many).
+MOE_PROBE_TOKENS = 8
+
+
+def moe_routing(n_experts: int, top_k: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forced routing: token block ``e`` goes to expert ``e`` with weight 1 (its other slots to the next experts
+    with weight 0), so each expert's kernel output is seen on its own."""
+    ids = torch.arange(n_experts, dtype=torch.int32).repeat_interleave(tokens)
+    topk_ids = torch.stack([(ids + j) % n_experts for j in range(top_k)], dim=1).to(torch.int32).contiguous()
+    topk_weights = torch.zeros(topk_ids.shape, dtype=torch.float32)
+    topk_weights[:, 0] = 1.0
+    return topk_weights, topk_ids
+
+
+def _moe_probe(
+    module: torch.nn.Module, apply: Callable[..., Any], rows: int | None, seed: int, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Blind spot 1: the fused experts' own kernel on fixed inputs, every local expert forced in turn."""
+    n = int(module.local_num_experts)
+    top_k = max(1, min(int(getattr(module, "top_k", 1) or 1), n))
+    tokens = MOE_PROBE_TOKENS if rows is None else max(1, MOE_PROBE_TOKENS // 2)
+    hidden = int(getattr(module, "hidden_size", 0) or module._parameters["w13_weight"].shape[-1])  # type: ignore[union-attr]
+    device = module._parameters["w13_weight"].device  # type: ignore[union-attr]
+    g = torch.Generator().manual_seed(seed if rows is not None else 0)
+    x = torch.randn((n * tokens, hidden), generator=g).to(dtype).to(device)
+    w, ids = moe_routing(n, top_k, tokens)
+    with torch.no_grad():
+        y = apply(module, x, w.to(device), ids.to(device), None, None)
+    if isinstance(y, tuple):
+        y = y[0]
+    return {"experts": y}
 
 
 def _linear_like(module: torch.nn.Module) -> bool:

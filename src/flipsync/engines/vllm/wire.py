@@ -5,6 +5,7 @@ the parameter modes, the audit's settings, and arrays inside the JSON requests (
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -42,3 +43,12 @@ def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
     if len(raw) % dt.itemsize:
         raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
     return np.frombuffer(raw, dtype=dt).copy()
+
+
+def readback_digest(writes: list[tuple[str, bytes, bytes]]) -> str:
+    """One digest of (parameter, positions, bits) per write, in order: the worker hashes what it reads back after
+    a commit (reloads included), the sidecar what it sent (checked against the patch's target at stage)."""
+    h = hashlib.blake2b(digest_size=16)
+    for pname, pos, bits in writes:
+        h.update(pname.encode() + b"\0" + len(pos).to_bytes(8, "little") + pos + bits)
+    return h.hexdigest()

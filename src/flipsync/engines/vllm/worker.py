@@ -30,7 +30,7 @@ from flipsync.engines.vllm.blockmap import (
     write_bits,
 )
 from flipsync.engines.vllm.kernel_audit import KernelAuditor
-from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, vllm_hooks
+from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, storage_of, vllm_hooks
 from flipsync.engines.vllm.map_learning import LiveParams
 from flipsync.engines.vllm.scratch import (
     Policy,
@@ -47,9 +47,11 @@ from flipsync.engines.vllm.wire import (
     INPLACE,
     PROTOCOL,
     RELOAD,
+    AuditError,
     StateUnknownError,
     WorkerOpError,
     b64,
+    readback_digest,
     unb64,
 )
 
@@ -113,6 +115,10 @@ class WorkerCore(KernelAuditor):
         self._dropped: set[str] = set()  # parameters the engine set to None after loading (model format known)
         self._probe_shapes: dict[str, tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
         self._rng = random.Random(rank)
+        self.holders: dict[str, set[str]] = {}  # parameter -> the other modules holding the same tensor
+        self._fresh: dict[str, dict[str, torch.Tensor]] = {}  # module -> non-checkpoint tensors at attach
+        self._cursor: dict[str, int] = {}  # kind -> position of ``sample``'s rotation through its layers
+        self.rechecked: list[str] = []  # repaired layers the last reload compared with an independent twin
 
     # ------------------------------------------------------------------------------- attach
     def attach(
@@ -130,7 +136,7 @@ class WorkerCore(KernelAuditor):
         t0 = time.perf_counter()
         self.attached = False
         self.audit, self.repair = audit, repair
-        self.kinds, self._opaque = {}, {}
+        self.kinds, self._opaque, self._cursor = {}, {}, {}
         self.specs = {n: (tuple(int(x) for x in s), str(d)) for n, (s, d) in specs.items()}
         with self._buffers_guard():
             return self._attach(source, t0)
@@ -187,6 +193,21 @@ class WorkerCore(KernelAuditor):
                 info.shape = self._probe_shapes[pname][0]
             self.params[pname] = info
             self.feeds.setdefault(info.module, set()).update(names)
+        # Blind spot 2: a tensor several modules hold (GLM's router bias: the gate and the fused experts) was
+        # reloaded and audited in the first one only; every holder is now fed, reloaded and audited.
+        self.holders = {}
+        for pname in self.params:
+            _mname, owner, _attr, p = live[pname]
+            seen_modules = {id(owner)}  # one name per module object: vLLM registers some under two names
+            others = set()
+            for om, omod, _ in owners.get(id(p), []) if p is not None else []:
+                if id(omod) not in seen_modules:
+                    seen_modules.add(id(omod))
+                    others.add(om)
+            if others:
+                self.holders[pname] = others
+                for om in others:
+                    self.feeds.setdefault(om, set()).update(fed[pname])
         self.host = {}
         if reload_names := self._reload_names():
             src = source if source is not None else (self.default_source() if self.default_source else None)
@@ -196,6 +217,7 @@ class WorkerCore(KernelAuditor):
                     "no source checkpoint was given to capture their values; pass 'source' (a checkpoint path)"
                 )
             self._capture(src)
+        self._snapshot_fresh()
         self.attached = True
         log.info(
             "flipsync: rank %d mapped %d checkpoint tensors onto %d parameters (%d in place, %d reload) in %.1fs",
@@ -215,8 +237,15 @@ class WorkerCore(KernelAuditor):
         }
 
     def _reloading(self) -> list[str]:
-        """The modules with reload-mode parameters."""
-        return sorted({p.module for p in self.params.values() if p.mode == RELOAD})
+        """The modules with reload-mode parameters, and every other holder of those parameters."""
+        return sorted(self._with_holders({p.name for p in self.params.values() if p.mode == RELOAD}))
+
+    def _with_holders(self, pnames: Iterable[str]) -> set[str]:
+        out: set[str] = set()
+        for p in pnames:
+            out.add(self.params[p].module)
+            out |= self.holders.get(p, set())
+        return out
 
     def _reload_names(self) -> list[str]:
         return sorted({n for m in self._reloading() for n in self.feeds[m]})
@@ -300,9 +329,29 @@ class WorkerCore(KernelAuditor):
             return
         if self.reloader is None:
             raise WorkerOpError("this worker has reload-mode parameters but no reload path")
-        names = {n for m in modules for n in self.feeds.get(m, ())}
+        names = self._feeds_of(modules)
+        before = self._storage()
         self.reloader(self._held_checkpoint(names))
         self._check_reloaded(sorted(modules), seed)
+        moved = sorted(n for n, s in self._storage().items() if before.get(n, s) != s)
+        if moved:
+            # Blind spot 6: captured CUDA graphs read the addresses they were captured with; a reload that
+            # reallocates passes every value check while the graphs read freed memory.
+            raise AuditError(
+                f"rank {self.rank}: the reload moved {len(moved)} parameter(s) or buffer(s) to new storage, e.g. "
+                f"{moved[:3]}; captured CUDA graphs would read the old memory; the update is refused (report this "
+                "engine's reload path; a full restart re-captures the graphs)"
+            )
+
+    def _storage(self) -> dict[str, tuple[int, tuple[int, ...], tuple[int, ...]]]:
+        """(address, shape, strides) of every parameter and buffer of the model (method objects' own aside:
+        the audit's repair may give a layer a fresh load's)."""
+        out = {}
+        for mname, module in self.model.named_modules():
+            if any(part in ("quant_method", "scheme") for part in mname.split(".")):
+                continue
+            out.update({f"{mname}.{n}": s for n, s in storage_of(module).items()})
+        return out
 
     # ------------------------------------------------------------------------------- writes
     def apply(self, token: str, writes: list[list[str]]) -> dict:
@@ -321,11 +370,22 @@ class WorkerCore(KernelAuditor):
                 entry.writes.append((pname, pos, read_as(t, pos, ck)))
                 write_as(t, pos, bits, ck)
                 if self.params[pname].mode == RELOAD:
-                    entry.modules.add(self.params[pname].module)
-            for pname, t, ck, pos, bits in decoded:
-                if not np.array_equal(read_as(t, pos, ck), bits):
-                    raise WorkerOpError(f"read-back of {pname!r} after the scatter differs from what was written")
+                    entry.modules |= self._with_holders([pname])
             self._reload_modules(entry.modules, seed=zlib.crc32(token.encode()))
+            # Blind spot 5: in-place parameters (every dense layer on a GPU) were never audited. Each write is
+            # read back after the reloads (a reload that writes a neighbour's parameter is seen), from the
+            # tensor the model holds now, and its digest goes back to the sidecar, which compares it with
+            # the bits it staged against the patch's target: O(changed).
+            live_now = self._live_params()
+            readback = []
+            for pname, _t, ck, pos, bits in decoded:
+                got = read_as(self._target(pname, live_now), pos, ck)
+                if not np.array_equal(got, bits):
+                    raise AuditError(
+                        f"rank {self.rank}: read-back of {pname!r} after the commit differs from what was written "
+                        f"at {int((got != bits).sum())} of {pos.size} positions; the update is refused"
+                    )
+                readback.append((pname, pos.astype(np.int64).tobytes(), got.tobytes()))
         except BaseException as e:
             try:
                 self._revert(entry)
@@ -343,6 +403,8 @@ class WorkerCore(KernelAuditor):
             "reloaded": sorted(entry.modules),
             "audited": list(self.audited) if entry.modules else [],
             "audit_s": self.audit_s if entry.modules else 0.0,
+            "rechecked": list(self.rechecked) if entry.modules else [],
+            "readback": readback_digest(readback),
             "seconds": time.perf_counter() - t0,
         }
 
