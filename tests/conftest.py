@@ -12,6 +12,11 @@ from hypothesis import HealthCheck, settings
 
 pytest_plugins = ["tests.sidecar.board_fixtures"]
 
+# Local Ray clusters (the fleet's Ray tests) on loopback: Ray otherwise advertises this machine's interface
+# address, and its nodes, actors and the replicas' public URLs then use it; tests talk to 127.0.0.1 only. Ray
+# reads it once, when first imported, and every process a cluster starts inherits it.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 settings.register_profile(
     "ci",
     max_examples=40,

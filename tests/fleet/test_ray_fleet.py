@@ -212,11 +212,11 @@ def scale_under_load(fleet: RayFleet, sizes: tuple[int, int, int], *, eu: bool) 
     return figures
 
 
+@pytest.mark.slow  # the smaller walk of the same path, for a quick look
 def test_scale_1_2_1_under_load_through_the_gateway(fleet: RayFleet) -> None:
     fleet.figures["scale_1_2_1"] = scale_under_load(fleet, (1, 2, 1), eu=False)
 
 
-@pytest.mark.slow
 def test_scale_2_4_1_under_load_through_the_gateway(fleet: RayFleet) -> None:
     fleet.figures["scale_2_4_1"] = scale_under_load(fleet, (2, 4, 1), eu=True)  # and one eu-west replica
 

@@ -71,7 +71,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _publish_tiny(board: str) -> None:
+def publish_tiny(board: str) -> None:
     """v0 of the ``tiny`` preset in bf16: what a ``--model tiny`` sidecar serves."""
     import torch
 
@@ -334,7 +334,7 @@ def run(console: Console, quick: bool = False) -> dict[str, Any]:
         tempfile.TemporaryDirectory(prefix="flipsync-gw-") as tmp,
     ):
         board = str(Path(tmp) / "board")
-        _publish_tiny(board)
+        publish_tiny(board)
         status.update("gateway bench: starting a sidecar and a gateway")
         with _processes(board, Path(tmp)) as (sidecar, gateway, pids):
             status.update("gateway bench: direct and through the gateway, alternating")

@@ -12,6 +12,7 @@ of torch-engine replicas (``flipsync sidecar --engine torch --model tiny``, one 
 
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 import time
@@ -21,34 +22,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from flipsync.board.writer import BoardWriter
+from flipsync.apps.bench.gateway import publish_tiny
 from flipsync.errors import ConfigError
 from flipsync.fleet.ray_pool import RayPool, ReplicaSpec, import_ray
-from flipsync.stores import open_store
 
 OBJECT_STORE = 80 * 2**20
 EAST, WEST = "region:us-east", "region:eu-west"
 
 
-def publish_tiny(board: str) -> None:
-    """v0 of the ``tiny`` preset in bf16: what a ``--model tiny`` sidecar serves."""
-    import torch
-
-    from flipsync.codec.fingerprint import FingerprintTable
-    from flipsync.engines.torch.models import build_model, preset_config
-    from flipsync.formats import served_view
-
-    model = build_model(preset_config("tiny"), seed=0, dtype=torch.float32)
-    view = served_view({k: v.detach() for k, v in model.state_dict().items()}, "bf16")
-    store = open_store(board)
-    BoardWriter(store, "bench", publisher_id="bench").publish_snapshot(
-        view, version=0, view_fp=FingerprintTable.of(view).view_fp(), served_format="bf16"
-    )
-    store.close()
-
-
 def run(console: Console, quick: bool = False) -> dict[str, Any]:
     """Run the Ray fleet benchmark; print a table and return the numbers."""
+    # The local cluster on loopback (Ray otherwise advertises this machine's interface address): read by Ray
+    # when first imported, inherited by every process the cluster starts.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     try:
         from ray.cluster_utils import Cluster
