@@ -39,6 +39,7 @@ def make_stack(board_dir: str) -> Iterator[StackFactory]:
         engine: Engine | None = None,
         start_loop: bool = True,
         upstream: str | None = None,
+        read_timeout_s: float = 30.0,
         **replica_kw: float,
     ) -> Stack:
         wrapped = engine if engine is not None else tiny_engine(fmt)
@@ -52,7 +53,7 @@ def make_stack(board_dir: str) -> Iterator[StackFactory]:
             wrapped,
             upstream or server.url,
             replica_config=fast_replica(mode, **replica_kw),
-            proxy_config=ProxyConfig(upstream or server.url, admit_timeout_s=10.0, request_timeout_s=30.0),
+            proxy_config=ProxyConfig(upstream or server.url, admit_timeout_s=10.0, request_timeout_s=read_timeout_s),
         )
         if start_loop:
             sidecar.start()

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import Request
 
 from flipsync.sidecar.body import read_json
 from flipsync.sidecar.gate import CommitMode
@@ -442,6 +443,47 @@ def test_a_stream_the_engine_breaks_off_fails_at_the_client(trainer: Trainer, ma
 
         if importlib.util.find_spec("aiohttp") is not None:
             assert _aiohttp_stream(s.sidecar.url + "/v1/completions", body) == "ClientPayloadError"
+
+
+def _slow_engine(delay_s: float) -> Any:
+    """An OpenAI-looking engine that thinks ``delay_s`` before its first byte, streamed or not."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Any:  # Request from the module: FastAPI resolves it there
+        stream = (await request.json()).get("stream") is True
+        await asyncio.sleep(delay_s)
+        if not stream:
+            return JSONResponse({"choices": [{"index": 0, "text": "done", "finish_reason": "length"}]})
+
+        async def body() -> Any:
+            yield b'data: {"choices": [{"index": 0, "text": "t", "finish_reason": null}]}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_long_generation_is_not_cut_by_the_read_timeout(trainer: Trainer, make_stack: StackFactory) -> None:
+    """The read timeout bounds an engine's silence while it streams; a non-streaming answer comes whole at its
+    end, so it waits as long as the generation takes (it was answered 504 once the read timeout passed)."""
+    from flipsync.serving import ServerThread
+
+    with ServerThread(_slow_engine(1.5)) as fake:
+        s = make_stack(upstream=fake.url, read_timeout_s=0.5)
+        assert s.replica.wait_version(0, 10)
+        whole = s.client.post("/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 5})
+        assert whole.status_code == 200, whole.text
+        assert whole.json()["choices"][0]["text"] == "done"
+        streamed = s.client.post("/v1/completions", json={"model": "m", "prompt": "x", "stream": True})
+        assert streamed.status_code == 504, streamed.text  # silent past the read timeout before its first byte
+        assert wait_until(lambda: s.sidecar.gate.in_flight == 0, 10)
 
 
 def _aiohttp_stream(url: str, body: dict[str, Any]) -> str:

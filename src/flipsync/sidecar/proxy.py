@@ -58,7 +58,10 @@ _HOP = frozenset(
 class ProxyConfig:
     upstream_url: str
     connect_timeout_s: float = 5.0
-    request_timeout_s: float = 600.0  # one read of the upstream (a token gap), not the whole response
+    # The engine's longest silence while it streams (until its first byte, between two chunks). A non-streaming
+    # answer comes whole at its end, so no read timeout bounds it: a long generation is never cut while the engine
+    # is still generating it (as the gateway does; the engine's health is the replica's to watch).
+    request_timeout_s: float = 600.0
     admit_timeout_s: float = 120.0  # how long a request waits at a closed gate (a keyframe reload)
     max_wait_s: float = 300.0  # cap of /flipsync/wait
     retry_after_s: int = 1
@@ -270,16 +273,19 @@ def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader 
         error: Callable[..., Response] = error_response,
         *,
         as_json: bool = False,
+        whole: bool = False,
     ) -> httpx.Response | Response:
         """The upstream's streamed answer, or the ``error`` to answer instead when it cannot be reached.
-        ``as_json``: ``content`` was re-encoded as UTF-8 JSON, and says so in its Content-Type."""
+        ``as_json``: ``content`` was re-encoded as UTF-8 JSON, and says so in its Content-Type. ``whole``: the
+        answer comes in one piece at its end (not a stream), so no read timeout applies."""
         client, q = clients["upstream"], request.url.query
         url = f"{upstream}/{path}" + (f"?{q}" if q else "")
         headers = _forward_headers(request.headers)
         if as_json:
             headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
             headers["content-type"] = "application/json"
-        req = client.build_request(request.method, url, headers=headers, content=content)
+        timeout = httpx.Timeout(None, connect=config.connect_timeout_s) if whole else httpx.USE_CLIENT_DEFAULT
+        req = client.build_request(request.method, url, headers=headers, content=content, timeout=timeout)
         try:
             return await client.send(req, stream=True)
         except httpx.TimeoutException as e:
@@ -376,7 +382,8 @@ def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader 
                 leave()
                 return late
             start = replica.version
-            resp = await send(request, path, raw, refuse, as_json=reencoded)
+            whole = not (isinstance(body, dict) and body.get("stream") is True)
+            resp = await send(request, path, raw, refuse, as_json=reencoded, whole=whole)
             if isinstance(resp, Response):
                 leave()
                 return resp
