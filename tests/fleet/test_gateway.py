@@ -364,8 +364,8 @@ def test_malformed_stale_and_forged_records_never_route(
         # wrote it. (Its stamps are its own word: sign the records where others can write the board.)
         open_gw = make_gateway()
         assert wait_until(lambda: open_gw.fleet()["ready"] >= 3)
-        for _ in range(12):
-            assert open_gw.complete().status_code == 200
+        for i in range(24):  # distinct prompts: one prompt would stay on one replica (affinity)
+            assert open_gw.complete(prompt=f"hi {i}").status_code == 200
         assert hits, "an unsigned gateway trusts every well-formed record on the board"
         assert "stale" not in {m["replica"] for m in open_gw.fleet()["members"]}
     finally:
