@@ -32,6 +32,9 @@ def test_sidecar_exports_mirror_metrics(trainer: Trainer, board_dir: str) -> Non
     sidecar = Sidecar(mirror, "run", engine, server.url, replica_config=fast_replica())
     try:
         sidecar.start()
+        # v1 is published once the sidecar holds v0: a lag sample is taken only for a manifest seen to appear
+        # (missed at one look, there at a later one), and the kernel warm-up delays the first look.
+        assert wait_until(lambda: sidecar.replica.version == 0, timeout=120)
         trainer.step()
         assert wait_until(lambda: sidecar.replica.version == 1)
         text = httpx.get(sidecar.url + "/metrics", timeout=10).text
