@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from flipsync.apps.cli import app
 from flipsync.checkpoint import load_checkpoint, save_checkpoint
+from flipsync.cli.main import app
 from flipsync.codec import Patch
 from tests.strategies import same_bits
 

@@ -11,6 +11,23 @@ class ConfigError(FlipsyncError):
     """A setting, argument or file path the user gave cannot be used."""
 
 
+class MissingExtraError(ConfigError, ImportError):
+    """A feature needs packages the library installs only with an extra (``pip install 'flipsync[EXTRA]'``)."""
+
+    def __init__(self, feature: str, extra: str, missing: str) -> None:
+        super().__init__(f"{feature} needs {missing}, which is not installed: pip install 'flipsync[{extra}]'")
+        self.extra = extra
+
+
+def require_extra(feature: str, extra: str, *modules: str) -> None:
+    """Raise `MissingExtraError` unless every module of ``modules`` can be imported (found, not imported)."""
+    from importlib.util import find_spec
+
+    missing = [m for m in modules if find_spec(m) is None]
+    if missing:
+        raise MissingExtraError(feature, extra, " and ".join(missing))
+
+
 class FormatError(FlipsyncError):
     """A served-view recipe cannot be applied to this tensor (bad shape, dtype, non-finite values, ...)."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -39,6 +40,13 @@ def error_response(
 def sse_event(doc: Any) -> bytes:
     """One server-sent event carrying ``doc`` as JSON, as OpenAI-style streams frame them."""
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port free on this node now (the process binds it a moment later; a lost race is a restart)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def parse_listen(text: str) -> tuple[str, int]:

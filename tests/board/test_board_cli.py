@@ -9,7 +9,7 @@ import typer
 from board_helpers import build_run
 from typer.testing import CliRunner
 
-from flipsync.apps.board_cli import board_app, keygen
+from flipsync.cli.board import board_app, keygen
 from flipsync.stores import open_store
 
 runner = CliRunner(env={"COLUMNS": "220"})

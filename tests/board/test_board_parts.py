@@ -10,12 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from flipsync.board.reader import PatchStep
+from flipsync.board.reader import PatchStep, join_step
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import CorruptPatchError
-from flipsync.sidecar.engine_update import join_step
 from tests.strategies import PART_HASH, patch_manifest
 
 

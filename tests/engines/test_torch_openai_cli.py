@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.apps.sidecar_cli import sidecar_app
+from flipsync.cli.sidecar import sidecar_app
+from flipsync.engines.torch import openai_server
 from flipsync.errors import ConfigError
-from flipsync.sidecar import service
 from tests.sidecar.sidecar_helpers import Trainer
 
 
@@ -25,7 +25,7 @@ def _run_until_the_engine_starts(board_dir: str, monkeypatch: pytest.MonkeyPatch
         seen.update(kw, model_spec=model_spec)
         raise _Started("engine start reached")  # stop there: the rest of the sidecar is not under test
 
-    monkeypatch.setattr(service, "start_torch_engine", fake_start)
+    monkeypatch.setattr(openai_server, "start_torch_engine", fake_start)
     r = CliRunner().invoke(sidecar_app, ["sidecar", "--board", board_dir, "--engine", "torch", *extra])
     assert r.exit_code == 2 and "engine start reached" in r.output, r.output
     return seen

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from typer.testing import CliRunner
 
-from flipsync.apps.cli import app
-from flipsync.apps.model_cli import write_model
 from flipsync.checkpoint import load_checkpoint, save_checkpoint
+from flipsync.cli.main import app
+from flipsync.cli.model import write_model
 from flipsync.engines.torch.engine import SamplingParams, TorchEngine
 from flipsync.engines.torch.models import build_model, load_config
 from flipsync.engines.torch.tokenizer import CHAT_TEMPLATE, ByteTokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flipsync.apps.model_cli import write_model
+from flipsync.cli.model import write_model
 from flipsync.engines.torch.tokenizer import ByteTokenizer
 from tests.engines.test_torch_openai_tokenize import CHATS, PROMPTS
 

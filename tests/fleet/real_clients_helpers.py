@@ -175,7 +175,7 @@ class ModelTrainer:
 
 def write_model_folder(out: Path, *, seed: int = 0) -> Path:
     """``flipsync model OUT --preset MODEL --seed SEED``: the model folder both engines serve."""
-    cmd = [sys.executable, "-m", "flipsync.apps.model_cli", "model", str(out), "--preset", MODEL, "--seed", str(seed)]
+    cmd = [sys.executable, "-m", "flipsync.cli.model", "model", str(out), "--preset", MODEL, "--seed", str(seed)]
     done = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise AssertionError(f"flipsync model exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
@@ -244,7 +244,7 @@ class RealFleet:
         port = port or (old.port if old is not None else free_port())
         url = f"http://127.0.0.1:{port}"
         cmd = [
-            *(sys.executable, "-m", "flipsync.apps.sidecar_cli", "sidecar", "--board", self.board, "--run", RUN),
+            *(sys.executable, "-m", "flipsync.cli.sidecar", "sidecar", "--board", self.board, "--run", RUN),
             *("--listen", f"127.0.0.1:{port}", "--public-url", url, "--island", name),
             *("--model", str(self.model_dir), "--model-name", MODEL_NAME),
             *("--threads", "1", "--max-concurrency", "4", "--poll", "0.2", "--heartbeat", "0.5", "--member-ttl", "3"),
@@ -281,7 +281,7 @@ class RealFleet:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd = [
-            *(sys.executable, "-m", "flipsync.apps.sidecar_cli", "sidecar", "--board", self.board, "--run", RUN),
+            *(sys.executable, "-m", "flipsync.cli.sidecar", "sidecar", "--board", self.board, "--run", RUN),
             *("--engine", "vllm", "--upstream", f"http://127.0.0.1:{self.vllm_port}"),
             *("--engine-option", f"model_dir={self.model_dir}"),
             *("--engine-option", f"host_copy={self.root / 'vllm-host-copy.safetensors'}"),
@@ -295,7 +295,7 @@ class RealFleet:
     def start_gateway(self, hold_s: float = 3.0) -> None:
         self.gateway_port = free_port()
         cmd = [
-            *(sys.executable, "-m", "flipsync.apps.gateway_cli", "gateway", "--board", self.board),
+            *(sys.executable, "-m", "flipsync.cli.gateway", "gateway", "--board", self.board),
             *("--listen", f"127.0.0.1:{self.gateway_port}", "--hold", str(hold_s), "--refresh", "0.2"),
         ]
         self.gateway = self._proc("gateway", cmd, ENV)

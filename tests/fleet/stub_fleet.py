@@ -1,4 +1,4 @@
-"""A gateway (in this process, on a thread) over stub replicas (`flipsync.apps.bench.stub_replica`), found as a
+"""A gateway (in this process, on a thread) over stub replicas (`flipsync.fleet.stub_replica`), found as a
 static pool: routing, affinity, ejection and the service's knobs tested without engines."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import httpx
 
-from flipsync.apps.bench.stub_replica import StubReplica
 from flipsync.fleet.gateway import Gateway
 from flipsync.fleet.pool import Pool, StaticPool
 from flipsync.fleet.routing import GatewayConfig
+from flipsync.fleet.stub_replica import StubReplica
 from flipsync.serving import ServerThread
 
 

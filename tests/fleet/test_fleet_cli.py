@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from flipsync.apps.cli import app
 from flipsync.board.membership import MemberReader
+from flipsync.cli.main import app
 from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import Trainer, stop_process, wait_until
 
@@ -40,7 +40,7 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
     trainer = Trainer(store)
     sp, gp = free_port(), free_port()
     side = start(
-        "flipsync.apps.sidecar_cli",
+        "flipsync.cli.sidecar",
         [
             *("sidecar", "--board", board_dir, "--listen", f"127.0.0.1:{sp}", "--threads", "1", "--poll", "0.1"),
             *("--public-url", f"http://127.0.0.1:{sp}", "--island", "test", "--heartbeat", "0.3"),
@@ -49,7 +49,7 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
         tmp_path / "sidecar.log",
     )
     gw = start(
-        "flipsync.apps.gateway_cli",
+        "flipsync.cli.gateway",
         ["gateway", "--board", board_dir, "--listen", f"127.0.0.1:{gp}", "--refresh", "0.2", "--max-lag", "0"],
         tmp_path / "gateway.log",
     )

@@ -274,7 +274,7 @@ def test_tokenizer_outliers() -> None:
 def test_the_torch_engine_tokenizes_as_the_model_folder(tmp_path: Any) -> None:
     """The torch engine's digest is the digest of the model folder flipsync writes for vLLM (same BOS rule,
     specials, chat template and stop tokens), so a mixed fleet serves one model name."""
-    from flipsync.apps.demo.model import demo_config, write_model_dir
+    from flipsync.engines.torch.model_dir import demo_config, write_model_dir
 
     folder = write_model_dir(tmp_path / "model", demo_config("llama-1m"))
     assert folder_tokenizer_digest(folder) == tokenizer_digest(ByteTokenizer())

@@ -16,13 +16,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flipsync.apps.bench.stub_replica import StubReplica
+from flipsync.auth import ENV_KEYS, ApiKeys, replica_key
 from flipsync.board.membership import MemberReader
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.errors import ConfigError
 from flipsync.fleet.pool import StaticPool
+from flipsync.fleet.stub_replica import StubReplica
 from flipsync.serving import ServerThread
-from flipsync.sidecar.auth import ENV_KEYS, ApiKeys, replica_key
 from flipsync.sidecar.heartbeat import MembershipConfig
 from flipsync.sidecar.load import parse_metrics
 from flipsync.sidecar.proxy import ProxyConfig
@@ -119,7 +119,7 @@ def test_sigterm_drains_the_gateway_then_exits_0(tmp_path: Path) -> None:
     stub = StubReplica(hold=hold).start()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "flipsync.apps.gateway_cli", "gateway", "--replica", stub.url]
+    cmd = [sys.executable, "-m", "flipsync.cli.gateway", "gateway", "--replica", stub.url]
     cmd += ["--listen", f"127.0.0.1:{port}", "--refresh", "0.2", "--drain-timeout", "60"]
     log = (tmp_path / "gateway.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})

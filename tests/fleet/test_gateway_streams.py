@@ -11,8 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from flipsync.apps.bench.gateway_load import concurrent_streams, gateway_process
-from flipsync.apps.bench.stub_replica import RawResponse
+from flipsync.fleet.stub_replica import RawResponse, concurrent_streams, gateway_process
 from tests.sidecar.sidecar_helpers import stop_process
 
 STREAMS = 5000
@@ -27,7 +26,7 @@ def test_5000_concurrent_streams_through_one_gateway_all_complete(tmp_path: Path
     want = 4 * STREAMS + 1024
     if soft != resource.RLIM_INFINITY and soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
-    cmd = [sys.executable, "-m", "flipsync.apps.bench.stub_replica", "--replicas", "4", "--barrier", str(STREAMS)]
+    cmd = [sys.executable, "-m", "flipsync.fleet.stub_replica", "--replicas", "4", "--barrier", str(STREAMS)]
     stubs = subprocess.Popen(cmd, stdout=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert stubs.stdout is not None

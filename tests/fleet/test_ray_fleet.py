@@ -32,7 +32,7 @@ from typer.testing import CliRunner
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray>=2.41' (the flipsync[ray] extra)")
 from ray.cluster_utils import Cluster  # noqa: E402 - after the skip
 
-from flipsync.apps.cli import app  # noqa: E402
+from flipsync.cli.main import app  # noqa: E402
 from flipsync.fleet.ray_pool import RayPool, ReplicaSpec  # noqa: E402
 from flipsync.stores import open_store  # noqa: E402
 from tests.sidecar.sidecar_helpers import FAST, Trainer, wait_until  # noqa: E402

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.apps.cli import app
-from flipsync.apps.fleet_cli import parse_resources
+from flipsync.cli.fleet import parse_resources
+from flipsync.cli.main import app
 from flipsync.errors import ConfigError
 from flipsync.fleet.ray_pool import ReplicaSpec, import_ray
 from flipsync.fleet.ray_supervisor import ProcessSupervisor, expand

@@ -21,10 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from obstore.store import MemoryStore
 from typer.testing import CliRunner
 
-from flipsync.apps.cli import app
 from flipsync.board.ahead import FetchAhead
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
+from flipsync.cli.main import app
 from flipsync.codec import Patch, apply_patch
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.codec.section import decode_symbols

@@ -76,7 +76,7 @@ class Replica:
 
     def start(self) -> Replica:
         cmd = [
-            *(sys.executable, "-m", "flipsync.apps.sidecar_cli", "sidecar", "--board", self.board, "--run", "run"),
+            *(sys.executable, "-m", "flipsync.cli.sidecar", "sidecar", "--board", self.board, "--run", "run"),
             *("--listen", f"127.0.0.1:{self.port}", "--public-url", self.url, "--island", self.name),
             *("--threads", "1", "--poll", "0.1", "--heartbeat", "0.3", "--member-ttl", "2"),
             *("--max-concurrency", "4", "--exit-timeout", "30"),
@@ -235,7 +235,7 @@ def test_kill_restart_drain_and_join_under_load(tmp_path: Path) -> None:
     gw_log = (tmp_path / "gateway.log").open("wb")
     gw = subprocess.Popen(
         [
-            *(sys.executable, "-m", "flipsync.apps.gateway_cli", "gateway", "--board", board),
+            *(sys.executable, "-m", "flipsync.cli.gateway", "gateway", "--board", board),
             *("--listen", f"127.0.0.1:{gateway_port}", "--max-lag", str(MAX_LAG), "--hold", "20", "--refresh", "0.2"),
         ],
         stdout=gw_log,

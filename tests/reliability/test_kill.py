@@ -14,10 +14,9 @@ from pathlib import Path
 
 import torch
 
-from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep
+from flipsync.board.reader import BoardReader, KeyframeStep, PatchStep, join_step
 from flipsync.codec import apply_patch
 from flipsync.codec.fingerprint import FingerprintTable
-from flipsync.sidecar.engine_update import join_step
 from flipsync.stores import open_store
 from tests.reliability.kill_publisher import view_of
 from tests.sidecar.sidecar_helpers import same_bits

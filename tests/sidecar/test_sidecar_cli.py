@@ -15,7 +15,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from flipsync.apps.sidecar_cli import sidecar_app
+from flipsync.cli.sidecar import sidecar_app
 from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import Trainer, stop_process
 
@@ -29,7 +29,7 @@ def _free_port() -> int:
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("wb") as out:
-        module = "flipsync.apps.relay_cli" if args[0] == "relay" else "flipsync.apps.sidecar_cli"
+        module = "flipsync.cli.relay" if args[0] == "relay" else "flipsync.cli.sidecar"
         return subprocess.Popen([sys.executable, "-m", module, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
 
 

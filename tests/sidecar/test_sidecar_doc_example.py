@@ -84,7 +84,7 @@ def test_the_trainer_and_sidecar_example_runs_as_written(tmp_path: Path) -> None
                 args = [w.replace("127.0.0.1:8100", f"127.0.0.1:{port}") for w in words[1:-1]]
                 with (tmp_path / "sidecar.log").open("wb") as log:
                     sidecar = subprocess.Popen(
-                        [sys.executable, "-m", "flipsync.apps.cli", *args],
+                        [sys.executable, "-m", "flipsync.cli.main", *args],
                         cwd=tmp_path,
                         env=env,
                         stdout=log,

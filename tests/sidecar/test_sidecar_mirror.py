@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 from typer.testing import CliRunner
 
-from flipsync.apps.sidecar_cli import sidecar_app
 from flipsync.board.mirror import MirrorPolicy, MirrorStore
+from flipsync.cli.sidecar import sidecar_app
 from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.serving import ServerThread
 from flipsync.sidecar.service import Sidecar
@@ -88,9 +88,7 @@ def test_sidecar_cli_follows_a_mirror_that_lacks_every_part(
     log = tmp_path / "sidecar.log"
     with log.open("wb") as out:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flipsync.apps.sidecar_cli", *args], stdout=out, stderr=out, env=env
-        )
+        proc = subprocess.Popen([sys.executable, "-m", "flipsync.cli.sidecar", *args], stdout=out, stderr=out, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90

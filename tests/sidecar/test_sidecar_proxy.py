@@ -14,9 +14,8 @@ import httpx
 import pytest
 from fastapi import Request
 
-from flipsync.sidecar.body import read_json
+from flipsync.domain.requests import BadRequest, VersionConstraint, parse_constraint, read_json
 from flipsync.sidecar.gate import CommitMode
-from flipsync.sidecar.proxy import BadRequest, VersionConstraint, parse_constraint
 from tests.sidecar.body_cases import JSON_BODIES, UNREADABLE, gzip_bomb
 from tests.sidecar.sidecar_helpers import FaultyEngine, Stack, StackFactory, Trainer, tiny_engine, wait_until
 

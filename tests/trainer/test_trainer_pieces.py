@@ -9,13 +9,12 @@ import pytest
 import torch
 from trainer_helpers import assert_bitwise
 
-from flipsync.board.reader import PatchStep
+from flipsync.board.reader import PatchStep, join_step
 from flipsync.codec import DiffEngine, Patch, PatchEncoder, apply_patch, diff_views
 from flipsync.codec.fingerprint import FingerprintTable, Hasher
 from flipsync.domain.headers import ViewRef
 from flipsync.domain.manifest import Manifest, Part
 from flipsync.errors import ConfigError, CorruptPatchError
-from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer.pieces import Piece, dedupe_tied
 from flipsync.trainer.rounds import assemble, check_tiling, merge_deltas, table_of_pieces
 from tests.strategies import PART_HASH, patch_manifest

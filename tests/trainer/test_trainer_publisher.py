@@ -13,11 +13,11 @@ from trainer_helpers import Replica, SlowStore, adam, assert_bitwise, expected_v
 
 from flipsync.board import KeyframePolicy, open_store
 from flipsync.board.catalog import Catalog
+from flipsync.board.reader import join_step
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.memory import MemoryEngine
 from flipsync.errors import ConfigError, ConflictError
-from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)

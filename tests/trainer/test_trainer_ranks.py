@@ -29,11 +29,11 @@ from trainer_helpers import (
 
 from flipsync.board import KeyframePolicy, KeyframeStep, open_store
 from flipsync.board.catalog import Catalog
+from flipsync.board.reader import join_step
 from flipsync.codec import Patch
 from flipsync.domain.manifest import Kind
 from flipsync.engines.torch.engine import TorchEngine
 from flipsync.errors import BoardError, NonFiniteError, PatchError
-from flipsync.sidecar.engine_update import join_step
 from flipsync.trainer import Publisher, PublisherConfig
 
 NO_KEYFRAMES = KeyframePolicy(chain_fraction=1e9, max_interval=10_000)

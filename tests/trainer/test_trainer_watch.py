@@ -13,10 +13,10 @@ from safetensors.torch import save
 from trainer_helpers import Replica, adam, assert_bitwise, tiny_llama, train
 from typer.testing import CliRunner
 
-from flipsync.apps import trainer_cli as cli
 from flipsync.board import open_store
 from flipsync.board.catalog import Catalog
 from flipsync.checkpoint import INDEX_NAME
+from flipsync.cli import trainer as cli
 from flipsync.formats import served_view
 from flipsync.trainer.watch import CheckpointScanner, checkpoint_files, safetensors_complete, watch
 

@@ -11,12 +11,12 @@ from typing import Any
 import torch
 
 from flipsync.board import BoardReader, Catalog, Follower, KeyframeStep, PatchStep, Step
+from flipsync.board.reader import join_step
 from flipsync.codec import apply_patch
 from flipsync.codec.bits import int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, TransientStoreError
 from flipsync.formats import served_view
-from flipsync.sidecar.engine_update import join_step
 from flipsync.stores import Store
 
 

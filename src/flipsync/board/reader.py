@@ -15,13 +15,18 @@ from typing import TYPE_CHECKING
 from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import tensors_from_files
 from flipsync.board.signing import Verifier
+from flipsync.codec import Patch, join_parts
 from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import BoardError, IntegrityError, NotFoundError
 from flipsync.stores import Store, WaitingStore
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
+
+    from flipsync.codec.fingerprint import FingerprintTable
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,17 @@ class PatchStep(_Verified):
     """A verified patch (or squashed span): its parts, in manifest order, every hash checked."""
 
     parts: list[bytes]
+
+
+def join_step(
+    step: PatchStep, table: FingerprintTable | None = None, base: Mapping[str, torch.Tensor] | None = None
+) -> Patch:
+    """A verified board step as one patch: its parts joined by the codec (``table``, ``base``: the receiver's,
+    see ``join_parts``), refused unless it goes from the manifest's base view to its target view."""
+    m = step.manifest
+    patch = join_parts([Patch.from_bytes(p) for p in step.parts], target=m.target, table=table, base=base)
+    m.check_patch(patch.header)
+    return patch
 
 
 @dataclass(frozen=True)

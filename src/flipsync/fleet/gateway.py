@@ -20,8 +20,10 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from flipsync.auth import is_open, unauthorized
 from flipsync.domain.balance import affinity_key, prompt_opening
 from flipsync.domain.fleet import MemberRecord, Want, floor_version, satisfies, serves
+from flipsync.domain.requests import BODY_FIELD, H_MIN, BadRequest, encode, parse_constraint, read_json
 from flipsync.fleet.affinity import Affinity
 from flipsync.fleet.ejection import Admission, Ejector
 from flipsync.fleet.forwarding import (
@@ -45,9 +47,6 @@ from flipsync.fleet.pool import FleetSnapshot, Pool
 from flipsync.fleet.routing import FleetView, GatewayConfig
 from flipsync.fleet.transport import AsyncioBackend
 from flipsync.serving import NO_RETRY, error_response, sse_event
-from flipsync.sidecar.auth import is_open, unauthorized
-from flipsync.sidecar.body import BadRequest, encode, read_json
-from flipsync.sidecar.proxy import BODY_FIELD, H_MIN, parse_constraint
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,8 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from flipsync.serving import free_port
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,6 @@ def node_address() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # outside Ray (unit use): loopback is the only honest answer
         return "127.0.0.1"
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free on this node now (the process binds it a moment later; a lost race is a restart)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:

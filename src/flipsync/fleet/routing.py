@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from flipsync.auth import ApiKeys
 from flipsync.board.membership import REASONS
 from flipsync.domain.fleet import MemberRecord, Want, admits, rank
 from flipsync.errors import FlipsyncError
@@ -20,7 +21,6 @@ from flipsync.fleet.affinity import AffinityPolicy
 from flipsync.fleet.ejection import EjectionPolicy
 from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
-from flipsync.sidecar.auth import ApiKeys
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from flipsync.board import BoardReader, Follower, KeyframeStep, PatchStep, Step
+from flipsync.board.reader import join_step
 from flipsync.codec import ClassIndex, commit, stage
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import BoardError, ConfigError, VerificationError
-from flipsync.sidecar.engine_update import join_step
 from flipsync.stores import Store, StoreOptions, open_store
 from flipsync.trainer import Publisher, PublisherConfig, SoloGroup
 from flipsync.trainer.rounds import Published

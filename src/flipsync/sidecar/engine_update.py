@@ -6,15 +6,11 @@ only drives the engine, and says what went wrong in terms the replica acts on.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import torch
-
-from flipsync.board.reader import KeyframeStep, PatchStep
-from flipsync.codec import Patch, join_parts
-from flipsync.codec.fingerprint import FingerprintTable
+from flipsync.board.reader import KeyframeStep, PatchStep, join_step
 from flipsync.domain.manifest import Manifest
 from flipsync.engines.base import Engine, Staged
 from flipsync.errors import (
@@ -29,17 +25,6 @@ from flipsync.errors import (
 from flipsync.sidecar.gate import CommitMode, Pause, RequestGate
 
 T = TypeVar("T")
-
-
-def join_step(
-    step: PatchStep, table: FingerprintTable | None = None, base: Mapping[str, torch.Tensor] | None = None
-) -> Patch:
-    """A verified board step as one patch: its parts joined by the codec (``table``, ``base``: the receiver's,
-    see ``join_parts``), refused unless it goes from the manifest's base view to its target view."""
-    m = step.manifest
-    patch = join_parts([Patch.from_bytes(p) for p in step.parts], target=m.target, table=table, base=base)
-    m.check_patch(patch.header)
-    return patch
 
 
 class WeightsChangedError(BaseMismatchError):

@@ -18,20 +18,23 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import Receive, Scope, Send
 
+from flipsync.auth import ApiKeys, is_open, unauthorized
+from flipsync.domain.requests import (
+    BODY_FIELD,
+    H_END,
+    H_START,
+    H_VERSION,
+    BadRequest,
+    encode,
+    parse_constraint,
+    read_json,
+)
 from flipsync.serving import NO_RETRY, error_response, sse_event
-from flipsync.sidecar.auth import ApiKeys, is_open, unauthorized
-from flipsync.sidecar.body import BadRequest, encode, read_json
 from flipsync.sidecar.load import LoadReader
 from flipsync.sidecar.replica import Replica
 
 log = logging.getLogger(__name__)
 
-H_MIN = "x-flipsync-min-version"
-H_EXACT = "x-flipsync-exact-version"
-H_VERSION = "X-Flipsync-Weight-Version"
-H_START = "X-Flipsync-Weight-Version-Start"
-H_END = "X-Flipsync-Weight-Version-End"
-BODY_FIELD = "weight_version"
 # What the metrics count a refusal of a gated request as, by its status.
 _OUTCOMES = {400: "bad_request", 413: "bad_request", 415: "bad_request", 409: "rejected_version", 503: "unavailable"}
 _OUTCOMES |= dict.fromkeys((502, 504), "upstream_error")
@@ -69,55 +72,6 @@ class ProxyConfig:
     api_keys: ApiKeys | None = None  # clients must send one of these (Authorization: Bearer); None: no check
 
 
-@dataclass(frozen=True)
-class VersionConstraint:
-    min_version: int | None = None
-    exact_version: int | None = None
-
-    @property
-    def pinned(self) -> bool:
-        return self.exact_version is not None
-
-    def satisfied_by(self, version: int) -> bool:
-        return self.exact_version in (None, version) and (self.min_version is None or version >= self.min_version)
-
-    def describe(self) -> str:
-        if self.exact_version is not None:
-            return f"exactly v{self.exact_version}"
-        return f"at least v{self.min_version}"
-
-
-def _version_value(v: Any, where: str) -> int:
-    if isinstance(v, str) and v.strip().isascii() and v.strip().isdigit():
-        v = int(v.strip())
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise BadRequest(f"{where} must be a non-negative integer version")
-    return v
-
-
-def parse_constraint(field: Any, headers: Any) -> VersionConstraint:
-    """The request's version constraint from the body field and/or the headers (the stricter wins)."""
-    mins: list[int] = []
-    exacts: list[int] = []
-    if field is not None:
-        if not isinstance(field, dict) or not set(field) <= {"min_version", "exact_version"}:
-            raise BadRequest(f'{BODY_FIELD} must be {{"min_version": N}} or {{"exact_version": N}}')
-        if field.get("min_version") is not None:
-            mins.append(_version_value(field["min_version"], f"{BODY_FIELD}.min_version"))
-        if field.get("exact_version") is not None:
-            exacts.append(_version_value(field["exact_version"], f"{BODY_FIELD}.exact_version"))
-    if headers.get(H_MIN) is not None:
-        mins.append(_version_value(headers[H_MIN], H_MIN))
-    if headers.get(H_EXACT) is not None:
-        exacts.append(_version_value(headers[H_EXACT], H_EXACT))
-    if len(set(exacts)) > 1:
-        raise BadRequest(f"conflicting exact versions {sorted(set(exacts))}")
-    return VersionConstraint(max(mins) if mins else None, exacts[0] if exacts else None)
-
-
-_TOO_DEEP_REQUEST = (
-    "the JSON body nests arrays/objects too deeply to parse (about 1000 levels or more); send a flatter body"
-)
 _BAD_JSON = "upstream_invalid_response"
 _TOO_DEEP_RESPONSE = (
     "the engine at {upstream} answered JSON nested too deeply to parse (about 1000 levels or more); "
@@ -322,8 +276,6 @@ def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader 
                 raw = encode(body)
         except BadRequest as e:
             return refuse(e.status, str(e), "invalid_request_error")
-        except RecursionError:
-            return refuse(400, _TOO_DEEP_REQUEST, "invalid_request_error")
 
         def refusal() -> Response | None:
             if gate.draining:

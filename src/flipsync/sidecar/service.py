@@ -1,12 +1,10 @@
 """Assembly of one sidecar (`Sidecar`: board reader, engine, reconcile loop, request gate, metrics, proxy, and
-its member record once it joins a fleet), and ``start_torch_engine``, the in-process torch engine's server.
-"""
+its member record once it joins a fleet)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 from fastapi import FastAPI
 
@@ -15,9 +13,6 @@ from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier
 from flipsync.engines.base import Engine
-from flipsync.engines.torch.engine import TorchEngine
-from flipsync.engines.torch.models import build_model, load_config
-from flipsync.engines.torch.openai_server import create_engine_app
 from flipsync.errors import ConfigError
 from flipsync.formats import get_format
 from flipsync.serving import ServerThread
@@ -111,40 +106,6 @@ def check_format(requested: str | None, board: str, run: str) -> str:
             "take the board's format"
         )
     return board
-
-
-@dataclass
-class TorchEngineHandle:
-    engine: TorchEngine
-    server: ServerThread
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    def stop(self) -> None:
-        self.server.stop()
-        self.engine.close()
-
-
-def start_torch_engine(
-    model_spec: str,
-    served_format: str,
-    *,
-    device: str = "cpu",
-    seed: int = 0,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    max_concurrency: int = 8,
-    model_name: str = "flipsync-torch",
-) -> TorchEngineHandle:
-    """Build the torch engine (architecture from a preset or config.json; weights come from the board)."""
-    # transformers types its to() as functools.wraps(nn.Module.to), whose signature keeps `self`.
-    model = build_model(load_config(model_spec), seed=seed).to(device)  # type: ignore[arg-type]
-    engine = TorchEngine(model, served_format=served_format, model_name=model_name)
-    server = ServerThread(create_engine_app(engine, max_concurrency=max_concurrency), host, port).start()
-    log.info("torch engine (%s, %s, %s) serves on %s", model_spec, served_format, device, server.url)
-    return TorchEngineHandle(engine, server)
 
 
 class Sidecar:

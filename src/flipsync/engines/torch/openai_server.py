@@ -19,10 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from flipsync.engines.torch.engine import Generation, SamplingParams, TorchEngine
+from flipsync.engines.torch.models import build_model, load_config
 from flipsync.engines.torch.queue import GenerationPool
 from flipsync.engines.torch.tokenizer import StreamDecoder
 from flipsync.errors import ConfigError, EngineUnavailableError
-from flipsync.serving import error_response, sse_event
+from flipsync.serving import ServerThread, error_response, sse_event
 
 log = logging.getLogger(__name__)
 
@@ -496,3 +497,37 @@ def create_engine_app(engine: TorchEngine, *, max_concurrency: int = 8, max_toke
 
 
 __all__ = ["ChoiceText", "Logprobs", "create_engine_app"]
+
+
+@dataclass
+class TorchEngineHandle:
+    engine: TorchEngine
+    server: ServerThread
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.engine.close()
+
+
+def start_torch_engine(
+    model_spec: str,
+    served_format: str,
+    *,
+    device: str = "cpu",
+    seed: int = 0,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_concurrency: int = 8,
+    model_name: str = "flipsync-torch",
+) -> TorchEngineHandle:
+    """Build the torch engine (architecture from a preset or config.json; weights come from the board)."""
+    # transformers types its to() as functools.wraps(nn.Module.to), whose signature keeps `self`.
+    model = build_model(load_config(model_spec), seed=seed).to(device)  # type: ignore[arg-type]
+    engine = TorchEngine(model, served_format=served_format, model_name=model_name)
+    server = ServerThread(create_engine_app(engine, max_concurrency=max_concurrency), host, port).start()
+    log.info("torch engine (%s, %s, %s) serves on %s", model_spec, served_format, device, server.url)
+    return TorchEngineHandle(engine, server)

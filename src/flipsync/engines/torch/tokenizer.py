@@ -2,7 +2,7 @@
 engine, whose weights come from the board rather than from a pretrained checkpoint.
 
 It tokenizes as the Hugging Face tokenizer of the model folder flipsync writes (``flipsync model``,
-``flipsync.apps.demo.model``) does, so the torch engine and vLLM serving that folder see the same ids: a text
+``flipsync.engines.torch.model_dir``) does, so the torch engine and vLLM serving that folder see the same ids: a text
 prompt gets one ``<|bos|>`` in front (HF: the ``TemplateProcessing`` post-processor, ``add_special_tokens=True``),
 special-token names inside a text are those tokens (HF's added-token split), and chat goes through
 ``CHAT_TEMPLATE``, the ``chat_template`` of the folder's ``tokenizer_config.json``, rendered as transformers

@@ -20,11 +20,8 @@ from flipsync.engines.vllm.kernels import (
     module_tensors,
     state_tensors,
 )
-from flipsync.engines.vllm.map_learning import MapLearner
+from flipsync.engines.vllm.map_learning import MapLearner, ParamInfo
 from flipsync.engines.vllm.wire import AUDIT_EVERY, AUDIT_OFF, AuditError
-
-if TYPE_CHECKING:
-    from flipsync.engines.vllm.worker import ParamInfo
 
 # The worker's logger: what the audit reports is the worker's.
 log = logging.getLogger("flipsync.engines.vllm.worker")

@@ -8,6 +8,7 @@ import math
 import zlib
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -28,6 +29,18 @@ from flipsync.engines.vllm.wire import WorkerOpError
 
 # Every parameter by its name in ``named_parameters``: (module name, module, attribute, tensor; None: dropped).
 LiveParams = dict[str, tuple[str, torch.nn.Module, str, torch.Tensor | None]]
+
+
+@dataclass
+class ParamInfo:
+    """A live parameter as the worker writes it: its module, ``mode`` (in place or through the reload path), why."""
+
+    name: str
+    module: str
+    mode: str
+    reason: str
+    dtype: str
+    shape: tuple[int, ...]
 
 
 class MapLearner:

@@ -31,7 +31,7 @@ from flipsync.engines.vllm.blockmap import (
 )
 from flipsync.engines.vllm.kernel_audit import KernelAuditor
 from flipsync.engines.vllm.kernels import DEFAULT_HOOKS, KernelHooks, storage_of, vllm_hooks
-from flipsync.engines.vllm.map_learning import LiveParams
+from flipsync.engines.vllm.map_learning import LiveParams, ParamInfo
 from flipsync.engines.vllm.scratch import (
     Policy,
     ScratchFactory,
@@ -59,16 +59,6 @@ log = logging.getLogger(__name__)
 
 # Reloads whole checkpoint tensors through the engine's own reload path (layerwise reprocessing).
 Reloader = Callable[[list[tuple[str, torch.Tensor]]], None]
-
-
-@dataclass
-class ParamInfo:
-    name: str
-    module: str
-    mode: str
-    reason: str
-    dtype: str
-    shape: tuple[int, ...]
 
 
 @dataclass

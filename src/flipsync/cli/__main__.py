@@ -1,0 +1,3 @@
+from flipsync.cli.main import main
+
+main()
