@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "stores": BASE,
     "codec": BASE | {"domain"},
     "board": BASE | {"domain", "checkpoint", "codec", "stores"},
-    "trainer": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board"},
+    "trainer": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board"},  # board writes: through board
     "engines": BASE | {"domain", "formats", "checkpoint", "codec", "serving"},
     "relay": BASE | {"stores", "board", "serving"},
     "sidecar": BASE | {"domain", "formats", "checkpoint", "codec", "stores", "board", "engines", "serving", "auth"},

@@ -53,7 +53,7 @@ def upload_chunked(store: ObstoreStore, version: int, data: bytes, cuts: list[in
 def publish_chunked(store: ObstoreStore, data: bytes, cuts: list[int]) -> None:
     pub = build_run(store, 1)
     part = upload_chunked(store, 2, data, cuts)
-    pub.commit_uploaded_patch(
+    pub.publish_uploaded_patch(
         [part], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2), served_format="bf16"
     )
 
@@ -97,7 +97,7 @@ def test_commit_refuses_a_part_whose_chunk_is_not_up(store: ObstoreStore) -> Non
     part = upload_chunked(store, 2, DATA, [100, 4000])
     store.delete([f"{L.version_dir(2)}/a1/patch-00000.safetensors.00001"])
     with pytest.raises(Exception, match="1 of 3 part objects are not on the board"):
-        pub.commit_uploaded_patch(
+        pub.publish_uploaded_patch(
             [part], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2), served_format="bf16"
         )
     assert not store.exists(L.version_manifest(2))
@@ -123,7 +123,7 @@ def test_fetch_ahead_downloads_a_folder_once_and_answers_reads_from_it(store: Ob
     assert ahead.watch(folder) is False
     paths = [f"{folder}/{p}" for p, _ in part.objects]
     reader = BoardReader(ahead, "run")
-    BoardWriter(store, "run").commit_uploaded_patch(
+    BoardWriter(store, "run").publish_uploaded_patch(
         [part], base_version=1, target_version=2, base_view_fp=fp(1), target_view_fp=fp(2), served_format="bf16"
     )
     assert ahead.watch(folder) is True

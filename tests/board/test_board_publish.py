@@ -263,11 +263,11 @@ def upload(store: ObstoreStore, version: int, attempt: str, parts: list[bytes]) 
 
 
 def commit(pub: BoardWriter, parts: list[Part], v: int, lineage: str = "a") -> Manifest:
-    return pub.commit_uploaded_patch(parts, **ends(v - 1, v, lineage), meta={"ranks": len(parts)})
+    return pub.publish_uploaded_patch(parts, **ends(v - 1, v, lineage), meta={"ranks": len(parts)})
 
 
 @pytest.mark.parametrize("store_factory", ALL, indirect=True)
-def test_commit_uploaded_patch_publishes_parts_uploaded_by_others(store: ObstoreStore) -> None:
+def test_publish_uploaded_patch_publishes_parts_uploaded_by_others(store: ObstoreStore) -> None:
     private, public = generate_keypair()
     pub = build_run(store, 2, publisher_id="rank-0", signer=Signer.from_pem(private))
     chain_before = pub.cadence.chain_bytes
@@ -285,7 +285,7 @@ def test_commit_uploaded_patch_publishes_parts_uploaded_by_others(store: Obstore
 
 
 @pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
-def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore) -> None:
+def test_publish_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore) -> None:
     a = build_run(store, 2, publisher_id="trainer-a")
     b = BoardWriter(store, "run", publisher_id="trainer-b")
     b.resume()
@@ -304,12 +304,12 @@ def test_commit_uploaded_patch_is_fenced_like_publish_patch(store: ObstoreStore)
         commit(c, upload(store, 3, new_attempt_id(), [patch_bytes(-32)]), 3, lineage="c")
     with pytest.raises(BoardError, match="served format"):
         parts = upload(store, 4, new_attempt_id(), [patch_bytes(-40)])
-        c.commit_uploaded_patch(parts, **ends(3, 4, served_format="fp8"))
+        c.publish_uploaded_patch(parts, **ends(3, 4, served_format="fp8"))
     assert BoardReader(store, "run").head() == 3
 
 
 @pytest.mark.parametrize("store_factory", backend_params("file", "memory", "s3"), indirect=True)
-def test_commit_uploaded_patch_refuses_missing_or_wrong_parts(store: ObstoreStore) -> None:
+def test_publish_uploaded_patch_refuses_missing_or_wrong_parts(store: ObstoreStore) -> None:
     pub = build_run(store, 1, publisher_id="rank-0")
     attempt = new_attempt_id()
     parts = upload(store, 2, attempt, [patch_bytes(20), patch_bytes(21)])

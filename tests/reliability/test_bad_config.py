@@ -22,6 +22,7 @@ from obstore.store import MemoryStore
 from typer.testing import CliRunner
 
 from flipsync.board.ahead import FetchAhead
+from flipsync.board.part_stream import PartStream
 from flipsync.board.throttle import parse_bandwidth
 from flipsync.checkpoint import save_checkpoint
 from flipsync.cli.main import app
@@ -39,7 +40,6 @@ from flipsync.errors import (
 )
 from flipsync.formats import served_view
 from flipsync.stores import ObstoreStore, StoreOptions, open_store
-from flipsync.trainer.upload import PartStream
 
 runner = CliRunner(env={"COLUMNS": "400"})
 

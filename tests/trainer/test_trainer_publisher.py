@@ -169,7 +169,7 @@ def test_a_published_patch_says_where_its_time_went(tmp_path: Path, background: 
         train(model, opt, 1)
         published = pub.flush()
     assert published is not None and published.kind == "patch" and published.changed > 0
-    assert set(published.timings) == {"view", "diff", "code", "commit"}
+    assert set(published.timings) == {"view", "diff", "code", "publish"}
     assert all(0 < v < 60 for v in published.timings.values())
 
 

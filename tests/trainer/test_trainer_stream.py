@@ -25,6 +25,7 @@ from trainer_helpers import (
 
 from flipsync.board import BoardReader, open_store
 from flipsync.board.ahead import FetchAhead
+from flipsync.board.part_stream import PartStream
 from flipsync.codec import Patch, diff_views
 from flipsync.codec.container import OWN_TENSOR_BYTES, PatchFileWriter
 from flipsync.engines.memory import MemoryEngine
@@ -33,7 +34,6 @@ from flipsync.sidecar.replica import Replica as Sidecar
 from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.stores import Store
 from flipsync.trainer import Publisher, PublisherConfig
-from flipsync.trainer.upload import PartStream
 
 
 def random_patch(sizes: list[int], seed: int) -> Patch:

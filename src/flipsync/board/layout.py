@@ -37,6 +37,11 @@ def parse_span_name(name: str) -> tuple[int, int] | None:
     return (a, b) if a < b else None
 
 
+def part_name(index: int) -> str:
+    """The file name of a version's part ``index`` (a rank's part of a sharded version, or the i-th part)."""
+    return f"patch-{index:05d}.safetensors"
+
+
 def new_attempt_id() -> str:
     """A fresh folder name for one publish attempt (unguessable, so racing publishers never collide)."""
     return secrets.token_hex(8)

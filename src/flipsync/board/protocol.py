@@ -19,7 +19,8 @@ Meta = Mapping[str, str | int | float | bool]
 
 
 class ArtifactWriter:
-    """Uploads and commits artifacts (versions, keyframes, spans) of one run as one publisher."""
+    """Uploads and publishes artifacts (versions, keyframes, spans) of one run as one publisher: ``upload`` makes the
+    parts durable, ``publish`` creates the manifest that makes them an artifact."""
 
     def __init__(
         self,
@@ -55,7 +56,7 @@ class ArtifactWriter:
         self.store.make_durable([f"{folder}/{p.path}" for p in parts])
         return parts
 
-    def commit(
+    def publish(
         self,
         folder: str,
         parts: Sequence[Part],

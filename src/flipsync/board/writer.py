@@ -14,6 +14,7 @@ from flipsync.board.cadence import KeyframePolicy, SpanPolicy
 from flipsync.board.cadence_state import CadenceState, CadenceTracker
 from flipsync.board.catalog import Catalog
 from flipsync.board.keyframes import DEFAULT_MAX_SHARD_BYTES, iter_keyframe_files
+from flipsync.board.layout import part_name
 from flipsync.board.protocol import ArtifactWriter, Meta
 from flipsync.board.signing import Signer
 from flipsync.domain.manifest import Kind, Manifest, Part, check_name, utc_now_iso
@@ -112,13 +113,13 @@ class BoardWriter:
             raise self._artifacts.fenced_off(
                 target_version, self._artifacts.read_existing(self.layout.version_manifest(target_version))
             )
-        files = [(f"patch-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
+        files = [(part_name(i), data) for i, data in enumerate(parts)]
         uploaded = self._artifacts.upload(self.layout.version_dir(target_version), files)
-        return self._commit_patch(
+        return self._publish_patch(
             uploaded, (base_version, base_view_fp), target_version, target_view_fp, served_format, meta
         )
 
-    def commit_uploaded_patch(
+    def publish_uploaded_patch(
         self,
         parts: Sequence[Part],
         *,
@@ -139,18 +140,18 @@ class BoardWriter:
         missing = [path for path, _ in objects if f"{folder}/{path}" not in on_board]
         if missing:
             raise NotFoundError(
-                f"cannot commit v{target_version} of run {self.run!r}: {len(missing)} of {len(objects)} part "
+                f"cannot publish v{target_version} of run {self.run!r}: {len(missing)} of {len(objects)} part "
                 f"objects are not on the board ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''} "
-                f"under {self.store.url}/{folder}). Upload every part and make it durable before committing"
+                f"under {self.store.url}/{folder}). Upload every part and make it durable before publishing"
             )
         for path, expected in objects:
             size = on_board[f"{folder}/{path}"]
             if size != expected:
                 raise IntegrityError(
-                    f"cannot commit v{target_version} of run {self.run!r}: part object {path} is {size} bytes on "
+                    f"cannot publish v{target_version} of run {self.run!r}: part object {path} is {size} bytes on "
                     f"the board, not the {expected} bytes reported for it"
                 )
-        return self._commit_patch(
+        return self._publish_patch(
             parts, (base_version, base_view_fp), target_version, target_view_fp, served_format, meta
         )
 
@@ -184,12 +185,12 @@ class BoardWriter:
                 "changing the format needs a snapshot"
             )
 
-    def _commit_patch(
+    def _publish_patch(
         self, parts: Sequence[Part], base: tuple[int, str], version: int, view_fp: str, fmt: str, meta: Meta | None
     ) -> Manifest:
         """Create a checked patch version's manifest; HEAD moves to it, lengthening the chain since the keyframe."""
         meta = {**(meta or {}), "origin": self._cadence.lineage_origin}
-        m = self._artifacts.commit(
+        m = self._artifacts.publish(
             self.layout.version_dir(version), parts, Kind.PATCH, version, base, view_fp, fmt, meta
         )
         self._advance(m)
@@ -216,7 +217,7 @@ class BoardWriter:
                 f"publisher {self.publisher_id} is fenced off: a snapshot must be v{expected} ({where}), not v{version}"
             )
         meta = {**(meta or {}), "origin": version}
-        m = self._commit_keyframe(self.layout.version_dir(version), tensors, version, view_fp, served_format, meta)
+        m = self._publish_keyframe(self.layout.version_dir(version), tensors, version, view_fp, served_format, meta)
         self._advance(m)
         self._cadence.snapshot_published(m)
         return m
@@ -235,7 +236,7 @@ class BoardWriter:
         if vm.kind is Kind.KEYFRAME:
             return vm  # the version is a snapshot: it is its own keyframe
         folder = self.layout.keyframe_dir(version)
-        m = self._commit_keyframe(
+        m = self._publish_keyframe(
             folder, tensors, version, view_fp, served_format, {}, existing=lambda: self.catalog.keyframe(version)
         )
         self._cadence.keyframe_published(m, self._head.version if self._head is not None else m.version)
@@ -262,7 +263,7 @@ class BoardWriter:
                 )
         folder = self.layout.span_dir(base_version, target_version)
         files = [(f"span-{i:05d}.safetensors", data) for i, data in enumerate(parts)]
-        return self._artifacts.commit(
+        return self._artifacts.publish(
             folder,
             self._artifacts.upload(folder, files),
             Kind.SPAN,
@@ -276,7 +277,7 @@ class BoardWriter:
 
     # -- internals ------------------------------------------------------------------------------------
 
-    def _commit_keyframe(
+    def _publish_keyframe(
         self,
         folder: str,
         tensors: Mapping[str, torch.Tensor],
@@ -287,10 +288,11 @@ class BoardWriter:
         *,
         existing: Callable[[], Manifest] | None = None,
     ) -> Manifest:
-        """Upload ``tensors`` as keyframe shards under ``folder`` and commit them (``existing``: see ``commit``)."""
+        """Upload ``tensors`` as keyframe shards under ``folder`` and publish them (``existing``: see
+        ``ArtifactWriter.publish``)."""
         parts = self._artifacts.upload(folder, iter_keyframe_files(tensors, self.max_shard_bytes))
         meta = {**meta, "tensors": len(tensors)}
-        return self._artifacts.commit(
+        return self._artifacts.publish(
             folder, parts, Kind.KEYFRAME, version, None, view_fp, served_format, meta, existing=existing
         )
 

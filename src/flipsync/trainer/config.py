@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 import torch
 
 from flipsync.board.cadence import KeyframePolicy, SpanPolicy
+from flipsync.board.part_stream import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 from flipsync.board.signing import Signer
 from flipsync.errors import ConfigError
 from flipsync.formats.view import FusedGroups
 from flipsync.stores import StoreOptions
 from flipsync.trainer.pieces import KeepFn
 from flipsync.trainer.staging import KeepOn
-from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES, check_chunk_bytes
 
 
 def default_threads() -> int:

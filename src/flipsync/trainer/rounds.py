@@ -18,6 +18,7 @@ import torch
 
 from flipsync.board import BoardWriter
 from flipsync.board.layout import RunLayout, new_attempt_id
+from flipsync.board.part_stream import PartStream, remove_unpublished
 from flipsync.codec import Changes, DiffEngine, Patch, PatchEncoder
 from flipsync.codec.bits import dtype_named, int_view
 from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorId
@@ -29,7 +30,6 @@ from flipsync.trainer.pieces import LocalView, PieceSpec, view_bytes
 from flipsync.trainer.rank_group import RankGroup
 from flipsync.trainer.slot import Item
 from flipsync.trainer.spans import SpanMaker
-from flipsync.trainer.upload import PartStream, remove_unpublished
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Published:
     changed: int  # values this rank's part changes
     # Seconds this rank spent on the version, by phase: "view" (served view, off the training thread), then
     # for patches "diff" (diff, fingerprints, digests), "code" (waiting for the coded sections, assembling the
-    # part) and "commit" (upload, the collectives, the manifest).
+    # part) and "publish" (upload, the collectives, the manifest).
     timings: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -267,8 +267,8 @@ class VersionRounds:
         steps = item.step - self.base_step
         meta = {**self.meta, **item.meta, "step": item.step, "steps": steps, "ranks": self.group.size}
         t2 = time.perf_counter()
-        result, spans_input, part_bytes = self._commit(stream, encoder, patch, version, target_fp, meta)
-        timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "commit": time.perf_counter() - t2}
+        result, spans_input, part_bytes = self._publish(stream, encoder, patch, version, target_fp, meta)
+        timings = {"view": item.view_s, "diff": t1 - t0, "code": t2 - t1, "publish": time.perf_counter() - t2}
         published = Published(version, item.step, steps, "patch", part_bytes, changed, timings)
         published = self._finish(result, item, target_table, self.specs, published)
         if self.spans is not None:
@@ -308,7 +308,7 @@ class VersionRounds:
             return "conflict", str(e)
         return "fatal", f"{type(e).__name__}: {e}"
 
-    def _commit(
+    def _publish(
         self,
         stream: PartStream,
         encoder: PatchEncoder,
@@ -317,7 +317,7 @@ class VersionRounds:
         target_fp: str,
         meta: dict[str, Any],
     ) -> tuple[tuple[str, Any], list[Patch], int]:
-        """Finish uploading this rank's part; rank 0 commits the version once every rank reported.
+        """Finish uploading this rank's part; rank 0 publishes the version once every rank reported.
         (result, the parts for spans on rank 0, this rank's part size)."""
         info, data = None, None
         err: tuple[str, bool] | None = None  # (what failed, whether the store refused it for good)
@@ -350,7 +350,7 @@ class VersionRounds:
                 result = ("store", f"v{version} was not published: uploading parts failed ({texts})")
             else:
                 try:
-                    self.board.commit_uploaded_patch(
+                    self.board.publish_uploaded_patch(
                         parts,
                         base_version=version - 1,
                         target_version=version,

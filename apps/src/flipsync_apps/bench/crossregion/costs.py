@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flipsync.board.part_stream import DEFAULT_CHUNK_BYTES
 from flipsync.board.throttle import parse_bandwidth
-from flipsync.trainer.upload import DEFAULT_CHUNK_BYTES
 
 TARGET_BYTES = 500e9  # the extrapolation: a 500 GB served view
 # The parallel model's assumptions: the trainer's view is diffed by this many shards at once (e.g. 8 nodes

@@ -1,5 +1,5 @@
 """One rank's half of publishing a version: stream its part to the attempt folder in chunks while it is still
-being coded, header last, and report the part's manifest entry for rank 0 to commit.
+being coded, header last, and report the part's manifest entry for rank 0 to publish.
 See docs/trainer.md ("Sharded training") and docs/board.md ("Layout").
 """
 
@@ -11,6 +11,7 @@ from concurrent.futures import Executor, Future, wait
 
 import blake3
 
+from flipsync.board.layout import part_name
 from flipsync.domain.manifest import Chunk, Part
 from flipsync.errors import ConfigError, FlipsyncError, PermanentStoreError
 from flipsync.stores import Store
@@ -44,7 +45,7 @@ class PartStream:
         check_chunk_bytes(chunk_bytes)
         self.store = store
         self.version_dir = version_dir
-        self.name = f"{attempt}/patch-{rank:05d}.safetensors"
+        self.name = f"{attempt}/{part_name(rank)}"
         self.chunk_bytes = chunk_bytes
         self._uploader = uploader
         self._pending: list[bytes | memoryview] = []
