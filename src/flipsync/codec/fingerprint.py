@@ -150,6 +150,12 @@ class FingerprintTable(dict[str, TensorId]):
                 {name: TensorId(dtype_of(t).name, tuple(t.shape), h.fingerprint(t)) for name, t in tensors.items()}
             )
 
+    @classmethod
+    def of_sums(cls, layout: Mapping[str, tuple[str, tuple[int, ...]]], sums: Mapping[str, int]) -> FingerprintTable:
+        """The table of a view whose tensors (``layout``: name -> dtype name, shape) were fingerprinted in pieces:
+        a tensor's fingerprint is the sum of its pieces' (``Hasher.fingerprint`` with their offsets), ``sums``."""
+        return cls({n: TensorId(dtype, shape, sums.get(n, 0) & MASK64) for n, (dtype, shape) in layout.items()})
+
     def view_fp(self) -> str:
         """The view fingerprint: xxh3-128 over the sorted (name, dtype, shape, fingerprint) lines."""
         h = xxhash.xxh3_128()

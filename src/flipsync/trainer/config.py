@@ -36,23 +36,23 @@ class PublisherConfig:
     change it. The defaults suit one process or torchrun ranks publishing to an object store."""
 
     # The served view: `flipsync.formats.served_view`'s options.
-    fused_groups: FusedGroups = "auto"
-    from_fp32: bool = False
-    keep: KeepFn | None = None
-    dtypes: Mapping[str, torch.dtype] | None = None
+    fused_groups: FusedGroups = "auto"  # tensors that share one fp8 / nvfp4 scale ("auto": q/k/v and gate/up)
+    from_fp32: bool = False  # quantize from the FP32 master (True) or from bf16(master), as engines load it
+    keep: KeepFn | None = None  # which tensors the format quantizes (None: the matrices); the others stay plain
+    dtypes: Mapping[str, torch.dtype] | None = None  # per-tensor served dtype where it differs from the format's
     # The background threads, and where the previous view is kept.
-    background: bool = True
+    background: bool = True  # publish on a thread of its own (False: inside the optimizer step)
     squash: bool = True  # False: every step is published, the training step waiting (`MultiFormatPublisher`)
-    keep_on: KeepOn = "host"
-    nice: int = 19
-    threads: int | None = None
+    keep_on: KeepOn = "host"  # where the previous view lives between steps: "host" memory or the "device"
+    nice: int = 19  # the publishing threads' niceness: training keeps the cores it needs
+    threads: int | None = None  # diff, hash and code pool threads (None: half of this rank's share of the cores)
     # The board: the manifests' name and signer, the cadence, the upload.
-    publisher_id: str | None = None
-    signer: Signer | None = None
-    keyframe_policy: KeyframePolicy | None = None
-    span_policy: SpanPolicy | None = None
-    spans: bool = True
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    publisher_id: str | None = None  # the manifests' publisher (None: host and process id)
+    signer: Signer | None = None  # Ed25519 key that signs every manifest (None: unsigned)
+    keyframe_policy: KeyframePolicy | None = None  # when a full keyframe is also published (None: the default)
+    span_policy: SpanPolicy | None = None  # which squashed spans are published for catch-up (None: the default)
+    spans: bool = True  # publish squashed spans at all
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES  # a part is uploaded in chunks of this size while it is coded
     # Code changed positions against the previous view (the codec's ``ctx`` coder) where a rank holds the whole
     # tensor on the host; the manifests record it, so a replica that cannot hold the base refuses the run at boot.
     context: bool = True

@@ -21,7 +21,7 @@ from flipsync.board.layout import RunLayout, new_attempt_id
 from flipsync.board.part_stream import PartStream, remove_unpublished
 from flipsync.codec import Changes, DiffEngine, Patch, PatchEncoder
 from flipsync.codec.bits import dtype_named, int_view
-from flipsync.codec.fingerprint import MASK64, FingerprintTable, Hasher, TensorId
+from flipsync.codec.fingerprint import FingerprintTable, Hasher
 from flipsync.domain.headers import ViewRef
 from flipsync.errors import BoardError, ConfigError, ConflictError, FlipsyncError, PermanentStoreError, StoreError
 from flipsync.stores import Store
@@ -67,8 +67,7 @@ def merge_deltas(deltas: list[dict[str, int]]) -> dict[str, int]:
 
 def table_of_pieces(layout: Mapping[str, PieceSpec], partials: list[dict[str, int]]) -> FingerprintTable:
     """The view's fingerprint table from every rank's piece fingerprints (summed per tensor)."""
-    fps = merge_deltas(partials)
-    return FingerprintTable({n: TensorId(s.dtype, s.shape, fps.get(n, 0) & MASK64) for n, s in layout.items()})
+    return FingerprintTable.of_sums({n: (s.dtype, s.shape) for n, s in layout.items()}, merge_deltas(partials))
 
 
 def check_tiling(specs: list[Mapping[str, PieceSpec]]) -> dict[str, PieceSpec]:
