@@ -21,9 +21,11 @@ class MissingExtraError(ConfigError, ImportError):
 
 def require_extra(feature: str, extra: str, *modules: str) -> None:
     """Raise `MissingExtraError` unless every module of ``modules`` can be imported (found, not imported)."""
+    import sys
     from importlib.util import find_spec
 
-    missing = [m for m in modules if find_spec(m) is None]
+    # A module already imported counts (find_spec refuses one whose __spec__ is unset, a stand-in for one).
+    missing = [m for m in modules if m not in sys.modules and find_spec(m) is None]
     if missing:
         raise MissingExtraError(feature, extra, " and ".join(missing))
 

@@ -136,6 +136,9 @@ class Load:
         head = self.trainer.version
         a = Answer(kind, time.monotonic(), 0.0, head)
         extra: dict[str, Any] = {"seed": rng.randrange(1 << 30), "temperature": 1.0}
+        # Distinct prompts, as rollouts have: the gateway keeps one prompt on one replica (affinity), so a fixed
+        # prompt would never reach a replica that joins later.
+        word = f"w{rng.randrange(1 << 20)}"
         if kind == "min":
             a.min_version = max(0, head - 1)
             extra["weight_version"] = {"min_version": a.min_version}
@@ -146,7 +149,7 @@ class Load:
             if kind == "stream":
                 raw = await self.client.chat.completions.with_raw_response.create(
                     model="flipsync-torch",
-                    messages=[{"role": "user", "content": "hi"}],
+                    messages=[{"role": "user", "content": f"hi {word}"}],
                     max_tokens=6,
                     stream=True,
                     extra_body=extra,
@@ -162,7 +165,9 @@ class Load:
             else:
                 create = self.client.chat.completions if kind == "chat" else self.client.completions
                 args: dict[str, Any] = (
-                    {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hello"}
+                    {"messages": [{"role": "user", "content": f"hi {word}"}]}
+                    if kind == "chat"
+                    else {"prompt": f"hello {word}"}
                 )
                 raw = await create.with_raw_response.create(
                     model="flipsync-torch", max_tokens=6, extra_body=extra, **args

@@ -22,7 +22,7 @@ casts in one pass, scales diffed after), and `served_view` followed by ``np.flat
 Then the whole publication: two inline publishers (``background=False``, no spans, no keyframes) serve the
 same masters as bf16 to one in-memory board, one with the one-pass cast and one without (``feed.fuse``),
 stepping in turns after every Adam step; the table gives each phase of `Published.timings` (view, diff, code,
-commit) per served byte, median over the steps.
+publish) per served byte, median over the steps.
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def measure_quantized(
     return FusedRow(fmt, threads, served, 100 * counts["fused"] / values, *ns)
 
 
-PHASES = ("view", "diff", "code", "commit")
+PHASES = ("view", "diff", "code", "publish")
 
 
 def publish_phases(masters: dict[str, torch.Tensor], steps: int, threads: int) -> dict[str, dict[str, float]]:
