@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
 from flipsync.cli.terminal import StoreOpt, command_app, command_error
-from flipsync.errors import ConfigError, FlipsyncError
+from flipsync.errors import FlipsyncError
 from flipsync.sidecar.gate import CommitMode
-
-if TYPE_CHECKING:
-    from flipsync.engines.base import Engine
-    from flipsync.engines.torch.openai_server import TorchEngineHandle
 
 # Everything heavy (torch, transformers, uvicorn, the board) is imported inside the commands, so that
 # mounting them keeps ``flipsync --help`` and the other commands fast.
@@ -143,172 +139,56 @@ def sidecar(
     ] = None,
 ) -> None:
     """Follow a board and keep one engine at its HEAD, behind a version-aware OpenAI-compatible proxy."""
-    from flipsync.engines.registry import EngineOptions, check_kind, load_engine
-    from flipsync.serving import parse_listen, parse_pairs
+    from flipsync.auth import ApiKeys
+    from flipsync.serving import parse_pairs
+    from flipsync.sidecar.settings import SidecarSettings
 
-    # The arguments first: a typo is answered in milliseconds, before torch and the engines are imported.
+    # The settings first: a typo is answered in milliseconds, before the board and the engine are reached.
     try:
-        host, port = parse_listen(listen)
-        check_kind(engine)
-        if engine == "torch":
-            ehost, eport = parse_listen(engine_listen)
-        elif not upstream:
-            raise ConfigError(f"--upstream URL is required for the {engine} engine (its OpenAI server)")
-        store_config = parse_pairs(store_option, "store option")
-        engine_config = parse_pairs(engine_option, "engine option")
-        if wait_timeout is not None and not wait_timeout >= 0:
-            raise ConfigError(f"--wait-timeout must be a number of seconds >= 0, not {wait_timeout}")
-        if not fetch_ahead >= 0:
-            raise ConfigError(f"--fetch-ahead must be a number of seconds >= 0 (0: off), not {fetch_ahead}")
-        if mirror_wait is not None and not mirror_wait >= 0:
-            raise ConfigError(f"--mirror-wait must be a number of seconds >= 0, not {mirror_wait}")
-        origin_config = parse_pairs(origin_option, "origin option")
-        from flipsync.auth import ApiKeys  # light: no torch
-
-        api_keys = ApiKeys.load(api_keys_file)
-        if not exit_timeout >= 0:
-            raise ConfigError(f"--exit-timeout must be a number of seconds >= 0, not {exit_timeout}")
-        if model_name is not None:
-            from flipsync.domain.fleet import check_model  # pure: no torch yet
-
-            check_model(model_name)
-        if public_url is not None:
-            from flipsync.domain.fleet import check_url  # pure: no torch yet
-
-            check_url(public_url)
-            if not 0 < heartbeat < member_ttl:
-                raise ConfigError(
-                    f"--heartbeat ({heartbeat:g} s) must be positive and below --member-ttl ({member_ttl:g} s)"
-                )
-        elif replica_id is not None or member_key is not None or fleet_board is not None:
-            raise ConfigError("--replica-id, --member-key and --fleet-board need --public-url (joining the fleet)")
-    except FlipsyncError as e:
-        raise command_error(e) from None
-
-    from flipsync.board.ahead import FetchAhead
-    from flipsync.board.reader import BoardReader
-    from flipsync.board.signing import Verifier
-    from flipsync.formats import get_format
-    from flipsync.serving import exit_on_signals, serve_until_signal
-    from flipsync.sidecar.proxy import ProxyConfig
-    from flipsync.sidecar.replica import ReplicaConfig
-    from flipsync.sidecar.service import (
-        Sidecar,
-        board_format,
-        check_decodable,
-        check_format,
-        find_run,
-        no_version_yet,
-        wait_for_format,
-    )
-    from flipsync.stores import StoreOptions, is_relay_url, open_store
-
-    torch_handle: TorchEngineHandle | None = None  # the in-process torch engine's server, when --engine torch
-    service: Sidecar | None = None
-    store = None
-    try:
-        if public_url is not None and fleet_board is None and is_relay_url(board):
-            raise ConfigError(
-                "--board is a relay, which is read-only: pass --fleet-board with the board itself (where the "
-                "gateways read member records)"
-            )
-        if served_format is not None:
-            get_format(served_format)  # an unknown name is refused before waiting for the board
-        verifier = Verifier.from_pem(*public_key) if public_key else None
-        store = open_store(board, StoreOptions(config=store_config))
-        if origin is not None or mirror_wait is not None:
-            from flipsync.board.mirror import MirrorPolicy, MirrorStore
-
-            origin_store = open_store(origin, StoreOptions(config=origin_config)) if origin is not None else None
-            store = MirrorStore(store, origin_store, MirrorPolicy(wait_s=30.0 if mirror_wait is None else mirror_wait))
-        if fetch_ahead > 0:
-            store = FetchAhead(store, interval_s=fetch_ahead)
-        run_name = run or find_run(store)
-        replica_config = ReplicaConfig(
+        settings = SidecarSettings(
+            board=board,
+            run=run,
+            store_options=parse_pairs(store_option, "store option"),
+            public_keys=tuple(public_key or ()),
+            poll_s=poll,
+            fetch_ahead_s=fetch_ahead,
+            wait_timeout_s=wait_timeout,
+            origin=origin,
+            origin_options=parse_pairs(origin_option, "origin option"),
+            mirror_wait_s=mirror_wait,
+            engine=engine,
+            upstream=upstream,
+            engine_options=parse_pairs(engine_option, "engine option"),
+            served_format=served_format,
+            model=model,
+            model_name=model_name,
+            device=device,
+            engine_listen=engine_listen,
+            threads=threads,
+            max_concurrency=max_concurrency,
             commit_mode=commit_mode,
-            poll_interval_s=poll,
             max_backoff_s=max_backoff,
             drain_timeout_s=drain_timeout,
             adopt_search=adopt_search,
+            listen=listen,
+            api_keys=ApiKeys.load(api_keys_file),
+            exit_timeout_s=exit_timeout,
+            public_url=public_url,
+            replica_id=replica_id,
+            island=island,
+            heartbeat_s=heartbeat,
+            member_ttl_s=member_ttl,
+            member_key=member_key,
+            fleet_board=fleet_board,
         )
-        fmt = served_format
-        if engine == "torch" or served_format is not None:
-            # The torch engine is built in the board's format, and a --format is checked against it: both need
-            # a version, so a run the trainer has not published yet is waited for (no guessing a format).
-            reader = BoardReader(store, run_name, verifier=verifier)
-            with exit_on_signals():
-                board_fmt = wait_for_format(reader, poll_s=poll, timeout_s=wait_timeout)
-            fmt = check_format(served_format, board_fmt, run_name)
-        elif board_format(BoardReader(store, run_name, verifier=verifier)) is None:
-            log.warning("%s; the sidecar waits for it", no_version_yet(store, run_name))
-        if engine == "torch":
-            from flipsync.engines.torch.openai_server import start_torch_engine  # the torch-engine extra
-
-            if threads:
-                import torch
-
-                torch.set_num_threads(threads)
-            assert fmt is not None
-            # The name the engine answers with ("model", /v1/models) is the member record's: one name, one behaviour.
-            torch_handle = start_torch_engine(
-                model,
-                fmt,
-                device=device,
-                host=ehost,
-                port=eport,
-                max_concurrency=max_concurrency,
-                **({"model_name": model_name} if model_name is not None else {}),
-            )
-            the_engine: Engine = torch_handle.engine
-            upstream_url = torch_handle.url
-        else:
-            assert upstream is not None
-            the_engine = load_engine(engine, EngineOptions(upstream, fmt, device, engine_config))
-            upstream_url = upstream
-        check_decodable(BoardReader(store, run_name, verifier=verifier), the_engine)
-        service = Sidecar(
-            store,
-            run_name,
-            the_engine,
-            upstream_url,
-            verifier=verifier,
-            replica_config=replica_config,
-            proxy_config=ProxyConfig(upstream_url, retry_after_s=max(1, round(poll)), api_keys=api_keys),
-        )
-        service.replica.start()
-        if public_url is not None:
-            from flipsync.board.signing import Signer
-            from flipsync.sidecar.heartbeat import MembershipConfig
-
-            membership = MembershipConfig(
-                public_url=public_url,
-                replica_id=replica_id,
-                island=island,
-                model=model_name,
-                interval_s=heartbeat,
-                ttl_s=member_ttl,
-            )
-            signer = Signer.from_pem(member_key) if member_key is not None else None
-            member_store = store
-            if fleet_board is not None:
-                member_store = open_store(fleet_board, StoreOptions(config=store_config))
-            service.join(membership, store=member_store, signer=signer)
-        typer.echo(f"flipsync sidecar: run {run_name!r} on {store.url}, {engine} engine, proxy on {host}:{port}")
-        the_service = service
-        # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly; the first one drains.
-        serve_until_signal(service.app, host, port, before_exit=lambda: the_service.drain(exit_timeout))
     except FlipsyncError as e:
         raise command_error(e) from None
-    finally:
-        if service is not None:
-            if service.heartbeat is not None:  # not drained (an error): leave the fleet all the same
-                service.heartbeat.stop(deregister=True)
-            service.replica.stop()
-            service.replica.engine.close()
-        if torch_handle is not None:
-            torch_handle.stop()
-        if store is not None:
-            store.close()
+    from flipsync.sidecar.service import run_sidecar
+
+    try:
+        run_sidecar(settings, started=lambda line: typer.echo(f"flipsync sidecar: {line}"))
+    except FlipsyncError as e:
+        raise command_error(e) from None
 
 
 if __name__ == "__main__":

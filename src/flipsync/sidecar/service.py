@@ -1,10 +1,12 @@
 """Assembly of one sidecar (`Sidecar`: board reader, engine, reconcile loop, request gate, metrics, proxy, and
-its member record once it joins a fleet)."""
+its member record once it joins a fleet), and `run_sidecar`, one sidecar process from its `SidecarSettings`."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -23,6 +25,10 @@ from flipsync.sidecar.metrics import SidecarMetrics
 from flipsync.sidecar.proxy import ProxyConfig, create_proxy_app
 from flipsync.sidecar.replica import Replica, ReplicaConfig
 from flipsync.stores import Store
+
+if TYPE_CHECKING:
+    from flipsync.engines.torch.openai_server import TorchEngineHandle
+    from flipsync.sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
 
@@ -190,3 +196,107 @@ class Sidecar:
             self.server.stop()
             self.server = None
         self.replica.stop()
+
+
+def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | None = None) -> None:
+    """Run one sidecar until SIGINT / SIGTERM (the first drains): open the board, start or reach the engine,
+    follow the board, serve the proxy on the main thread, join the fleet when ``settings.public_url`` is set.
+    ``started`` is told one line once the proxy is about to serve. Raises FlipsyncError on a setting that
+    cannot be used (a relay as the fleet's board, an unknown format, a run with no version in time, ...)."""
+    from flipsync.board.ahead import FetchAhead
+    from flipsync.engines.registry import EngineOptions, load_engine
+    from flipsync.serving import exit_on_signals, parse_listen, serve_until_signal
+    from flipsync.stores import StoreOptions, is_relay_url, open_store
+
+    s = settings
+    if s.public_url is not None and s.fleet_board is None and is_relay_url(s.board):
+        raise ConfigError(
+            "--board is a relay, which is read-only: pass --fleet-board with the board itself (where the "
+            "gateways read member records)"
+        )
+    if s.served_format is not None:
+        get_format(s.served_format)  # an unknown name is refused before waiting for the board
+    torch_handle: TorchEngineHandle | None = None  # the in-process torch engine's server, when engine="torch"
+    service: Sidecar | None = None
+    store: Store | None = None
+    try:
+        verifier = Verifier.from_pem(*s.public_keys) if s.public_keys else None
+        store = open_store(s.board, StoreOptions(config=dict(s.store_options)))
+        if s.origin is not None or s.mirror_wait_s is not None:
+            from flipsync.board.mirror import MirrorPolicy, MirrorStore
+
+            origin = open_store(s.origin, StoreOptions(config=dict(s.origin_options))) if s.origin else None
+            wait_s = 30.0 if s.mirror_wait_s is None else s.mirror_wait_s
+            store = MirrorStore(store, origin, MirrorPolicy(wait_s=wait_s))
+        if s.fetch_ahead_s > 0:
+            store = FetchAhead(store, interval_s=s.fetch_ahead_s)
+        run = s.run or find_run(store)
+        fmt = s.served_format
+        if s.engine == "torch" or s.served_format is not None:
+            # The torch engine is built in the board's format, and a format is checked against it: both need a
+            # version, so a run the trainer has not published yet is waited for (no guessing a format).
+            with exit_on_signals():
+                board_fmt = wait_for_format(
+                    BoardReader(store, run, verifier=verifier), poll_s=s.poll_s, timeout_s=s.wait_timeout_s
+                )
+            fmt = check_format(s.served_format, board_fmt, run)
+        elif board_format(BoardReader(store, run, verifier=verifier)) is None:
+            log.warning("%s; the sidecar waits for it", no_version_yet(store, run))
+        if s.engine == "torch":
+            from flipsync.engines.torch.openai_server import start_torch_engine  # the torch-engine extra
+
+            if s.threads:
+                import torch
+
+                torch.set_num_threads(s.threads)
+            assert fmt is not None
+            ehost, eport = parse_listen(s.engine_listen)
+            # The name the engine answers with ("model", /v1/models) is the member record's: one name, one behaviour.
+            torch_handle = start_torch_engine(
+                s.model,
+                fmt,
+                device=s.device,
+                host=ehost,
+                port=eport,
+                max_concurrency=s.max_concurrency,
+                **({"model_name": s.model_name} if s.model_name is not None else {}),
+            )
+            engine: Engine = torch_handle.engine
+            upstream_url = torch_handle.url
+        else:
+            assert s.upstream is not None
+            engine = load_engine(s.engine, EngineOptions(s.upstream, fmt, s.device, dict(s.engine_options)))
+            upstream_url = s.upstream
+        check_decodable(BoardReader(store, run, verifier=verifier), engine)
+        service = Sidecar(
+            store,
+            run,
+            engine,
+            upstream_url,
+            verifier=verifier,
+            replica_config=s.replica_config(),
+            proxy_config=s.proxy_config(upstream_url),
+        )
+        service.replica.start()
+        if (membership := s.membership()) is not None:
+            signer = Signer.from_pem(s.member_key) if s.member_key is not None else None
+            member_store = store
+            if s.fleet_board is not None:
+                member_store = open_store(s.fleet_board, StoreOptions(config=dict(s.store_options)))
+            service.join(membership, store=member_store, signer=signer)
+        host, port = parse_listen(s.listen)
+        if started is not None:
+            started(f"run {run!r} on {store.url}, {s.engine} engine, proxy on {host}:{port}")
+        the_service = service
+        # The proxy runs on the main thread so that SIGINT / SIGTERM stop it cleanly; the first one drains.
+        serve_until_signal(service.app, host, port, before_exit=lambda: the_service.drain(s.exit_timeout_s))
+    finally:
+        if service is not None:
+            if service.heartbeat is not None:  # not drained (an error): leave the fleet all the same
+                service.heartbeat.stop(deregister=True)
+            service.replica.stop()
+            service.replica.engine.close()
+        if torch_handle is not None:
+            torch_handle.stop()
+        if store is not None:
+            store.close()
