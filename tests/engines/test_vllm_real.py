@@ -55,7 +55,7 @@ def run_check(tmp_path: Path, *args: str, timeout: int) -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: a worker interleaves other modules' tests with these
 def offline(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """Every offline check, run once: the dense run (``main``) and each case's result (``cases``)."""
     return run_check(tmp_path_factory.mktemp("vllm-offline"), "--all", *sorted(CASES), timeout=1800)

@@ -121,7 +121,7 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
         "QUICK",
         trainer.Setup(hidden=32, intermediate=64, layers=1, vocab=128, seq=16, batch=2, rounds=2, block=2),
     )
-    monkeypatch.setattr(gateway, "QUICK", gateway.Setup(pairs=4, warmup=1, replicas=12))
+    monkeypatch.setattr(gateway, "QUICK", gateway.Setup(pairs=4, warmup=1, replicas=12, rate_seconds=0.2, streams=50))
 
 
 def test_bench_all_quick_writes_the_document(tiny: None, tmp_path: Path) -> None:

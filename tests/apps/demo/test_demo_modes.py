@@ -18,7 +18,8 @@ def test_a_short_run_in_each_mode(tmp_path: Path, mode: str) -> None:
     report = run_short_demo(tmp_path, islands=1, rollout=mode, max_staleness=None)
     assert all(report.bitwise_equal.values())
     r = report.summary["rollout"]
-    assert r["mode"] == mode and r["dropped_total"] == 0 and r["generated"] >= 9 * 3
+    assert r["mode"] == mode and r["generated"] >= 9 * 3
+    assert r["dropped_total"] == 0, (r["dropped"], report.rollout_errors)
     assert r["tokens_per_s"] > 0 and all(v >= 0 for v in r["idle_s"].values())
     assert set(r["idle_s"]) == {"island-0", "full-ckpt"}
     for rec in report.steps:

@@ -114,6 +114,7 @@ class DemoReport:
     wall_s: float
     fleet: dict[str, Any] = field(default_factory=dict)  # the gateway's view: joins, leaves, readiness
     failed_rollouts: int = 0  # rollout requests that ended in an error (not a 409/503 retried)
+    rollout_errors: list[str] = field(default_factory=list)  # what the first of them (and unreadable answers) said
 
     def to_json(self) -> dict[str, Any]:
         doc = asdict(self)

@@ -503,6 +503,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             wall_s=time.monotonic() - t_start,
             fleet={**director.report(), "catch_up": list(monitor.following.events)} if director is not None else {},
             failed_rollouts=len(pool_errors),
+            rollout_errors=pool_errors[:20],
         )
     finally:
         if pool is not None:
