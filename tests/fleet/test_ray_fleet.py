@@ -75,7 +75,7 @@ def spec(board: str, region: str) -> ReplicaSpec:
     )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not per module: a worker interleaves other modules between these tests
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayFleet]:
     board = str(tmp_path_factory.mktemp("ray") / "board")
     store = open_store(board, FAST)
