@@ -41,8 +41,9 @@ def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 # -- engines' environments that .ci/run installs in the background -----------------------------------------------
 # FLIPSYNC_PENDING_VENVS is "VAR=MARKER,...": VAR (FLIPSYNC_VLLM_PYTHON, ...) already names the Python of a venv
-# still being installed, and MARKER gets "ok" or why the install failed. The tests of a module that names VAR run
-# last and each waits for its marker first, so the unit tests run while the installs go on.
+# still being installed, and MARKER gets "ok" or why the install failed. The tests of a module that names VAR wait
+# for its marker first; they are placed after the first third of the others, which run while the installs go on
+# (the installs take about that long), so that the engines' long tests do not all come at the end.
 VENV_WAIT_S = 1800.0
 
 
@@ -70,7 +71,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if not pending:
         return
     cache: dict[str, set[str]] = {}
-    items.sort(key=lambda it: bool(_venvs_named(it, pending, cache)))  # stable: the order within each part stays
+    waiting = [it for it in items if _venvs_named(it, pending, cache)]
+    others = [it for it in items if not _venvs_named(it, pending, cache)]
+    head = len(others) // 3
+    items[:] = others[:head] + waiting + others[head:]  # the order within each part stays
     config.stash[_NAMED] = cache
 
 
