@@ -40,10 +40,11 @@ def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 # -- engines' environments that .ci/run installs in the background -----------------------------------------------
-# FLIPSYNC_PENDING_VENVS is "VAR=MARKER,...": VAR (FLIPSYNC_VLLM_PYTHON, ...) already names the Python of a venv
-# still being installed, and MARKER gets "ok" or why the install failed. The tests of a module that names VAR wait
-# for its marker first; they are placed after the first third of the others, which run while the installs go on
-# (the installs take about that long), so that the engines' long tests do not all come at the end.
+# FLIPSYNC_PENDING_VENVS is "VAR=MARKER,...", in the order .ci/run installs them: VAR (FLIPSYNC_VLLM_PYTHON, ...)
+# already names the Python of a venv still being installed, and MARKER gets "ok" or why the install failed. A test
+# that needs VAR (it carries a skipif whose reason names VAR) waits for its marker first. The k-th environment's
+# tests are placed k+1 parts of n+1 into the others, which run while the installs go on (each install takes about
+# that long), so that no worker waits long and the engines' long tests do not all come at the end.
 VENV_WAIT_S = 1800.0
 
 
@@ -55,38 +56,32 @@ def _pending_venvs() -> dict[str, Path]:
     return out
 
 
-def _venvs_named(item: pytest.Item, pending: dict[str, Path], cache: dict[str, set[str]]) -> set[str]:
-    path = str(item.path)
-    if path not in cache:
-        try:
-            text = item.path.read_text()
-        except OSError:
-            text = ""
-        cache[path] = {var for var in pending if var in text}
-    return cache[path]
+def _venvs_named(item: pytest.Item, pending: dict[str, Path]) -> list[str]:
+    """The pending environments ``item`` needs, from the reasons of its skip markers."""
+    reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+    return [var for var in pending if var in reasons]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     pending = _pending_venvs()
     if not pending:
         return
-    cache: dict[str, set[str]] = {}
-    waiting = [it for it in items if _venvs_named(it, pending, cache)]
-    others = [it for it in items if not _venvs_named(it, pending, cache)]
-    head = len(others) // 3
-    items[:] = others[:head] + waiting + others[head:]  # the order within each part stays
-    config.stash[_NAMED] = cache
-
-
-_NAMED = pytest.StashKey[dict[str, set[str]]]()
+    needs = {id(it): _venvs_named(it, pending) for it in items}
+    others = [it for it in items if not needs[id(it)]]
+    order: list[pytest.Item] = []
+    at = 0
+    for k, var in enumerate(pending):  # the order within each part stays
+        cut = len(others) * (k + 1) // (len(pending) + 1)
+        order += others[at:cut] + [it for it in items if needs[id(it)] and needs[id(it)][-1] == var]
+        at = cut
+    items[:] = order + others[at:]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     pending = _pending_venvs()
     if not pending:
         return
-    cache = item.config.stash.get(_NAMED, {})
-    for var in sorted(_venvs_named(item, pending, cache)):
+    for var in _venvs_named(item, pending):
         marker = pending[var]
         deadline = time.monotonic() + VENV_WAIT_S
         while not (marker.exists() and marker.read_text().strip()):  # written whole once the install ended

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,3 +32,55 @@ def run_short_demo(out: Path, **over: Any) -> DemoReport:
     }
     cfg = DemoConfig(**{**defaults, **over})
     return run_demo(cfg, Console(width=200, record=True))
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """Every live process of this machine: pid -> (parent pid, command line)."""
+    out: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":  # a zombie has exited; only its parent's wait is due
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        out[int(entry)] = (int(fields[1]), cmd)
+    return out
+
+
+def descendants() -> set[int]:
+    """The live processes this one started, at any depth."""
+    procs = _processes()
+    found: set[int] = set()
+    frontier = {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, (ppid, _) in procs.items() if ppid in frontier} - found
+        found |= frontier
+    return found
+
+
+# multiprocessing's own helper of this process (it lives as long as this process does), not something a run started
+_MP_HELPERS = re.compile(r"multiprocessing\.(resource_tracker|forkserver) import main")
+
+
+def left_behind(run_dir: Path, before: set[int], timeout_s: float = 30.0) -> list[str]:
+    """What a finished run left running: processes whose command line names its folder (a vLLM server is
+    re-parented away once its island dies) and processes this one started since ``before`` (its islands,
+    gateway and their children). Waits up to ``timeout_s`` for what is still exiting."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = _processes()
+        mine = descendants() - before
+        left = [
+            f"{pid}: {cmd[:200]}"
+            for pid, (_, cmd) in procs.items()
+            if (str(run_dir) in cmd or pid in mine) and pid != os.getpid() and not _MP_HELPERS.search(cmd)
+        ]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)

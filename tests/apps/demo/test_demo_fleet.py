@@ -11,13 +11,15 @@ from pathlib import Path
 
 from flipsync_apps.demo.fleet import fleet_lines
 from flipsync_apps.demo.outputs import write_outputs
-from tests.apps.demo.demo_helpers import run_short_demo
+from tests.apps.demo.demo_helpers import descendants, left_behind, run_short_demo
 
 
 def test_demo_through_the_gateway_with_a_join_and_a_kill(tmp_path: Path) -> None:
+    before = descendants()
     report = run_short_demo(
         tmp_path, islands=2, steps=8, fleet=True, join_step=1, kill_step=4, control=False, max_staleness=1
     )
+    assert not left_behind(tmp_path, before)  # the islands, the killed one's engine included, and the gateway
     fleet = report.fleet
     assert report.failed_rollouts == 0
     events = {(e["kind"], e["island"]): e for e in fleet["events"]}

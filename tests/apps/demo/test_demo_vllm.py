@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flipsync_apps.demo.records import CONTROL
-from tests.apps.demo.demo_helpers import run_short_demo
+from tests.apps.demo.demo_helpers import descendants, left_behind, run_short_demo
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("FLIPSYNC_VLLM_PYTHON"),
@@ -22,7 +22,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def test_demo_on_vllm_islands(tmp_path: Path) -> None:
+    before = descendants()
     report = run_short_demo(tmp_path, engine="vllm", islands=1)
+    assert not left_behind(tmp_path, before)  # vLLM's server, its engine core and its workers included
     # vLLM's weights stay in its workers: equality is of the fingerprints recomputed from them
     assert report.bitwise_equal == {"island-0": True}
     final = report.versions[-1].version
