@@ -9,6 +9,7 @@ a broken update path (a fault run after reprocessing), and FP32 norms fed from B
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import fake_vllm
 import pytest
@@ -475,8 +476,8 @@ def test_fault_5_the_sidecar_compares_the_read_back_digest_with_the_target() -> 
     core = pairs[0][1]
     real = core.apply
 
-    def lying(token: str, writes: list[list[str]]) -> dict:
-        out = real(token, writes)
+    def lying(token: str, writes: list[list[str]], positions: Any) -> dict:
+        out = real(token, writes, positions)
         out["readback"] = "0" * 32
         return out
 

@@ -388,6 +388,31 @@ def test_a_mirror_that_drifts_from_the_workers_is_refused_at_stage() -> None:
     assert bits_equal(held_view(pairs, engine), v1)
 
 
+def test_a_worker_that_drifts_from_the_mirror_refuses_the_write_staged_from_it() -> None:
+    """With a current host copy the old bits come from it (no gather round trip through the engine); each write
+    carries their digest, and a worker holding other bits there refuses before writing anything."""
+    v0 = checkpoint(0)
+    v1 = one_class_step(v0)
+    pairs = boot(v0, size=2)
+    host_copy = {k: v.clone() for k, v in v0.items()}
+    engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(v0), host_copy=host_copy)
+    plain, _ = diff_views(v0, v1, context=False)
+    ch = next(c for c in plain.changes() if "norm" not in c.name)
+    staged = engine.stage(plain)
+    rank = sorted(engine._maps, key=int)[-1]  # the last rank: the first may already have written
+    pname, blocks = engine._maps[rank][ch.name][0]
+    _model, core = pairs[sorted(engine._maps, key=int).index(rank)]
+    _hit, ppos = lookup_blocks(blocks, ch.positions.astype(np.int64))
+    target = core._target(pname, core._live_params())
+    flat = int_view(target.data).view(-1)
+    flat[int(ppos[0])] ^= 1  # the worker no longer holds what the host copy says
+    before = held_view(pairs, engine)
+    with pytest.raises(EngineError, match="host copy is no longer used"):
+        engine.commit(staged)
+    assert bits_equal(held_view(pairs, engine), before)  # every rank's writes undone or never made
+    assert engine.host_view is None and engine.table.view_fp() == FingerprintTable.of(v0).view_fp()
+
+
 def test_a_mirror_of_other_tensors_is_a_config_error() -> None:
     v0 = checkpoint(0)
     pairs = boot(v0)

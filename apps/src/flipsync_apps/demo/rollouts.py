@@ -187,7 +187,7 @@ class RolloutPool(Workers):
 
     def _request(self, island: Island, problem: Problem, seed: int, min_version: int | None) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": "flipsync-demo" if island.spec.engine == "vllm" and not island.spec.control else "flipsync-torch",
+            "model": "flipsync-demo" if island.spec.engine == "vllm" else "flipsync-torch",
             "prompt": self.tok.encode(problem.prompt),  # token ids: the same for every engine
             "max_tokens": self.cfg.max_tokens,
             "n": self.cfg.group_size,
@@ -284,7 +284,8 @@ class RolloutPool(Workers):
         choices = doc.get("choices") or []
         try:
             if island.spec.control:
-                # the engine stamps every token with the trainer step of the checkpoint it came from
+                # the torch engine stamps every token with the trainer step of the checkpoint it came from; vLLM
+                # stamps none: its answer is labelled with the step held when the request was sent
                 stamps = [v for c in choices for v in c.get("token_versions") or []]
                 if any(v is None for v in stamps):
                     raise ValueError("generated while a load was half done: not a policy's sample")

@@ -59,13 +59,14 @@ from flipsync_apps.demo.control import CheckpointShelf
 from flipsync_apps.demo.experts import ExpertRates
 from flipsync_apps.demo.fleet import FleetDirector, FleetPlan, GatewayProcess
 from flipsync_apps.demo.grpo import Rollout, WeightConfig, optimizer_spec, policy_loss, rl_optimizer, warm_start
-from flipsync_apps.demo.island import Island, board_url, vllm_python
+from flipsync_apps.demo.island import Island, board_url
 from flipsync_apps.demo.island_link import IslandSpec
 from flipsync_apps.demo.monitor import Monitor, StepTable
 from flipsync_apps.demo.records import CONTROL, ROLLOUT_MODES, DemoConfig, DemoReport, IslandStep, StepRecord
 from flipsync_apps.demo.rollouts import RolloutGroup, RolloutPool, StepIndex, busy_seconds
 from flipsync_apps.demo.summary import lr_text, rollout_summary, summarize
 from flipsync_apps.demo.task import ReverseDigits
+from flipsync_apps.demo.vllm_server import vllm_python
 from flipsync_apps.demo.warmup import compile_codec_kernels
 
 ENGINES = ("torch", "vllm")
@@ -239,7 +240,15 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     if cfg.control:
         specs.append(
             IslandSpec(
-                CONTROL, board_url(out / "checkpoints"), run, str(model_dir), fmt, bandwidth, cfg.seed, control=True
+                CONTROL,
+                board_url(out / "checkpoints"),
+                run,
+                str(model_dir),
+                fmt,
+                bandwidth,
+                cfg.seed,
+                engine=cfg.engine,  # like for like: on vLLM, vLLM's own reload of each whole checkpoint
+                control=True,
             )
         )
     islands: list[Island] = []

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -33,7 +34,9 @@ from flipsync.engines.vllm.wire import (
     DEFAULT_MAX_UNDO,
     PROTOCOL,
     RELOAD,
+    BaseBitsError,
     b64,
+    bits_digest,
     readback_digest,
     unb64,
 )
@@ -65,6 +68,7 @@ class VllmStaged(Staged):
     n_changed: int
     # with a host copy: each changed tensor's positions, old bits and new bits, for the host copy's own commit
     host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    positions: str = "int64"  # the dtype of the positions in ``per_rank``
 
 
 @dataclass
@@ -273,6 +277,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             self._index = ClassIndex()
 
     def stage(self, patch: Patch) -> VllmStaged:
+        t_stage = time.perf_counter()
         if self._diverged is not None:
             raise BaseMismatchError(f"the workers hold no consistent view ({self._diverged}); load a full view first")
         for s in patch.sections:
@@ -314,7 +319,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             changes[s.name] = patch.change(s.name, against)
         # where each changed element lives, and who reports its old bits
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
-        reads: dict[str, list[list[str]]] = {}
+        reads: dict[str, list[tuple[str, np.ndarray]]] = {}
         read_slots: dict[str, list[tuple[str, np.ndarray]]] = {}
         for name, ch in changes.items():
             pos = ch.positions.astype(np.int64, copy=False)
@@ -328,7 +333,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     plan.append((rank, pname, hit, ppos))
                     first = ~covered[hit]
                     if first.any():
-                        reads.setdefault(rank, []).append([pname, b64(ppos[first])])
+                        reads.setdefault(rank, []).append((pname, ppos[first]))
                         read_slots.setdefault(rank, []).append((name, hit[first]))
                         covered[hit] = True
             if not covered.all():
@@ -337,11 +342,20 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     "re-attach the engine (its map is stale)"
                 )
             plans[name] = plan
-        old: dict[str, np.ndarray] = {name: np.zeros(ch.n, dtype=ch.dtype.uint_numpy) for name, ch in changes.items()}
-        if reads:
-            for a in self._call({"op": "gather", "per_rank": reads}):
-                for (name, hit), bits in zip(read_slots.get(str(a["rank"]), []), a["result"], strict=True):
-                    old[name][hit] = unb64(bits, changes[name].dtype.uint_numpy)
+        # positions go as int32 where every parameter position fits (the requests' bulk, halved)
+        widest = max((int(pp.max()) for plan in plans.values() for *_, pp in plan if pp.size), default=0)
+        positions = np.dtype(np.int32 if widest < 2**31 else np.int64)
+        t_gather = time.perf_counter()
+        if base is not None:
+            # The host copy holds what the workers serve: the old bits come from it, with no round trip through a
+            # busy engine; each write carries their digest, and a worker that holds other bits refuses it.
+            old = {
+                n: self._host_copy_bits(n, ch.dtype.uint_numpy)[ch.positions.astype(np.int64)]
+                for n, ch in changes.items()
+            }
+        else:
+            old = self._gather(changes, reads, read_slots, positions)
+        gather_s = time.perf_counter() - t_gather
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
         targets: dict[str, TensorId] = {}
@@ -350,24 +364,33 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             pos = ch.positions.astype(np.int64, copy=False)
             fp = (self._table[name].fp + fingerprint_delta(pos, old[name], new)) & ((1 << 64) - 1)
             for rank, pname, hit, ppos in plans[name]:
-                per_rank.setdefault(rank, []).append([pname, b64(ppos), b64(new[hit])])
+                write = [pname, b64(ppos.astype(positions)), b64(new[hit])]
+                if base is not None:
+                    write.append(bits_digest(old[name][hit]))
+                per_rank.setdefault(rank, []).append(write)
             if base is not None:
                 host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
         after = self._table.copy()
         after.update(targets)
         if after.view_fp() != patch.header.target.view:
+            if base is not None:  # the host copy or the patch: the workers' own bits tell which
+                held_old = self._gather(changes, reads, read_slots, positions)
+                drifted = [n for n in changes if not np.array_equal(held_old[n], old[n])]
+                if drifted:
+                    self._host_copy_current = False
+                    raise EngineError(
+                        f"the host copy's {drifted[0]!r} differs from what the workers serve at the patch's changed "
+                        "elements; it is no longer used (resync from a keyframe to refresh it)"
+                    )
             raise VerificationError(
                 f"applying this patch would give view {after.view_fp()}, not its target view "
                 f"{patch.header.target.view}; the patch is corrupt or crafted (nothing was changed)"
             )
-        for name, (pos, old_bits, _) in host_copy_writes.items():  # the host copy must hold the workers' bits
-            if not np.array_equal(self._host_copy_bits(name, old_bits.dtype)[pos], old_bits):
-                self._host_copy_current = False
-                raise EngineError(
-                    f"the host copy's {name!r} differs from what the workers serve at the patch's changed elements; "
-                    "it is no longer used (resync from a keyframe to refresh it)"
-                )
+        log.info(
+            "stage: %.3f s (old bits %s: %.3f s)",
+            time.perf_counter() - t_stage, "from the host copy" if base is not None else "gathered", gather_s,
+        )  # fmt: skip
         return VllmStaged(
             base_view=held,
             target_view=after.view_fp(),
@@ -375,23 +398,51 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             targets=targets,
             n_changed=sum(ch.n for ch in changes.values()),
             host_copy_writes=host_copy_writes,
+            positions=positions.name,
         )
+
+    def _gather(
+        self,
+        changes: Mapping[str, Any],
+        reads: dict[str, list[tuple[str, np.ndarray]]],
+        read_slots: dict[str, list[tuple[str, np.ndarray]]],
+        positions: np.dtype,
+    ) -> dict[str, np.ndarray]:
+        """The bits the workers hold at each change's positions (one round trip)."""
+        old = {name: np.zeros(ch.n, dtype=ch.dtype.uint_numpy) for name, ch in changes.items()}
+        if reads:
+            per_rank = {r: [[p, b64(pp.astype(positions))] for p, pp in rr] for r, rr in reads.items()}
+            for a in self._call({"op": "gather", "per_rank": per_rank, "positions": positions.name}):
+                for (name, hit), bits in zip(read_slots.get(str(a["rank"]), []), a["result"], strict=True):
+                    old[name][hit] = unb64(bits, changes[name].dtype.uint_numpy)
+        return old
 
     def commit(self, staged: VllmStaged) -> VllmUndo:
         if self._table.view_fp() != staged.base_view:
             raise BaseMismatchError("the engine's view changed since this patch was staged; stage it again")
         token = secrets.token_hex(8)
+        t0 = time.perf_counter()
         try:
-            answers = self._call({"op": "apply", "token": token, "per_rank": staged.per_rank})
+            request = {"op": "apply", "token": token, "per_rank": staged.per_rank, "positions": staged.positions}
+            answers = self._call(request)
             self._check_readback(answers, staged)
         except BaseException as e:
+            refused = None
+            if BaseBitsError.__name__ in str(e):  # a worker held other bits than the host copy says it does
+                self._host_copy_current = False
+                refused = EngineError(
+                    f"{e}; the host copy is no longer used (patches coded against their base wait for a full "
+                    "load; others read the old bits from the workers)"
+                )
             try:
-                self._call({"op": "undo", "token": token})
+                self._call({"op": "undo", "token": token})  # the ranks that did write
             except Exception as undo_error:
                 raise EngineUnavailableError(
                     f"commit failed ({e}) and the undo failed too ({undo_error}); the engine's weights are unknown: "
                     "audit with recompute_table or resync from a keyframe"
                 ) from None
+            if refused is not None:
+                raise refused from None
             if isinstance(e, EngineError | KeyboardInterrupt):
                 raise
             raise EngineError(f"commit failed and was undone: {e}") from None
@@ -401,7 +452,13 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             "reloaded": {str(a["rank"]): a["result"].get("reloaded", []) for a in answers},
             "rechecked": {str(a["rank"]): a["result"].get("rechecked", []) for a in answers},
             "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
+            "rpc_s": time.perf_counter() - t0,
         }
+        a = self.last_audit
+        log.info(
+            "apply: %.3f s round trip, %.3f s in the slowest worker (audit %.3f s of it), %d layer(s) reloaded",
+            a["rpc_s"], a["apply_s"], a["seconds"], max((len(r) for r in a["reloaded"].values()), default=0),
+        )  # fmt: skip
         undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, staged.host_copy_writes)
         self._table.update(staged.targets)
         self._write_host_copy(staged.host_copy_writes, new=True, fps=(undo.table_before, staged.targets))
@@ -418,7 +475,16 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             if got is None:  # a worker of an older flipsync
                 continue
             writes = staged.per_rank.get(str(a["rank"]), [])
-            want = readback_digest([(p, base64.b64decode(pos), base64.b64decode(bits)) for p, pos, bits in writes])
+            want = readback_digest(
+                [
+                    (
+                        p,
+                        np.frombuffer(base64.b64decode(pos), staged.positions).astype(np.int64).tobytes(),
+                        base64.b64decode(bits),
+                    )
+                    for p, pos, bits, *_ in writes
+                ]
+            )
             if got != want:
                 raise VerificationError(
                     f"rank {a['rank']} read back other bits than the patch's target after the commit; the commit "
@@ -476,6 +542,9 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         return self._transport.health()
 
     def close(self) -> None:
+        if self._host_copy is not None:
+            with contextlib.suppress(OSError, ValueError):
+                flush(self._host_copy)
         self._transport.close()
 
     # ---------------------------------------------------------------------------------------- host_copy
@@ -499,7 +568,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     self._index.drop(name)
                 else:
                     self._index.moved(name, pos, was, now, before.fp, after.fp)
-            flush(self._host_copy)
+            # no sync to disk per commit (the whole file, under the commit's pause): the mapping is shared, so a
+            # restarted sidecar maps what was written; it syncs at close, and attach checks it against the workers
         except Exception as e:  # the workers hold the version; only the host copy is behind
             self._host_copy_current = False
             log.warning("vllm engine: could not update the host copy (%s); it is no longer used until a full load", e)

@@ -10,7 +10,7 @@ import hashlib
 import numpy as np
 from numpy.typing import DTypeLike
 
-PROTOCOL = 2
+PROTOCOL = 3  # 3: a write may carry the digest of the bits it replaces
 RPC_METHOD = "flipsync_call"
 EXTENSION_CLS = "flipsync.engines.vllm.worker.FlipsyncWorkerExtension"
 INPLACE, RELOAD = "inplace", "reload"
@@ -29,6 +29,10 @@ class AuditError(WorkerOpError):
     """A layer's kernels compute from other weights than a fresh load of the same checkpoint tensors gives."""
 
 
+class BaseBitsError(WorkerOpError):
+    """A write's elements held other bits than the sidecar expected (its host copy): nothing was written."""
+
+
 class StateUnknownError(WorkerOpError):
     """An operation failed and so did undoing it: the worker's weights are unknown until a full load."""
 
@@ -43,6 +47,11 @@ def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
     if len(raw) % dt.itemsize:
         raise WorkerOpError(f"array of {len(raw)} bytes is not a whole number of {dt} elements")
     return np.frombuffer(raw, dtype=dt).copy()
+
+
+def bits_digest(bits: np.ndarray) -> str:
+    """Digest of an array's bytes: the base bits a write expects, sent instead of the bits themselves."""
+    return hashlib.blake2b(np.ascontiguousarray(bits).tobytes(), digest_size=16).hexdigest()
 
 
 def readback_digest(writes: list[tuple[str, bytes, bytes]]) -> str:

@@ -48,14 +48,17 @@ from flipsync.engines.vllm.wire import (
     PROTOCOL,
     RELOAD,
     AuditError,
+    BaseBitsError,
     StateUnknownError,
     WorkerOpError,
     b64,
+    bits_digest,
     readback_digest,
     unb64,
 )
 
 log = logging.getLogger(__name__)
+_INT64 = np.dtype(np.int64)  # positions' dtype unless a request says int32
 
 # Reloads whole checkpoint tensors through the engine's own reload path (layerwise reprocessing).
 Reloader = Callable[[list[tuple[str, torch.Tensor]]], None]
@@ -284,17 +287,19 @@ class WorkerCore(KernelAuditor):
     def _ck(self, pname: str) -> DType:
         return dtype_named(self.params[pname].dtype)
 
-    def _located(self, pname: str, pos_b64: str, live: LiveParams) -> tuple[torch.Tensor, np.ndarray, DType]:
+    def _located(
+        self, pname: str, pos_b64: str, live: LiveParams, positions: np.dtype
+    ) -> tuple[torch.Tensor, np.ndarray, DType]:
         """Parameter ``pname``'s target, the positions sent (checked to lie inside it) and its checkpoint dtype."""
         t = self._target(pname, live)
-        pos = unb64(pos_b64, np.int64)
+        pos = unb64(pos_b64, positions).astype(np.int64, copy=False)
         if pos.size and (int(pos.min()) < 0 or int(pos.max()) >= t.numel()):
             raise WorkerOpError(f"positions outside parameter {pname!r} ({t.numel()} elements)")
         return t, pos, self._ck(pname)
 
-    def gather(self, reads: list[list[str]]) -> list[str]:
+    def gather(self, reads: list[list[str]], positions: np.dtype = _INT64) -> list[str]:
         live = self._live_params()
-        return [b64(read_as(*self._located(pname, pos_b64, live))) for pname, pos_b64 in reads]
+        return [b64(read_as(*self._located(pname, pos_b64, live, positions))) for pname, pos_b64 in reads]
 
     def _held_checkpoint(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors ``names`` rebuilt from the held values (host copies, live parameters)."""
@@ -344,14 +349,22 @@ class WorkerCore(KernelAuditor):
         return out
 
     # ------------------------------------------------------------------------------- writes
-    def apply(self, token: str, writes: list[list[str]]) -> dict:
+    def apply(self, token: str, writes: list[list[str]], positions: np.dtype = _INT64) -> dict:
+        """Write each (parameter, positions, bits[, digest of the bits they replace]); reload and audit the
+        reload-mode layers touched; read every write back. A write whose elements hold other bits than its
+        digest says (the sidecar staged it from its host copy, not from a gather) is refused before any write."""
         decoded = []
         live = self._live_params()
-        for pname, pos_b64, bits_b64 in writes:
-            t, pos, ck = self._located(pname, pos_b64, live)
+        for pname, pos_b64, bits_b64, *expect in writes:
+            t, pos, ck = self._located(pname, pos_b64, live, positions)
             bits = unb64(bits_b64, ck.uint_numpy)
             if bits.size != pos.size:
                 raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
+            if expect and bits_digest(old := read_as(t, pos, ck)) != expect[0]:
+                raise BaseBitsError(
+                    f"rank {self.rank}: {pname!r} holds other bits than the sidecar's host copy at the patch's "
+                    f"changed elements ({pos.size}); nothing was written"
+                )
             decoded.append((pname, t, ck, pos, bits))
         entry = UndoEntry()
         t0 = time.perf_counter()
@@ -457,9 +470,9 @@ class WorkerCore(KernelAuditor):
             elif not self.attached:
                 raise WorkerOpError("the worker is not attached; call attach first")
             elif op == "gather":
-                result = self.gather(mine)
+                result = self.gather(mine, _positions(request))
             elif op == "apply":
-                result = self.apply(str(request["token"]), mine)
+                result = self.apply(str(request["token"]), mine, _positions(request))
             elif op == "undo":
                 result = self.undo_token(str(request["token"]))
             elif op == "fingerprint":
@@ -483,6 +496,14 @@ class WorkerCore(KernelAuditor):
                 "error": f"{type(e).__name__}: {e}",
                 "trace": traceback.format_exc(limit=6) if not isinstance(e, WorkerOpError) else "",
             }
+
+
+def _positions(request: Mapping[str, Any]) -> np.dtype:
+    """The dtype the request's positions are in: int64, or int32 where every position fits."""
+    name = request.get("positions", "int64")
+    if name not in ("int32", "int64"):
+        raise WorkerOpError(f"positions must be int32 or int64, not {name!r}")
+    return np.dtype(name)
 
 
 def _grouped(names: Iterable[str]) -> dict[str, list[str]]:
