@@ -33,14 +33,12 @@ Prints one line ``RESULT {json}`` with the checks and timings.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -50,21 +48,6 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # engine of a check, the fresh ones included, is a new ``LLM`` built from its checkpoint folder; tensor-parallel
 # workers are still processes of their own. ``vllm serve`` (--server) keeps vLLM's usual processes.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-
-
-@contextlib.contextmanager
-def llvmlite_hidden() -> Iterator[None]:
-    """While an engine core starts in this process: vLLM CPU's worker init rebinds kernel references by scanning
-    every module in ``sys.modules`` (``vllm.triton_utils.dispatcher``) and trips over llvmlite's FFI wrappers
-    (loaded with numba by flipsync's codec here; ``vars()`` of one is not a dict). Those modules hold no vLLM
-    kernel, so they are left out of the scan and put back."""
-    hidden = {k: m for k, m in sys.modules.items() if k == "llvmlite" or k.startswith("llvmlite.")}
-    for k in hidden:
-        del sys.modules[k]
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
 
 
 PROMPTS = ["hello world from", "the trainer publishes"]
@@ -111,6 +94,8 @@ def start(model_dir: Path):
 
     sys.path.insert(0, str(Path(__file__).parent))
     from vllm_faults import EXTENSION
+
+    from flipsync.engines.vllm.launch import llvmlite_hidden
 
     t0 = time.perf_counter()
     with llvmlite_hidden():
@@ -372,6 +357,8 @@ def case_generate(llm, sp) -> list[dict]:
 
 def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"):
     from vllm import LLM
+
+    from flipsync.engines.vllm.launch import llvmlite_hidden
 
     t0 = time.perf_counter()
     with llvmlite_hidden():

@@ -15,7 +15,6 @@ table and one ``RESULT {json}`` line.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -23,26 +22,12 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: one vLLM import
-
-
-@contextlib.contextmanager
-def _llvmlite_hidden() -> Iterator[None]:
-    # vLLM CPU's worker init scans sys.modules for kernel references and trips over llvmlite's FFI wrappers (numba,
-    # loaded by the codec here): they hold no vLLM kernel, so they sit out the scan (tests/engines/vllm_real_check.py)
-    hidden = {k: m for k, m in sys.modules.items() if k == "llvmlite" or k.startswith("llvmlite.")}
-    for k in hidden:
-        del sys.modules[k]
-    try:
-        yield
-    finally:
-        sys.modules.update(hidden)
 
 
 def _step(masters: dict[str, Any], changed: float, seed: int) -> dict[str, Any]:
@@ -66,6 +51,7 @@ def run(preset: str, versions: int, changed: float, audits: list[str], workdir: 
     from flipsync.engines.torch.model_dir import demo_config, write_model_dir
     from flipsync.engines.torch.models import build_model
     from flipsync.engines.vllm.engine import VllmEngine
+    from flipsync.engines.vllm.launch import llvmlite_hidden
     from flipsync.engines.vllm.rpc_transports import LLMTransport
     from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
     from flipsync.engines.vllm.wire import EXTENSION_CLS
@@ -77,7 +63,7 @@ def run(preset: str, versions: int, changed: float, audits: list[str], workdir: 
     del model
     view = served_view(masters, "bf16")
     folder = write_model_dir(workdir / preset, config, view)
-    with _llvmlite_hidden():
+    with llvmlite_hidden():
         llm = LLM(
             model=str(folder),
             dtype="bfloat16",

@@ -18,7 +18,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -101,38 +101,19 @@ def _torch_control(spec: IslandSpec, conn: Connection, meters: Meters, store: St
 
     handle = start_torch_engine(spec.model, spec.served_format, seed=spec.seed, max_concurrency=spec.max_concurrency)
     engine = handle.engine
-    stop = threading.Event()
 
-    def follow() -> None:
-        held = -1
-        while not stop.is_set():
-            try:
-                latest = int(store.get(LATEST).decode())
-                if latest > held:
-                    data = store.get(checkpoint_name(latest))
-                    view = load_safetensors(data)
-                    engine.label_version(FingerprintTable.of(view).view_fp(), latest)
-                    engine.load_view(view)
-                    held = latest
-                    with meters.held_step.get_lock():
-                        meters.held_step.value = latest
-                    continue
-            except NotFoundError:
-                pass  # the newest file was pruned between reading latest and opening it: read latest again
-            except (FlipsyncError, ValueError) as e:
-                log.warning("control island: %s", e)
-            stop.wait(0.05)
+    def load(step: int, data: bytes) -> None:
+        view = load_safetensors(data)
+        engine.label_version(FingerprintTable.of(view).view_fp(), step)
+        engine.load_view(view)
 
-    follower = threading.Thread(target=follow, daemon=True, name="control-follow")
-    follower.start()
-    conn.send(("ready", handle.url))
-    try:
-        serve_commands(conn, engine, lambda: engine.version)
-    finally:
-        stop.set()
-        follower.join(30)
-        handle.stop()
-        conn.close()
+    _serve(
+        conn,
+        handle.url,
+        _Follower(store, meters, load, held=-1),
+        lambda: serve_commands(conn, engine, lambda: engine.version),
+        handle.stop,
+    )
 
 
 def _vllm_control(spec: IslandSpec, conn: Connection, meters: Meters, store: Store) -> None:
@@ -141,43 +122,67 @@ def _vllm_control(spec: IslandSpec, conn: Connection, meters: Meters, store: Sto
     rollout is labelled with the step the island held when it was sent (the rollout pool's ``held_step``)."""
     server = VllmServer(spec.model, spec.name).start()
     folders = Path(spec.model).parent / f"{spec.name}-checkpoints"
-    stop = threading.Event()
+    last: list[Path] = []
 
-    def follow() -> None:
-        held, last = 0, None  # vLLM starts from the model folder: step 0's weights
-        with meters.held_step.get_lock():
-            meters.held_step.value = held
-        while not stop.is_set():
+    def load(step: int, data: bytes) -> None:
+        folder = folders / f"step-{step:06d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "model.safetensors").write_bytes(data)
+        server.reload_weights(folder)
+        for old in last:
+            shutil.rmtree(old, ignore_errors=True)
+        last[:] = [folder]
+
+    def stop() -> None:
+        server.stop()
+        shutil.rmtree(folders, ignore_errors=True)
+
+    follower = _Follower(store, meters, load, held=0)  # vLLM starts from the model folder: step 0's weights
+    _serve(conn, server.url, follower, lambda: serve_held_step(conn, meters), stop)
+
+
+class _Follower(threading.Thread):
+    """Loads the newest full checkpoint whenever ``latest`` moves past the one held, skipping those that came
+    while it was downloading or loading."""
+
+    def __init__(self, store: Store, meters: Meters, load: Callable[[int, bytes], None], *, held: int) -> None:
+        super().__init__(daemon=True, name="control-follow")
+        self.store, self.meters, self.load, self.held = store, meters, load, held
+        self.stop = threading.Event()
+        self._set_held(held)
+
+    def _set_held(self, step: int) -> None:
+        with self.meters.held_step.get_lock():
+            self.meters.held_step.value = step
+
+    def run(self) -> None:
+        while not self.stop.is_set():
             try:
-                latest = int(store.get(LATEST).decode())
-                if latest > held:
-                    folder = folders / f"step-{latest:06d}"
-                    folder.mkdir(parents=True, exist_ok=True)
-                    (folder / "model.safetensors").write_bytes(store.get(checkpoint_name(latest)))
-                    server.reload_weights(folder)
-                    held = latest
-                    with meters.held_step.get_lock():
-                        meters.held_step.value = latest
-                    if last is not None:
-                        shutil.rmtree(last, ignore_errors=True)
-                    last = folder
+                latest = int(self.store.get(LATEST).decode())
+                if latest > self.held:
+                    self.load(latest, self.store.get(checkpoint_name(latest)))
+                    self.held = latest
+                    self._set_held(latest)
                     continue
             except NotFoundError:
                 pass  # the newest file was pruned between reading latest and opening it: read latest again
             except (FlipsyncError, ValueError) as e:
                 log.warning("control island: %s", e)
-            stop.wait(0.05)
+            self.stop.wait(0.05)
 
-    follower = threading.Thread(target=follow, daemon=True, name="control-follow")
+
+def _serve(
+    conn: Connection, url: str, follower: _Follower, commands: Callable[[], None], stop_engine: Callable[[], None]
+) -> None:
+    """Follow the checkpoints, say ready, answer the parent's commands; then stop following and the engine."""
     follower.start()
-    conn.send(("ready", server.url))
+    conn.send(("ready", url))
     try:
-        serve_held_step(conn, meters)
+        commands()
     finally:
-        stop.set()
+        follower.stop.set()
         follower.join(60)
-        server.stop()
-        shutil.rmtree(folders, ignore_errors=True)
+        stop_engine()
         conn.close()
 
 

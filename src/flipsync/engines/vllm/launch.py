@@ -1,10 +1,14 @@
 """Starting vLLM so that a sidecar can reach its workers: the ``vllm serve`` command line with flipsync's
-worker extension, and its environment (the ``/collective_rpc`` route; the CPU build's thread binding).
+worker extension, and its environment (the ``/collective_rpc`` route; the CPU build's thread binding); an
+offline ``vllm.LLM`` started in a process that has loaded flipsync's codec (`llvmlite_hidden`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 
 from flipsync.engines.vllm.wire import EXTENSION_CLS
 from flipsync.errors import ConfigError
@@ -30,3 +34,18 @@ def cpu_env(tensor_parallel_size: int) -> dict[str, str]:
     per = len(ids) // tensor_parallel_size
     binding = "|".join(",".join(str(c) for c in ids[r * per : (r + 1) * per]) for r in range(tensor_parallel_size))
     return {"VLLM_CPU_OMP_THREADS_BIND": binding}
+
+
+@contextlib.contextmanager
+def llvmlite_hidden() -> Iterator[None]:
+    """Wrap the start of an offline ``vllm.LLM`` whose engine core runs in this process: vLLM CPU's worker init
+    rebinds kernel references by scanning every module in ``sys.modules`` (``vllm.triton_utils.dispatcher``)
+    and trips over llvmlite's FFI wrappers (loaded with numba by flipsync's codec; ``vars()`` of one is not a
+    dict). They hold no vLLM kernel, so they sit out the scan and are put back."""
+    hidden = {k: m for k, m in sys.modules.items() if k == "llvmlite" or k.startswith("llvmlite.")}
+    for k in hidden:
+        del sys.modules[k]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
