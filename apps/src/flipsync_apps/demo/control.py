@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors
@@ -29,7 +30,7 @@ from flipsync.checkpoint import save_checkpoint
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.errors import FlipsyncError, NotFoundError
 from flipsync.stores import Store, open_store
-from flipsync_apps.demo.island_link import IslandSpec, MeteredStore, Meters, serve_commands
+from flipsync_apps.demo.island_link import IslandSpec, MeteredStore, Meters, engine_audit, serve_commands
 from flipsync_apps.demo.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def _torch_control(spec: IslandSpec, conn: Connection, meters: Meters, store: St
         conn,
         handle.url,
         _Follower(store, meters, load, held=-1),
-        lambda: serve_commands(conn, engine, lambda: engine.version),
+        engine_audit(engine, lambda: engine.version),
         handle.stop,
     )
 
@@ -122,23 +123,27 @@ def _vllm_control(spec: IslandSpec, conn: Connection, meters: Meters, store: Sto
     rollout is labelled with the step the island held when it was sent (the rollout pool's ``held_step``)."""
     server = VllmServer(spec.model, spec.name).start()
     folders = Path(spec.model).parent / f"{spec.name}-checkpoints"
-    last: list[Path] = []
 
     def load(step: int, data: bytes) -> None:
         folder = folders / f"step-{step:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "model.safetensors").write_bytes(data)
         server.reload_weights(folder)
-        for old in last:
-            shutil.rmtree(old, ignore_errors=True)
-        last[:] = [folder]
+        for old in folders.iterdir():  # only the checkpoint vLLM now holds stays
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
 
     def stop() -> None:
         server.stop()
         shutil.rmtree(folders, ignore_errors=True)
 
     follower = _Follower(store, meters, load, held=0)  # vLLM starts from the model folder: step 0's weights
-    _serve(conn, server.url, follower, lambda: serve_held_step(conn, meters), stop)
+
+    def held(_tensors: bool) -> dict[str, Any]:
+        """vLLM's bytes are not read back here: the step it holds, and no fingerprint claimed."""
+        return {"version": meters.held_step.value, "view_fp": None, "tensors": None}
+
+    _serve(conn, server.url, follower, held, stop)
 
 
 class _Follower(threading.Thread):
@@ -172,29 +177,19 @@ class _Follower(threading.Thread):
 
 
 def _serve(
-    conn: Connection, url: str, follower: _Follower, commands: Callable[[], None], stop_engine: Callable[[], None]
+    conn: Connection,
+    url: str,
+    follower: _Follower,
+    audit: Callable[[bool], dict[str, Any]],
+    stop_engine: Callable[[], None],
 ) -> None:
     """Follow the checkpoints, say ready, answer the parent's commands; then stop following and the engine."""
     follower.start()
     conn.send(("ready", url))
     try:
-        commands()
+        serve_commands(conn, audit)
     finally:
         follower.stop.set()
         follower.join(60)
         stop_engine()
         conn.close()
-
-
-def serve_held_step(conn: Connection, meters: Meters) -> None:
-    """The command loop of an island whose engine's bytes flipsync does not read: its audit says which step it
-    holds and no fingerprint (none is claimed for weights nobody recomputed)."""
-    try:
-        while True:
-            command, _arg = conn.recv()
-            if command == "stop":
-                return
-            if command == "audit":
-                conn.send(("audit", {"version": meters.held_step.value, "view_fp": None, "tensors": None}))
-    except EOFError:
-        pass  # the parent went away

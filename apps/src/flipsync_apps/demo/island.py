@@ -29,7 +29,14 @@ from flipsync.sidecar.replica import ReplicaConfig
 from flipsync.sidecar.service import Sidecar
 from flipsync.stores import Store, open_store
 from flipsync_apps.demo.control import control_main
-from flipsync_apps.demo.island_link import IslandSpec, MeteredStore, Meters, join_fleet, serve_commands
+from flipsync_apps.demo.island_link import (
+    IslandSpec,
+    MeteredStore,
+    Meters,
+    engine_audit,
+    join_fleet,
+    serve_commands,
+)
 from flipsync_apps.demo.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
@@ -76,7 +83,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
         join_fleet(sidecar, spec)
     conn.send(("ready", sidecar.url))
     try:
-        serve_commands(conn, engine, lambda: sidecar.replica.version)
+        serve_commands(conn, engine_audit(engine, lambda: sidecar.replica.version))
     finally:
         sidecar.stop()
         stop_engine()

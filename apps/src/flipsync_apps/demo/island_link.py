@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.sharedctypes import Synchronized
+from typing import Any
 
 from flipsync.board.throttle import ThrottledStore
 from flipsync.engines.base import Engine
@@ -68,17 +69,27 @@ class MeteredStore(ThrottledStore):
             self.meters.bytes_read.value += n
 
 
-def serve_commands(conn: Connection, engine: Engine, version: Callable[[], int | None]) -> None:
-    """Answer the parent's commands until it says ``stop`` or goes away."""
+def serve_commands(conn: Connection, audit: Callable[[bool], dict[str, Any]]) -> None:
+    """Answer the parent's commands until it says ``stop`` or goes away; ``audit(tensors)`` answers ``audit``."""
     try:
         while True:
             command, arg = conn.recv()
             if command == "stop":
                 return
             if command == "audit":
-                table = engine.recompute_table()  # from the weights the engine holds, not its bookkeeping
-                served = getattr(engine, "served", None)  # the torch engine's tensors; vLLM's stay in its workers
-                tensors = {k: v.detach().cpu().clone() for k, v in served.items()} if arg and served else None
-                conn.send(("audit", {"version": version(), "view_fp": table.view_fp(), "tensors": tensors}))
+                conn.send(("audit", audit(bool(arg))))
     except EOFError:
         pass  # the parent went away
+
+
+def engine_audit(engine: Engine, version: Callable[[], int | None]) -> Callable[[bool], dict[str, Any]]:
+    """An island's audit: the version it reports, the fingerprint recomputed from the weights the engine holds
+    (not its bookkeeping) and, when asked, the torch engine's tensors (vLLM's stay in its workers)."""
+
+    def audit(tensors: bool) -> dict[str, Any]:
+        table = engine.recompute_table()
+        served = getattr(engine, "served", None)
+        held = {k: v.detach().cpu().clone() for k, v in served.items()} if tensors and served else None
+        return {"version": version(), "view_fp": table.view_fp(), "tensors": held}
+
+    return audit

@@ -34,7 +34,6 @@ from flipsync.engines.vllm.wire import (
     DEFAULT_MAX_UNDO,
     PROTOCOL,
     RELOAD,
-    BaseBitsError,
     b64,
     bits_digest,
     readback_digest,
@@ -199,6 +198,12 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             detail = "; ".join(f"rank {a.get('rank')}: {a.get('error')}" for a in failed)
             if any(a.get("unknown") for a in failed):  # a worker could not undo: refuse patches until a full load
                 self._diverged = f"a worker's weights are unknown after a failed {request['op']!r}"
+            if any(a.get("stale_base") for a in failed):  # a worker held other bits than the host copy says
+                self._host_copy_current = False
+                detail += (
+                    "; the host copy is no longer used (patches coded against their base wait for a full load; "
+                    "others read the old bits from the workers)"
+                )
             raise EngineError(f"vLLM workers failed {request['op']!r}: {detail}")
         return answers
 
@@ -427,13 +432,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             answers = self._call(request)
             self._check_readback(answers, staged)
         except BaseException as e:
-            refused = None
-            if BaseBitsError.__name__ in str(e):  # a worker held other bits than the host copy says it does
-                self._host_copy_current = False
-                refused = EngineError(
-                    f"{e}; the host copy is no longer used (patches coded against their base wait for a full "
-                    "load; others read the old bits from the workers)"
-                )
             try:
                 self._call({"op": "undo", "token": token})  # the ranks that did write
             except Exception as undo_error:
@@ -441,8 +439,6 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                     f"commit failed ({e}) and the undo failed too ({undo_error}); the engine's weights are unknown: "
                     "audit with recompute_table or resync from a keyframe"
                 ) from None
-            if refused is not None:
-                raise refused from None
             if isinstance(e, EngineError | KeyboardInterrupt):
                 raise
             raise EngineError(f"commit failed and was undone: {e}") from None

@@ -360,17 +360,18 @@ class WorkerCore(KernelAuditor):
             bits = unb64(bits_b64, ck.uint_numpy)
             if bits.size != pos.size:
                 raise WorkerOpError(f"write to {pname!r}: {pos.size} positions but {bits.size} values")
-            if expect and bits_digest(old := read_as(t, pos, ck)) != expect[0]:
+            old = read_as(t, pos, ck)  # checked against the digest, then kept for the undo
+            if expect and bits_digest(old) != expect[0]:
                 raise BaseBitsError(
                     f"rank {self.rank}: {pname!r} holds other bits than the sidecar's host copy at the patch's "
                     f"changed elements ({pos.size}); nothing was written"
                 )
-            decoded.append((pname, t, ck, pos, bits))
+            decoded.append((pname, t, ck, pos, bits, old))
         entry = UndoEntry()
         t0 = time.perf_counter()
         try:
-            for pname, t, ck, pos, bits in decoded:
-                entry.writes.append((pname, pos, read_as(t, pos, ck)))
+            for pname, t, ck, pos, bits, old in decoded:
+                entry.writes.append((pname, pos, old))
                 write_as(t, pos, bits, ck)
                 if self.params[pname].mode == RELOAD:
                     entry.modules |= self._with_holders([pname])
@@ -381,7 +382,7 @@ class WorkerCore(KernelAuditor):
             # the bits it staged against the patch's target: O(changed).
             live_now = self._live_params()
             readback = []
-            for pname, _t, ck, pos, bits in decoded:
+            for pname, _t, ck, pos, bits, _old in decoded:
                 got = read_as(self._target(pname, live_now), pos, ck)
                 if not np.array_equal(got, bits):
                     raise AuditError(
@@ -402,7 +403,7 @@ class WorkerCore(KernelAuditor):
             old, _ = self.undo.popitem(last=False)
             log.info("flipsync: dropped undo record %s (keeping %d)", old, self.max_undo)
         return {
-            "n": int(sum(p.size for _, _, _, p, _ in decoded)),
+            "n": int(sum(pos.size for _, _, _, pos, _, _ in decoded)),
             "reloaded": sorted(entry.modules),
             "audited": list(self.audited) if entry.modules else [],
             "audit_s": self.audit_s if entry.modules else 0.0,
@@ -493,6 +494,7 @@ class WorkerCore(KernelAuditor):
                 "ok": False,
                 "rank": self.rank,
                 "unknown": isinstance(e, StateUnknownError),
+                "stale_base": isinstance(e, BaseBitsError),
                 "error": f"{type(e).__name__}: {e}",
                 "trace": traceback.format_exc(limit=6) if not isinstance(e, WorkerOpError) else "",
             }
