@@ -151,8 +151,9 @@ class Workers:
 class RolloutPool(Workers):
     """Keeps rollout requests in flight on every island; each answer is a group of samples for one prompt.
 
-    ``held_step(island)`` is the trainer step an island serves now (the monitor's view): in sync mode an island
-    takes part in a batch only once it holds the batch's version."""
+    In sync mode an island takes part in a batch only once it holds the batch's version: a flipsync island's
+    sidecar holds the request until it does; the control island is asked only once its own meter says it loaded
+    that step's checkpoint (-1 before its first load)."""
 
     def __init__(
         self,
@@ -163,11 +164,9 @@ class RolloutPool(Workers):
         head_version: Callable[[], int],
         steps: StepIndex,
         gateway: str | None = None,
-        held_step: Callable[[str], int] | None = None,
     ) -> None:
         self.islands, self.task, self.tok, self.cfg = islands, task, tok, cfg
         self.head_version, self.steps = head_version, steps
-        self.held_step = held_step or (lambda _name: 0)
         self.gateway = gateway  # the flipsync islands' requests go there; it says which island served
         depth = {"sync": 1000, "async": 4, "inflight": 1}[cfg.rollout]  # batches the buffer holds
         self.groups: queue.Queue[RolloutGroup] = queue.Queue(maxsize=depth * cfg.prompts_per_step)
@@ -215,7 +214,9 @@ class RolloutPool(Workers):
             return 0, (self.head_version() - cap) if cap is not None else None
         with self._round:
             while not self.stop.is_set():
-                ready = island.spec.control is False or self.held_step(island.spec.name) >= self._round_step
+                # the control island's own meter: the monitor's view counts a control that loaded nothing yet as
+                # step 0, and tokens generated before its first load carry no version (the group is dropped)
+                ready = not island.spec.control or island.meters.held_step.value >= self._round_step
                 if self._to_issue > 0 and ready:
                     self._to_issue -= 1
                     return self._round_id, self._round_version

@@ -338,7 +338,6 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
             head,
             step_index,
             gateway.url if gateway else None,
-            held_step=lambda name: watching.held.get(name, 0),
         ).start()
         weights = WeightConfig(cfg.is_cap, cfg.staleness_bound)
         alive: dict[str, list[float]] = {n: [time.monotonic(), float("inf")] for n in names}  # for idle seconds
