@@ -162,6 +162,11 @@ def main(workdir: Path) -> dict:
     t = time.perf_counter()
     undo1 = engine.commit(staged)
     res["timings"]["commit_s"] = time.perf_counter() - t
+    legs = engine.last_audit["legs_s"]  # the worker's clock splits the round trip: in, inside, back
+    res["legs_s"] = legs
+    res["checks"]["commit_round_trip_split"] = (
+        legs is not None and min(legs) >= 0 and sum(legs) <= res["timings"]["commit_s"] + 0.01
+    )
     res["checks"]["table_after_p1"] = engine.table.view_fp() == t1.view_fp()
     t = time.perf_counter()
     res["checks"]["workers_hold_v1"] = engine.recompute_table().view_fp() == t1.view_fp()

@@ -121,7 +121,7 @@ def _vllm_control(spec: IslandSpec, conn: Connection, meters: Meters, store: Sto
     """vLLM serves the model folder; each newest checkpoint is written to a folder of its own and reloaded whole
     through vLLM's own ``reload_weights`` (every layer reloaded and repacked). vLLM stamps no version: a
     rollout is labelled with the step the island held when it was sent (the rollout pool's ``held_step``)."""
-    server = VllmServer(spec.model, spec.name).start()
+    server = VllmServer(spec.model, spec.name, binding=spec.binding).start()
     folders = Path(spec.model).parent / f"{spec.name}-checkpoints"
 
     def load(step: int, data: bytes) -> None:

@@ -68,7 +68,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     engine: Engine
     server: VllmServer | None = None
     if spec.engine == "vllm":
-        server = VllmServer(spec.model, spec.name).start()
+        server = VllmServer(spec.model, spec.name, binding=spec.binding).start()
         engine = server.attach()
         upstream = server.url
         stop_engine = server.stop

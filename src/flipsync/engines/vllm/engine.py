@@ -68,6 +68,9 @@ class VllmStaged(Staged):
     # with a host copy: each changed tensor's positions, old bits and new bits, for the host copy's own commit
     host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
     positions: str = "int64"  # the dtype of the positions in ``per_rank``
+    # per rank, the digest of its writes as it must read them back after the commit (`readback_digest`), computed
+    # here so that the commit's pause does not decode its own request again
+    readback: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -363,6 +366,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         gather_s = time.perf_counter() - t_gather
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
+        readback: dict[str, list[tuple[str, bytes, bytes]]] = {}
         targets: dict[str, TensorId] = {}
         for name, ch in changes.items():
             new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
@@ -373,6 +377,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 if base is not None:
                     write.append(bits_digest(old[name][hit]))
                 per_rank.setdefault(rank, []).append(write)
+                readback.setdefault(rank, []).append((pname, ppos.astype(np.int64).tobytes(), new[hit].tobytes()))
             if base is not None:
                 host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
@@ -404,6 +409,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             n_changed=sum(ch.n for ch in changes.values()),
             host_copy_writes=host_copy_writes,
             positions=positions.name,
+            readback={rank: readback_digest(writes) for rank, writes in readback.items()},
         )
 
     def _gather(
@@ -426,10 +432,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if self._table.view_fp() != staged.base_view:
             raise BaseMismatchError("the engine's view changed since this patch was staged; stage it again")
         token = secrets.token_hex(8)
-        t0 = time.perf_counter()
+        t0, sent = time.perf_counter(), time.time()
         try:
             request = {"op": "apply", "token": token, "per_rank": staged.per_rank, "positions": staged.positions}
             answers = self._call(request)
+            received = time.time()
             self._check_readback(answers, staged)
         except BaseException as e:
             try:
@@ -449,11 +456,14 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
             "rechecked": {str(a["rank"]): a["result"].get("rechecked", []) for a in answers},
             "apply_s": max(float(a["result"].get("seconds", 0.0)) for a in answers),
             "rpc_s": time.perf_counter() - t0,
+            "legs_s": _legs(sent, received, answers),
         }
-        a = self.last_audit
+        a, legs = self.last_audit, self.last_audit["legs_s"]
+        split = "to the workers {:.3f} s, in them {:.3f} s, back {:.3f} s".format(*legs) if legs else "legs unknown"
         log.info(
-            "apply: %.3f s round trip, %.3f s in the slowest worker (audit %.3f s of it), %d layer(s) reloaded",
-            a["rpc_s"], a["apply_s"], a["seconds"], max((len(r) for r in a["reloaded"].values()), default=0),
+            "apply: %.3f s round trip (%s), %.3f s in the slowest worker's writes, reloads and audit (audit %.3f s "
+            "of it), %d layer(s) reloaded",
+            a["rpc_s"], split, a["apply_s"], a["seconds"], max((len(r) for r in a["reloaded"].values()), default=0),
         )  # fmt: skip
         undo = VllmUndo(token, {n: self._table[n] for n in staged.targets}, staged.host_copy_writes)
         self._table.update(staged.targets)
@@ -464,24 +474,11 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
     def _check_readback(answers: list[dict[str, Any]], staged: VllmStaged) -> None:
         """Every written element as each worker read it back after the commit (reloads included) must be the
         bits staged against the patch's target: O(changed); the audit of in-place parameters."""
-        import base64
-
         for a in answers:
             got = a["result"].get("readback")
             if got is None:  # a worker of an older flipsync
                 continue
-            writes = staged.per_rank.get(str(a["rank"]), [])
-            want = readback_digest(
-                [
-                    (
-                        p,
-                        np.frombuffer(base64.b64decode(pos), staged.positions).astype(np.int64).tobytes(),
-                        base64.b64decode(bits),
-                    )
-                    for p, pos, bits, *_ in writes
-                ]
-            )
-            if got != want:
+            if got != staged.readback.get(str(a["rank"]), readback_digest([])):
                 raise VerificationError(
                     f"rank {a['rank']} read back other bits than the patch's target after the commit; the commit "
                     "is undone (a write that did not land, or a reload that overwrote a parameter)"
@@ -594,3 +591,15 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         """Per vLLM parameter (rank 0): ``inplace`` or ``reload``, with the reason."""
         first = self.params[min(self.params, key=int)]
         return {p: f"{info['mode']}: {info['reason']}" for p, info in first.items()}
+
+
+def _legs(sent: float, received: float, answers: list[dict[str, Any]]) -> tuple[float, float, float] | None:
+    """A round trip split by the workers' wall clocks (entry and exit of their RPC method): the slowest worker's
+    way in, time inside (decode included) and way back. None when a worker gave no clock (an older worker); on
+    another host the split is only as good as the clocks' agreement."""
+    clocks = [a.get("clock") for a in answers]
+    if not all(isinstance(c, list) and len(c) == 2 for c in clocks):
+        return None
+    t_in = max(float(c[0]) for c in clocks)  # type: ignore[index]
+    t_out = max(float(c[1]) for c in clocks)  # type: ignore[index]
+    return max(0.0, t_in - sent), max(0.0, t_out - t_in), max(0.0, received - t_out)

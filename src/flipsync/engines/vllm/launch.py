@@ -36,6 +36,21 @@ def cpu_env(tensor_parallel_size: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": binding}
 
 
+def spread_binding(slot: int, *, servers: int, tensor_parallel_size: int = 1) -> dict[str, str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for the ``slot``-th of ``servers`` vLLM CPU servers sharing this host's CPUs
+    (this process's affinity): each server's ranks on CPUs of their own while there are enough, in turn when there
+    are not. Left to itself ("auto") every single-rank server of a host binds its worker to the same CPUs (it
+    keeps the last for its scheduler): on two CPUs, every server's model and every weight update on CPU 0."""
+    ids = sorted(os.sched_getaffinity(0))
+    ranks = max(1, servers) * tensor_parallel_size
+    per = max(1, len(ids) // ranks)
+    start = slot * tensor_parallel_size * per
+    groups = [
+        ",".join(str(ids[(start + r * per + k) % len(ids)]) for k in range(per)) for r in range(tensor_parallel_size)
+    ]
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups)}
+
+
 @contextlib.contextmanager
 def llvmlite_hidden() -> Iterator[None]:
     """Wrap the start of an offline ``vllm.LLM`` whose engine core runs in this process: vLLM CPU's worker init

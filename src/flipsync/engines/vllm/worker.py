@@ -538,11 +538,14 @@ class FlipsyncWorkerExtension:
                 hooks=vllm_hooks(self.vllm_config),  # type: ignore[attr-defined]
             )
             self._flipsync_core = core
+        t_in = time.time()  # wall clock, so that the sidecar can split its round trip (engine.py: commit's log)
         try:
             req = json.loads(request)
         except (TypeError, ValueError) as e:
             return json.dumps({"ok": False, "rank": core.rank, "error": f"request is not JSON: {e}"})
-        return json.dumps(core.handle(req))
+        answer = core.handle(req)
+        answer["clock"] = [t_in, time.time()]
+        return json.dumps(answer)
 
     def _flipsync_reload(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         runner = self.model_runner  # type: ignore[attr-defined]
