@@ -26,6 +26,10 @@ def test_more_servers_than_cpus_take_them_in_turn(monkeypatch: pytest.MonkeyPatc
     # the demo on two CPUs: islands, control and joiner spread over both instead of all on CPU 0
     got = [binds(monkeypatch, [0, 1], s, servers=4) for s in range(4)]
     assert got == [[[0]], [[1]], [[0]], [[1]]]
+    # ranks of one server never share a CPU: where there are too few, the caller is told
+    assert binds(monkeypatch, [0, 1], 1, servers=3, tensor_parallel_size=2) == [[0], [1]]
+    with pytest.raises(ConfigError, match="fewer ranks"):
+        binds(monkeypatch, [0, 1], 0, servers=1, tensor_parallel_size=3)
 
 
 def test_cpu_env_splits_one_servers_cpus_between_its_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,6 +42,10 @@ def spread_binding(slot: int, *, servers: int, tensor_parallel_size: int = 1) ->
     are not. Left to itself ("auto") every single-rank server of a host binds its worker to the same CPUs (it
     keeps the last for its scheduler): on two CPUs, every server's model and every weight update on CPU 0."""
     ids = sorted(os.sched_getaffinity(0))
+    if len(ids) < tensor_parallel_size:
+        raise ConfigError(
+            f"cannot bind {tensor_parallel_size} tensor-parallel ranks to {len(ids)} CPU(s) ({ids}); use fewer ranks"
+        )
     ranks = max(1, servers) * tensor_parallel_size
     per = max(1, len(ids) // ranks)
     start = slot * tensor_parallel_size * per
