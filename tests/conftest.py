@@ -10,21 +10,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-from flipsync.engines.vllm.launch import spread_binding
-
 pytest_plugins = ["tests.sidecar.board_fixtures"]
 
 # Local Ray clusters (the fleet's Ray tests) on loopback: Ray otherwise advertises this machine's interface
 # address, and its nodes, actors and the replicas' public URLs then use it; tests talk to 127.0.0.1 only. Ray
 # reads it once, when first imported, and every process a cluster starts inherits it.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-# The vLLM engines the tests start (servers and offline ones) bind their workers to CPUs; left to "auto", every
-# one of them computes on the host's first CPU (the last is kept for a scheduler), both xdist workers' engines on
-# CPU 0. Each worker's engines get CPUs of their own instead (a TP case sets its ranks' own binding).
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
-if _WORKER.startswith("gw") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-    os.environ.update(spread_binding(int(_WORKER[2:]), servers=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 settings.register_profile(
     "ci",

@@ -400,8 +400,6 @@ def case(workdir: Path, name: str) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
     )
-    if tp > 1:  # the ranks' own binding, not the one CPU the test worker's engines get (tests/conftest.py)
-        os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
     os.environ.update(cpu_env(tp))  # tensor parallelism on the CPU build: flipsync binds the ranks' threads
     res: dict = {"case": name, "checks": {}, "timings": {}, "audit": {}}
     checks, timings = res["checks"], res["timings"]
