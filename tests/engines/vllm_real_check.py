@@ -90,27 +90,12 @@ def generate(llm, sp):
 
 
 def start(model_dir: Path):
-    from vllm import LLM
-
     sys.path.insert(0, str(Path(__file__).parent))
     from vllm_faults import EXTENSION
 
-    from flipsync.engines.vllm.launch import llvmlite_hidden
-
-    t0 = time.perf_counter()
-    with llvmlite_hidden():
-        llm = LLM(
-            model=str(model_dir),
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=128,
-            max_num_seqs=4,
-            seed=0,
-            # the cases' extension (flipsync's, and a fault hook they call): vLLM extends its worker class once
-            # per process, and the engines of every check share this process
-            worker_extension_cls=EXTENSION,
-        )
-    return llm, time.perf_counter() - t0
+    # the cases' extension (flipsync's, and a fault hook they call): vLLM extends its worker class once per
+    # process, and the engines of every check share this process
+    return case_start(model_dir, 1, EXTENSION)
 
 
 def prepare(workdir: Path):
@@ -361,22 +346,19 @@ def case_generate(llm, sp) -> list[dict]:
 
 
 def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"):
-    from vllm import LLM
-
-    from flipsync.engines.vllm.launch import llvmlite_hidden
+    from flipsync.engines.vllm.launch import offline_llm
 
     t0 = time.perf_counter()
-    with llvmlite_hidden():
-        llm = LLM(
-            model=str(model_dir),
-            dtype=dtype,
-            tensor_parallel_size=tp,
-            enforce_eager=True,
-            max_model_len=128,
-            max_num_seqs=4,
-            seed=0,
-            worker_extension_cls=extension,
-        )
+    llm = offline_llm(
+        model_dir,
+        extension=extension,
+        dtype=dtype,
+        tensor_parallel_size=tp,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+    )
     return llm, time.perf_counter() - t0
 
 

@@ -45,16 +45,14 @@ def _step(masters: dict[str, Any], changed: float, seed: int) -> dict[str, Any]:
 def run(preset: str, versions: int, changed: float, audits: list[str], workdir: Path) -> dict[str, Any]:
     import torch
     from safetensors.torch import save_file
-    from vllm import LLM
 
     from flipsync.codec import diff_views
     from flipsync.engines.torch.model_dir import demo_config, write_model_dir
     from flipsync.engines.torch.models import build_model
     from flipsync.engines.vllm.engine import VllmEngine
-    from flipsync.engines.vllm.launch import llvmlite_hidden
+    from flipsync.engines.vllm.launch import offline_llm
     from flipsync.engines.vllm.rpc_transports import LLMTransport
     from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
-    from flipsync.engines.vllm.wire import EXTENSION_CLS
     from flipsync.formats import served_view
 
     config = demo_config(preset)
@@ -63,16 +61,7 @@ def run(preset: str, versions: int, changed: float, audits: list[str], workdir: 
     del model
     view = served_view(masters, "bf16")
     folder = write_model_dir(workdir / preset, config, view)
-    with llvmlite_hidden():
-        llm = LLM(
-            model=str(folder),
-            dtype="bfloat16",
-            enforce_eager=True,
-            max_model_len=128,
-            max_num_seqs=4,
-            seed=0,
-            worker_extension_cls=EXTENSION_CLS,
-        )
+    llm = offline_llm(folder, dtype="bfloat16", enforce_eager=True, max_model_len=128, max_num_seqs=4, seed=0)
     out: dict[str, Any] = {"preset": preset, "params": sum(t.numel() for t in view.values()), "modes": {}}
     for i, audit in enumerate(audits):
         # each mode attaches to the version the previous one left: its source is a checkpoint of that view

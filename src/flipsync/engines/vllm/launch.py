@@ -1,6 +1,6 @@
 """Starting vLLM so that a sidecar can reach its workers: the ``vllm serve`` command line with flipsync's
 worker extension, and its environment (the ``/collective_rpc`` route; the CPU build's thread binding); an
-offline ``vllm.LLM`` started in a process that has loaded flipsync's codec (`llvmlite_hidden`).
+offline ``vllm.LLM`` with the extension, started in a process that has loaded flipsync's codec (`offline_llm`).
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from flipsync.engines.vllm.wire import EXTENSION_CLS
 from flipsync.errors import ConfigError
@@ -55,8 +57,17 @@ def spread_binding(slot: int, *, servers: int, tensor_parallel_size: int = 1) ->
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(groups)}
 
 
+def offline_llm(model_dir: str | Path, *, extension: str = EXTENSION_CLS, **settings: Any) -> Any:
+    """An offline ``vllm.LLM`` of ``model_dir`` whose workers carry ``extension`` (flipsync's, or a class built on
+    it), started in this process (`_llvmlite_hidden`); ``settings`` are ``vllm.LLM``'s own (dtype, limits, TP)."""
+    from vllm import LLM
+
+    with _llvmlite_hidden():
+        return LLM(model=str(model_dir), worker_extension_cls=extension, **settings)
+
+
 @contextlib.contextmanager
-def llvmlite_hidden() -> Iterator[None]:
+def _llvmlite_hidden() -> Iterator[None]:
     """Wrap the start of an offline ``vllm.LLM`` whose engine core runs in this process: vLLM CPU's worker init
     rebinds kernel references by scanning every module in ``sys.modules`` (``vllm.triton_utils.dispatcher``)
     and trips over llvmlite's FFI wrappers (loaded with numba by flipsync's codec; ``vars()`` of one is not a
