@@ -329,8 +329,8 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         plans: dict[str, list[tuple[str, str, np.ndarray, np.ndarray]]] = {}
         reads: dict[str, list[tuple[str, np.ndarray]]] = {}
         read_slots: dict[str, list[tuple[str, np.ndarray]]] = {}
-        for name, ch in changes.items():
-            pos = ch.positions.astype(np.int64, copy=False)
+        checkpoint_pos = {name: ch.positions.astype(np.int64, copy=False) for name, ch in changes.items()}
+        for name, pos in checkpoint_pos.items():
             covered = np.zeros(pos.size, dtype=bool)
             plan = []
             for rank in sorted(self._maps, key=int):
@@ -357,10 +357,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         if base is not None:
             # The host copy holds what the workers serve: the old bits come from it, with no round trip through a
             # busy engine; each write carries their digest, and a worker that holds other bits refuses it.
-            old = {
-                n: self._host_copy_bits(n, ch.dtype.uint_numpy)[ch.positions.astype(np.int64)]
-                for n, ch in changes.items()
-            }
+            old = {n: self._host_copy_bits(n, ch.dtype.uint_numpy)[checkpoint_pos[n]] for n, ch in changes.items()}
         else:
             old = self._gather(changes, reads, read_slots, positions)
         gather_s = time.perf_counter() - t_gather
@@ -370,14 +367,14 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         targets: dict[str, TensorId] = {}
         for name, ch in changes.items():
             new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
-            pos = ch.positions.astype(np.int64, copy=False)
+            pos = checkpoint_pos[name]
             fp = (self._table[name].fp + fingerprint_delta(pos, old[name], new)) & ((1 << 64) - 1)
             for rank, pname, hit, ppos in plans[name]:
                 write = [pname, b64(ppos.astype(positions)), b64(new[hit])]
                 if base is not None:
                     write.append(bits_digest(old[name][hit]))
                 per_rank.setdefault(rank, []).append(write)
-                readback.setdefault(rank, []).append((pname, ppos.astype(np.int64).tobytes(), new[hit].tobytes()))
+                readback.setdefault(rank, []).append((pname, np.asarray(ppos, np.int64).tobytes(), new[hit].tobytes()))
             if base is not None:
                 host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)
