@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import Any
 
 import httpx
 
 from flipsync.domain.balance import EngineLoad, affinity_key, load_cap, prompt_opening, rendezvous_order
 from flipsync.domain.fleet import MemberRecord
 from flipsync.domain.manifest import utc_now_iso
-from flipsync.fleet.affinity import Affinity, AffinityPolicy
-from tests.fleet.stub_fleet import poll, stub_fleet
+from flipsync.fleet.affinity import OUTCOMES, Affinity, AffinityPolicy
+from tests.fleet.stub_fleet import StubFleet, poll, stub_fleet
 
 SESSIONS = 50
 TURNS = 5
@@ -38,13 +39,24 @@ def _hit_rate(turns: dict[str, list[tuple[int, str]]]) -> float:
     return sum(first == rep for first, rep in later) / len(later)
 
 
+def _outcomes(fleet: StubFleet) -> dict[str, Any]:
+    """What the gateway's affinity did, and each replica's health (why a session moved, when one did)."""
+    reg = fleet.gateway.metrics.registry
+    doc = fleet.fleet()
+    return {
+        **{o: reg.get_sample_value("flipsync_gateway_affinity_total", {"outcome": o}) for o in OUTCOMES},
+        "health": [m["health"] for m in doc["members"]],
+        "rejected": doc["rejected"],
+    }
+
+
 def test_sessions_stick_to_one_replica_within_bounds_and_move_when_it_drains() -> None:
     with stub_fleet(4) as fleet:
         for s in fleet.stubs:
             s.delay_s = 0.2  # turns overlap, as a batch of trajectories does: load bounds the placement
         turns = asyncio.run(_sessions(fleet.url, range(TURNS)))
         assert all(code == 200 for rs in turns.values() for code, _ in rs)
-        assert _hit_rate(turns) >= 0.95
+        assert _hit_rate(turns) >= 0.95, _outcomes(fleet)
         served = Counter(rep for rs in turns.values() for _, rep in rs)
         assert set(served) == {fleet.replica_of(s) for s in fleet.stubs}
         mean = sum(served.values()) / len(fleet.stubs)

@@ -5,6 +5,8 @@ docs/fleet.md#the-pool-port."""
 from __future__ import annotations
 
 import logging
+import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -171,7 +173,11 @@ class BoardPool(Pool):
 class StaticPool(Pool):
     """A fixed list of sidecar proxies (``http://HOST:PORT``), each asked for its status at every discovery.
 
-    Unsigned: the sidecars' answers are the records, HEAD the newest any reports; a silent one is left out.
+    Unsigned: the sidecars' answers are the records, HEAD the newest any reports. One that does not answer keeps
+    its last answer until ``ttl_s`` after it, as a board record lives until its heartbeat's ttl ends: one slow or
+    lost status poll (a loaded host, a GC pause) must not take a replica out of rotation and move its sessions off
+    their KV caches; a replica that is truly gone fails its requests, and the gateway ejects it on those. Then it
+    is left out (``rejected``: ``unreadable``).
     """
 
     def __init__(
@@ -195,6 +201,8 @@ class StaticPool(Pool):
         self._models: dict[str, str] = {}
         self._started = utc_now_iso()
         self._executor = ThreadPoolExecutor(min(16, len(self.urls)), thread_name_prefix="flipsync-pool")
+        self._last: dict[str, tuple[float, MemberRecord]] = {}  # url -> (monotonic time read, its last record)
+        self._silent: set[str] = set()  # urls kept on their last answer (warned once per silence)
 
     def gateway_url(self) -> str | None:
         return self._gateway_url
@@ -238,9 +246,27 @@ class StaticPool(Pool):
         return record, None
 
     def discover_replicas(self) -> FleetSnapshot:
-        results = list(self._executor.map(self._record, self.urls))
-        members = tuple(r for r, _ in results if r is not None)
-        rejected = tuple(e for _, e in results if e is not None)
+        now = time.monotonic()
+        kept: list[MemberRecord] = []
+        rejected: list[Rejected] = []
+        for url, (record, refused) in zip(self.urls, self._executor.map(self._record, self.urls), strict=True):
+            if record is not None:
+                self._last[url] = (now, record)
+                self._silent.discard(url)
+                kept.append(record)
+                continue
+            assert refused is not None
+            read_at, last = self._last.pop(url, (-math.inf, None))
+            if last is not None and refused.reason == "unreadable" and now - read_at < self.ttl_s:
+                if url not in self._silent:
+                    self._silent.add(url)
+                    log.warning("%s; keeping its last answer until %g s after it", refused.message, self.ttl_s)
+                self._last[url] = (read_at, last)
+                kept.append(last)
+            else:
+                rejected.append(refused)
+        self._silent.intersection_update(self._last)
+        members, rejected = tuple(kept), tuple(rejected)
         heads: dict[str, int | None] = {}
         for r in members:
             if r.head is not None:

@@ -182,6 +182,9 @@ class StubReplica:
                 await self._answer(method, path, headers, body, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             return
+        except asyncio.CancelledError:
+            # the stub is stopping: end quietly (a cancelled connection task makes asyncio log an error)
+            return
         finally:
             writer.close()
 
