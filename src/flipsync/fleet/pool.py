@@ -256,16 +256,16 @@ class StaticPool(Pool):
                 kept.append(record)
                 continue
             assert refused is not None
-            read_at, last = self._last.pop(url, (-math.inf, None))
+            read_at, last = self._last.get(url, (-math.inf, None))
             if last is not None and refused.reason == "unreadable" and now - read_at < self.ttl_s:
                 if url not in self._silent:
                     self._silent.add(url)
                     log.warning("%s; keeping its last answer until %g s after it", refused.message, self.ttl_s)
-                self._last[url] = (read_at, last)
                 kept.append(last)
             else:
+                self._last.pop(url, None)
+                self._silent.discard(url)
                 rejected.append(refused)
-        self._silent.intersection_update(self._last)
         members, rejected = tuple(kept), tuple(rejected)
         heads: dict[str, int | None] = {}
         for r in members:
