@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flipsync.board.throttle import ThrottledStore, parse_bandwidth
+from flipsync.board.throttle import ThrottledStore, TokenBucket, parse_bandwidth
 from flipsync.errors import ConfigError
 from flipsync.stores import Store, open_store
 
@@ -38,3 +38,35 @@ def test_reads_are_paced(tmp_path: Path) -> None:
     assert took >= 0.2  # 500 kB at 2 MB/s, less the initial burst
     assert store.bytes_read == 500_000
     assert [o.path for o in store.list("a")] == ["a/blob"]
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+@pytest.mark.parametrize("n", [1, 49_999, 50_000, 1_000_000, 1_234_567])
+def test_the_bucket_sleeps_a_burst_at_a_time(n: int) -> None:
+    """A long read takes exactly (bytes - the first burst) / rate, in sleeps of a burst each: waiting for one
+    byte at a time spun a core for the whole download (tens of thousands of wake-ups here)."""
+    clock = FakeClock()
+    bucket = TokenBucket(1_000_000, clock=lambda: clock.now, sleep=clock.sleep)  # bursts of 50 kB
+    bucket.take(n)
+    assert clock.now == pytest.approx(max(0, n - 50_000) / 1_000_000, abs=1e-9)
+    assert len(clock.sleeps) <= -(-n // 50_000)
+    t = clock.now
+    bucket.take(50_000)  # a whole burst now waits for the bytes the first read took from it
+    assert clock.now - t == pytest.approx(min(n, 50_000) / 1_000_000, abs=1e-9)
+
+
+def test_readers_share_the_rate() -> None:
+    clock = FakeClock()
+    bucket = TokenBucket(1_000_000, clock=lambda: clock.now, sleep=clock.sleep)
+    for _ in range(4):
+        bucket.take(250_000)
+    assert clock.now == pytest.approx((1_000_000 - 50_000) / 1_000_000, abs=1e-9)

@@ -81,6 +81,7 @@ class LoadReader:
         self._last: EngineLoad | None = None
         self._next = 0.0  # monotonic time of the next scrape
         self._failing = False
+        self._client: httpx.Client | None = None  # kept: a client per scrape built a TLS context each second
 
     def read(self) -> EngineLoad | None:
         own = self.engine.load()
@@ -91,7 +92,10 @@ class LoadReader:
             if now < self._next:
                 return self._last
             try:
-                r = httpx.get(self.url, timeout=self.timeout_s)
+                if self._client is None:
+                    # idle connections expire before a server's own keep-alive (uvicorn: 5 s) closes them
+                    self._client = httpx.Client(timeout=self.timeout_s, limits=httpx.Limits(keepalive_expiry=2.0))
+                r = self._client.get(self.url)
                 r.raise_for_status()
                 self._last = parse_metrics(r.text, self.kind)
                 self._next = now + self.max_age_s
@@ -111,3 +115,9 @@ class LoadReader:
                 self._last = None
                 self._next = now + self.retry_s
             return self._last
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None

@@ -196,6 +196,7 @@ class Sidecar:
             self.server.stop()
             self.server = None
         self.replica.stop()
+        self.load.close()
 
 
 def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | None = None) -> None:
@@ -295,6 +296,7 @@ def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | N
             if service.heartbeat is not None:  # not drained (an error): leave the fleet all the same
                 service.heartbeat.stop(deregister=True)
             service.replica.stop()
+            service.load.close()
             service.replica.engine.close()
         if torch_handle is not None:
             torch_handle.stop()

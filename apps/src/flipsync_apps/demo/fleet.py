@@ -68,6 +68,9 @@ class GatewayProcess:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
+        # one client for the polls (5 a second): a client per poll built a TLS context each time, in the trainer's
+        # process
+        self._client = httpx.Client(timeout=5, limits=httpx.Limits(keepalive_expiry=2.0))
         cmd = [
             *(sys.executable, "-m", "flipsync.cli.gateway", "gateway", "--board", board, "--run", run),
             *("--listen", f"127.0.0.1:{self.port}", "--max-lag", str(max_lag), "--hold", str(HOLD_S)),
@@ -81,10 +84,14 @@ class GatewayProcess:
 
     def fleet(self) -> dict[str, Any] | None:
         try:
-            r = httpx.get(f"{self.url}/flipsync/fleet", timeout=5)
+            r = self._client.get(f"{self.url}/flipsync/fleet")
             return r.json() if r.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
+        except RuntimeError:  # stopped while a sampler still asked
+            if self._client.is_closed:
+                return None
+            raise
 
     def wait_ready(self, names: list[str], timeout_s: float) -> None:
         """Until every island in ``names`` is in rotation."""
@@ -100,6 +107,7 @@ class GatewayProcess:
             time.sleep(0.2)
 
     def stop(self) -> None:
+        self._client.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
