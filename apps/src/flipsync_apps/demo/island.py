@@ -41,13 +41,18 @@ from flipsync_apps.demo.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 
+ENGINE_NICE = 10  # how far an island's engine yields to the trainer on the demo's shared cores
+
 
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     """The island process: start engine and sidecar, report the proxy URL, then serve commands."""
-    # Islands stand for machines elsewhere: on the demo's shared cores they yield to the trainer and its
-    # publisher (the control island too), so the trainer's side runs as it would on its own machine.
-    with contextlib.suppress(OSError):
-        os.nice(10)
+    # Islands stand for machines elsewhere: on the demo's shared cores their engines yield to the trainer and
+    # its publisher (the control island's too), so the trainer's side runs as it would on its own machine. A
+    # vLLM island's sidecar, a process apart from its engine, keeps the trainer's priority, as it would keep
+    # its own cores beside a GPU engine; only its `vllm serve` is lowered. The torch engine runs in this process.
+    if spec.control or spec.engine != "vllm":
+        with contextlib.suppress(OSError):
+            os.nice(ENGINE_NICE)
     if spec.control:
         control_main(spec, conn, meters)
         return
@@ -68,7 +73,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     engine: Engine
     server: VllmServer | None = None
     if spec.engine == "vllm":
-        server = VllmServer(spec.model, spec.name, binding=spec.binding).start()
+        server = VllmServer(spec.model, spec.name, binding=spec.binding, nice=ENGINE_NICE).start()
         engine = server.attach()
         upstream = server.url
         stop_engine = server.stop

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,14 +40,22 @@ class VllmServer:
     """``vllm serve`` of the demo's model folder in a subprocess, with flipsync's worker extension."""
 
     def __init__(
-        self, model_dir: str, name: str, *, binding: dict[str, str] | None = None, start_timeout_s: float = 600.0
+        self,
+        model_dir: str,
+        name: str,
+        *,
+        binding: dict[str, str] | None = None,
+        nice: int = 0,
+        start_timeout_s: float = 600.0,
     ) -> None:
         self.model_dir = model_dir
         self.binding = binding or {}  # the CPUs its worker binds to (`spread_binding`), unless the environment says
+        self.nice = nice  # added to this process's niceness for the server's whole tree
         self.python = vllm_python()
         self.log_path = Path(model_dir).parent / f"{name}-vllm.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
+        self._client: httpx.Client | None = None  # for the reloads: one TLS context, not one per checkpoint
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
@@ -68,6 +77,9 @@ class VllmServer:
         limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
         # tethered: a SIGKILLed island takes its vLLM server (and vLLM's own children) with it
         cmd = tethered(serve_command(self.python, self.model_dir, self.port, *model, *limits))
+        nice = shutil.which("nice")
+        if self.nice > 0 and nice is not None:  # coreutils' nice, not preexec_fn: that is unsafe beside threads
+            cmd = [nice, "-n", str(self.nice), *cmd]
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
@@ -105,13 +117,17 @@ class VllmServer:
         The engine core runs it between two decode steps, so no token comes from a half-loaded model."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}, "timeout": timeout_s}
         try:
-            r = httpx.post(f"{self.url}/collective_rpc", json=body, timeout=timeout_s + 10.0)
+            if self._client is None:
+                self._client = httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0))
+            r = self._client.post(f"{self.url}/collective_rpc", json=body, timeout=timeout_s + 10.0)
         except httpx.HTTPError as e:
             raise EngineError(f"vllm serve at {self.url} did not reload {folder}: {e}") from None
         if r.status_code != 200:
             raise EngineError(f"vllm serve at {self.url} refused to reload {folder}: {r.status_code} {r.text[:300]}")
 
     def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
