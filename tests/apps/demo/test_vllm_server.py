@@ -19,7 +19,7 @@ def test_the_server_tree_runs_at_the_niceness_given(tmp_path: Path, monkeypatch:
     fake = tmp_path / "python"
     record = tmp_path / "nice.txt"
     fake.write_text(
-        f'#!/bin/sh\nexec {sys.executable} -c "import os; open({str(record)!r}, \'w\').write(str(os.nice(0)))" \n'
+        f"#!/bin/sh\nexec {sys.executable} -c \"import os; open({str(record)!r}, 'w').write(str(os.nice(0)))\" \n"
         "exit 3\n"
     )
     fake.chmod(0o755)
