@@ -18,14 +18,13 @@ def test_the_server_tree_runs_at_the_niceness_given(tmp_path: Path, monkeypatch:
     # a stand-in for vLLM's interpreter: it writes the niceness it runs at, then exits as a failed server would
     fake = tmp_path / "python"
     record = tmp_path / "nice.txt"
-    fake.write_text(
-        f"#!/bin/sh\nexec {sys.executable} -c \"import os; open({str(record)!r}, 'w').write(str(os.nice(0)))\" \n"
-        "exit 3\n"
-    )
+    code = f"import os; open({str(record)!r}, 'w').write(str(os.nice(0))); raise SystemExit(3)"
+    fake.write_text(f'#!/bin/sh\nexec {sys.executable} -c "{code}"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("FLIPSYNC_VLLM_PYTHON", str(fake))
     (tmp_path / "model").mkdir()
     server = VllmServer(str(tmp_path / "model"), "island-x", nice=nice, start_timeout_s=60)
-    with pytest.raises(EngineError, match="exited"):
+    with pytest.raises(EngineError, match="exited with 3"):
         server.start()
+    server.stop()
     assert int(record.read_text()) == min(19, os.nice(0) + nice)

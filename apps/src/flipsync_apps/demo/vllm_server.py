@@ -6,6 +6,7 @@ checkpoints through vLLM's own reload (`VllmServer.reload_weights`), as a team w
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -18,6 +19,8 @@ import httpx
 
 from flipsync.engines.base import Engine
 from flipsync.errors import ConfigError, EngineError
+
+log = logging.getLogger(__name__)
 
 
 def vllm_python() -> str:
@@ -55,7 +58,9 @@ class VllmServer:
         self.log_path = Path(model_dir).parent / f"{name}-vllm.log"
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen[bytes] | None = None
-        self._client: httpx.Client | None = None  # for the reloads: one TLS context, not one per checkpoint
+        # one client for the health polls and the reloads (a client each built a TLS context each time); idle
+        # connections expire before uvicorn's keep-alive (5 s) closes them
+        self._client = httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
@@ -77,27 +82,27 @@ class VllmServer:
         limits = ["--max-model-len", "128", "--max-num-seqs", "8"]
         # tethered: a SIGKILLed island takes its vLLM server (and vLLM's own children) with it
         cmd = tethered(serve_command(self.python, self.model_dir, self.port, *model, *limits))
-        nice = shutil.which("nice")
-        if self.nice > 0 and nice is not None:  # coreutils' nice, not preexec_fn: that is unsafe beside threads
-            cmd = [nice, "-n", str(self.nice), *cmd]
+        if self.nice > 0:  # coreutils' nice, not preexec_fn: that is unsafe beside threads
+            nice = shutil.which("nice")
+            if nice is None:
+                log.warning("no `nice` on PATH: %s's vLLM server runs at this process's priority", self.log_path.stem)
+            else:
+                cmd = [nice, "-n", str(self.nice), *cmd]
         with open(self.log_path, "wb") as log_file:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
             )
         deadline = time.monotonic() + self.start_timeout_s
-        with httpx.Client() as client:
-            while True:
-                if self.proc.poll() is not None:
-                    raise EngineError(f"vllm serve exited with {self.proc.returncode}; its log: {self.log_path}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if client.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                        return self
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise EngineError(
-                        f"vllm serve did not answer within {self.start_timeout_s:g} s; see {self.log_path}"
-                    )
-                time.sleep(1.0)
+        while True:
+            if self.proc.poll() is not None:
+                raise EngineError(f"vllm serve exited with {self.proc.returncode}; its log: {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if self._client.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise EngineError(f"vllm serve did not answer within {self.start_timeout_s:g} s; see {self.log_path}")
+            time.sleep(1.0)
 
     def attach(self) -> Engine:
         from flipsync.checkpoint import Checkpoint
@@ -117,8 +122,6 @@ class VllmServer:
         The engine core runs it between two decode steps, so no token comes from a half-loaded model."""
         body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}, "timeout": timeout_s}
         try:
-            if self._client is None:
-                self._client = httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0))
             r = self._client.post(f"{self.url}/collective_rpc", json=body, timeout=timeout_s + 10.0)
         except httpx.HTTPError as e:
             raise EngineError(f"vllm serve at {self.url} did not reload {folder}: {e}") from None
@@ -126,8 +129,7 @@ class VllmServer:
             raise EngineError(f"vllm serve at {self.url} refused to reload {folder}: {r.status_code} {r.text[:300]}")
 
     def stop(self) -> None:
-        if self._client is not None:
-            self._client.close()
+        self._client.close()
         if self.proc is None or self.proc.poll() is not None:
             return
         os.killpg(self.proc.pid, signal.SIGTERM)
