@@ -21,10 +21,21 @@ from flipsync.codec.bits import dtype_of, int_view
 from flipsync.codec.fingerprint import FingerprintTable
 from flipsync.domain.headers import ViewRef
 from flipsync.engines.host_copy import HostCopy
-from flipsync.engines.vllm.blockmap import compress_map, exact_int_base, expand_blocks, lookup_blocks, probe_passes
+from flipsync.engines.vllm.blockmap import (
+    compress_map,
+    copy_blocks,
+    exact_int_base,
+    expand_blocks,
+    iter_chunks,
+    lookup_blocks,
+    probe_passes,
+    read_as,
+    write_bits,
+)
 from flipsync.engines.vllm.engine import VllmEngine
 from flipsync.engines.vllm.rpc_transports import LocalTransport
 from flipsync.engines.vllm.tensor_specs import specs_of
+from flipsync.engines.vllm.wire import WorkerOpError
 from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import (
     BaseMismatchError,
@@ -69,6 +80,65 @@ def test_blocks_roundtrip_for_row_and_column_shards(rows: int, cols: int, kind: 
     assert {int(queries[h]): int(x) for h, x in zip(hit, pp, strict=True)} == {
         int(q): truth[int(q)] for q in queries if int(q) in truth
     }
+
+
+@given(st.integers(1, 24), st.integers(1, 24), st.integers(0, 3), st.booleans(), st.data())
+def test_block_copies_rebuild_the_checkpoint_as_the_index_path_does(
+    rows: int, cols: int, kind: int, widened: bool, data
+) -> None:
+    """`copy_blocks` (one strided copy per block) writes the same bits as reading and writing through the expanded
+    indices, for contiguous, sharded and permuted maps, parameters held in BF16 or widened to FP32, and a
+    parameter that is a view into the middle of a larger storage; edge values (+/-0, subnormals, max, NaN, inf)
+    included: bits are copied, never compared as floats."""
+    ckpt = np.arange(rows * cols, dtype=np.int64).reshape(rows, cols)
+    sel = [ckpt.reshape(-1), ckpt[: max(1, rows // 2)].reshape(-1), ckpt[:, ::2].reshape(-1)][kind % 3]
+    if kind == 3:
+        perm = data.draw(st.permutations(list(range(rows * cols))))
+        sel = np.array(perm[: max(1, len(perm) // 2)], dtype=np.int64)
+    lead, gap = data.draw(st.integers(0, 9)), data.draw(st.integers(0, 5))
+    param_idx = lead + np.arange(sel.size, dtype=np.int64) * (1 + (gap if kind == 2 else 0))
+    blocks = compress_map(sel, param_idx)
+    edge = [0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F, 0x7FC0, 0x7F80, 0xFF80]
+    size = int(param_idx.max()) + 1
+    values = st.lists(st.sampled_from(edge) | st.integers(0, 0xFFFF), min_size=size, max_size=size)
+    bits = np.array(data.draw(values), dtype=np.uint16)
+    if widened:  # an FP32 parameter holds BF16 values exactly; NaN payloads would not widen back exactly
+        bits[(bits & 0x7F80) == 0x7F80] = 0x7F80
+    held = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)
+    storage = torch.zeros(held.numel() + 7, dtype=torch.float32 if widened else torch.bfloat16)
+    param = storage[3 : 3 + held.numel()]  # a view whose storage offset is not zero
+    param.copy_(held.to(param.dtype))
+    ck = dtype_of(held)
+    want = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    for c, p in iter_chunks(blocks):
+        write_bits(want, c, read_as(param, p, ck))
+    got = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    copy_blocks(got, param, blocks, ck)
+    assert torch.equal(int_view(got), int_view(want))
+
+
+def test_block_copies_take_blocks_written_in_either_direction() -> None:
+    """Blocks whose rows run backwards on either side (a hand-written map; `compress_map` ascends on the
+    checkpoint side) copy as the index path does."""
+    ck = dtype_of(torch.zeros(1, dtype=torch.bfloat16))
+    param = torch.arange(40, dtype=torch.int16).view(torch.bfloat16)
+    for block in ([12, 30, 3, 4, -4, -7], [0, 30, 3, 4, 4, -7], [12, 0, 3, 4, -4, 9], [0, 5, 4, 3, 5, 0]):
+        blocks = np.array([block], dtype=np.int64)
+        want, got = torch.zeros(16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
+        for c, p in iter_chunks(blocks):
+            write_bits(want, c, read_as(param, p, ck))
+        copy_blocks(got, param, blocks, ck)
+        assert torch.equal(int_view(got), int_view(want)), block
+
+
+def test_block_copies_refuse_what_does_not_fit() -> None:
+    ck = dtype_of(torch.zeros(1, dtype=torch.bfloat16))
+    out = torch.zeros(4, 4, dtype=torch.bfloat16)
+    with pytest.raises(WorkerOpError, match="lies outside"):
+        copy_blocks(out, torch.zeros(15, dtype=torch.bfloat16), compress_map(np.arange(16), np.arange(16)), ck)
+    inexact = torch.full((16,), 1.0 + 2.0**-20, dtype=torch.float32)  # no BF16 value: not what was loaded
+    with pytest.raises(WorkerOpError, match="not BF16 values"):
+        copy_blocks(out, inexact, compress_map(np.arange(16), np.arange(16)), ck)
 
 
 def test_probe_bases_are_exact() -> None:

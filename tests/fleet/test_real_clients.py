@@ -11,6 +11,10 @@ replica applied a real patch), the folder written by ``flipsync model``. The cli
 - the official ``openai`` package (this venv), completions and chat, streaming or not, ``n=2``, logprobs,
   ``min_version``, an impossible ``exact_version`` and an unknown model, at its default retries.
 
+Before them, the vLLM server itself (not through the gateway) is asked to tokenize: it must tokenize the folder
+exactly as the torch engine does (completions prompts with their BOS, chat through the folder's template), count
+the same prompt tokens and name an unknown model as it always does (the gateway's 404 passes that on).
+
 Each run SIGKILLs a torch replica (``a``, then ``b``, then ``a``) once a fifth to a quarter of its requests are
 answered and the victim has one in flight (at the latest once half are); it is started again before the next
 run. What must hold: every request is accounted for, as ok (every token there: no silent truncation), a
@@ -36,8 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from flipsync.engines.torch.tokenizer import ByteTokenizer
+from tests.engines.test_torch_openai_tokenize import CHATS, PROMPTS
 from tests.fleet.real_clients_helpers import (
     MODEL_NAME,
     VLLM_PYTHON_VAR,
@@ -391,8 +398,42 @@ def openai_checks(c: Checks, run: OpenAIRun, fleet: RealFleet) -> None:
     c.check("openai: both engines served", served["vllm"] > 0 and served["torch"] > 0, served)
 
 
+# -- vLLM tokenizes the folder as the torch engine does --------------------------------------------------------
+
+
+def tokenize_checks(c: Checks, fleet: RealFleet) -> None:
+    """Straight to ``vllm serve``: its ``/tokenize`` and chat usage against `ByteTokenizer`, and its unknown-model
+    error, on the model folder ``flipsync model`` writes (the same folder the torch replicas serve)."""
+    tok = ByteTokenizer()
+    url = f"http://127.0.0.1:{fleet.vllm_port}"
+    with httpx.Client(timeout=120) as client:
+        for text in PROMPTS:
+            got = client.post(url + "/tokenize", json={"model": MODEL_NAME, "prompt": text}).json().get("tokens")
+            c.check(f"vllm tokenizes {text!r} as the torch engine", got == tok.encode(text), got)
+        for messages in CHATS:
+            body = {"model": MODEL_NAME, "messages": messages, "add_generation_prompt": True}
+            got = client.post(url + "/tokenize", json=body).json().get("tokens")
+            c.check(f"vllm's chat template of {messages!r}", got == tok.chat_prompt(messages), got)
+            chat = {"model": MODEL_NAME, "messages": messages, "max_tokens": 1}
+            answer = client.post(url + "/v1/chat/completions", json=chat)
+            counted = answer.json().get("usage", {}).get("prompt_tokens") if answer.status_code == 200 else None
+            c.check(
+                f"vllm counts the chat prompt {messages!r} as the torch engine",
+                counted == len(tok.chat_prompt(messages)),
+                f"{answer.status_code} {answer.text[:300]}",
+            )
+        missing = client.post(url + "/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 1})
+        message = missing.json().get("error", {}).get("message") if missing.status_code == 404 else None
+        c.check(
+            "vllm names an unknown model",
+            message == f"The model `nope` does not exist. Valid aliases: {MODEL_NAME}.",
+            f"{missing.status_code} {missing.text[:300]}",
+        )
+
+
 def test_real_clients_through_the_gateway_with_a_kill(fleet: RealFleet) -> None:
     checks = Checks()
+    tokenize_checks(checks, fleet)
     for backend in ("openai", "openai-chat"):
         bench_checks(checks, bench_run(fleet, backend))
     openai_checks(checks, openai_run(fleet), fleet)

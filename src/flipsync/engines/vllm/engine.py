@@ -363,7 +363,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
         gather_s = time.perf_counter() - t_gather
         host_copy_writes: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         per_rank: dict[str, list[list[str]]] = {}
-        readback: dict[str, list[tuple[str, bytes, bytes]]] = {}
+        readback: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
         targets: dict[str, TensorId] = {}
         for name, ch in changes.items():
             new = from_key(ch.new_keys(to_key(old[name], ch.dtype)), ch.dtype)
@@ -374,7 +374,7 @@ class VllmEngine(Engine[VllmStaged, VllmUndo]):
                 if base is not None:
                     write.append(bits_digest(old[name][hit]))
                 per_rank.setdefault(rank, []).append(write)
-                readback.setdefault(rank, []).append((pname, np.asarray(ppos, np.int64).tobytes(), new[hit].tobytes()))
+                readback.setdefault(rank, []).append((pname, ppos, new[hit]))
             if base is not None:
                 host_copy_writes[name] = (pos, old[name], new)
             targets[name] = TensorId(ch.dtype.name, ch.shape, fp)

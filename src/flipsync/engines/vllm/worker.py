@@ -21,6 +21,7 @@ import torch
 from flipsync.codec.bits import DType, dtype_named, dtype_of
 from flipsync.codec.fingerprint import fingerprint_of, fp_hex
 from flipsync.engines.vllm.blockmap import (
+    copy_blocks,
     exact_int_base,
     group_key,
     iter_chunks,
@@ -310,9 +311,7 @@ class WorkerCore(KernelAuditor):
             d = dtype_named(dname)
             out = torch.zeros(shape, dtype=d.torch_dtype)
             for pname, blocks in self.maps[name]:
-                target = self._target(pname, live)
-                for c, p in iter_chunks(blocks):
-                    write_bits(out, c, read_as(target, p, d))
+                copy_blocks(out, self._target(pname, live), blocks, d)
             tensors.append((name, out))
         return tensors
 
@@ -389,7 +388,7 @@ class WorkerCore(KernelAuditor):
                         f"rank {self.rank}: read-back of {pname!r} after the commit differs from what was written "
                         f"at {int((got != bits).sum())} of {pos.size} positions; the update is refused"
                     )
-                readback.append((pname, pos.astype(np.int64).tobytes(), got.tobytes()))
+                readback.append((pname, pos, got))
         except BaseException as e:
             try:
                 self._revert(entry)
