@@ -41,11 +41,7 @@ from flipsync_apps.demo.vllm_server import VllmServer
 
 log = logging.getLogger(__name__)
 
-# How far an island's engine yields to the trainer on the demo's shared cores, per engine. vLLM's yields less:
-# its commit (every touched layer reloaded and audited, 0.26 s of CPU quiet) ran 1.2-2.2 s in the worker at
-# nice 10 beside the trainer and 0.8-1.3 s at nice 5, the trainer's step rate no lower (docs/engines.md, "One
-# version's apply at the demo's size, and in the demo").
-ENGINE_NICE = {"torch": 10, "vllm": 5}
+ENGINE_NICE = 10  # how far an island's engine yields to the trainer on the demo's shared cores
 
 
 def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
@@ -56,7 +52,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     # its own cores beside a GPU engine; only its `vllm serve` is lowered. The torch engine runs in this process.
     if spec.control or spec.engine != "vllm":
         with contextlib.suppress(OSError):
-            os.nice(ENGINE_NICE[spec.engine])
+            os.nice(ENGINE_NICE)
     if spec.control:
         control_main(spec, conn, meters)
         return
@@ -77,7 +73,7 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
     engine: Engine
     server: VllmServer | None = None
     if spec.engine == "vllm":
-        server = VllmServer(spec.model, spec.name, binding=spec.binding, nice=ENGINE_NICE["vllm"]).start()
+        server = VllmServer(spec.model, spec.name, binding=spec.binding, nice=ENGINE_NICE).start()
         engine = server.attach()
         upstream = server.url
         stop_engine = server.stop
