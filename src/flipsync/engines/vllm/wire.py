@@ -43,8 +43,8 @@ def b64(a: np.ndarray) -> str:
 
 
 def unb64(s: str, dtype: DTypeLike) -> np.ndarray:
-    # strict_mode: the C decoder rejects what base64.b64decode(validate=True) rejects, without its regex pass
-    # over the whole string (a tenth of a version's apply on vLLM)
+    # strict_mode: the C decoder rejects what base64.b64decode(validate=True) rejects, in one pass (no regex
+    # check first: 36 -> 33 ms for a 7 MB request)
     try:
         raw = binascii.a2b_base64(s, strict_mode=True)
     except (binascii.Error, ValueError) as e:
