@@ -35,7 +35,7 @@ from flipsync.engines.vllm.blockmap import (
 from flipsync.engines.vllm.engine import VllmEngine
 from flipsync.engines.vllm.rpc_transports import LocalTransport
 from flipsync.engines.vllm.tensor_specs import specs_of
-from flipsync.engines.vllm.wire import WorkerOpError
+from flipsync.engines.vllm.wire import WorkerOpError, b64, unb64
 from flipsync.engines.vllm.worker import WorkerCore
 from flipsync.errors import (
     BaseMismatchError,
@@ -117,18 +117,30 @@ def test_block_copies_rebuild_the_checkpoint_as_the_index_path_does(
     assert torch.equal(int_view(got), int_view(want))
 
 
-def test_block_copies_take_blocks_written_in_either_direction() -> None:
-    """Blocks whose rows run backwards on either side (a hand-written map; `compress_map` ascends on the
-    checkpoint side) copy as the index path does."""
+def test_block_copies_take_rows_that_run_backwards_on_the_parameter_side() -> None:
+    """Blocks whose parameter rows run backwards (a permuted map) or repeat copy as the index path does; a block
+    that breaks the format (checkpoint rows backwards or overlapping: `compress_map` never writes one) is refused."""
     ck = dtype_of(torch.zeros(1, dtype=torch.bfloat16))
     param = torch.arange(40, dtype=torch.int16).view(torch.bfloat16)
-    for block in ([12, 30, 3, 4, -4, -7], [0, 30, 3, 4, 4, -7], [12, 0, 3, 4, -4, 9], [0, 5, 4, 3, 5, 0]):
+    for block in ([0, 30, 3, 4, 4, -7], [1, 2, 3, 4, 4, -0], [0, 5, 4, 3, 5, 0]):
         blocks = np.array([block], dtype=np.int64)
         want, got = torch.zeros(16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
         for c, p in iter_chunks(blocks):
             write_bits(want, c, read_as(param, p, ck))
         copy_blocks(got, param, blocks, ck)
         assert torch.equal(int_view(got), int_view(want)), block
+    for block in ([12, 30, 3, 4, -4, -7], [0, 0, 3, 4, 2, 3]):
+        with pytest.raises(WorkerOpError, match="breaks the block format"):
+            copy_blocks(torch.zeros(16, dtype=torch.bfloat16), param, np.array([block], dtype=np.int64), ck)
+
+
+def test_a_request_array_that_is_not_base64_is_refused() -> None:
+    # what base64.b64decode(validate=True) refused too: a character outside the alphabet, whitespace, a short
+    # last group, padding in the middle or first
+    for text in ("AAAA$AAA", "AAAA AAAA", "AAA", "AA=A", "=AAA"):
+        with pytest.raises(WorkerOpError, match="not valid base64"):
+            unb64(text, np.int32)
+    assert unb64(b64(np.arange(3, dtype=np.int32)), np.int32).tolist() == [0, 1, 2]
 
 
 def test_block_copies_refuse_what_does_not_fit() -> None:

@@ -163,18 +163,25 @@ def widens(src: torch.dtype, dst: torch.dtype) -> bool:
     return src in (torch.bfloat16, torch.float16) and dst == torch.float32
 
 
+def narrowed(vals: torch.Tensor, ck: DType) -> torch.Tensor:
+    """``vals`` (a widened parameter's elements, any strides) in checkpoint dtype ``ck``, refused unless every one
+    converts back to the same bits: a parameter that no longer holds what the checkpoint loaded into it."""
+    back = vals.to(ck.torch_dtype)
+    wide = int_view(vals.new_empty(0)).dtype  # the same-width integer dtype, compared bit for bit
+    if not torch.equal(back.to(vals.dtype).view(wide), vals.view(wide)):
+        raise WorkerOpError(
+            f"a {vals.dtype} parameter holds values that are not {ck.name} values; it no longer holds what the "
+            "checkpoint loaded into it"
+        )
+    return back
+
+
 def read_as(t: torch.Tensor, positions: np.ndarray, ck: DType) -> np.ndarray:
     """The checkpoint-dtype bits of elements ``positions`` of ``t`` (which may hold them widened)."""
     if t.dtype == ck.torch_dtype:
         return read_bits(t, positions)
     flat = t.detach().reshape(-1)
-    vals = flat[torch.from_numpy(positions).to(flat.device)]
-    back = vals.to(ck.torch_dtype)
-    if not torch.equal(int_view(back.to(t.dtype)), int_view(vals)):
-        raise WorkerOpError(
-            f"a {t.dtype} parameter holds values that are not {ck.name} values; it no longer holds what the "
-            "checkpoint loaded into it"
-        )
+    back = narrowed(flat[torch.from_numpy(positions).to(flat.device)], ck)
     return int_view(back).cpu().numpy().view(ck.uint_numpy)
 
 
@@ -192,34 +199,24 @@ def copy_blocks(dst: torch.Tensor, src: torch.Tensor, blocks: np.ndarray, ck: DT
     for c0, p0, length, count, cs, ps in blocks.tolist():
         if count <= 0 or length <= 0:
             continue
-        if cs < 0:  # the same pairs with the rows taken in the other order: the checkpoint side ascends
-            c0, p0, cs, ps = c0 + (count - 1) * cs, p0 + (count - 1) * ps, -cs, -ps
-        p_lo = p0 + min(0, (count - 1) * ps)
+        p_lo = p0 + min(0, (count - 1) * ps)  # a permuted map's rows may run backwards on the parameter side
         if (
             min(c0, p_lo) < 0
+            or (count > 1 and cs < length)  # the block format's own rule: each checkpoint element once
             or c0 + (count - 1) * cs + length > out.numel()
             or p0 + max(0, (count - 1) * ps) + length > flat.numel()
         ):
             raise WorkerOpError(
                 f"a block of the map ({c0}, {p0}, {length}, {count}, {cs}, {ps}) lies outside its tensors "
-                f"({out.numel()} checkpoint, {flat.numel()} parameter elements): the map does not fit this engine"
+                f"({out.numel()} checkpoint, {flat.numel()} parameter elements) or breaks the block format: the "
+                "map does not fit this engine"
             )
         # as_strided's offset counts from the storage's start, not the view's; it takes no negative stride
         got = flat.as_strided((count, length), (abs(ps), 1), flat.storage_offset() + p_lo)
         if ps < 0:
             got = got.flip(0)
         into = out.as_strided((count, length), (cs, 1), out.storage_offset() + c0)
-        if same:
-            into.copy_(got)
-            continue
-        back = got.to(ck.torch_dtype)
-        wide = int_view(held).dtype
-        if not torch.equal(back.to(got.dtype).view(wide), got.view(wide)):
-            raise WorkerOpError(
-                f"a {got.dtype} parameter holds values that are not {ck.name} values; it no longer holds what the "
-                "checkpoint loaded into it"
-            )
-        into.copy_(back.view(out.dtype))
+        into.copy_(got if same else narrowed(got, ck).view(out.dtype))
 
 
 def write_as(t: torch.Tensor, positions: np.ndarray, bits: np.ndarray, ck: DType) -> None:
