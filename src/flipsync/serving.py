@@ -23,6 +23,11 @@ from flipsync.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+# How long flipsync's servers keep an idle connection: longer than the gateway keeps its pooled connections to
+# sidecars (30 s), so that a server never closes a connection just as its client reuses it (uvicorn's default of
+# 5 s did, and each such request failed or was retried).
+KEEP_ALIVE_S = 75
+
 
 # The header the openai client (and others built with Stainless) obeys over its own retry rules: an answer a retry
 # cannot change carries "false", so the client does not repeat it (it retries 408, 409, 429 and 5xx by default).
@@ -93,7 +98,9 @@ def serve_until_signal(app: ASGIApp, host: str, port: int, *, before_exit: Calla
     server keeps serving the requests in flight, and the server stops once it returns; a second stops it at once.
     """
     with exit_on_signals():
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE_S
+        )
         (uvicorn.Server(config) if before_exit is None else _LeavingServer(config, before_exit)).run()
 
 
@@ -127,7 +134,14 @@ class ServerThread:
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=3
+            app,
+            host=host,
+            port=port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=3,
+            timeout_keep_alive=KEEP_ALIVE_S,
         )
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, name=f"uvicorn-{host}:{port}", daemon=True)

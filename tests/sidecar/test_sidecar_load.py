@@ -42,6 +42,8 @@ async def _one(client: httpx.AsyncClient, i: int, current: int) -> dict[str, Any
         out["status"] = r.status_code
         if r.status_code == 409:
             out["refusal"] = r.json()["weight_version"]
+        elif r.status_code != 200:
+            out["body"] = r.text[:300]
         if r.status_code == 200:
             doc = r.json()
             out["span"] = doc["weight_version"]
@@ -53,6 +55,8 @@ async def _one(client: httpx.AsyncClient, i: int, current: int) -> dict[str, Any
             await r.aread()
             if r.status_code == 409:
                 out["refusal"] = r.json()["weight_version"]
+            else:
+                out["body"] = r.text[:300]
             return out
         events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: {")]
     out["span"] = events[-1]["weight_version"]
@@ -71,7 +75,7 @@ def test_proxy_under_load_while_versions_land(
     trainer: Trainer, make_stack: StackFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     s = make_stack(poll=0.05)
-    assert s.replica.wait_version(0, 10)
+    assert s.replica.wait_version(0, 60)  # a readiness wait: minutes of CPU are not what this test measures
     stop = threading.Event()
     published: list[int] = []
 
@@ -92,7 +96,7 @@ def test_proxy_under_load_while_versions_land(
 
     assert len(results) == REQUESTS  # nothing lost
     statuses = {r["status"] for r in results}
-    assert statuses <= {200, 409}, statuses
+    assert statuses <= {200, 409}, [r for r in results if r["status"] not in (200, 409)][:3]
     for r in results:
         c = r["constraint"]
         if "min_version" in c and c["min_version"] > trainer.version:

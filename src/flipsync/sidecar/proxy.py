@@ -151,7 +151,9 @@ def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader 
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         clients["upstream"] = httpx.AsyncClient(
             timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64),
+            # Idle connections are let go before the engine's server would close them (uvicorn's keep-alive, which
+            # vLLM and SGLang serve with, is 5 s): a connection closed as it is reused fails the request on it.
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
         try:
             yield
@@ -239,13 +241,25 @@ def create_proxy_app(replica: Replica, config: ProxyConfig, *, load: LoadReader 
             headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
             headers["content-type"] = "application/json"
         timeout = httpx.Timeout(None, connect=config.connect_timeout_s) if whole else httpx.USE_CLIENT_DEFAULT
-        req = client.build_request(request.method, url, headers=headers, content=content, timeout=timeout)
-        try:
-            return await client.send(req, stream=True)
-        except httpx.TimeoutException as e:
-            return error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
-        except httpx.HTTPError as e:
-            return error(502, f"the engine at {upstream} is unreachable: {e}", "upstream_unavailable")
+        again = True
+        while True:
+            req = client.build_request(request.method, url, headers=headers, content=content, timeout=timeout)
+            try:
+                return await client.send(req, stream=True)
+            except httpx.TimeoutException as e:
+                return error(504, f"the engine at {upstream} timed out: {e}", "upstream_timeout")
+            except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as e:
+                failure: httpx.HTTPError = e
+                if again:
+                    # No answer began: most often a pooled connection the engine closed as it was reused (its
+                    # keep-alive ran out). The request is sent once more, on a new connection.
+                    again = False
+                    log.info("the engine at %s dropped a connection before answering (%r); sending again", upstream, e)
+                    continue
+            except httpx.HTTPError as e:
+                failure = e
+            detail = f"{type(failure).__name__}: {failure}"
+            return error(502, f"the engine at {upstream} is unreachable: {detail}", "upstream_unavailable")
 
     async def passthrough(request: Request, path: str) -> Response:
         resp = await send(request, path, await request.body())
