@@ -507,3 +507,63 @@ def _aiohttp_stream(url: str, body: dict[str, Any]) -> str:
             return "ok"
 
     return asyncio.run(read())
+
+
+class _DroppingEngine:
+    """A raw HTTP engine on loopback that closes its first ``drops`` connections once it has read the request,
+    without a byte of answer (what a server does to a keep-alive connection whose idle time ran out as the
+    client reused it), and answers the rest with a small completion."""
+
+    def __init__(self, drops: int) -> None:
+        self.drops, self.requests = drops, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed
+                return
+            with conn:
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    head += chunk
+                self.requests += 1
+                if self.requests <= self.drops:
+                    continue  # closed without an answer
+                body = b'{"choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}'
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("drops", [1, 2])
+def test_a_connection_dropped_before_any_answer_is_sent_again_once(
+    trainer: Trainer, make_stack: StackFactory, drops: int
+) -> None:
+    """A connection the engine closes before answering (its keep-alive ran out as the proxy reused it) costs
+    the client nothing: the request goes again, once, on a new connection. Twice in a row is a 502 that names
+    what happened."""
+    engine = _DroppingEngine(drops)
+    try:
+        s = make_stack(upstream=engine.url)
+        assert s.replica.wait_version(0, 60)
+        r = s.client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        assert engine.requests == 2
+        if drops == 1:
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
+        else:
+            assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable", r.text
+            assert "RemoteProtocolError" in r.json()["error"]["message"]
+        assert s.sidecar.gate.in_flight == 0
+    finally:
+        engine.close()
