@@ -82,3 +82,33 @@ def test_the_race_breaks_numbas_own_cache(tmp_path: Path) -> None:
     # The same race on numba's cache=True: a signature loads another's code, so the check above can fail.
     done = _race_then_load(tmp_path, stock=True)
     assert done.returncode != 0
+
+
+def test_each_numba_version_keeps_its_own_cache_files(tmp_path: Path) -> None:
+    """vLLM's CPU build pins another numba than the library's, and both environments share the source tree's
+    cache: numba drops an index another version wrote, so each environment recompiled after the other ran.
+    Here a process under another numba version (faked) compiles between two under this one; the last still
+    loads every kernel from the cache."""
+    (tmp_path / "shared_kernel.py").write_text(KERNEL.format(stock=False))
+    run = textwrap.dedent("""
+        import sys
+        import numba
+        if sys.argv[1] != "-":
+            numba.__version__ = sys.argv[1]
+        import numpy as np
+        sys.path.insert(0, sys.argv[2])
+        import shared_kernel
+        assert shared_kernel.weighted_sum(np.arange(5, dtype="int16")) == 40
+        print(sum(shared_kernel.weighted_sum.stats.cache_hits.values()))
+    """)
+
+    def hits(version: str) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", run, version, str(tmp_path)], capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        return int(done.stdout.split()[-1])
+
+    assert hits("-") == 0  # compiled and saved
+    assert hits("0.0.1") == 0  # another numba: compiles its own
+    assert hits("-") == 1  # this numba's files are still there

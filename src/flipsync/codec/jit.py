@@ -3,7 +3,8 @@ and CPU instructions numba has no builtin for (count leading zeros, a 64x64-bit 
 
 numba numbers a function's cached files in the order signatures arrive, so two processes compiling two
 signatures at once could both take file 1 and the index send one signature to the other's machine code
-(numba#10128: "can't unbox array", or a crash). Here each signature's file is named by a hash of its key."""
+(numba#10128: "can't unbox array", or a crash). Here each signature's file is named by a hash of its key, and
+each numba version keeps files of its own."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def kernel(fn: Callable[..., Any] | None = None, **options: Any) -> Any:
     dispatcher = numba.njit(nogil=True, cache=True, **options)(fn)
     cache = dispatcher._cache  # numba's FunctionCache (Dispatcher.enable_caching): keep it, swap its files for ours
     base, stamp = cache._impl.filename_base, cache._cache_file._source_stamp  # named apart: numba's index may be bad
-    cache._cache_file = _SignatureFiles(cache.cache_path, f"{base}.bykey", stamp)
+    # numba's version in the names: an index written by another numba is dropped whole on load (vLLM's CPU build
+    # pins an older numba than the library's), so two environments sharing this folder recompiled after each other
+    cache._cache_file = _SignatureFiles(cache.cache_path, f"{base}.bykey-{numba.__version__}", stamp)
     return dispatcher
 
 
