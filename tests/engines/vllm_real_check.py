@@ -295,14 +295,17 @@ def server(workdir: Path) -> dict:
 # ------------------------------------------------------------------------------------------------ cases
 # name -> (architecture, served format, tensor parallel size, break a post-load step once, engine dtype)
 CASES = {
-    "dense-tp2": ("llama", "bf16", 2, True, "bfloat16"),
     "dense-fp32": ("llama", "bf16", 1, False, "float32"),  # BF16 checkpoint tensors widened into FP32 parameters
     "moe": ("moe", "bf16", 1, False, "bfloat16"),
-    "moe-tp2": ("moe", "bf16", 2, False, "bfloat16"),
     "glm": ("glm", "bf16", 1, False, "bfloat16"),  # GLM-4.5-Air's shape: dense layer 0, shared + routed experts
+    # tensor parallel 2 on the shape with every kind of layer (dense MLP, attention with bias, shared and routed
+    # experts): one TP 2 case where a dense Llama and a Qwen3-MoE each took one (their worker processes start twice)
+    "glm-tp2": ("glm", "bf16", 2, True, "bfloat16"),
     "fp8": ("llama", "fp8-channel", 1, False, "bfloat16"),
     "int8": ("llama", "int8-channel", 1, False, "bfloat16"),
 }
+# the dense MLP whose post-load step a fault case breaks (GLM's layer 0 is its only dense one)
+FAULT_LAYER = {"llama": "model.layers.1.mlp.down_proj", "glm": "model.layers.0.mlp.down_proj"}
 CASE_PROMPTS = ["hello world from", "the trainer publishes", "a sidecar applies", "every replica reports"]
 
 
@@ -433,7 +436,7 @@ def case(workdir: Path, name: str) -> dict:
     k3 = engine.kernel_state()
     timings["kernel_state_s"] = time.perf_counter() - t
     if fault:
-        layer = "model.layers.1.mlp.down_proj"
+        layer = FAULT_LAYER[arch]
         broken = llm.collective_rpc("flipsync_break_post_load", args=(layer, 0))
         checks["fault_installed_on_rank_0"] = list(broken) == [True] + [False] * (tp - 1)
         try:
