@@ -17,6 +17,7 @@ from flipsync.engines.vllm.kernels import (
     KernelHooks,
     compare,
     digest,
+    fingerprint,
     module_tensors,
     state_tensors,
 )
@@ -27,8 +28,8 @@ from flipsync.engines.vllm.wire import AUDIT_EVERY, AUDIT_OFF, AuditError
 log = logging.getLogger("flipsync.engines.vllm.worker")
 
 _KIND_UNKNOWN, _KIND_FAITHFUL, _KIND_REPAIRED = "unknown", "faithful", "repaired"
-# A live layer's probes as taken before any twin: (rows probed or None for all, seed, label -> digest).
-Observed = tuple[int | None, int, dict[str, list[Any]]]
+# A live layer's probes as taken before any twin: (rows probed or None for all, seed, label -> fingerprint).
+Observed = tuple[int | None, int, dict[str, Any]]
 
 
 class KernelAuditor(MapLearner):
@@ -140,7 +141,7 @@ class KernelAuditor(MapLearner):
             return bad + compare(live, self.hooks.probe(mname, twin, rows, seed), "probe ")
         rows, seed, before = seen
         fresh = self.hooks.probe(mname, twin, rows, seed)
-        if {label: digest(t) for label, t in fresh.items()} == before:
+        if {label: fingerprint(t) for label, t in fresh.items()} == before:
             return bad
         now = compare(self.hooks.probe(mname, module, rows, seed), fresh, "probe ")
         return bad + (now or [f"probe {', '.join(sorted(before))} differed from a fresh load right after the "
@@ -148,14 +149,14 @@ class KernelAuditor(MapLearner):
                               "pointer into tensors the reload freed)"])  # fmt: skip
 
     def _observe(self, mname: str, rows: int | None) -> Observed:
-        """Blind spot 8: the live layer's probes, digested, taken right after the reload and before any twin is
-        built. A kernel that kept a pointer into tensors the reload freed (vLLM CPU's oneDNN INT8 handle reads
+        """Blind spot 8: the live layer's probes, fingerprinted, taken right after the reload and before any twin
+        is built. A kernel that kept a pointer into tensors the reload freed (vLLM CPU's oneDNN INT8 handle reads
         its weight scales so) computes right whenever a twin loading the same values is given that freed
         memory, as the allocator does; a probe taken after the twin was built then passed such a kind as
         faithful, and its other layers were refused."""
         seed = self._rng.randrange(1 << 30)
         module = self.model.get_submodule(mname)
-        return rows, seed, {label: digest(t) for label, t in self.hooks.probe(mname, module, rows, seed).items()}
+        return rows, seed, {label: fingerprint(t) for label, t in self.hooks.probe(mname, module, rows, seed).items()}
 
     def _adopt(self, mname: str, twin: torch.nn.Module, *, opaque: bool = False) -> tuple[list[str], bool]:
         """Make layer ``mname`` hold its twin's processed state: tensors copied into the live storage (same

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from flipsync.codec.bits import int_view
 
@@ -106,6 +107,12 @@ def digest(t: torch.Tensor) -> list[Any]:
     """[shape, dtype, strides, blake2b of the bits in logical order]: what two engines can compare."""
     h = hashlib.blake2b(_bits(t).numpy().tobytes(), digest_size=16).hexdigest()
     return [list(t.shape), str(t.dtype).removeprefix("torch."), list(t.stride()), h]
+
+
+def fingerprint(t: torch.Tensor) -> tuple[tuple[int, ...], str, tuple[int, ...], int]:
+    """Shape, dtype, strides and a 128-bit xxh3 of the bits: whether a tensor changed within one process (the
+    audit's early probes), several times faster than `digest`, which is what two engines exchange."""
+    return tuple(t.shape), str(t.dtype), tuple(t.stride()), xxhash.xxh3_128_intdigest(_bits(t).numpy().data)
 
 
 def probe_rows(k: int, rows: int | None, seed: int) -> np.ndarray:
