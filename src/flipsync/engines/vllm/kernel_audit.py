@@ -130,15 +130,15 @@ class KernelAuditor(MapLearner):
         """The checkpoint tensors that load into ``modules``, shared parameters included."""
         return {n for m in modules for n in self.feeds.get(m, ())}
 
-    def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None, seen: Observed | None = None) -> list[str]:
-        """What differs between layer ``mname`` as the kernels hold it and its twin (empty: nothing). ``seen``:
-        the live layer's probes as `_observe` took them before any twin was built (their rows and seed)."""
+    def _compare(self, mname: str, twin: torch.nn.Module, rows: int | None) -> list[str]:
+        """What differs between layer ``mname`` as the kernels hold it now and its twin (empty: nothing)."""
+        return self._against(mname, twin, self._observe(mname, rows))
+
+    def _against(self, mname: str, twin: torch.nn.Module, seen: Observed) -> list[str]:
+        """What differs between layer ``mname`` and its twin: their tensors now, the twin's probes against the live
+        layer's as `_observe` took them (``seen``; in a reload's audit, before any twin was built)."""
         module = self.model.get_submodule(mname)
         bad = compare(state_tensors(module), state_tensors(twin))
-        if seen is None:
-            seed = self._rng.randrange(1 << 30)
-            live = self.hooks.probe(mname, module, rows, seed)
-            return bad + compare(live, self.hooks.probe(mname, twin, rows, seed), "probe ")
         rows, seed, before = seen
         fresh = self.hooks.probe(mname, twin, rows, seed)
         if {label: fingerprint(t) for label, t in fresh.items()} == before:
@@ -223,7 +223,7 @@ class KernelAuditor(MapLearner):
                     if not bad:
                         continue
                 else:
-                    bad = self._compare(m, twin, None, seen[m])
+                    bad = self._against(m, twin, seen[m])
                     if not bad:
                         self.kinds.setdefault(kind, _KIND_FAITHFUL)
                         continue
