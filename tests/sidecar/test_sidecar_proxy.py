@@ -563,7 +563,8 @@ def test_a_connection_dropped_before_any_answer_is_sent_again_once(
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok", r.text
         else:
             assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_unavailable", r.text
-            assert "RemoteProtocolError" in r.json()["error"]["message"]
+            # a close seen before or after the request went out: either error the retry covers, named
+            assert any(e in r.json()["error"]["message"] for e in ("RemoteProtocolError", "ReadError", "WriteError"))
         assert s.sidecar.gate.in_flight == 0
     finally:
         engine.close()
