@@ -47,10 +47,18 @@ def _wait_http(url: str, timeout: float, procs: list[subprocess.Popen[bytes]]) -
     raise TimeoutError(url)
 
 
+def _wait_log(log: Path, text: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in log.read_text(errors="replace"):
+        assert proc.poll() is None, f"the process exited early: {log.read_text(errors='replace')[-2000:]}"
+        assert time.monotonic() < deadline, f"{text!r} not in {log} after {timeout} s"
+        time.sleep(0.1)
+
+
 def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str, tmp_path: Path) -> None:
+    """The sidecar starts before its relay (as containers of one pod may): it waits for the relay, then follows."""
     trainer = Trainer(store)
     relay_port, proxy_port = _free_port(), _free_port()
-    relay = _start(["relay", "--board", board_dir, "--listen", f"127.0.0.1:{relay_port}"], tmp_path / "relay.log")
     side = _start(
         [
             "sidecar",
@@ -68,7 +76,10 @@ def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str,
         tmp_path / "sidecar.log",
     )
     base = f"http://127.0.0.1:{proxy_port}"
+    relay = None
     try:
+        _wait_log(tmp_path / "sidecar.log", "cannot be read yet", 90, side)
+        relay = _start(["relay", "--board", board_dir, "--listen", f"127.0.0.1:{relay_port}"], tmp_path / "relay.log")
         _wait_http(f"http://127.0.0.1:{relay_port}/health", 60, [relay])
         _wait_http(f"{base}/flipsync/status", 90, [side])
         r = httpx.get(f"{base}/flipsync/wait", params={"min_version": 0, "timeout_s": 30}, timeout=40)
@@ -83,9 +94,17 @@ def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str,
         stats = httpx.get(f"http://127.0.0.1:{relay_port}/relay/stats", timeout=10).json()
         assert stats["upstream"] > 0 and stats["board"].startswith("file://")
     finally:
-        codes = (stop_process(side), stop_process(relay))
-    logs = (tmp_path / "sidecar.log").read_text() + (tmp_path / "relay.log").read_text()
+        codes = (stop_process(side), stop_process(relay) if relay is not None else None)
+    logs = "".join(f.read_text() for f in (tmp_path / "sidecar.log", tmp_path / "relay.log") if f.exists())
     assert codes == (0, 0), logs
+
+
+def test_a_board_still_unreachable_after_the_wait_timeout_is_an_error() -> None:
+    args = ["sidecar", "--board", f"http://127.0.0.1:{_free_port()}", "--wait-timeout", "1", "--poll", "0.1"]
+    t = time.monotonic()
+    r = CliRunner().invoke(sidecar_app, args)
+    assert r.exit_code == 2 and "check that the relay is running" in r.output, r.output
+    assert 1 <= time.monotonic() - t < 30  # waited, then gave up
 
 
 def test_cli_refuses_bad_settings(board_dir: str, store: ObstoreStore) -> None:

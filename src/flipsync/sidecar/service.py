@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI
 
@@ -15,7 +15,7 @@ from flipsync.board.mirror import MirrorCollector, find_mirror
 from flipsync.board.reader import BoardReader
 from flipsync.board.signing import Signer, Verifier
 from flipsync.engines.base import Engine
-from flipsync.errors import ConfigError
+from flipsync.errors import ConfigError, TransientStoreError
 from flipsync.formats import get_format
 from flipsync.serving import ServerThread
 from flipsync.sidecar.gate import RequestGate
@@ -31,6 +31,26 @@ if TYPE_CHECKING:
     from flipsync.sidecar.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def read_at_boot(read: Callable[[], T], store: Store, *, poll_s: float, timeout_s: float | None = None) -> T:
+    """``read()``, tried again while the board fails transiently: a sidecar may start before the relay or the
+    store it reads (containers of one pod start together), which is waited for as a run with no version is. It says
+    why every minute and raises the store's last error after ``timeout_s`` (None: never)."""
+    start = time.monotonic()
+    next_warning = start
+    while True:
+        try:
+            return read()
+        except TransientStoreError as e:
+            now = time.monotonic()
+            if timeout_s is not None and now - start >= timeout_s:
+                raise
+            if now >= next_warning:
+                log.warning("the board %s cannot be read yet (%s); the sidecar keeps trying", store.url, e)
+                next_warning = now + 60.0
+            time.sleep(poll_s)
 
 
 def find_run(store: Store) -> str:
@@ -67,10 +87,15 @@ def wait_for_format(reader: BoardReader, *, poll_s: float, timeout_s: float | No
     """The served format of the run's HEAD, polling until the run has a first version: a sidecar may start before
     its trainer, so an empty or missing run is waited for, not refused. It says why every minute (naming the runs
     that exist when the run is not one of them), and gives up with a ConfigError after ``timeout_s`` (None: never).
+    A board that cannot be read yet is waited for too (`read_at_boot`).
     """
     start = time.monotonic()
     next_warning = start
-    while (fmt := board_format(reader)) is None:
+
+    def head_format() -> str | None:
+        return read_at_boot(lambda: board_format(reader), reader.store, poll_s=poll_s, timeout_s=timeout_s)
+
+    while (fmt := head_format()) is None:
         now = time.monotonic()
         if timeout_s is not None and now - start >= timeout_s:
             raise ConfigError(
@@ -231,7 +256,13 @@ def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | N
             store = MirrorStore(store, origin, MirrorPolicy(wait_s=wait_s))
         if s.fetch_ahead_s > 0:
             store = FetchAhead(store, interval_s=s.fetch_ahead_s)
-        run = s.run or find_run(store)
+        board = store  # the board's store for the closures below (typed as opened)
+
+        def at_boot(read: Callable[[], T]) -> T:
+            with exit_on_signals():
+                return read_at_boot(read, board, poll_s=max(s.poll_s, 0.5), timeout_s=s.wait_timeout_s)
+
+        run = s.run or at_boot(lambda: find_run(board))
         fmt = s.served_format
         if s.engine == "torch" or s.served_format is not None:
             # The torch engine is built in the board's format, and a format is checked against it: both need a
@@ -241,7 +272,7 @@ def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | N
                     BoardReader(store, run, verifier=verifier), poll_s=s.poll_s, timeout_s=s.wait_timeout_s
                 )
             fmt = check_format(s.served_format, board_fmt, run)
-        elif board_format(BoardReader(store, run, verifier=verifier)) is None:
+        elif at_boot(lambda: board_format(BoardReader(board, run, verifier=verifier))) is None:
             log.warning("%s; the sidecar waits for it", no_version_yet(store, run))
         if s.engine == "torch":
             from flipsync.engines.torch.openai_server import start_torch_engine  # the torch-engine extra
@@ -268,7 +299,7 @@ def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | N
             assert s.upstream is not None
             engine = load_engine(s.engine, EngineOptions(s.upstream, fmt, s.device, dict(s.engine_options)))
             upstream_url = s.upstream
-        check_decodable(BoardReader(store, run, verifier=verifier), engine)
+        at_boot(lambda: check_decodable(BoardReader(board, run, verifier=verifier), engine))
         service = Sidecar(
             store,
             run,
