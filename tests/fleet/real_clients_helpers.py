@@ -420,6 +420,7 @@ class Killer:
     killed_at: float | None = None  # monotonic
     in_flight_at_kill: float = 0.0
     done_at_kill: float = 0.0
+    ok_at_kill: float = 0.0  # the victim's ok answers just before the kill (its metrics die with it)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     error: str | None = None
@@ -440,6 +441,7 @@ class Killer:
                     busy = proxy_in_flight(replica)
                     if busy >= 1 or done >= latest:
                         self.in_flight_at_kill, self.done_at_kill = busy, done
+                        self.ok_at_kill = proxy_ok(replica)
                         self.killed_at = time.monotonic()
                         self.fleet.kill(self.victim)
                         return
@@ -487,7 +489,7 @@ class BenchRun:
     backend: str
     result: dict[str, Any]
     gateway: dict[str, float]  # the gateway's outcomes over the run
-    served_by: dict[str, float]  # each replica's ok answers over the run
+    served_by: dict[str, float]  # each replica's ok answers over the run (a killed one's: until its kill)
     killer: Killer | None
     log: str
     seconds: float
@@ -535,6 +537,8 @@ def run_bench(
     if code != 0 or not result.exists():
         raise AssertionError(f"vllm.benchmarks.serve exited {code}:\n{text[-4000:]}")
     served = {n: proxy_ok(r) - ok_before[n] for n, r in fleet.replicas.items() if r.proc.alive}
+    if killer is not None and killer.killed_at is not None:  # what the victim served before its kill
+        served[killer.victim] = killer.ok_at_kill - ok_before[killer.victim]
     return BenchRun(
         backend,
         json.loads(result.read_text()),

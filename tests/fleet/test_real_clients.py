@@ -167,7 +167,8 @@ def bench_checks(c: Checks, run: BenchRun) -> None:
     others = {k: v for k, v in run.gateway.items() if k not in ("ok", "stream_cut")}
     quiet = sum(others.values()) <= 1 and set(others) <= {"upstream_status", "not_found"}
     c.check(f"bench {b}: nothing else failed", quiet, run.gateway)
-    # The mix was real: vLLM and the surviving torch replica served (the victim's count is lost with it).
+    # The mix was real: vLLM and a torch replica served (the victim until its kill, or the survivor, which may
+    # have just rejoined after the run before and be ramped in slowly by the gateway: 0 of 40 in one CI run).
     torch_ok = sum(v for name, v in run.served_by.items() if name != "vllm")
     both = run.served_by.get("vllm", 0) > 0 and torch_ok > 0
     c.check(f"bench {b}: both engines served", both, run.served_by)
