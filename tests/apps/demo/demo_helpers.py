@@ -10,8 +10,10 @@ from typing import Any
 
 from rich.console import Console
 
-from flipsync_apps.demo.records import DemoConfig, DemoReport
+from flipsync_apps.demo.outputs import write_outputs
+from flipsync_apps.demo.records import CONTROL, DemoConfig, DemoReport
 from flipsync_apps.demo.run import run_demo
+from flipsync_apps.demo.summary import summary_lines
 
 
 def run_short_demo(out: Path, **over: Any) -> DemoReport:
@@ -32,6 +34,30 @@ def run_short_demo(out: Path, **over: Any) -> DemoReport:
     }
     cfg = DemoConfig(**{**defaults, **over})
     return run_demo(cfg, Console(width=200, record=True))
+
+
+def check_rollout_mode(report: DemoReport, mode: str, out: Path) -> None:
+    """What a run in rollout ``mode`` reports (docs/async.md), written to ``out``: every mode its figures, the
+    per-token log-probs that reached the trainer, nothing dropped without a hard cap; ``sync`` trains on-policy
+    only (every token at staleness 0, the control island's too: it waits for its checkpoint)."""
+    assert all(report.bitwise_equal.values())
+    r = report.summary["rollout"]
+    assert r["mode"] == mode and r["generated"] >= 9 * 3
+    assert r["dropped_total"] == 0, (r["dropped"], report.rollout_errors)
+    assert r["tokens_per_s"] > 0 and all(v >= 0 for v in r["idle_s"].values())
+    assert set(r["idle_s"]) == {*report.bitwise_equal, CONTROL}
+    for rec in report.steps:
+        assert rec.rollouts == 9 and rec.tokens > 0
+        assert sum(rec.staleness.values()) == rec.tokens == sum(rec.staleness_response.values())
+        assert 0.0 < rec.weight_mean <= 2.0 and rec.kl_k2 >= 0.0
+    if mode == "sync":
+        assert all(set(rec.staleness) == {0} for rec in report.steps)
+    # the engine's log-probs line up with the text for most completions: a systematic misalignment breaks every
+    # one; a barely trained policy samples ids outside the byte range (no text) in a few (CI: 4 of 27)
+    assert 2 * r["unaligned"] < r["generated"], (r["unaligned"], r["generated"])
+    assert any(ln.startswith(f"rollout mode {mode}:") for ln in summary_lines(report))
+    paths = write_outputs(report, out)
+    assert (out / "staleness.png") in paths
 
 
 def _processes() -> dict[int, tuple[int, str]]:

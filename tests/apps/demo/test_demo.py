@@ -19,13 +19,15 @@ from flipsync.cli.main import app
 from flipsync_apps.demo.outputs import write_outputs
 from flipsync_apps.demo.records import CONTROL
 from flipsync_apps.demo.summary import summary_lines
-from tests.apps.demo.demo_helpers import run_short_demo
+from tests.apps.demo.demo_helpers import check_rollout_mode, run_short_demo
 
 FLIPSYNC = ("island-0", "island-1")
 
 
 def test_short_demo_run(tmp_path: Path) -> None:
-    report = run_short_demo(tmp_path, islands=2)
+    # the default rollout mode (inflight), with no hard cap on staleness: nothing may be dropped
+    report = run_short_demo(tmp_path, islands=2, max_staleness=None)
+    check_rollout_mode(report, "inflight", tmp_path / "mode")
     assert report.bitwise_equal == dict.fromkeys(FLIPSYNC, True)
     final = report.versions[-1].version
     assert final >= 1 and all(report.audits[n]["version"] == final for n in FLIPSYNC)
@@ -103,10 +105,12 @@ def test_short_demo_on_a_mixture_of_experts(tmp_path: Path) -> None:
 
 def test_short_demo_under_muon(tmp_path: Path) -> None:
     """The same run with Muon on the hidden matrices: the islands still end bitwise equal, and the report says
-    which optimizer moved the weights, so two runs can be put side by side (``flipsync demo --compare``)."""
+    which optimizer moved the weights, so two runs can be put side by side (``flipsync demo --compare``). It runs
+    in ``sync`` rollout mode (docs/async.md): on-policy only, every token at staleness 0, the control island's too."""
     from flipsync_apps.demo.summary import comparison
 
-    report = run_short_demo(tmp_path, islands=1, optimizer="muon")
+    report = run_short_demo(tmp_path, islands=1, optimizer="muon", rollout="sync", max_staleness=None)
+    check_rollout_mode(report, "sync", tmp_path / "mode")
     assert report.bitwise_equal == {"island-0": True}
     assert report.config["optimizer"] == "muon" and report.summary["optimizer"] == "muon"
     assert any(r.changed > 0 for r in report.versions if r.version > 0)
