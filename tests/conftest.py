@@ -43,8 +43,9 @@ def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 # FLIPSYNC_PENDING_VENVS is "VAR=MARKER,...", in the order .ci/run installs them: VAR (FLIPSYNC_VLLM_PYTHON, ...)
 # already names the Python of a venv still being installed, and MARKER gets "ok" or why the install failed. A test
 # that needs VAR (it carries a skipif whose reason names VAR) waits for its marker first. The k-th environment's
-# tests are placed k+1 parts of n+1 into the others, which run while the installs go on (each install takes about
-# that long), so that no worker waits long and the engines' long tests do not all come at the end.
+# tests are placed k+1.2 parts of n+1 into the others (two environments: 40% and 73% of the way), which run while
+# the installs go on (each install takes about that long), so that no worker waits long and the engines' long
+# tests do not all come at the end.
 VENV_WAIT_S = 1800.0
 
 
@@ -71,7 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     order: list[pytest.Item] = []
     at = 0
     for k, var in enumerate(pending):  # the order within each part stays
-        cut = len(others) * (k + 1) // (len(pending) + 1)
+        cut = int(len(others) * (k + 1.2) / (len(pending) + 1))
         order += others[at:cut] + [it for it in items if needs[id(it)] and needs[id(it)][-1] == var]
         at = cut
     items[:] = order + others[at:]
