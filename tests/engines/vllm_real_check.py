@@ -60,7 +60,6 @@ def settle_heap() -> None:
     offline run's 86 s. Frozen, the next engine's collections scan only what it made since."""
     gc.collect()
     gc.freeze()
-    gc.freeze()
 
 
 PROMPTS = ["hello world from", "the trainer publishes"]
