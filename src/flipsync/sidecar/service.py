@@ -256,7 +256,7 @@ def run_sidecar(settings: SidecarSettings, *, started: Callable[[str], None] | N
             store = MirrorStore(store, origin, MirrorPolicy(wait_s=wait_s))
         if s.fetch_ahead_s > 0:
             store = FetchAhead(store, interval_s=s.fetch_ahead_s)
-        board = store  # the board's store for the closures below (typed as opened)
+        board = store  # `store` may be None in the finally below; the closures take the opened one
 
         def at_boot(read: Callable[[], T]) -> T:
             with exit_on_signals():

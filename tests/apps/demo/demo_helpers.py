@@ -10,7 +10,6 @@ from typing import Any
 
 from rich.console import Console
 
-from flipsync_apps.demo.outputs import write_outputs
 from flipsync_apps.demo.records import CONTROL, DemoConfig, DemoReport
 from flipsync_apps.demo.run import run_demo
 from flipsync_apps.demo.summary import summary_lines
@@ -36,10 +35,11 @@ def run_short_demo(out: Path, **over: Any) -> DemoReport:
     return run_demo(cfg, Console(width=200, record=True))
 
 
-def check_rollout_mode(report: DemoReport, mode: str, out: Path) -> None:
-    """What a run in rollout ``mode`` reports (docs/async.md), written to ``out``: every mode its figures, the
-    per-token log-probs that reached the trainer, nothing dropped without a hard cap; ``sync`` trains on-policy
-    only (every token at staleness 0, the control island's too: it waits for its checkpoint)."""
+def check_rollout_mode(report: DemoReport, mode: str) -> None:
+    """What a run in rollout ``mode`` reports (docs/async.md): every mode its figures, the per-token log-probs that
+    reached the trainer, nothing dropped without a hard cap; ``sync`` trains on-policy only (every token at
+    staleness 0, the control island's too: it waits for its checkpoint). Its staleness plot is the caller's to
+    check, among the outputs it writes anyway."""
     assert all(report.bitwise_equal.values())
     r = report.summary["rollout"]
     assert r["mode"] == mode and r["generated"] >= 9 * 3
@@ -56,8 +56,6 @@ def check_rollout_mode(report: DemoReport, mode: str, out: Path) -> None:
     # one; a barely trained policy samples ids outside the byte range (no text) in a few (CI: 4 of 27)
     assert 2 * r["unaligned"] < r["generated"], (r["unaligned"], r["generated"])
     assert any(ln.startswith(f"rollout mode {mode}:") for ln in summary_lines(report))
-    paths = write_outputs(report, out)
-    assert (out / "staleness.png") in paths
 
 
 def _processes() -> dict[int, tuple[int, str]]:

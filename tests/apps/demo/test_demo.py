@@ -27,7 +27,7 @@ FLIPSYNC = ("island-0", "island-1")
 def test_short_demo_run(tmp_path: Path) -> None:
     # the default rollout mode (inflight), with no hard cap on staleness: nothing may be dropped
     report = run_short_demo(tmp_path, islands=2, max_staleness=None)
-    check_rollout_mode(report, "inflight", tmp_path / "mode")
+    check_rollout_mode(report, "inflight")
     assert report.bitwise_equal == dict.fromkeys(FLIPSYNC, True)
     final = report.versions[-1].version
     assert final >= 1 and all(report.audits[n]["version"] == final for n in FLIPSYNC)
@@ -63,7 +63,7 @@ def test_short_demo_run(tmp_path: Path) -> None:
     assert doc["bitwise_equal"] == dict.fromkeys(FLIPSYNC, True)
     assert "bytes_ratio" in doc["summary"] and doc["lag_samples"]
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
-    assert (tmp_path / "lag_over_time.png") in paths
+    assert (tmp_path / "lag_over_time.png") in paths and (tmp_path / "staleness.png") in paths
 
     # the saved masters: steps 0, 1 and the last, as the README's examples use them
     masters = sorted(Path(p).name for p in report.masters)
@@ -110,13 +110,13 @@ def test_short_demo_under_muon(tmp_path: Path) -> None:
     from flipsync_apps.demo.summary import comparison
 
     report = run_short_demo(tmp_path, islands=1, optimizer="muon", rollout="sync", max_staleness=None)
-    check_rollout_mode(report, "sync", tmp_path / "mode")
+    check_rollout_mode(report, "sync")
     assert report.bitwise_equal == {"island-0": True}
     assert report.config["optimizer"] == "muon" and report.summary["optimizer"] == "muon"
     assert any(r.changed > 0 for r in report.versions if r.version > 0)
     lines = summary_lines(report)
     assert any("muon, lr" in ln for ln in lines)
-    write_outputs(report, tmp_path)
+    assert (tmp_path / "staleness.png") in write_outputs(report, tmp_path)
     doc = json.loads((tmp_path / "report.json").read_text())
     assert doc["config"]["optimizer"] == "muon"
     table = comparison([("adam", {**doc, "config": {**doc["config"], "optimizer": "adam"}}), ("muon", doc)])
