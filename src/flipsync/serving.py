@@ -4,6 +4,7 @@ or on the main thread until a signal (the ``sidecar`` and ``relay`` commands); p
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import signal
@@ -97,6 +98,9 @@ def serve_until_signal(app: ASGIApp, host: str, port: int, *, before_exit: Calla
     SystemExit(0)). With ``before_exit`` (a sidecar's drain), the first signal runs it on a thread while the
     server keeps serving the requests in flight, and the server stops once it returns; a second stops it at once.
     """
+    if not gc.isenabled():  # a server command's start (cli.terminal.server_command): what it built stays, frozen
+        gc.freeze()
+        gc.enable()
     with exit_on_signals():
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", access_log=False, timeout_keep_alive=KEEP_ALIVE_S

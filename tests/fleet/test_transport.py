@@ -19,7 +19,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from fastapi import FastAPI
 
-from flipsync.fleet.transport import AsyncioBackend
+from flipsync.fleet.stub_replica import StubReplica
+from flipsync.fleet.transport import AsyncioBackend, ReplicaConnections
 from flipsync.serving import ServerThread
 
 
@@ -161,3 +162,93 @@ def test_refused_and_silent_servers_raise_what_httpcore_expects() -> None:
         asyncio.run(go())
     finally:
         silent.close()
+
+
+# -- ReplicaConnections: the gateway's pools ----------------------------------------------------------------------
+
+
+def _post(url: str, pool_timeout: float = 10.0) -> httpcore.Request:
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    return httpcore.Request(
+        b"POST",
+        url + "/v1/completions",
+        headers=[(b"host", url.split("//")[1].encode()), (b"content-length", str(len(body)).encode())],
+        content=body,
+        extensions={"timeout": {"pool": pool_timeout}},
+    )
+
+
+async def _answer(conns: ReplicaConnections, url: str, pool_timeout: float = 10.0) -> int:
+    resp = await conns.handle_async_request(_post(url, pool_timeout))
+    try:
+        body = b"".join([c async for c in resp.aiter_stream()])
+        assert b"choices" in body, body
+        return resp.status
+    finally:
+        await resp.aclose()
+
+
+def test_replica_connections_add_pools_for_a_burst_and_close_them_after() -> None:
+    hold = threading.Event()
+    stubs = [StubReplica(hold=hold).start(), StubReplica().start()]
+    a, b = (s.url for s in stubs)
+
+    async def go() -> None:
+        conns = ReplicaConnections(1000, per_pool=8)
+        origin = httpcore.URL(a).origin
+        key = (origin.scheme, origin.host, origin.port)
+        burst = [asyncio.create_task(_answer(conns, a)) for _ in range(20)]  # held by the stub: 20 in flight
+        for _ in range(200):
+            if len(stubs[0].hits) >= 20:
+                break
+            await asyncio.sleep(0.05)
+        assert conns.pools(key) == 3  # 8 + 8 + 4
+        assert await _answer(conns, b) == 200  # another replica's request does not wait for a's
+        hold.set()
+        assert await asyncio.gather(*burst) == [200] * 20
+        assert conns.pools(key) == 1  # the extras closed as the burst ended; the first keeps its connections
+        assert await _answer(conns, a) == 200
+        await conns.forget([b])  # a left the fleet: its pools close
+        assert conns.pools(key) == 0
+        assert await _answer(conns, a) == 200  # and come back if it does
+        await conns.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        hold.set()
+        for s in stubs:
+            s.stop()
+
+
+def test_replica_connections_bound_the_requests_in_flight_and_give_back_failed_ones() -> None:
+    hold = threading.Event()
+    stub = StubReplica(hold=hold).start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        refused = f"http://127.0.0.1:{s.getsockname()[1]}"  # nobody listens there
+
+    async def go() -> None:
+        conns = ReplicaConnections(2, per_pool=8)
+        for _ in range(5):  # failed connects give their slots back
+            with pytest.raises(httpcore.ConnectError):
+                await conns.handle_async_request(_post(refused))
+        held = [asyncio.create_task(_answer(conns, stub.url)) for _ in range(2)]
+        for _ in range(200):
+            if len(stub.hits) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(httpcore.PoolTimeout, match="all 2 connections"):
+            await _answer(conns, stub.url, pool_timeout=0.2)
+        waiting = asyncio.create_task(_answer(conns, stub.url, pool_timeout=30))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        hold.set()  # the two answers end: the waiting request gets a slot
+        assert await asyncio.gather(*held, waiting) == [200, 200, 200]
+        await conns.aclose()
+
+    try:
+        asyncio.run(go())
+    finally:
+        hold.set()
+        stub.stop()

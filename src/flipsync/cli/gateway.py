@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from flipsync.cli.terminal import StoreOpt, command_app, command_error
+from flipsync.cli.terminal import StoreOpt, command_app, command_error, server_command
 from flipsync.errors import ConfigError, FlipsyncError
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ gateway_app = command_app("flipsync-gateway", "One OpenAI-compatible front door 
 
 
 @gateway_app.command("gateway")
+@server_command
 def gateway(
     board: Annotated[
         str | None,

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from flipsync.cli.terminal import StoreOpt, command_app, command_error
+from flipsync.cli.terminal import StoreOpt, command_app, command_error, server_command
 from flipsync.errors import FlipsyncError
 
 # Everything heavy (uvicorn, the board's stores) is imported inside the command, so that mounting it keeps
@@ -27,6 +27,7 @@ BoardOpt = Annotated[str, typer.Option("--board", "-b", help="Board URL or path 
 
 
 @relay_app.command("relay")
+@server_command
 def relay(
     board: BoardOpt,
     listen: Annotated[str, typer.Option(help="Where the relay listens, HOST:PORT")] = "127.0.0.1:8200",

@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from flipsync.cli.terminal import StoreOpt, command_app, command_error
+from flipsync.cli.terminal import StoreOpt, command_app, command_error, server_command
 from flipsync.errors import FlipsyncError
 from flipsync.sidecar.gate import CommitMode
 
@@ -33,6 +33,7 @@ BoardOpt = Annotated[
 
 
 @sidecar_app.command("sidecar")
+@server_command
 def sidecar(
     board: BoardOpt,
     listen: Annotated[str, typer.Option(help="Where the proxy listens, HOST:PORT")] = "127.0.0.1:8100",

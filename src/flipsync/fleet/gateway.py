@@ -45,7 +45,7 @@ from flipsync.fleet.forwarding import (
 from flipsync.fleet.metrics import GatewayMetrics
 from flipsync.fleet.pool import FleetSnapshot, Pool
 from flipsync.fleet.routing import FleetView, GatewayConfig
-from flipsync.fleet.transport import AsyncioBackend
+from flipsync.fleet.transport import ReplicaConnections
 from flipsync.serving import NO_RETRY, error_response, sse_event
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Gateway:
         self.config = config or GatewayConfig()
         self.metrics = GatewayMetrics()
         self.view = FleetView(pool, self.config, self.metrics)
-        self.http: httpcore.AsyncConnectionPool | None = None
+        self.http: ReplicaConnections | None = None
         self.control = self._control_app()
         self.retry_after = str(max(1, self.config.retry_after_s))
         self._timeouts: dict[str, float | None] = {
@@ -116,13 +116,7 @@ class Gateway:
 
     @asynccontextmanager
     async def _lifespan(self, _app: FastAPI) -> AsyncIterator[None]:
-        self.http = httpcore.AsyncConnectionPool(
-            max_connections=self.config.max_connections,
-            max_keepalive_connections=256,
-            keepalive_expiry=30.0,
-            network_backend=AsyncioBackend(),
-            socket_options=_KEEPALIVE,
-        )
+        self.http = ReplicaConnections(self.config.max_connections, socket_options=_KEEPALIVE)
         await asyncio.to_thread(self.view.start)
         try:
             yield
@@ -280,8 +274,8 @@ class Gateway:
         """Try every replica that may serve ``req`` once, best first: True once one answered, else the last
         refusal (None: no replica to try)."""
         candidates, snap = self.view.candidates(req.want)
-        if snap is not self._pruned:  # a new snapshot: forget the replicas that left (health, metrics)
-            self._prune(snap)
+        if snap is not self._pruned:  # a new snapshot: forget the replicas that left (health, metrics, connections)
+            await self._prune(snap)
         ejector = self.ejector
         healthy = [r for r in candidates if not ejector.ejected(r.replica)]
         # Every one ejected (a fleet of one, or a burst that failed them all): try them all the same, as Envoy's
@@ -315,11 +309,13 @@ class Gateway:
             return True
         return last
 
-    def _prune(self, snap: FleetSnapshot) -> None:
+    async def _prune(self, snap: FleetSnapshot) -> None:
         self._pruned = snap
         keep = {r.replica for r in snap.members} | set(self.view.in_flight)
         self.ejector.forget(keep)
         self.metrics.forget(keep)
+        if self.http is not None:
+            await self.http.forget([r.url for r in snap.members])
 
     async def _attempt(
         self,

@@ -1,4 +1,5 @@
-"""The gateway's connections to replicas: an httpcore network backend on plain asyncio streams.
+"""The gateway's connections to replicas: httpcore pools, several a replica (`ReplicaConnections`), over a
+network backend on plain asyncio streams (`AsyncioBackend`).
 
 Why not httpcore's default (anyio) backend: see docs/fleet.md#measured. Timeouts map to httpcore's exceptions,
 so the gateway sees the same errors as with the default backend.
@@ -11,10 +12,148 @@ import contextlib
 import select
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpcore
+
+Origin = tuple[bytes, bytes, int | None]  # scheme, host, port
+
+
+@dataclass(eq=False)
+class _Pool:
+    http: httpcore.AsyncConnectionPool
+    busy: int = 0  # requests in flight through it
+
+
+class ReplicaConnections:
+    """The gateway's connections to its replicas: httpcore pools of at most ``per_pool`` requests in flight each,
+    as many a replica as its requests in flight need (each request to the first with room), the extras closed as
+    the burst that needed them ends.
+    ``max_connections`` bounds the requests in flight to all replicas together: one more waits for a slot up to
+    its pool timeout, then fails with ``httpcore.PoolTimeout``, as it did with one pool of that size.
+
+    Why not one pool: an httpcore pool scans every connection it holds at each request and at each answer's end,
+    so one pool for the whole fleet cost O(n) a request with n in flight: with 5,000 streams in flight, half of
+    the gateway's CPU went to those scans.
+    """
+
+    def __init__(
+        self,
+        max_connections: int,
+        *,
+        per_pool: int = 32,
+        keepalive_expiry: float = 30.0,
+        socket_options: Iterable[tuple[int, int, int]] | None = None,
+    ) -> None:
+        self.max_connections = max_connections
+        self.per_pool = per_pool
+        self._keepalive_expiry = keepalive_expiry
+        self._socket_options = list(socket_options or ())
+        self._backend = AsyncioBackend()
+        self._slots = asyncio.Semaphore(max_connections)
+        self._pools: dict[Origin, list[_Pool]] = {}  # a replica's first pool stays (its idle connections)
+
+    def pools(self, origin: Origin) -> int:
+        """How many pools ``origin`` has now."""
+        return len(self._pools.get(origin, ()))
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        """httpcore's call: send ``request`` on a pooled connection to its origin; the answer's stream, once
+        closed, gives its connection back."""
+        if self._slots.locked():
+            wait = request.extensions.get("timeout", {}).get("pool")
+            try:
+                async with asyncio.timeout(wait):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise httpcore.PoolTimeout(
+                    f"all {self.max_connections} connections to replicas stayed in use for {wait} s"
+                ) from None
+        else:
+            await self._slots.acquire()
+        u = request.url.origin
+        origin = (u.scheme, u.host, u.port)
+        pool = self._pick(origin)
+        pool.busy += 1
+        try:
+            resp = await pool.http.handle_async_request(request)
+        except BaseException:
+            await self._release(origin, pool)
+            raise
+        resp.stream = _Releasing(resp.stream, self, origin, pool)
+        return resp
+
+    def _pick(self, origin: Origin) -> _Pool:
+        pools = self._pools.setdefault(origin, [])
+        for pool in pools:  # the first with room: the replica's first pool, then extras while a burst lasts
+            if pool.busy < self.per_pool:
+                return pool
+        best = _Pool(
+            httpcore.AsyncConnectionPool(
+                max_connections=self.per_pool,
+                max_keepalive_connections=self.per_pool,
+                keepalive_expiry=self._keepalive_expiry,
+                network_backend=self._backend,
+                socket_options=self._socket_options,
+            )
+        )
+        pools.append(best)
+        return best
+
+    async def _release(self, origin: Origin, pool: _Pool) -> None:
+        pool.busy -= 1
+        self._slots.release()
+        if pool.busy:
+            return
+        pools = self._pools.get(origin, [])
+        if pools and pools[0] is pool:
+            return  # a replica's first pool keeps its idle connections for the next requests
+        # an extra pool that emptied (the burst that needed it is over), or one of a replica that left
+        if pool in pools:
+            pools.remove(pool)
+        await pool.http.aclose()
+
+    async def forget(self, keep: Sequence[str]) -> None:
+        """Close the pools of every replica whose URL is not in ``keep`` (it left the fleet); one with requests in
+        flight closes as its last one ends."""
+        kept = set()
+        for url in keep:
+            u = httpcore.URL(url).origin
+            kept.add((u.scheme, u.host, u.port))
+        for origin in [o for o in self._pools if o not in kept]:
+            for pool in self._pools.pop(origin):
+                if not pool.busy:
+                    await pool.http.aclose()
+
+    async def aclose(self) -> None:
+        pools = [p for ps in self._pools.values() for p in ps]
+        self._pools.clear()
+        for pool in pools:
+            await pool.http.aclose()
+
+
+class _Releasing:
+    """An answer's stream that gives its pool slot back once closed (after httpcore gives back the connection)."""
+
+    def __init__(self, inner: Any, owner: ReplicaConnections, origin: Origin, pool: _Pool) -> None:
+        self._inner = inner
+        self._owner = owner
+        self._origin = origin
+        self._pool: _Pool | None = pool
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._inner.__aiter__()  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        try:
+            await self._inner.aclose()
+        finally:
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                await self._owner._release(self._origin, pool)
+
 
 _CONNECT_ERRORS = (OSError, ssl.SSLError, asyncio.IncompleteReadError)
 
