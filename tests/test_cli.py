@@ -121,3 +121,36 @@ def test_errors_are_one_actionable_line(ckpts: dict[str, Path], tmp_path: Path) 
     garbage.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
     bad_patch = runner.invoke(app, ["inspect", str(garbage)])
     assert bad_patch.exit_code == 1 and "error" in bad_patch.output
+
+
+def test_a_server_command_starts_without_collections_and_serving_turns_them_back_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    import uvicorn
+
+    from flipsync.cli.terminal import server_command
+    from flipsync.serving import serve_until_signal
+
+    seen: list[object] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: seen.append(("serving", gc.isenabled())))
+
+    @server_command
+    def serve(fail: bool) -> str:
+        seen.append(("starting", gc.isenabled()))
+        if fail:
+            raise RuntimeError("the engine did not load")
+        serve_until_signal(lambda scope, receive, send: None, "127.0.0.1", 0)  # type: ignore[arg-type, return-value]
+        return "served"
+
+    assert gc.isenabled()
+    frozen = gc.get_freeze_count()
+    gc.collect()
+    assert serve(False) == "served"
+    assert seen == [("starting", False), ("serving", True)] and gc.isenabled()
+    assert gc.get_freeze_count() > frozen  # the start's heap went out of later collections
+    seen.clear()
+    with pytest.raises(RuntimeError):
+        serve(True)
+    assert seen == [("starting", False)] and gc.isenabled()  # a start that failed leaves collection on
