@@ -275,7 +275,7 @@ class Gateway:
         refusal (None: no replica to try)."""
         candidates, snap = self.view.candidates(req.want)
         if snap is not self._pruned:  # a new snapshot: forget the replicas that left (health, metrics, connections)
-            await self._prune(snap)
+            self._prune(snap)
         ejector = self.ejector
         healthy = [r for r in candidates if not ejector.ejected(r.replica)]
         # Every one ejected (a fleet of one, or a burst that failed them all): try them all the same, as Envoy's
@@ -309,13 +309,13 @@ class Gateway:
             return True
         return last
 
-    async def _prune(self, snap: FleetSnapshot) -> None:
+    def _prune(self, snap: FleetSnapshot) -> None:
         self._pruned = snap
         keep = {r.replica for r in snap.members} | set(self.view.in_flight)
         self.ejector.forget(keep)
         self.metrics.forget(keep)
         if self.http is not None:
-            await self.http.forget([r.url for r in snap.members])
+            self.http.forget([r.url for r in snap.members])
 
     async def _attempt(
         self,

@@ -54,6 +54,7 @@ class ReplicaConnections:
         self._backend = AsyncioBackend()
         self._slots = asyncio.Semaphore(max_connections)
         self._pools: dict[Origin, list[_Pool]] = {}  # a replica's first pool stays (its idle connections)
+        self._closing: set[asyncio.Task[None]] = set()  # pools of departed replicas, closing apart from requests
 
     def pools(self, origin: Origin) -> int:
         """How many pools ``origin`` has now."""
@@ -115,9 +116,9 @@ class ReplicaConnections:
             pools.remove(pool)
         await pool.http.aclose()
 
-    async def forget(self, keep: Sequence[str]) -> None:
-        """Close the pools of every replica whose URL is not in ``keep`` (it left the fleet); one with requests in
-        flight closes as its last one ends."""
+    def forget(self, keep: Sequence[str]) -> None:
+        """Close the pools of every replica whose URL is not in ``keep`` (it left the fleet), on a task of their
+        own so that no request waits for it; one with requests in flight closes as its last one ends."""
         kept = set()
         for url in keep:
             u = httpcore.URL(url).origin
@@ -125,13 +126,16 @@ class ReplicaConnections:
         for origin in [o for o in self._pools if o not in kept]:
             for pool in self._pools.pop(origin):
                 if not pool.busy:
-                    await pool.http.aclose()
+                    task = asyncio.get_running_loop().create_task(pool.http.aclose())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
 
     async def aclose(self) -> None:
         pools = [p for ps in self._pools.values() for p in ps]
         self._pools.clear()
         for pool in pools:
             await pool.http.aclose()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class _Releasing:
