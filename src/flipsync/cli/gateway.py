@@ -54,7 +54,7 @@ def gateway(
     ] = None,
     store_option: StoreOpt = None,
     max_connections: Annotated[
-        int, typer.Option(help="Connections to all replicas together; each stream in flight holds one")
+        int, typer.Option(help="Requests in flight to all replicas together (each holds a connection; more wait)")
     ] = 4096,
     connect_timeout: Annotated[float, typer.Option(help="Longest wait to connect to a replica (s)")] = 2.0,
     read_timeout: Annotated[

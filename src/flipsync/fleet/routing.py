@@ -44,7 +44,7 @@ class GatewayConfig:
     max_body_bytes: int = 64 << 20
     retry_after_s: int = 1
     suspect_s: float = 30.0  # a replica that refused a connection: skipped until it writes again (at most this)
-    max_connections: int = 4096  # connections to all replicas together (each stream in flight holds one)
+    max_connections: int = 4096  # requests in flight to all replicas together (each holds a connection)
     affinity: AffinityPolicy = field(default_factory=AffinityPolicy)
     ejection: EjectionPolicy = field(default_factory=EjectionPolicy)
     api_keys: ApiKeys | None = None  # clients must send one (Authorization: Bearer); None: no check
