@@ -52,6 +52,11 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # SIGTERMs them (and waits up to 4 s more). At its default of 5 s the four TP 2 engines idled 20-36 s of the run.
 os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "1")
 
+if __name__ == "__mp_main__":  # a tensor-parallel worker vLLM spawned: what it runs, imported without collections
+    from flipsync.engines.vllm_serve import import_frozen
+
+    import_frozen("vllm.v1.executor.multiproc_executor", "WorkerProc")
+
 
 def settle_heap() -> None:
     """Collect what the last engine left, then freeze what lives on. A full collection scans every object this
