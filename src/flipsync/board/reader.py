@@ -13,9 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from flipsync.board.catalog import Catalog
-from flipsync.board.keyframes import tensors_from_files
 from flipsync.board.signing import Verifier
-from flipsync.codec import Patch, join_parts
 from flipsync.domain.catchup import CatchupPlan, Edge, plan_catchup
 from flipsync.domain.manifest import Kind, Manifest
 from flipsync.errors import BoardError, IntegrityError, NotFoundError
@@ -26,6 +24,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from flipsync.codec import Patch
     from flipsync.codec.fingerprint import FingerprintTable
 
 log = logging.getLogger(__name__)
@@ -56,6 +55,8 @@ def join_step(
 ) -> Patch:
     """A verified board step as one patch: its parts joined by the codec (``table``, ``base``: the receiver's,
     see ``join_parts``), refused unless it goes from the manifest's base view to its target view."""
+    from flipsync.codec import Patch, join_parts  # here: reading HEAD (the gateway) needs no torch or codec
+
     m = step.manifest
     patch = join_parts([Patch.from_bytes(p) for p in step.parts], target=m.target, table=table, base=base)
     m.check_patch(patch.header)
@@ -174,6 +175,8 @@ class BoardReader:
         parts = self.catalog.fetch_parts(m, folder)
         if m.kind is not Kind.KEYFRAME:
             return PatchStep(m, parts)
+        from flipsync.board.keyframes import tensors_from_files  # torch and safetensors: a keyframe's only
+
         files = {p.path.rsplit("/", 1)[-1]: data for p, data in zip(m.parts, parts, strict=True)}
         try:
             tensors = tensors_from_files(files)
