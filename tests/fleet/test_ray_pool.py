@@ -4,6 +4,7 @@ settings. The fleet on a real local cluster is tests/fleet/test_ray_fleet.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -65,6 +66,10 @@ def test_the_supervisor_restarts_a_crashed_process_and_stops_it_with_sigterm(tmp
         code = sup.stop(timeout_s=30)
     assert code == 0  # SIGTERM reached it (not blocked or ignored by the parent's mask): it exited cleanly
     assert not sup.info()["alive"]
+    if importlib.util.find_spec("ray") is not None:  # outside Ray, asking where it runs neither starts nor joins Ray
+        import ray
+
+        assert not ray.is_initialized() and sup.info()["node_id"] is None
 
 
 def test_the_supervisor_gives_up_after_its_restarts(tmp_path: Path) -> None:

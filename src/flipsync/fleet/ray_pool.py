@@ -274,7 +274,8 @@ class RayPool(Pool):
         actor = self.ray.remote(_ReplicaActor).options(
             **self._options(self._replica_name(slot), cpus=spec.num_cpus, gpus=spec.num_gpus, resources=spec.resources)
         )
-        argv = [self._python(), "-m", "flipsync.cli.main", *spec.sidecar_argv()]
+        # the command's own module, not the whole `flipsync` CLI (whose codec and trainer commands import torch)
+        argv = [self._python(), "-m", "flipsync.cli.sidecar", *spec.sidecar_argv()]
         return actor.remote(
             spec.to_json(),
             argv,
@@ -474,7 +475,7 @@ class RayPool(Pool):
         """Run ``flipsync gateway --board BOARD`` on the cluster (an actor, restarted elsewhere if its node
         dies); its URL once it answers. ``args``: more gateway options (``--max-lag 1``, ``--hold 30``)."""
         if self._actor(self._gateway_name()) is None:
-            argv = [self._python(), "-m", "flipsync.cli.main", "gateway", "--board", self.spec.board]
+            argv = [self._python(), "-m", "flipsync.cli.gateway", "gateway", "--board", self.spec.board]
             argv += ["--listen", "0.0.0.0:{port}", *(("--run", self.spec.run) if self.spec.run else ()), *args]
             actor = self.ray.remote(_ReplicaActor).options(
                 **self._options(self._gateway_name(), cpus=num_cpus, gpus=0, resources=resources or {})

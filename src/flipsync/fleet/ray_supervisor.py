@@ -149,7 +149,10 @@ class ProcessSupervisor:
         with contextlib.suppress(Exception):
             import ray
 
-            node_id = ray.get_runtime_context().get_node_id()
+            # Only inside Ray: outside, asking for the runtime context starts Ray or joins the last cluster this
+            # machine ran (a dead one's address left behind: it hung there, retrying)
+            if ray.is_initialized():
+                node_id = ray.get_runtime_context().get_node_id()
         return {
             "replica": self.replica_id,
             "url": self.url,
