@@ -11,18 +11,16 @@ exactly ``vllm bench serve``'s arguments:
 
 from __future__ import annotations
 
-import gc
+from flipsync.engines.vllm_serve import import_frozen
 
 
 def run() -> None:
     # vLLM's imports build their heap without garbage collections (which scanned it again at each quarter of growth,
     # about a fifth of an import of vLLM); it stays out of later ones.
-    gc.disable()
-    from vllm.benchmarks.serve import add_cli_args, main
+    main = import_frozen("vllm.benchmarks.serve", "main")
+    from vllm.benchmarks.serve import add_cli_args  # imported above: these two are lookups
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    gc.freeze()
-    gc.enable()
     parser = FlexibleArgumentParser(prog="vllm bench serve", description="Benchmark the online serving throughput.")
     add_cli_args(parser)
     main(parser.parse_args())
