@@ -52,10 +52,10 @@ def no_cloud_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 # FLIPSYNC_PENDING_VENVS is "VAR=MARKER,...", in the order .ci/run installs them: VAR (FLIPSYNC_VLLM_PYTHON, ...)
 # already names the Python of a venv still being installed, and MARKER gets "ok" or why the install failed. A test
 # that needs VAR (it carries a skipif whose reason names VAR) waits for its marker first. The k-th environment's
-# tests are placed k+1 parts of n+1 into the others, which run while the installs go on (each install takes about
-# that long), so that no worker waits long and the engines' long tests do not all come at the end. (At a third a
-# worker waits about 20 s for the vLLM environment; placed at 40% and 55% instead, the vLLM tests ran on both
-# workers at once and the two runs measured took 16 and 29 s longer: within this machine's noise, but no gain.)
+# tests are placed k+1 parts of n+1 into the others, which run while the installs go on (with pip each install took
+# about that long; with uv each is ready well before), so that no worker waits long and the engines' long tests do
+# not all come at the end. (Placed at 40% and 55% instead, the vLLM tests ran on both workers at once and the two
+# runs measured took 16 and 29 s longer: within this machine's noise, but no gain.)
 VENV_WAIT_S = 1800.0
 
 
