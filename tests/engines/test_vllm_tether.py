@@ -106,3 +106,26 @@ def test_sigterm_stops_the_group_and_the_exit_status_passes_through(tmp_path: Pa
     assert gone_within([server, kid], 5.0)
     done = subprocess.run(tethered([sys.executable, "-c", "raise SystemExit(3)"]), timeout=60, check=False)
     assert done.returncode == 3
+
+
+def test_a_stop_ends_when_the_group_has_exited_not_after_the_grace(tmp_path: Path, cleanup) -> None:
+    """The group's leader is a zombie until the launcher reaps it: counted as alive, every stop of a vLLM server
+    waited out the whole grace (10 s) after its processes had exited."""
+    pids_file = tmp_path / "pids"
+    tether = subprocess.Popen(tethered([sys.executable, "-c", SERVER, str(pids_file)], grace_s=60.0))
+    server, kid = wait_for(pids_file)
+    cleanup.extend([server, kid])
+    tether.send_signal(signal.SIGTERM)
+    assert tether.wait(timeout=20) == 128 + signal.SIGTERM, "the stop waited for the grace"
+    assert gone_within([server, kid], 5.0)
+
+
+def test_a_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path, cleanup) -> None:
+    pids_file = tmp_path / "pids"
+    stubborn = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" + SERVER
+    tether = subprocess.Popen(tethered([sys.executable, "-c", stubborn, str(pids_file)], grace_s=1.0))
+    server, kid = wait_for(pids_file)
+    cleanup.extend([server, kid])
+    tether.send_signal(signal.SIGTERM)
+    assert tether.wait(timeout=20) == 128 + signal.SIGTERM
+    assert gone_within([server, kid], 5.0), "what ignored SIGTERM outlived the grace"

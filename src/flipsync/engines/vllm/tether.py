@@ -31,17 +31,40 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     _stop = True
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs. A zombie has exited: the group's leader before this launcher
+    reaps it, an orphan of a container whose init never reaps. ``killpg(pgid, 0)`` counts both, so every stop
+    waited out the whole grace (10 s a vLLM server). Without /proc, that is all there is to ask."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: state, ppid, pgrp, ...
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            return True
+    return False
+
+
 def _kill_group(pgid: int, grace_s: float) -> None:
-    """SIGTERM to the group, then SIGKILL to whatever is left after ``grace_s``."""
+    """SIGTERM to the group, then SIGKILL to whatever still runs after ``grace_s``."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        if not _group_alive(pgid):
             return
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
