@@ -1,0 +1,67 @@
+"""``flipsync.serving.ServerThread``: a stop lets the requests in flight finish, then runs the app's shutdown, however
+soon after the request it comes (the server is woken at once rather than at its next tick)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from flipsync.serving import ServerThread
+
+
+def make_app(events: list[str], entered: threading.Event) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        events.append("shutdown")
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.get("/slow")
+    async def slow() -> dict[str, str]:
+        entered.set()
+        await asyncio.sleep(0.5)
+        events.append("answered")
+        return {"ok": "yes"}
+
+    @app.get("/fast")
+    async def fast() -> dict[str, str]:
+        return {"ok": "yes"}
+
+    return app
+
+
+def test_a_stop_lets_the_request_in_flight_finish_then_shuts_the_app_down() -> None:
+    events: list[str] = []
+    entered = threading.Event()
+    server = ServerThread(make_app(events, entered)).start()
+    url = server.url
+    answers: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: answers.append(httpx.get(f"{url}/slow", timeout=30)))
+    client.start()
+    assert entered.wait(30)
+    server.stop()
+    client.join(30)
+    assert [r.status_code for r in answers] == [200] and answers[0].json() == {"ok": "yes"}
+    assert events == ["answered", "shutdown"]  # the stop returned only once both had happened
+    try:
+        httpx.get(f"{url}/fast", timeout=5)
+        raise AssertionError("a stopped server answered")
+    except httpx.ConnectError:
+        pass
+
+
+def test_a_stop_closes_an_idle_kept_alive_connection_and_stops_each_time() -> None:
+    for _ in range(3):  # started and stopped in a row, as the tests and the demo's islands do
+        events: list[str] = []
+        server = ServerThread(make_app(events, threading.Event())).start()
+        with httpx.Client() as client:
+            assert client.get(f"{server.url}/fast").status_code == 200  # its connection stays open, idle
+            server.stop()
+            assert events == ["shutdown"]
+            assert not server._thread.is_alive()
