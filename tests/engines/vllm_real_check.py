@@ -41,8 +41,11 @@ import time
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# The KV cache every engine allocates (and zeroes, and frees at shutdown): the tiny models at 128 tokens x 4
+# sequences need a few MiB; at vllm-cpu's 1 GiB (its smallest VLLM_CPU_KVCACHE_SPACE) the 17 engines of a run
+# spent ~15 s of CPU faulting it in and tearing it down.
+KV_CACHE_BYTES = 32 << 20
 # Offline engines run their engine core in this process (vLLM's in-process client): an engine then starts in
 # 2-4 s, where a spawned engine core first imports vLLM and torch again (20-60 s on two busy cores). Every
 # engine of a check, the fresh ones included, is a new ``LLM`` built from its checkpoint folder; tensor-parallel
@@ -258,7 +261,7 @@ def server(workdir: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     model = ["--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]
-    limits = ["--max-model-len", "128", "--max-num-seqs", "4"]
+    limits = ["--max-model-len", "128", "--max-num-seqs", "4", "--kv-cache-memory-bytes", str(KV_CACHE_BYTES)]
     cmd = serve_command(sys.executable, str(model_dir), port, *model, *limits)
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - closed below
     start = time.perf_counter()
@@ -380,6 +383,7 @@ def case_start(model_dir: Path, tp: int, extension: str, dtype: str = "bfloat16"
         enforce_eager=True,
         max_model_len=128,
         max_num_seqs=4,
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
         seed=0,
     )
     return llm, time.perf_counter() - t0
