@@ -50,7 +50,10 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
     )
     gw = start(
         "flipsync.cli.gateway",
-        ["gateway", "--board", board_dir, "--listen", f"127.0.0.1:{gp}", "--refresh", "0.2", "--max-lag", "0"],
+        [
+            *("gateway", "--board", board_dir, "--listen", f"127.0.0.1:{gp}", "--refresh", "0.2", "--max-lag", "0"),
+            *("--hold", "5"),  # the request after the drain waits this long for a member before its 503
+        ],
         tmp_path / "gateway.log",
     )
     gateway = f"http://127.0.0.1:{gp}"
@@ -72,7 +75,7 @@ def test_sidecar_and_gateway_processes_drain_on_sigterm(store: ObstoreStore, boa
         trainer.step()
         status = f"http://127.0.0.1:{sp}/flipsync/status"
         # the first patch a fresh checkout stages compiles the codec's kernels (14 s seen on a loaded CI box):
-        # wait for it here, so that the gateway's 10 s hold below only covers the heartbeat and the refresh
+        # wait for it here, so that the gateway's 5 s hold below only covers the heartbeat and the refresh
         assert wait_until(lambda: httpx.get(status, timeout=5).json()["version"] == 1, timeout=120, interval=0.2)
         r = httpx.post(  # held by the gateway until its view of the members says v1
             f"{gateway}/v1/completions",
