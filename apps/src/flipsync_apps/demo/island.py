@@ -17,7 +17,9 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +97,39 @@ def island_main(spec: IslandSpec, conn: Connection, meters: Meters) -> None:
         conn.close()
 
 
+def island_context() -> BaseContext:
+    """How island processes start: forked from multiprocessing's fork server, which imported this module (torch,
+    transformers, the sidecar, the engines) once. A spawned island imported them all itself, 5-7 s of CPU each on
+    the demo's two shared cores, before its engine could load. Spawn where there is no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # read when the server starts, on the first island
+    return ctx
+
+
+def in_parent_context(env: dict[str, str], cwd: str, target: Callable[..., None], *args: Any) -> None:
+    """Run ``target(*args)`` with the environment and working directory the parent had when it started this
+    process, as a spawned process would: a fork server's children inherit the server's, from its own start."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    target(*args)
+
+
 class Island:
     """The parent's handle on one island process."""
 
     def __init__(self, spec: IslandSpec) -> None:
         self.spec = spec
-        ctx = mp.get_context("spawn")
+        ctx = island_context()
         self._conn, child = ctx.Pipe()
         self.meters = Meters()
         self.process = ctx.Process(
-            target=island_main, args=(spec, child, self.meters), name=f"flipsync-{spec.name}", daemon=True
+            target=in_parent_context,
+            args=(dict(os.environ), os.getcwd(), island_main, spec, child, self.meters),
+            name=f"flipsync-{spec.name}",
+            daemon=True,
         )
         self.url: str | None = None
 
