@@ -97,20 +97,8 @@ def test_without_the_tether_the_server_is_orphaned(tmp_path: Path, cleanup) -> N
 
 
 def test_sigterm_stops_the_group_and_the_exit_status_passes_through(tmp_path: Path, cleanup) -> None:
-    pids_file = tmp_path / "pids"
-    tether = subprocess.Popen(tethered([sys.executable, "-c", SERVER, str(pids_file)], grace_s=2.0))
-    server, kid = wait_for(pids_file)
-    cleanup.extend([server, kid])
-    tether.send_signal(signal.SIGTERM)
-    assert tether.wait(timeout=15) == 128 + signal.SIGTERM
-    assert gone_within([server, kid], 5.0)
-    done = subprocess.run(tethered([sys.executable, "-c", "raise SystemExit(3)"]), timeout=60, check=False)
-    assert done.returncode == 3
-
-
-def test_a_stop_ends_when_the_group_has_exited_not_after_the_grace(tmp_path: Path, cleanup) -> None:
-    """The group's leader is a zombie until the launcher reaps it: counted as alive, every stop of a vLLM server
-    waited out the whole grace (10 s) after its processes had exited."""
+    """The stop ends once the group has exited, not after the grace: the group's leader is a zombie until the
+    launcher reaps it, and counted as alive every stop of a vLLM server waited out the whole grace (10 s)."""
     pids_file = tmp_path / "pids"
     tether = subprocess.Popen(tethered([sys.executable, "-c", SERVER, str(pids_file)], grace_s=60.0))
     server, kid = wait_for(pids_file)
@@ -118,6 +106,8 @@ def test_a_stop_ends_when_the_group_has_exited_not_after_the_grace(tmp_path: Pat
     tether.send_signal(signal.SIGTERM)
     assert tether.wait(timeout=20) == 128 + signal.SIGTERM, "the stop waited for the grace"
     assert gone_within([server, kid], 5.0)
+    done = subprocess.run(tethered([sys.executable, "-c", "raise SystemExit(3)"]), timeout=60, check=False)
+    assert done.returncode == 3
 
 
 def test_a_server_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path, cleanup) -> None:
