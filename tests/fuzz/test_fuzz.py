@@ -28,7 +28,7 @@ from tests.fuzz import seeds, targets
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ("patch", "sections", "ctx", "manifest", "keyframe", "keys")
-SECONDS_PER_TARGET = 2  # six targets, each also ~3 s to start: about 30 s in all
+SECONDS_PER_TARGET = 2  # six targets forked from one process that starts in ~3.5 s: about 20 s in all
 
 
 @pytest.fixture(scope="module")
@@ -162,28 +162,39 @@ def test_deeply_nested_json_is_refused_cleanly() -> None:
     targets.KeyframeTarget()(DEEP)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed (no wheel here)")
-@pytest.mark.parametrize("name", NAMES)
-def test_fuzz_briefly(name: str, tmp_path: Path) -> None:
-    """A few seconds of coverage-guided fuzzing per target; any crash, leak or hang fails the test."""
-    artifacts = tmp_path / "artifacts"
-    artifacts.mkdir()
+@pytest.fixture(scope="session")  # one run of every target, on the worker that runs their group
+def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, int]]:
+    """Every target fuzzed for a few seconds, each forked from one process that imported flipsync once
+    (``fuzz_each.py``): the folder of their logs, corpora and findings, and each one's exit status."""
+    folder = tmp_path_factory.mktemp("fuzz")
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tests" / "fuzz" / f"fuzz_{name}.py"),
+            str(ROOT / "tests" / "fuzz" / "fuzz_each.py"),
+            str(folder),
+            *NAMES,
+            "--",
             f"-max_total_time={SECONDS_PER_TARGET}",
-            f"-artifact_prefix={artifacts}/",
             "-print_final_stats=1",
-            str(tmp_path / "corpus"),
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         env={**os.environ, "PYTHONHASHSEED": "0"},
-        cwd=tmp_path,
+        cwd=folder,
     )
-    tail = proc.stderr[-3000:]
-    assert proc.returncode == 0, tail
-    assert "stat::number_of_executed_units" in proc.stderr, tail
-    assert not list(artifacts.iterdir()), tail
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-3000:]
+    return folder, json.loads(lines[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("atheris") is None, reason="atheris is not installed (no wheel here)")
+@pytest.mark.xdist_group("fuzz")  # one worker runs them all, so the targets are fuzzed once
+@pytest.mark.parametrize("name", NAMES)
+def test_fuzz_briefly(name: str, fuzzed: tuple[Path, dict[str, int]]) -> None:
+    """A few seconds of coverage-guided fuzzing per target; any crash, leak or hang fails the test."""
+    folder, codes = fuzzed
+    tail = (folder / f"{name}.log").read_text(errors="replace")[-3000:]
+    assert codes[name] == 0, tail
+    assert "stat::number_of_executed_units" in tail, tail
+    assert not list((folder / name / "artifacts").iterdir()), tail
