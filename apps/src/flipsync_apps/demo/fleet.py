@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import httpx
 from rich.console import Console
 
 from flipsync.errors import ConfigError
+from flipsync.serving import free_port
 
 if TYPE_CHECKING:
     from flipsync_apps.demo.island import Island
@@ -64,9 +64,7 @@ class GatewayProcess:
 
     def __init__(self, board: str, run: str, log_path: Path, *, max_lag: int = 1) -> None:
         self.max_lag = max_lag  # versions behind HEAD an island may be and still be ready
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
         # one client for the polls (5 a second): a client per poll built a TLS context each time, in the trainer's
         # process
@@ -262,13 +260,20 @@ class FleetDirector:
         self.console.print(f"[bold]step {step}: {name} killed (SIGKILL); the gateway fails its requests over[/]")
 
     def finish(self, timeout_s: float = 180.0) -> None:
-        """Wait (bounded) for the joined island to enter rotation, then stop sampling."""
+        """Wait (bounded) for the joined island to enter rotation and for a killed island's record to expire
+        (a short run can end within its TTL), then stop sampling."""
         deadline = time.monotonic() + timeout_s
-        while self._join_at is not None and self._ready_at is None and time.monotonic() < deadline:
+        while time.monotonic() < deadline and (
+            (self._join_at is not None and self._ready_at is None) or self.killed - self._left()
+        ):
             time.sleep(0.2)
         time.sleep(0.5)
         self._stop.set()
         self._sampler.join(10)
+
+    def _left(self) -> set[str]:
+        with self._lock:
+            return {e["island"] for e in self.events if e["kind"] == "left"}
 
     def report(self) -> dict[str, Any]:
         with self._lock:
