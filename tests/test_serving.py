@@ -4,14 +4,16 @@ soon after the request it comes (the server is woken at once rather than at its 
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
-from flipsync.serving import ServerThread
+from flipsync.serving import ServerThread, free_port
 
 
 def make_app(events: list[str], entered: threading.Event) -> FastAPI:
@@ -65,3 +67,18 @@ def test_a_stop_closes_an_idle_kept_alive_connection_and_stops_each_time() -> No
             server.stop()
             assert events == ["shutdown"]
             assert not server._thread.is_alive()
+
+
+def test_a_free_port_is_drawn_below_the_ports_of_outgoing_connections_and_binds() -> None:
+    """A server that binds its port seconds later (``vllm serve``) must not lose it to an outgoing connection,
+    which the kernel gives a port of its ephemeral range."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except OSError:
+        pytest.skip("no ephemeral port range to stay below (not Linux)")
+    for _ in range(20):
+        port = free_port("127.0.0.1")
+        assert port < low
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -9,6 +9,7 @@ import contextlib
 import gc
 import json
 import logging
+import random
 import signal
 import socket
 import threading
@@ -50,10 +51,35 @@ def sse_event(doc: Any) -> bytes:
 
 
 def free_port(host: str = "") -> int:
-    """A TCP port free on this node now (the process binds it a moment later; a lost race is a restart)."""
+    """A TCP port free on this node now, for a server that binds it later (a ``vllm serve`` imports for 10-20 s
+    first; a lost race is a restart). Drawn below the kernel's ephemeral range, the ports this node gives its own
+    outgoing connections: one of a test's 5,000 streams took the port a vLLM server was about to bind. Any free
+    port where that range is unknown or leaves no room below it."""
+    low = _ephemeral_ports_start()
+    draw = random.SystemRandom()
+    for _ in range(64 if low >= 1024 + _BELOW_EPHEMERAL else 0):
+        port = draw.randrange(low - _BELOW_EPHEMERAL, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+_BELOW_EPHEMERAL = 16384  # how many ports below the ephemeral range free_port draws from
+
+
+def _ephemeral_ports_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux); 0 where unknown."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def parse_listen(text: str) -> tuple[str, int]:

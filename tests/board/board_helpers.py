@@ -30,12 +30,6 @@ BACKENDS = ["file", "memory", "s3", "azure"]
 SilentS3 = Callable[..., ObstoreStore]  # the ``silent_s3`` fixture (conftest)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_for_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

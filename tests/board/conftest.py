@@ -32,13 +32,13 @@ from board_helpers import (
     SilentS3,
     build_run,
     fast_options,
-    free_port,
     make_azure_store,
     make_s3_store,
     moto_iam_store,
     wait_for_port,
 )
 
+from flipsync.serving import free_port
 from flipsync.stores import ObstoreStore, open_store
 
 StoreFactory = Callable[[], ObstoreStore]

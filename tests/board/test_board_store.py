@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 
 import pytest
-from board_helpers import S3_CREDS, SilentS3, backend_params, fast_options, free_port
+from board_helpers import S3_CREDS, SilentS3, backend_params, fast_options
 from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
 
 from flipsync.errors import (
@@ -23,6 +23,7 @@ from flipsync.errors import (
     StoreError,
     TransientStoreError,
 )
+from flipsync.serving import free_port
 from flipsync.stores import ObstoreStore, StoreOptions, open_store
 
 MiB = 1 << 20

@@ -222,14 +222,6 @@ def main(workdir: Path) -> dict:
     return res
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def complete(client, url: str, model: str) -> list[list[str]]:
     out = []
     for prompt in PROMPTS:
@@ -254,10 +246,11 @@ def server(workdir: Path) -> dict:
     from flipsync.engines.vllm.launch import serve_command
     from flipsync.engines.vllm.rpc_transports import HttpTransport
     from flipsync.engines.vllm.tensor_specs import specs_from_checkpoint
+    from flipsync.serving import free_port
 
     res: dict = {"checks": {}, "timings": {}}
     model_dir, _views, (t0, t1, _t2), (p1, _p2) = prepare(workdir)
-    port = free_port()
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     model = ["--dtype", "bfloat16", "--enforce-eager", "--seed", "0"]

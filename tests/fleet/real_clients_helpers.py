@@ -19,7 +19,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,6 +32,8 @@ import httpx
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from flipsync.serving import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 BENCH_RUNNER = HERE / "vllm_bench_serve.py"
@@ -43,12 +44,6 @@ RUN = "run"
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
 WAIT_S = 240.0  # generous bounds on waits on a loaded 2-core CI machine; nothing asserts how long anything took
 VLLM_START_S = 600.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vllm_env(python: str, **extra: str) -> dict[str, str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,17 +17,12 @@ from typer.testing import CliRunner
 
 from flipsync.board.membership import MemberReader
 from flipsync.cli.main import app
+from flipsync.serving import free_port
 from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import Trainer, stop_process, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:

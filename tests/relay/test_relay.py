@@ -332,7 +332,7 @@ def test_a_transient_board_failure_through_the_relay_is_not_retried_again(store:
 
 
 def test_a_relay_that_is_down_is_retried_within_its_bounds_and_says_so() -> None:
-    from tests.board.board_helpers import free_port
+    from flipsync.serving import free_port
 
     client = HttpStore(
         f"http://127.0.0.1:{free_port()}", timeout_s=1, retry_timeout_s=5, max_retries=2, init_backoff_s=0.05

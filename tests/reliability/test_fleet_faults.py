@@ -25,7 +25,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -39,6 +38,7 @@ import httpx
 import pytest
 
 from flipsync.domain.manifest import utc_now_iso
+from flipsync.serving import free_port
 from flipsync.stores import open_store
 from tests.sidecar.sidecar_helpers import FAST, Trainer
 
@@ -49,12 +49,6 @@ ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([str
 MAX_LAG = 2
 WAIT_S = 120.0  # generous bounds on waits; nothing asserts how long anything took
 STEP_S = 0.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -16,14 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flipsync.cli.sidecar import sidecar_app
+from flipsync.serving import free_port
 from flipsync.stores import ObstoreStore
 from tests.sidecar.sidecar_helpers import Trainer, stop_process
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -58,7 +52,7 @@ def _wait_log(log: Path, text: str, timeout: float, proc: subprocess.Popen[bytes
 def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str, tmp_path: Path) -> None:
     """The sidecar starts before its relay (as containers of one pod may): it waits for the relay, then follows."""
     trainer = Trainer(store)
-    relay_port, proxy_port = _free_port(), _free_port()
+    relay_port, proxy_port = free_port(), free_port()
     side = _start(
         [
             "sidecar",
@@ -100,7 +94,7 @@ def test_sidecar_through_a_relay_end_to_end(store: ObstoreStore, board_dir: str,
 
 
 def test_a_board_still_unreachable_after_the_wait_timeout_is_an_error() -> None:
-    args = ["sidecar", "--board", f"http://127.0.0.1:{_free_port()}", "--wait-timeout", "1", "--poll", "0.1"]
+    args = ["sidecar", "--board", f"http://127.0.0.1:{free_port()}", "--wait-timeout", "1", "--poll", "0.1"]
     t = time.monotonic()
     r = CliRunner().invoke(sidecar_app, args)
     assert r.exit_code == 2 and "check that the relay is running" in r.output, r.output

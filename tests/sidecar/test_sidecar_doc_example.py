@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from flipsync.board.reader import BoardReader
+from flipsync.serving import free_port
 from flipsync.stores import open_store
 from tests.sidecar.sidecar_helpers import stop_process
 
@@ -52,14 +53,6 @@ def curl(line: str, port: int) -> httpx.Response:
     if body is None:
         return httpx.get(url, timeout=180)
     return httpx.post(url, content=body, headers=headers, timeout=180)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_trainer_and_sidecar_example_runs_as_written(tmp_path: Path) -> None:

@@ -10,7 +10,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import httpx
 
 from flipsync.engines.base import Engine
 from flipsync.errors import ConfigError, EngineError
+from flipsync.serving import free_port
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,7 @@ class VllmServer:
         # one client for the health polls and the reloads (a client each built a TLS context each time); idle
         # connections expire before uvicorn's keep-alive (5 s) closes them
         self._client = httpx.Client(limits=httpx.Limits(keepalive_expiry=2.0))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port("127.0.0.1")
         self.url = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> VllmServer:
