@@ -50,27 +50,28 @@ def sse_event(doc: Any) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
+_BELOW_EPHEMERAL = 16384  # how many ports below the ephemeral range free_port draws from
+
+
 def free_port(host: str = "") -> int:
     """A TCP port free on this node now, for a server that binds it later (a ``vllm serve`` imports for 10-20 s
     first; a lost race is a restart). Drawn below the kernel's ephemeral range, the ports this node gives its own
     outgoing connections: one of a test's 5,000 streams took the port a vLLM server was about to bind. Any free
     port where that range is unknown or leaves no room below it."""
-    low = _ephemeral_ports_start()
-    draw = random.SystemRandom()
-    for _ in range(64 if low >= 1024 + _BELOW_EPHEMERAL else 0):
-        port = draw.randrange(low - _BELOW_EPHEMERAL, low)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:  # in use
-                continue
-            return port
+    floor = _ephemeral_ports_start() - _BELOW_EPHEMERAL
+    if floor >= 1024:
+        draw = random.SystemRandom()
+        for _ in range(64):
+            port = draw.randrange(floor, floor + _BELOW_EPHEMERAL)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:  # in use
+                    continue
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-_BELOW_EPHEMERAL = 16384  # how many ports below the ephemeral range free_port draws from
 
 
 def _ephemeral_ports_start() -> int:
